@@ -1,0 +1,333 @@
+"""Verification-length policies: how many drafted tokens each request sends to the target.
+
+Every policy is a pure function of (PolicyInput, CostTable, LoadState) -> PolicyDecision,
+picked by name (`parse_policy("static:3")`). `dspark` is the hardware-aware prefix
+scheduler (Algorithm 1 of the DSpark paper): it trades expected accepted tokens against the
+target's step rate at the resulting batch size, and stops at the first admission that does
+not improve throughput, which keeps verification lossless.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Profiled speed of one target forward as a function of its batch size in tokens.
+
+    batch_sizes: strictly increasing token counts B (>= 1) at which the target was timed.
+    steps_per_second: measured forward steps per second SPS(B) at each (> 0, finite).
+    """
+
+    batch_sizes: tuple[int, ...]
+    steps_per_second: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
+        object.__setattr__(self, "steps_per_second", tuple(float(s) for s in self.steps_per_second))
+        bs, sps = self.batch_sizes, self.steps_per_second
+        if not bs:
+            raise ValueError("a cost table needs at least one point, got batch_sizes=()")
+        if len(bs) != len(sps):
+            raise ValueError(f"batch_sizes {bs!r} and steps_per_second {sps!r} differ in length")
+        if bs[0] < 1 or any(b2 <= b1 for b1, b2 in zip(bs, bs[1:])):
+            raise ValueError(f"batch_sizes must be strictly increasing and >= 1, got {bs!r}")
+        if any(not (math.isfinite(s) and s > 0) for s in sps):
+            raise ValueError(f"steps_per_second must be finite and > 0, got {sps!r}")
+
+    def sps(self, b: float) -> float:
+        """SPS(b): linear between profiled points, flat below the first; beyond the last the
+        time per step grows linearly along the last segment's slope (never shrinks)."""
+        bs, sps = self.batch_sizes, self.steps_per_second
+        if b <= bs[0]:
+            return sps[0]
+        if b >= bs[-1]:
+            if len(bs) == 1 or b == bs[-1]:
+                return sps[-1]
+            slope = (1.0 / sps[-1] - 1.0 / sps[-2]) / (bs[-1] - bs[-2])
+            return 1.0 / (1.0 / sps[-1] + max(slope, 0.0) * (b - bs[-1]))
+        i = bisect.bisect_right(bs, b)  # bs[i-1] <= b < bs[i]
+        w = (b - bs[i - 1]) / (bs[i] - bs[i - 1])
+        return sps[i - 1] + w * (sps[i] - sps[i - 1])
+
+    def to_dict(self) -> dict[str, list]:
+        return {"batch_sizes": list(self.batch_sizes), "steps_per_second": list(self.steps_per_second)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "CostTable":
+        missing = [k for k in ("batch_sizes", "steps_per_second") if k not in d]
+        if missing:
+            raise ValueError(f"cost table dict lacks {missing}, got keys {sorted(d)!r}")
+        return cls(batch_sizes=tuple(d["batch_sizes"]), steps_per_second=tuple(d["steps_per_second"]))
+
+
+@dataclass(frozen=True)
+class LoadState:
+    """The engine's load at scheduling time.
+
+    num_running: requests decoding this step.
+    num_waiting: requests queued, not yet admitted.
+    prefill_tokens: prompt-chunk tokens already in this step's target batch (they count in B).
+    kv_usage: fraction of KV cache blocks in use, 0..1.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    prefill_tokens: int = 0
+    kv_usage: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_running", "num_waiting", "prefill_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not (0.0 <= self.kv_usage <= 1.0):
+            raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage!r}")
+
+
+Confidences = torch.Tensor | Sequence[float] | None
+
+
+@dataclass(frozen=True)
+class PolicyInput:
+    """What the drafter said about each running request this step.
+
+    confidences: per request, c_k = P(draft k survives | drafts < k survived) for k = 1..,
+        as a 1-D tensor or list with at least max_lengths[r] entries, or None when the
+        drafter has no estimate.
+    max_lengths: per request, the most drafts worth verifying (proposal length, already
+        capped by remaining max_tokens and context room).
+    fallback_confidence: c_k assumed for requests without confidences (e.g. the drafter's
+        running acceptance rate); it must not depend on this step's drafts.
+    """
+
+    confidences: Sequence[Confidences]
+    max_lengths: Sequence[int]
+    fallback_confidence: float = 0.5
+
+    def __post_init__(self) -> None:
+        if len(self.confidences) != len(self.max_lengths):
+            raise ValueError(
+                f"{len(self.confidences)} confidence rows but {len(self.max_lengths)} max_lengths"
+            )
+        bad = [m for m in self.max_lengths if m < 0]
+        if bad:
+            raise ValueError(f"max_lengths must be >= 0, got {bad!r}")
+        if not (0.0 <= self.fallback_confidence <= 1.0):
+            raise ValueError(f"fallback_confidence must be in [0, 1], got {self.fallback_confidence!r}")
+
+    def survival_curves(self) -> list[list[float]]:
+        """a_{r,j} = prod_{i<=j} c_{r,i} for j = 1..max_lengths[r], per request."""
+        curves = []
+        for r, (conf, m) in enumerate(zip(self.confidences, self.max_lengths)):
+            if conf is None:
+                c = [self.fallback_confidence] * m
+            else:
+                c = conf.detach().float().cpu().tolist() if isinstance(conf, torch.Tensor) else list(conf)
+                if len(c) < m:
+                    raise ValueError(f"request {r}: {len(c)} confidences for max_length {m}")
+                c = [float(x) for x in c[:m]]
+                if any(not (0.0 <= x <= 1.0) for x in c):  # also catches NaN
+                    raise ValueError(f"request {r}: confidences must be in [0, 1], got {c!r}")
+            a, curve = 1.0, []
+            for x in c:
+                a *= x  # x <= 1, so the curve never increases, even in floating point
+                curve.append(a)
+            curves.append(curve)
+        return curves
+
+
+@dataclass(frozen=True)
+class PolicyDecision:
+    """lengths: drafts to verify per request; expected_tokens: tau, the expected tokens this
+    step yields (sum over requests of 1 + sum_{j <= l_r} a_{r,j})."""
+
+    lengths: list[int]
+    expected_tokens: float
+
+
+class Policy(Protocol):
+    name: str
+
+    def __call__(self, inp: PolicyInput, table: CostTable, load: LoadState) -> PolicyDecision: ...
+
+
+def _decision(curves: list[list[float]], lengths: list[int]) -> PolicyDecision:
+    tau = sum(1.0 + sum(curve[:n]) for curve, n in zip(curves, lengths))
+    return PolicyDecision(lengths=lengths, expected_tokens=tau)
+
+
+@dataclass(frozen=True)
+class NoSpeculation:
+    """Plain decoding: verify nothing, every request gets only the target's own token."""
+
+    name: str = field(default="none", init=False)
+
+    def __call__(self, inp: PolicyInput, table: CostTable, load: LoadState) -> PolicyDecision:
+        return _decision(inp.survival_curves(), [0] * len(inp.max_lengths))
+
+
+@dataclass(frozen=True)
+class StaticPolicy:
+    """Verify a fixed k drafts per request (capped by max_lengths), whatever the load.
+
+    k: drafts per request, >= 0.
+    """
+
+    k: int
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            raise ValueError(f"static length must be >= 0, got {self.k!r}")
+
+    @property
+    def name(self) -> str:
+        return f"static:{self.k}"
+
+    def __call__(self, inp: PolicyInput, table: CostTable, load: LoadState) -> PolicyDecision:
+        return _decision(inp.survival_curves(), [min(self.k, m) for m in inp.max_lengths])
+
+
+@dataclass(frozen=True)
+class ThresholdPolicy:
+    """Verify the longest prefix whose survival a_j = prod c_i stays >= threshold (load-blind).
+
+    threshold: in [0, 1]; 0 verifies everything proposed.
+    """
+
+    threshold: float
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.threshold <= 1.0):
+            raise ValueError(f"threshold must be in [0, 1], got {self.threshold!r}")
+
+    @property
+    def name(self) -> str:
+        return f"threshold:{self.threshold:g}"
+
+    def __call__(self, inp: PolicyInput, table: CostTable, load: LoadState) -> PolicyDecision:
+        curves = inp.survival_curves()
+        lengths = [sum(1 for a in curve if a >= self.threshold) for curve in curves]
+        return _decision(curves, lengths)
+
+
+@dataclass(frozen=True)
+class DSparkPolicy:
+    """Hardware-aware prefix scheduler (DSpark Algorithm 1).
+
+    Admit (request, position) pairs in order of survival a_{r,j}, each adding one token to
+    the batch B and a_{r,j} to tau, and keep the admission count maximising
+    Theta = tau * SPS(B).
+
+    early_stop: stop at the first admission that does not strictly improve Theta. This is
+        what makes it lossless: whether x_{r,j} is verified then depends only on survivals
+        ranked above it, never on values computed from x_{r,j} itself. Without it
+        (`dspark_global`), the best over all prefixes of the order can depend on x_{r,j}
+        through a_{r,j+1}, which biases the output (the paper's Appendix A).
+
+    Prefill tokens already in the step start B above R: drafts get dearer where they push
+    the batch past the knee of SPS, and relatively cheaper when prefill dominates the step.
+    """
+
+    early_stop: bool = True
+
+    @property
+    def name(self) -> str:
+        return "dspark" if self.early_stop else "dspark_global"
+
+    def __call__(self, inp: PolicyInput, table: CostTable, load: LoadState) -> PolicyDecision:
+        curves = inp.survival_curves()
+        r_count = len(curves)
+        if r_count == 0:
+            return PolicyDecision(lengths=[], expected_tokens=0.0)
+        # Ties: lower position first, so every request is admitted as a prefix.
+        order = sorted(
+            (-a, j, r) for r, curve in enumerate(curves) for j, a in enumerate(curve, start=1) if a > 0
+        )
+        batch = r_count + load.prefill_tokens
+        tau = float(r_count)
+        best_theta, best_n = tau * table.sps(batch), 0
+        for n, (neg_a, _, _) in enumerate(order, start=1):
+            batch += 1
+            tau -= neg_a
+            theta = tau * table.sps(batch)
+            if theta > best_theta:
+                best_theta, best_n = theta, n
+            elif self.early_stop:
+                break
+        lengths = [0] * r_count
+        for _, j, r in order[:best_n]:
+            lengths[r] = j  # admitted in increasing j per request
+        return _decision(curves, lengths)
+
+
+PolicyFactory = Callable[[str | None], Policy]
+_REGISTRY: dict[str, PolicyFactory] = {}
+
+
+def register_policy(name: str) -> Callable[[PolicyFactory], PolicyFactory]:
+    """Register a factory that builds the policy from the text after ':' (None if absent)."""
+
+    def deco(factory: PolicyFactory) -> PolicyFactory:
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def policy_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def parse_policy(spec: str) -> Policy:
+    """Build a policy from its name: "none", "static:K", "threshold:T", "dspark", "dspark_global"."""
+    name, sep, arg = spec.strip().partition(":")
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown policy {spec!r}; choose one of {policy_names()}")
+    try:
+        return _REGISTRY[name](arg if sep else None)
+    except ValueError as e:
+        raise ValueError(f"bad policy {spec!r}: {e}") from e
+
+
+def _no_arg(name: str, arg: str | None) -> None:
+    if arg is not None:
+        raise ValueError(f"policy {name!r} takes no argument, got {arg!r}")
+
+
+def _required(name: str, arg: str | None) -> str:
+    if not arg:
+        raise ValueError(f"policy {name!r} needs an argument, e.g. {name}:3")
+    return arg
+
+
+@register_policy("none")
+def _make_none(arg: str | None) -> Policy:
+    _no_arg("none", arg)
+    return NoSpeculation()
+
+
+@register_policy("static")
+def _make_static(arg: str | None) -> Policy:
+    return StaticPolicy(k=int(_required("static", arg)))
+
+
+@register_policy("threshold")
+def _make_threshold(arg: str | None) -> Policy:
+    return ThresholdPolicy(threshold=float(_required("threshold", arg)))
+
+
+@register_policy("dspark")
+def _make_dspark(arg: str | None) -> Policy:
+    _no_arg("dspark", arg)
+    return DSparkPolicy(early_stop=True)
+
+
+@register_policy("dspark_global")
+def _make_dspark_global(arg: str | None) -> Policy:
+    _no_arg("dspark_global", arg)
+    return DSparkPolicy(early_stop=False)

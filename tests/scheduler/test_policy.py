@@ -1,0 +1,222 @@
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from scheduler.policy import (
+    CostTable,
+    DSparkPolicy,
+    LoadState,
+    PolicyInput,
+    StaticPolicy,
+    ThresholdPolicy,
+    parse_policy,
+    policy_names,
+)
+
+CONF = [0.95, 0.9, 0.9, 0.85, 0.85, 0.8, 0.8]  # a typical well-aligned block of 7
+POINTS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+
+
+def linear_time_table(alpha, beta, points=POINTS):
+    """Step time alpha + beta * B: beta small = memory-bound (light), large = compute-bound."""
+    return CostTable(tuple(points), tuple(1.0 / (alpha + beta * b) for b in points))
+
+
+LIGHT = CostTable((1, 64, 256, 1024), (100.0, 97.0, 80.0, 30.0))
+HEAVY = linear_time_table(0.01, 0.0004)
+
+
+def theta(curves, lengths, table, prefill=0):
+    tau = sum(1 + sum(c[:n]) for c, n in zip(curves, lengths))
+    return tau * table.sps(len(lengths) + sum(lengths) + prefill)
+
+
+def load(r, prefill=0):
+    return LoadState(num_running=r, num_waiting=0, prefill_tokens=prefill, kv_usage=0.1)
+
+
+# ---- cost table -------------------------------------------------------------------
+
+
+def test_cost_table_interpolates_and_extrapolates():
+    t = CostTable((1, 3, 5), (10.0, 6.0, 5.0))
+    assert t.sps(0) == 10.0 and t.sps(1) == 10.0
+    assert math.isclose(t.sps(2), 8.0)
+    assert math.isclose(t.sps(4), 5.5)
+    assert t.sps(5) == 5.0
+    # time per step 1/6 -> 1/5 over the last segment: +1/60 per token beyond B = 5
+    assert math.isclose(t.sps(11), 1.0 / (0.2 + 6 / 60))
+    assert t.sps(100) < t.sps(11)
+    assert CostTable((4,), (2.0,)).sps(1000) == 2.0
+
+
+def test_cost_table_never_speeds_up_past_the_last_point():
+    t = CostTable((1, 2), (1.0, 2.0))  # noisy profile: faster at the larger size
+    assert t.sps(50) == 2.0
+
+
+def test_cost_table_round_trip_and_validation():
+    t = CostTable((1, 8), (3.0, 2.5))
+    assert CostTable.from_dict(t.to_dict()) == t
+    assert isinstance(CostTable([1, 2], [2, 1]).batch_sizes, tuple)
+    with pytest.raises(ValueError, match=r"\(4, 2\)"):
+        CostTable((4, 2), (1.0, 1.0))
+    with pytest.raises(ValueError, match="-1.0"):
+        CostTable((1, 2), (1.0, -1.0))
+    with pytest.raises(ValueError, match="differ"):
+        CostTable((1, 2), (1.0,))
+    with pytest.raises(ValueError, match="at least one"):
+        CostTable((), ())
+    with pytest.raises(ValueError, match="steps_per_second"):
+        CostTable.from_dict({"batch_sizes": [1]})
+
+
+def test_state_and_input_validation():
+    with pytest.raises(ValueError, match="1.5"):
+        LoadState(kv_usage=1.5)
+    with pytest.raises(ValueError, match="-3"):
+        LoadState(prefill_tokens=-3)
+    with pytest.raises(ValueError, match="max_lengths"):
+        PolicyInput([None], [1, 2])
+    with pytest.raises(ValueError, match="1.2"):
+        PolicyInput([[0.5, 1.2]], [2]).survival_curves()
+    with pytest.raises(ValueError, match="nan"):
+        PolicyInput([[float("nan")]], [1]).survival_curves()
+    with pytest.raises(ValueError, match="max_length 3"):
+        PolicyInput([[0.5, 0.5]], [3]).survival_curves()
+
+
+def test_survival_curves_accept_tensors_lists_and_none():
+    inp = PolicyInput([torch.tensor([0.5, 0.5, 0.5]), [1.0, 0.2], None], [2, 2, 3], fallback_confidence=0.5)
+    curves = inp.survival_curves()
+    assert curves[0] == [0.5, 0.25]
+    assert [round(x, 6) for x in curves[1]] == [1.0, 0.2]
+    assert curves[2] == [0.5, 0.25, 0.125]
+
+
+# ---- simple policies -------------------------------------------------------------
+
+
+def test_parse_policy_names_and_errors():
+    assert parse_policy("none").name == "none"
+    assert parse_policy("static:3").name == "static:3"
+    assert parse_policy(" threshold:0.4 ").name == "threshold:0.4"
+    assert parse_policy("dspark").name == "dspark"
+    assert parse_policy("dspark_global").name == "dspark_global"
+    assert set(policy_names()) >= {"none", "static", "threshold", "dspark", "dspark_global"}
+    for bad in ["greedy", "static", "static:x", "static:-1", "threshold:1.5", "dspark:2", ""]:
+        with pytest.raises(ValueError) as e:
+            parse_policy(bad)
+        assert repr(bad) in str(e.value)
+
+
+def test_none_static_threshold():
+    inp = PolicyInput([[0.9, 0.9, 0.9, 0.5, 0.9], [0.5, 0.5], None], [5, 2, 0])
+    ls = load(3)
+    none = parse_policy("none")(inp, HEAVY, ls)
+    assert none.lengths == [0, 0, 0] and none.expected_tokens == 3.0
+    static = parse_policy("static:3")(inp, HEAVY, ls)
+    assert static.lengths == [3, 2, 0]
+    assert math.isclose(static.expected_tokens, 3 + (0.9 + 0.81 + 0.729) + (0.5 + 0.25))
+    # a = 0.9, 0.81, 0.729, 0.3645, ...: three stay >= 0.7
+    assert parse_policy("threshold:0.7")(inp, HEAVY, ls).lengths == [3, 0, 0]
+    assert parse_policy("threshold:0")(inp, HEAVY, ls).lengths == [5, 2, 0]
+
+
+# ---- DSpark prefix scheduler -----------------------------------------------------
+
+
+def test_light_load_verifies_long_blocks_heavy_load_short():
+    dspark = parse_policy("dspark")
+    light = dspark(PolicyInput([CONF] * 4, [7] * 4), LIGHT, load(4))
+    assert light.lengths == [7] * 4
+    heavy = dspark(PolicyInput([CONF] * 32, [7] * 32), HEAVY, load(32))
+    mean = sum(heavy.lengths) / 32
+    assert 0 < mean <= 3, heavy.lengths
+    # the same table under light concurrency still gives long blocks
+    few = dspark(PolicyInput([CONF] * 2, [7] * 2), HEAVY, load(2))
+    assert min(few.lengths) >= 5
+
+
+def test_confident_requests_get_longer_budgets():
+    inp = PolicyInput([CONF] * 8 + [[0.6] * 7] * 8, [7] * 16)
+    d = parse_policy("dspark")(inp, HEAVY, load(16))
+    assert min(d.lengths[:8]) > max(d.lengths[8:])
+
+
+def test_max_lengths_respected():
+    inp = PolicyInput([CONF, CONF, CONF, None], [0, 2, 7, 4], fallback_confidence=0.9)
+    d = parse_policy("dspark")(inp, LIGHT, load(4))
+    assert d.lengths == [0, 2, 7, 4]
+    for name in ["static:5", "threshold:0.1", "dspark_global"]:
+        lengths = parse_policy(name)(inp, LIGHT, load(4)).lengths
+        assert all(n <= m for n, m in zip(lengths, [0, 2, 7, 4])), name
+
+
+def knee_table(knee=64, t0=0.01, per_token=0.01 / 16):
+    """Flat (memory-bound) up to the knee, then every extra token costs per_token seconds."""
+    points = (1, knee, knee + 8, knee + 16, knee + 32, 2 * knee, 4 * knee)
+    return CostTable(points, tuple(1.0 / (t0 + per_token * max(0, b - knee)) for b in points))
+
+
+def test_prefill_tokens_reduce_budgets():
+    # 8 requests x (1 + 7) tokens fill the batch exactly up to the knee: verifying is free.
+    # Prefill chunks in the same step push the batch past it, so drafts start to cost.
+    inp = PolicyInput([CONF] * 8, [7] * 8)
+    dspark = parse_policy("dspark")
+    alone = dspark(inp, knee_table(), load(8))
+    assert alone.lengths == [7] * 8
+    some = dspark(inp, knee_table(), load(8, prefill=16))
+    more = dspark(inp, knee_table(), load(8, prefill=64))
+    assert sum(more.lengths) < sum(some.lengths) < sum(alone.lengths)
+    assert max(more.lengths) <= 3
+
+
+def test_expected_tokens_is_tau_and_zero_survival_never_admitted():
+    inp = PolicyInput([[0.8, 0.0, 1.0], [1.0, 1.0, 1.0]], [3, 3])
+    d = parse_policy("dspark")(inp, LIGHT, load(2))
+    assert d.lengths == [1, 3]
+    assert math.isclose(d.expected_tokens, 2 + 0.8 + 3.0)
+    assert parse_policy("dspark")(PolicyInput([], []), LIGHT, load(0)).lengths == []
+
+
+def test_early_stop_differs_from_global_search():
+    # A profile that dips then recovers: the first admission loses, later ones win.
+    table = CostTable((2, 3, 4, 8), (1.0, 0.6, 0.55, 0.5))
+    inp = PolicyInput([[1.0] * 3, [1.0] * 3], [3, 3])
+    stop = parse_policy("dspark")(inp, table, load(2))
+    full = parse_policy("dspark_global")(inp, table, load(2))
+    assert stop.lengths == [0, 0]
+    assert full.lengths == [3, 3]
+    assert theta([[1.0] * 3] * 2, full.lengths, table) > theta([[1.0] * 3] * 2, stop.lengths, table)
+
+
+@pytest.mark.parametrize("alpha,beta", [(1.0, 0.01), (1.0, 0.2), (0.2, 0.3)])
+def test_dspark_finds_the_optimum_when_throughput_is_unimodal(alpha, beta):
+    """With step time linear in B, Theta along the sorted path is unimodal, so the early
+    stop loses nothing: compare against brute force over all length vectors."""
+    rng = random.Random(int(alpha * 100 + beta * 1000))
+    r, gamma = 3, 3
+    table = linear_time_table(alpha, beta, list(range(1, r * (gamma + 1) + 1)))
+    for _ in range(20):
+        conf = [[rng.uniform(0.3, 1.0) for _ in range(gamma)] for _ in range(r)]
+        inp = PolicyInput(conf, [gamma] * r)
+        curves = inp.survival_curves()
+        best = max(
+            theta(curves, list(ls), table) for ls in itertools.product(range(gamma + 1), repeat=r)
+        )
+        got = DSparkPolicy()(inp, table, load(r))
+        assert math.isclose(theta(curves, got.lengths, table), best, rel_tol=1e-9)
+
+
+def test_policy_objects_are_frozen_and_validated():
+    with pytest.raises(ValueError, match="-2"):
+        StaticPolicy(k=-2)
+    with pytest.raises(ValueError, match="nan"):
+        ThresholdPolicy(threshold=float("nan"))
+    p = DSparkPolicy()
+    with pytest.raises(Exception):
+        p.early_stop = False  # type: ignore[misc]
