@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from verifier.sampling import SamplingTensors, probs_from_logits, sample
 from verifier.sampling_params import SamplingParams
 
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -389,57 +390,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.transpose(1, 2).flatten(2)
 
 
-# --------------------------------------------------------------------------------------
-# Sampling (q is shaped like the target's p: temperature, then top-k, then top-p)
-# --------------------------------------------------------------------------------------
-
-
-def _local_probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor,
-                             top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """logits: [N, V]; temperature/top_p: [N] float; top_k: [N] int (0 = off) -> [N, V] f32.
-
-    Rows with temperature < 1e-5 are one-hot on the argmax."""
-    logits = logits.float()
-    greedy = temperature < 1e-5
-    x = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
-    vocab = x.shape[-1]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    if bool((k < vocab).any()):
-        kth = x.sort(dim=-1, descending=True).values.gather(-1, (k - 1).long().unsqueeze(-1))
-        x = x.masked_fill(x < kth, float("-inf"))
-    if bool((top_p < 1.0).any()):
-        sorted_x, idx = x.sort(dim=-1, descending=True)
-        sorted_p = sorted_x.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p (the first always stays).
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p.unsqueeze(-1)
-        drop[..., 0] = False
-        x = x.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
-    probs = x.softmax(-1)
-    if bool(greedy.any()):
-        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy.unsqueeze(-1), onehot, probs)
-    return probs
-
-
-def _local_sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """probs: [N, V] -> [N] int64; row i draws with generators[i] (None = global RNG)."""
-    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-    free = [i for i, g in enumerate(generators) if g is None]
-    if free:
-        idx = torch.tensor(free, device=probs.device)
-        out[idx] = torch.multinomial(probs[idx], 1).squeeze(-1)
-    for i, g in enumerate(generators):
-        if g is not None:
-            out[i] = torch.multinomial(probs[i], 1, generator=g).squeeze(-1)
-    return out
-
-
-try:  # The verifier owns how p is shaped; q must be shaped the same way.
-    from verifier.sampling import probs_from_logits, sample  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - exercised only before the verifier ships it
-    probs_from_logits, sample = _local_probs_from_logits, _local_sample
-
-
 @dataclass
 class SampledBlock:
     """Draft tokens of a batch of blocks.
@@ -758,11 +708,8 @@ class DSparkModel(nn.Module):
         greedy rows take the argmax and get a one-hot q."""
         b, steps, _ = base_logits.shape
         dev = base_logits.device
-        temp = torch.tensor([s.temperature for s in sampling], dtype=torch.float32, device=dev)
-        top_p = torch.tensor([s.top_p for s in sampling], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([s.top_k for s in sampling], dtype=torch.long, device=dev)
+        st = SamplingTensors.from_params(sampling, dev)
         greedy = torch.tensor([s.greedy for s in sampling], dtype=torch.bool, device=dev)
-        temp = torch.where(greedy, torch.zeros_like(temp), temp)
         all_greedy = bool(greedy.all())
         head = self.markov_head
         if head is not None and head.kind != "vanilla" and hidden is None:
@@ -776,7 +723,8 @@ class DSparkModel(nn.Module):
                 h = hidden[:, k] if hidden is not None else None
                 state, bias = head.step(state, prev, h)
                 logits = logits + bias.float()
-            q = probs_from_logits(logits, temp, top_p, top_k)
+            # q is shaped exactly like the verifier shapes p (same function).
+            q = probs_from_logits(logits, st.temperature, st.top_p, st.top_k)
             if all_greedy:
                 tok = logits.argmax(-1)
             else:
@@ -887,8 +835,9 @@ def load_dspark(
     model.load_state_dict(state, strict=False)
     model.to(device=device, dtype=dtype)
     if target_embed is not None or target_lm_head is not None:
-        model.attach_shared(_as_shared(target_embed, model.embed_tokens, device, dtype),
-                            _as_shared(target_lm_head, model.lm_head, device, dtype))
+        dev = model.device  # resolved ("cuda" -> "cuda:0") so identity checks work
+        model.attach_shared(_as_shared(target_embed, model.embed_tokens, dev, dtype),
+                            _as_shared(target_lm_head, model.lm_head, dev, dtype))
     model.calibration = read_calibration(path)
     return model.eval()
 
@@ -898,7 +847,7 @@ def _as_shared(mod: nn.Module | None, fallback: nn.Module, device, dtype) -> nn.
     if mod is None:
         return fallback
     w = mod.weight
-    if w.device == torch.device(device) and w.dtype == dtype:
+    if w.device == device and w.dtype == dtype:
         return mod
     if isinstance(mod, nn.Embedding):
         new = nn.Embedding(w.shape[0], w.shape[1], device=device, dtype=dtype)

@@ -1,0 +1,270 @@
+"""Serving-side DSpark / DFlash drafter: per-request context KV cache + one batched block forward.
+
+The drafter keeps, per request and per draft layer, the K/V of the target's projected hidden
+states at every accepted position (DeepSpec's KV injection). Drafting a block never writes
+into that cache: the block's own K/V live only for the forward, so nothing needs rolling back
+when drafts are rejected.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from drafter.base import AcceptedContext, DraftProposal, DraftRequest, register_drafter
+from drafter.dspark_model import DSparkModel, load_dspark
+
+
+@dataclass(frozen=True)
+class DSparkDrafterConfig:
+    """How a DSpark-family drafter is served.
+
+    path: checkpoint directory (DeepSpec format: config.json + *.safetensors).
+    block_size: tokens drafted per block; None = the checkpoint's. At most the checkpoint's.
+    use_markov: apply the Markov head (False = DFlash: plain parallel drafting).
+    initial_capacity: context slots preallocated per request before the first doubling.
+    """
+
+    path: str
+    block_size: int | None = None
+    use_markov: bool = True
+    initial_capacity: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError(f"path must name a drafter checkpoint, got {self.path!r}")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {self.block_size!r}")
+        if self.initial_capacity <= 0:
+            raise ValueError(f"initial_capacity must be > 0, got {self.initial_capacity!r}")
+
+
+class ContextKVCache:
+    """Context K/V of every request, per draft layer, in slot-major pools.
+
+    k[l], v[l]: [num_slots, capacity, Hkv, D]. A request owns one slot; its first
+    `length` entries are the K/V of positions 0..length-1. Both dimensions grow by
+    doubling, so appends are amortized O(1) and a batch of consecutive slots is a view."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype, capacity: int = 256, slots: int = 4):
+        self.num_layers, self.shape = num_layers, (num_kv_heads, head_dim)
+        self.device, self.dtype = device, dtype
+        self.k = [self._empty(slots, capacity) for _ in range(num_layers)]
+        self.v = [self._empty(slots, capacity) for _ in range(num_layers)]
+        self.slot_of: dict[str, int] = {}
+        self.lengths: list[int] = [0] * slots
+        self._free: list[int] = list(range(slots - 1, -1, -1))
+
+    def _empty(self, slots: int, capacity: int) -> torch.Tensor:
+        return torch.zeros(slots, capacity, *self.shape, device=self.device, dtype=self.dtype)
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def num_slots(self) -> int:
+        return self.k[0].shape[0]
+
+    def length(self, request_id: str) -> int:
+        slot = self.slot_of.get(request_id)
+        return 0 if slot is None else self.lengths[slot]
+
+    def slot(self, request_id: str) -> int:
+        """The request's slot, allocated on first use."""
+        if request_id in self.slot_of:
+            return self.slot_of[request_id]
+        if not self._free:
+            self._grow(self.num_slots * 2, self.capacity)
+        slot = self._free.pop()
+        self.slot_of[request_id] = slot
+        self.lengths[slot] = 0
+        return slot
+
+    def reserve(self, length: int) -> None:
+        """Make room for `length` positions in every slot."""
+        if length > self.capacity:
+            cap = self.capacity
+            while cap < length:
+                cap *= 2
+            self._grow(self.num_slots, cap)
+
+    def _grow(self, slots: int, capacity: int) -> None:
+        old_slots, old_cap = self.num_slots, self.capacity
+        for pools in (self.k, self.v):
+            for i, pool in enumerate(pools):
+                new = self._empty(slots, capacity)
+                new[:old_slots, :old_cap] = pool
+                pools[i] = new
+        self.lengths += [0] * (slots - old_slots)
+        self._free = list(range(slots - 1, old_slots - 1, -1)) + self._free
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots, positions: [n] int64; k, v: [n, Hkv, D]."""
+        self.k[layer][slots, positions] = k.to(self.dtype)
+        self.v[layer][slots, positions] = v.to(self.dtype)
+
+    def gather(self, slots: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """-> per layer (k, v) [B, Lmax, Hkv, D] and the valid mask [B, Lmax] bool."""
+        lengths = torch.tensor([self.lengths[s] for s in slots], device=self.device)
+        lmax = int(lengths.max()) if slots else 0
+        lo = slots[0] if slots else 0
+        if slots == list(range(lo, lo + len(slots))):
+            kv = [(k[lo:lo + len(slots), :lmax], v[lo:lo + len(slots), :lmax])
+                  for k, v in zip(self.k, self.v)]
+        else:
+            idx = torch.tensor(slots, device=self.device)
+            kv = [(k[idx, :lmax], v[idx, :lmax]) for k, v in zip(self.k, self.v)]
+        mask = torch.arange(lmax, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
+        return kv, mask
+
+    def free(self, request_id: str) -> None:
+        slot = self.slot_of.pop(request_id, None)
+        if slot is not None:
+            self.lengths[slot] = 0
+            self._free.append(slot)
+
+
+class DSparkDrafter:
+    """DSpark (Markov + confidence heads) or DFlash (parallel only) behind the Drafter API."""
+
+    def __init__(self, model: DSparkModel, config: DSparkDrafterConfig, name: str):
+        trained = model.config.block_size
+        bs = config.block_size or trained
+        if bs > trained:
+            raise ValueError(f"block_size {bs!r} exceeds the checkpoint's block_size {trained}")
+        self.name = name
+        self.model = model.eval()
+        self.config = config
+        self.block_size = bs
+        self.tap_layers: tuple[int, ...] = tuple(model.config.target_layer_ids)
+        mc = model.config
+        self.cache = ContextKVCache(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+                                    model.device, model.dtype, capacity=config.initial_capacity)
+
+    # -- context ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def observe(self, contexts: list[AcceptedContext]) -> None:
+        """Append the projected context K/V of the kept tokens, batched across requests.
+
+        A context starting before the cached length overwrites from there on (the target
+        rolled back); one starting after it is a gap and an error."""
+        slots, positions, hiddens = [], [], []
+        for ctx in contexts:
+            n = len(ctx.token_ids)
+            if n == 0:
+                continue
+            if ctx.hidden is None:
+                raise ValueError(f"{self.name} drafter needs hidden states for request "
+                                 f"{ctx.request_id!r} (tap layers {self.tap_layers})")
+            if ctx.hidden.shape[0] != n:
+                raise ValueError(f"request {ctx.request_id!r}: hidden has {ctx.hidden.shape[0]} rows "
+                                 f"for {n} tokens")
+            slot = self.cache.slot(ctx.request_id)
+            cached = self.cache.lengths[slot]
+            if ctx.start_pos > cached:
+                raise ValueError(f"request {ctx.request_id!r}: context starts at {ctx.start_pos} but "
+                                 f"only {cached} positions are cached")
+            self.cache.reserve(ctx.start_pos + n)
+            self.cache.lengths[slot] = ctx.start_pos + n
+            slots.append(torch.full((n,), slot, dtype=torch.long))
+            positions.append(torch.arange(ctx.start_pos, ctx.start_pos + n))
+            hiddens.append(ctx.hidden.to(self.model.device))
+        if not hiddens:
+            return
+        dev = self.model.device
+        slot_t, pos_t = torch.cat(slots).to(dev), torch.cat(positions).to(dev)
+        feats = self.model.project_context(torch.cat(hiddens))  # [T, d]
+        for layer in range(len(self.model.layers)):
+            k, v = self.model.context_kv(layer, feats, pos_t)
+            self.cache.write(layer, slot_t, pos_t, k, v)
+
+    # -- drafting -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def block_hidden(self, requests: list[DraftRequest]) -> torch.Tensor:
+        """Final hidden states of each request's block: [B, block_size, d]."""
+        slots, anchors, starts = [], [], []
+        for req in requests:
+            start = len(req.token_ids) - 1
+            if start < 0:
+                raise ValueError(f"request {req.request_id!r} has no tokens to anchor a block")
+            cached = self.cache.length(req.request_id)
+            if cached != start:
+                raise ValueError(f"request {req.request_id!r}: drafter context holds {cached} "
+                                 f"positions, the anchor sits at {start}; observe() must be fed "
+                                 "every kept token before propose()")
+            slots.append(self.cache.slot(req.request_id))
+            anchors.append(req.token_ids[-1])
+            starts.append(start)
+        dev = self.model.device
+        anchor_t = torch.tensor(anchors, dtype=torch.long, device=dev)
+        ids = self.model.block_input_ids(anchor_t, self.block_size)
+        pos = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(self.block_size, device=dev)
+        ctx_kv, ctx_mask = self.cache.gather(slots)
+        return self.model.forward_block(ids, pos, ctx_kv, ctx_mask)
+
+    @torch.no_grad()
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        out: list[DraftProposal | None] = [None] * len(requests)
+        live = [i for i, r in enumerate(requests) if r.max_draft > 0]
+        dev = self.model.device
+        for i, r in enumerate(requests):
+            if r.max_draft <= 0:
+                out[i] = DraftProposal(tokens=torch.empty(0, dtype=torch.long, device=dev))
+        if live:
+            batch = [requests[i] for i in live]
+            lengths = [min(self.block_size, r.max_draft) for r in batch]
+            kmax = max(lengths)
+            hidden = self.block_hidden(batch)[:, :kmax]
+            base = self.model.lm_head(hidden)
+            anchors = torch.tensor([r.token_ids[-1] for r in batch], dtype=torch.long, device=dev)
+            drafted = self.model.sample_block(base, anchors, [r.sampling for r in batch],
+                                              [r.generator for r in batch], hidden)
+            conf = self.model.confidence_probs(hidden, drafted.prev_tokens)
+            for j, (i, r) in enumerate(zip(live, batch)):
+                k = lengths[j]
+                out[i] = DraftProposal(
+                    tokens=drafted.tokens[j, :k],
+                    probs=None if r.sampling.greedy else drafted.probs[j, :k],
+                    confidences=None if conf is None else conf[j, :k].float(),
+                )
+        return out  # type: ignore[return-value]
+
+    def observe_acceptance(self, request_id: str, proposed: int, accepted: int) -> None:
+        """The confidence head is learned offline; online feedback is not used."""
+
+    def free(self, request_id: str) -> None:
+        self.cache.free(request_id)
+
+
+def _build(name: str, use_markov: bool, path: str, target_model=None, block_size: int | None = None,
+           device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> DSparkDrafter:
+    embed = head = None
+    if target_model is not None:
+        embed = target_model.get_input_embeddings()
+        head = target_model.get_output_embeddings()
+        ref = embed.weight
+        device = device if device is not None else ref.device
+        dtype = dtype if dtype is not None else ref.dtype
+    cfg = DSparkDrafterConfig(path=path, block_size=block_size, use_markov=use_markov)
+    model = load_dspark(path, embed, head, device=device or "cpu", dtype=dtype or torch.float32,
+                        drop_markov_head=not use_markov)
+    return DSparkDrafter(model, cfg, name)
+
+
+@register_drafter("dspark")
+def build_dspark(path: str, target_model=None, block_size: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> DSparkDrafter:
+    """DSpark drafter from a DeepSpec checkpoint; embed/LM head shared with `target_model`."""
+    return _build("dspark", True, path, target_model, block_size, device, dtype)
+
+
+@register_drafter("dflash")
+def build_dflash(path: str, target_model=None, block_size: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> DSparkDrafter:
+    """DFlash: the same backbone without the Markov head (ignored if the checkpoint has one)."""
+    return _build("dflash", False, path, target_model, block_size, device, dtype)

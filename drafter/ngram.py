@@ -1,0 +1,113 @@
+"""Prompt-lookup drafter: propose what followed the most recent earlier occurrence of the
+last n tokens. No weights; confidences come from its own running acceptance statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from drafter.base import AcceptedContext, DraftProposal, DraftRequest, register_drafter
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    """Prompt lookup settings.
+
+    block_size: most tokens proposed per step.
+    max_ngram / min_ngram: suffix lengths tried, longest first.
+    prior_accept / prior_reject: Beta prior on each position's conditional acceptance rate.
+    """
+
+    block_size: int = 5
+    max_ngram: int = 4
+    min_ngram: int = 1
+    prior_accept: float = 1.0
+    prior_reject: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {self.block_size!r}")
+        if self.min_ngram <= 0:
+            raise ValueError(f"min_ngram must be > 0, got {self.min_ngram!r}")
+        if self.max_ngram < self.min_ngram:
+            raise ValueError(f"max_ngram must be >= min_ngram ({self.min_ngram}), got {self.max_ngram!r}")
+        if self.prior_accept <= 0 or self.prior_reject <= 0:
+            raise ValueError(f"Beta prior must be positive, got ({self.prior_accept!r}, {self.prior_reject!r})")
+
+
+def lookup_continuation(tokens: np.ndarray, max_ngram: int, min_ngram: int, k: int) -> np.ndarray:
+    """tokens: [L] int64 -> up to k tokens that followed the most recent earlier match of the
+    longest suffix (length max_ngram down to min_ngram); empty if none matches."""
+    n_tok = tokens.shape[0]
+    if k <= 0:
+        return tokens[:0]
+    for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
+        # Windows start at 0..L-1-n, so every match has at least one token after it.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start:start + k]
+    return tokens[:0]
+
+
+class NgramDrafter:
+    name = "ngram"
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, config: NgramConfig):
+        self.config = config
+        self.block_size = config.block_size
+        # Global per-position counts: trials[k] = times position k was verified with all
+        # earlier drafts accepted; accepts[k] = times it was then accepted too.
+        self.trials = np.zeros(config.block_size, dtype=np.float64)
+        self.accepts = np.zeros(config.block_size, dtype=np.float64)
+
+    def confidences(self, k: int) -> torch.Tensor:
+        """[k] float32 posterior-mean conditional acceptance per position."""
+        c = self.config
+        mean = (self.accepts[:k] + c.prior_accept) / (self.trials[:k] + c.prior_accept + c.prior_reject)
+        return torch.from_numpy(mean.astype(np.float32))
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        out = []
+        for req in requests:
+            k = min(self.block_size, max(req.max_draft, 0))
+            cont = lookup_continuation(np.asarray(req.token_ids, dtype=np.int64),
+                                       self.config.max_ngram, self.config.min_ngram, k)
+            tokens = torch.from_numpy(cont.copy())
+            out.append(DraftProposal(tokens=tokens, probs=None, confidences=self.confidences(len(cont))))
+        return out
+
+    def observe(self, contexts: list[AcceptedContext]) -> None:
+        """Nothing to absorb: lookups read the request's token ids directly."""
+
+    def observe_acceptance(self, request_id: str, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        if not (0 <= accepted <= proposed):
+            raise ValueError(f"accepted must be in [0, proposed={proposed}], got {accepted!r}")
+        proposed = min(proposed, self.block_size)
+        accepted = min(accepted, proposed)
+        # Positions before the first rejection succeeded; the rejected one failed; later
+        # ones were never tested under the "earlier accepted" condition.
+        seen = min(accepted + 1, proposed)
+        self.trials[:seen] += 1
+        self.accepts[:accepted] += 1
+
+    def free(self, request_id: str) -> None:
+        """No per-request state."""
+
+
+@register_drafter("ngram")
+def build_ngram(block_size: int | None = None, max_ngram: int = 4, min_ngram: int = 1,
+                prior_accept: float = 1.0, prior_reject: float = 1.0,
+                path: str | None = None, target_model=None, device=None, dtype=None) -> NgramDrafter:
+    """block_size None = NgramConfig's default. target_model / device / dtype are accepted
+    so one call site serves every drafter; prompt lookup needs none of them."""
+    if path is not None:
+        raise ValueError(f"the ngram drafter has no weights; got a checkpoint path {path!r}")
+    del target_model, device, dtype
+    size = NgramConfig.block_size if block_size is None else block_size
+    return NgramDrafter(NgramConfig(size, max_ngram, min_ngram, prior_accept, prior_reject))

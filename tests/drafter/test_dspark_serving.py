@@ -1,0 +1,162 @@
+"""The batched serving path (per-request context KV cache, one padded forward for all
+requests) equals the training forward on the same data; sampling, truncation, factories."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import drafter  # noqa: F401  (registers the drafters)
+from drafter.base import AcceptedContext, DraftRequest, build_drafter
+from drafter.dspark import DSparkDrafter, DSparkDrafterConfig
+from drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
+from verifier.sampling import probs_from_logits
+from verifier.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+V, D, BS = 120, 48, 4
+
+
+def tiny_model(head_type="vanilla", seed=0) -> DSparkModel:
+    torch.manual_seed(seed)
+    cfg = DSparkConfig(hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=12, intermediate_size=64, vocab_size=V, block_size=BS,
+                       target_layer_ids=(-1, 1, 3), mask_token_id=V - 1, num_target_layers=4,
+                       rope_theta=10000.0, markov_rank=8, markov_head_type=head_type,
+                       enable_confidence_head=True, confidence_head_with_markov=True)
+    model = DSparkModel(cfg).double()
+    with torch.no_grad():  # non-trivial norms / Markov weights
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+        model.markov_head.markov_w2.weight.mul_(20.0)
+    return model.eval()
+
+
+def make_drafter(model, capacity=4) -> DSparkDrafter:
+    return DSparkDrafter(model, DSparkDrafterConfig(path="unused", initial_capacity=capacity), "dspark")
+
+
+def test_batched_serving_equals_training_forward():
+    model = tiny_model()
+    dr = make_drafter(model, capacity=4)  # forces capacity doubling and slot growth
+    g = torch.Generator().manual_seed(1)
+    lengths = [3, 11, 7, 1, 9]  # context positions before each request's final anchor
+    seq = max(lengths) + 1
+    hidden = torch.randn(len(lengths), seq, 3 * D, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, V - 1, (len(lengths), seq), generator=g)
+    # Each request is observed in uneven chunks; a draft block is taken at every stage.
+    stages: dict[int, list[int]] = {0: [2, 3], 1: [4, 9, 11], 2: [7], 3: [], 4: [1, 5, 9]}
+    got: dict[tuple[int, int], torch.Tensor] = {}
+    cached = [0] * len(lengths)
+    for step in range(3):
+        ctxs, reqs = [], []
+        for r, points in stages.items():
+            if step < len(points):
+                end = points[step]
+                ctxs.append(AcceptedContext(f"r{r}", ids[r, cached[r]:end].tolist(), cached[r],
+                                            hidden[r, cached[r]:end]))
+                cached[r] = end
+                reqs.append((r, end))
+            elif step == 0:
+                reqs.append((r, 0))  # never observed: empty context, anchor at 0
+        dr.observe(ctxs)
+        batch = [DraftRequest(f"r{r}", ids[r, :end + 1].tolist(), 1, GREEDY, None, 100) for r, end in reqs]
+        out = dr.block_hidden(batch)
+        for (r, end), h in zip(reqs, out):
+            got[(r, end)] = h
+    assert len(got) == 10
+    # Training forward: every (request, anchor) pair as an anchor block.
+    n = max(len(p) or 1 for p in stages.values())
+    anchors = torch.zeros(len(lengths), n, dtype=torch.long)
+    valid = torch.zeros(len(lengths), n, dtype=torch.bool)
+    for r, points in stages.items():
+        for j, a in enumerate(points or [0]):
+            anchors[r, j], valid[r, j] = a, True
+    train = model.forward_train(hidden, ids, anchors, valid)
+    for (r, a), h in got.items():
+        j = (stages[r] or [0]).index(a)
+        torch.testing.assert_close(h, train[r, j], rtol=1e-10, atol=1e-10)
+
+
+def test_rollback_overwrite_and_errors():
+    model = tiny_model()
+    dr = make_drafter(model)
+    g = torch.Generator().manual_seed(2)
+    hid = torch.randn(1, 8, 3 * D, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, V - 1, (1, 8), generator=g)
+    dr.observe([AcceptedContext("a", ids[0, :5].tolist(), 0, torch.randn(5, 3 * D, dtype=torch.float64))])
+    # Re-observing from position 2 overwrites what was cached there (and drops the rest).
+    dr.observe([AcceptedContext("a", ids[0, :2].tolist(), 0, hid[0, :2])])
+    dr.observe([AcceptedContext("a", ids[0, 2:6].tolist(), 2, hid[0, 2:6])])
+    req = DraftRequest("a", ids[0, :7].tolist(), 3, GREEDY, None, 100)
+    train = model.forward_train(hid, ids, torch.tensor([[6]]), torch.tensor([[True]]))
+    torch.testing.assert_close(dr.block_hidden([req])[0], train[0, 0], rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="starts at 9"):
+        dr.observe([AcceptedContext("a", [1], 9, hid[0, :1])])
+    with pytest.raises(ValueError, match="holds 6 positions"):
+        dr.propose([DraftRequest("a", ids[0, :5].tolist(), 3, GREEDY, None, 100)])
+    with pytest.raises(ValueError, match="hidden states"):
+        dr.observe([AcceptedContext("b", [1, 2], 0, None)])
+    dr.free("a")
+    with pytest.raises(ValueError, match="holds 0 positions"):
+        dr.propose([req])
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "rnn"])
+def test_propose_mixed_sampling_truncation(head_type):
+    model = tiny_model(head_type)
+    dr = make_drafter(model)
+    g = torch.Generator().manual_seed(3)
+    hid = torch.randn(3, 6, 3 * D, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, V - 1, (3, 7), generator=g)
+    dr.observe([AcceptedContext(f"r{i}", ids[i, :6].tolist(), 0, hid[i]) for i in range(3)])
+    hot = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+
+    def reqs(seed):
+        return [DraftRequest("r0", ids[0].tolist(), 3, GREEDY, None, 2),
+                DraftRequest("r1", ids[1].tolist(), 3, hot, torch.Generator().manual_seed(seed), 100),
+                DraftRequest("r2", ids[2].tolist(), 3, GREEDY, None, 0)]
+
+    p0, p1, p2 = dr.propose(reqs(5))
+    assert len(p0) == 2 and p0.probs is None and p0.confidences.shape == (2,)
+    assert len(p2) == 0
+    assert len(p1) == BS and p1.probs.shape == (BS, V) and p1.probs.dtype == torch.float32
+    torch.testing.assert_close(p1.probs.sum(-1), torch.ones(BS))
+    assert (p1.probs.gather(1, p1.tokens[:, None]) > 0).all()
+    assert ((p1.probs > 0).sum(-1) <= 20).all()  # top-k applied to q as to p
+    assert dr.propose(reqs(5))[1].tokens.tolist() == p1.tokens.tolist()  # seeded: reproducible
+    # q_k is the processed distribution of the teacher-forced corrected logits.
+    hidden = dr.block_hidden(reqs(5)[1:2])
+    prev = torch.cat([ids[1, -1:], p1.tokens[:-1]])[None]
+    logits = model.block_logits(hidden, prev)[0]
+    q = probs_from_logits(logits, torch.full((BS,), 0.8), torch.full((BS,), 0.9), torch.full((BS,), 20))
+    torch.testing.assert_close(p1.probs, q, rtol=1e-5, atol=1e-6)
+    # Greedy drafts are the argmax of the corrected logits; confidences in (0, 1).
+    hidden0 = dr.block_hidden(reqs(5)[:1])
+    full = model.block_logits(hidden0, torch.cat([ids[0, -1:], p0.tokens, p0.tokens[-1:]])[None, :BS])[0]
+    assert full[:2].argmax(-1).tolist() == p0.tokens.tolist()
+    assert ((p0.confidences > 0) & (p0.confidences < 1)).all()
+
+
+def test_factories_share_target_modules(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tcfg = Qwen3Config(hidden_size=D, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=12, vocab_size=V, tie_word_embeddings=False)
+    target = Qwen3ForCausalLM(tcfg).eval()
+    cfg = DSparkConfig.for_target(tcfg, num_draft_layers=1, block_size=5, target_layer_ids=[0, 2],
+                                  mask_token_id=V - 1, markov_rank=4, markov_head_type="gated",
+                                  enable_confidence_head=True, confidence_head_with_markov=True)
+    save_dspark(DSparkModel(cfg), str(tmp_path))
+    dsp = build_drafter("dspark", path=str(tmp_path), target_model=target, block_size=3)
+    assert dsp.name == "dspark" and dsp.block_size == 3 and dsp.tap_layers == (0, 2)
+    assert dsp.model.embed_tokens is target.get_input_embeddings()
+    assert dsp.model.lm_head is target.get_output_embeddings()
+    assert dsp.model.markov_head is not None
+    dfl = build_drafter("dflash", path=str(tmp_path), target_model=target)
+    assert dfl.name == "dflash" and dfl.block_size == 5 and dfl.model.markov_head is None
+    dsp.observe([AcceptedContext("x", [1, 2, 3], 0, torch.randn(3, 2 * D))])
+    (prop,) = dsp.propose([DraftRequest("x", [1, 2, 3, 4], 2, GREEDY, None, 10)])
+    assert prop.tokens.shape == (3,) and prop.confidences.shape == (3,)
+    with pytest.raises(ValueError, match="exceeds"):
+        build_drafter("dspark", path=str(tmp_path), target_model=target, block_size=6)

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import drafter  # noqa: F401  (registers the drafters)
+from drafter.base import DraftRequest, build_drafter
+from drafter.ngram import NgramConfig, lookup_continuation
+from verifier.sampling_params import SamplingParams
+
+
+def req(tokens, max_draft=100, rid="r"):
+    return DraftRequest(rid, list(tokens), 2, SamplingParams(temperature=0.0), None, max_draft)
+
+
+def test_proposes_continuation_of_repeated_pattern():
+    d = build_drafter("ngram", block_size=4, max_ngram=3, min_ngram=1)
+    assert d.tap_layers == () and d.name == "ngram"
+    #         0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 9, 1, 5, 6, 7, 8]
+    (p,) = d.propose([req(tokens)])
+    # Suffix [6, 7, 8] matched at 1..3; what followed it: 9, 1, 5, 6.
+    assert p.tokens.tolist() == [9, 1, 5, 6] and p.probs is None and p.tokens.dtype == torch.int64
+    (p,) = d.propose([req(tokens, max_draft=2)])
+    assert p.tokens.tolist() == [9, 1]
+    (p,) = d.propose([req([1, 2, 3, 4])])
+    assert len(p) == 0 and p.confidences.shape == (0,)
+
+
+def test_longest_then_most_recent_match():
+    # Suffix (3 4) occurs twice earlier: most recent wins; the 2-gram beats the 1-gram match of 4.
+    tokens = np.array([3, 4, 10, 11, 4, 99, 3, 4, 20, 21, 3, 4])
+    assert lookup_continuation(tokens, 2, 1, 2).tolist() == [20, 21]
+    # Only a 1-gram match exists for suffix (7, 4): the last earlier 4.
+    tokens = np.array([4, 1, 4, 2, 7, 4])
+    assert lookup_continuation(tokens, 3, 1, 3).tolist() == [2, 7, 4]
+    assert lookup_continuation(tokens, 3, 2, 3).tolist() == []  # min_ngram 2: no match
+    # A self-overlapping run keeps predicting the run.
+    assert lookup_continuation(np.array([1, 2, 1, 2, 1, 2]), 2, 1, 4).tolist() == [1, 2]
+
+
+def test_confidences_follow_acceptance_feedback():
+    d = build_drafter("ngram", block_size=3)
+    tokens = [1, 2, 3, 1, 2, 3, 1, 2]
+    start = d.propose([req(tokens)])[0].confidences
+    torch.testing.assert_close(start, torch.full((3,), 0.5))  # Beta(1, 1) prior
+    for _ in range(8):
+        d.observe_acceptance("r", proposed=3, accepted=1)  # pos 0 accepted, pos 1 rejected
+    c = d.propose([req(tokens, rid="other")])[0].confidences  # global across requests
+    torch.testing.assert_close(c, torch.tensor([9 / 10, 1 / 10, 0.5]))  # pos 2 never tested
+    d.observe_acceptance("r", proposed=2, accepted=2)
+    c2 = d.propose([req(tokens)])[0].confidences
+    assert c2[0] > c[0] and c2[1] > c[1] and c2[2] == c[2]
+    with pytest.raises(ValueError, match="5"):
+        d.observe_acceptance("r", proposed=3, accepted=5)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="0"):
+        NgramConfig(block_size=0)
+    with pytest.raises(ValueError, match="max_ngram"):
+        NgramConfig(max_ngram=1, min_ngram=2)
+    with pytest.raises(ValueError, match="no weights"):
+        build_drafter("ngram", path="somewhere")
+    assert build_drafter("ngram", block_size=None).block_size == NgramConfig().block_size
