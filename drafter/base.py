@@ -1,0 +1,123 @@
+"""The one interface every drafter implements, and the registry that picks one by name.
+
+A drafter sees the running requests through `DraftRequest` (a read-only view the engine
+builds each step) and answers with one `DraftProposal` per request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from verifier.sampling_params import SamplingParams
+
+
+@dataclass
+class DraftRequest:
+    """What a drafter may know about one running request at draft time.
+
+    request_id: stable id (keys the drafter's per-request cache).
+    token_ids: prompt + generated tokens so far; token_ids[-1] is the anchor (the last
+        token the target produced; its own KV is not yet in the target cache).
+    num_prompt_tokens: how many of token_ids are prompt.
+    sampling: the request's sampling params (the draft distribution q is shaped like p).
+    generator: the request's torch.Generator (seeded requests are reproducible) or None.
+    max_draft: the most draft tokens that can be useful (remaining max_tokens, room left in
+        the context); a drafter may propose fewer, never more.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    max_draft: int
+
+
+@dataclass
+class DraftProposal:
+    """A block of draft tokens for one request.
+
+    tokens:      [K] int64, K <= block size (K may be 0).
+    probs:       [K, V] float32, the draft distribution q_k each token was sampled from
+                 (after temperature/top-p/top-k), or None when drafts are deterministic
+                 (then q_k is one-hot on tokens[k], as for n-gram lookup or greedy).
+    confidences: [K] float32 in [0, 1], c_k = P(token k survives | tokens < k survived), or
+                 None when the drafter has no estimate.
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+    confidences: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+
+@dataclass
+class AcceptedContext:
+    """What the target verified for one request this step, for the drafter to absorb.
+
+    request_id: the request.
+    token_ids: the tokens whose target KV was kept this step, in order (prompt chunk
+        tokens during prefill; anchor + accepted drafts during decode).
+    start_pos: position of token_ids[0] in the sequence.
+    hidden: [len(token_ids), m * d] target hidden states at the drafter's tap layers
+        (concatenated in target_layer_ids order) for exactly those tokens, or None when the
+        drafter asked for no taps.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    hidden: torch.Tensor | None
+
+
+class Drafter(Protocol):
+    """A drafter: proposes, absorbs what was accepted, forgets finished requests."""
+
+    name: str
+    block_size: int
+    # Target layers whose hidden states the drafter needs (DeepSpec semantics: layer i is
+    # the output of decoder layer i, -1 the embeddings). Empty: no taps needed.
+    tap_layers: tuple[int, ...]
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        """One batched call for all running requests."""
+        ...
+
+    def observe(self, contexts: list[AcceptedContext]) -> None:
+        """Extend each request's drafter context with the tokens the target kept."""
+        ...
+
+    def observe_acceptance(self, request_id: str, proposed: int, accepted: int) -> None:
+        """Feedback after verification (online confidence estimates use it)."""
+        ...
+
+    def free(self, request_id: str) -> None:
+        """Drop all state for a finished or aborted request."""
+        ...
+
+
+DrafterFactory = Callable[..., Drafter]
+_REGISTRY: dict[str, DrafterFactory] = {}
+
+
+def register_drafter(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
+    def deco(factory: DrafterFactory) -> DrafterFactory:
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def drafter_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def build_drafter(name: str, **kwargs) -> Drafter:
+    """Build a drafter by registry name ("ngram", "dflash", "dspark")."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown drafter {name!r}; choose one of {drafter_names()}")
+    return _REGISTRY[name](**kwargs)

@@ -1,0 +1,92 @@
+"""Assemble an engine from the three component configs."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from drafter.config import DrafterConfig
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
+from scheduler.policy import CostTable
+from verifier.config import ModelConfig
+from verifier.loader import default_cache_dir, load_target, resolve_device, resolve_dtype
+from verifier.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafter" / "checkpoints"
+EMBEDDED_DRAFTER = {"dspark": "smollm2-135m-dspark", "dflash": "smollm2-135m-dflash"}
+
+
+@dataclass
+class EngineBundle:
+    engine: Engine
+    tokenizer: object
+    model_name: str
+    cost_table: CostTable | None
+    cost_source: str
+
+
+def kv_cache_tokens(cfg: ModelConfig, hf_config, device: torch.device, dtype: torch.dtype) -> int:
+    if cfg.kv_cache_tokens:
+        return cfg.kv_cache_tokens
+    per_token = ModelRunner.kv_bytes_per_token(hf_config, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * cfg.kv_cache_memory_fraction
+    else:
+        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * cfg.kv_cache_memory_fraction
+    return max(int(budget // per_token), cfg.max_model_len)
+
+
+def build_drafter_for(cfg: DrafterConfig, target, device, dtype, model_is_embedded: bool):
+    if cfg.drafter == "none":
+        return None
+    import drafter  # noqa: F401  (registers the drafters)
+    from drafter.base import build_drafter
+
+    path = cfg.drafter_path
+    if path is None and cfg.drafter in EMBEDDED_DRAFTER:
+        if not model_is_embedded:
+            raise ValueError(f"drafter {cfg.drafter!r} needs --drafter-path for a non-embedded model")
+        path = str(SHIPPED_DRAFTERS / EMBEDDED_DRAFTER[cfg.drafter])
+        if not Path(path).is_dir():
+            raise ValueError(f"the shipped {cfg.drafter} drafter is missing ({Path(path).name})")
+    return build_drafter(cfg.drafter, path=path, target_model=target.model,
+                         block_size=cfg.block_size, device=device, dtype=dtype)
+
+
+def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: SchedulerConfig,
+                 metrics=None, profile: bool | None = None) -> EngineBundle:
+    device = resolve_device(model_cfg.device)
+    dtype = resolve_dtype(model_cfg.dtype, device)
+    cache_dir = Path(model_cfg.cache_dir) if model_cfg.cache_dir else default_cache_dir()
+    target = load_target(model_cfg.model, device, dtype, cache_dir)
+    max_len = min(model_cfg.max_model_len,
+                  getattr(target.model.config, "max_position_embeddings", model_cfg.max_model_len))
+    tokens = kv_cache_tokens(model_cfg, target.model.config, device, dtype)
+    runner = ModelRunner(target.model, num_blocks=max(1, tokens // model_cfg.kv_block_size),
+                         block_size=model_cfg.kv_block_size)
+    log.info("KV cache: %d blocks x %d tokens (%.0f MiB)", runner.blocks.num_blocks,
+             runner.block_size, runner.k_cache.numel() * runner.k_cache.element_size() * 2 / 2**20)
+    drafter = build_drafter_for(drafter_cfg, target, device, dtype, model_cfg.model is None)
+    table, source = None, "none (no drafter)"
+    if profile is None:
+        profile = drafter is not None
+    if profile:
+        from scheduler.profile import format_table, load_or_profile
+
+        table, raw, source = load_or_profile(runner, target.name, cache_dir, sched_cfg.reprofile)
+        log.info("cost table (%s):\n%s", source, format_table(raw))
+        if metrics is not None:
+            metrics.set_cost_table(table)
+    engine = Engine(runner, target.tokenizer, sched_cfg, max_len, drafter=drafter,
+                    cost_table=table, metrics=metrics)
+    if drafter is not None:
+        log.info("drafter %s (block %d), verify policy %s", drafter.name, drafter.block_size,
+                 engine.policy.name)
+    return EngineBundle(engine, target.tokenizer, target.name, table, source)

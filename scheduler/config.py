@@ -1,0 +1,32 @@
+"""Configuration of the engine loop (admission, batching, verification policy)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching and verification-length knobs."""
+
+    max_num_seqs: int = 32
+    """Most requests decoding at once."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one target forward (decodes + drafts + prefill chunks)."""
+    max_waiting: int = 256
+    """Waiting-queue capacity; a request beyond it is answered 429."""
+    verify_policy: str = "auto"
+    """none, static:K, threshold:T, dspark, or auto (dspark when a drafter is on, else none)."""
+    reprofile: bool = False
+    """Re-measure the target cost table even when a cached one exists."""
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.max_num_seqs <= 4096):
+            raise ValueError(f"max_num_seqs must be in [1, 4096], got {self.max_num_seqs!r}")
+        if self.max_num_batched_tokens < 16:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 16, got {self.max_num_batched_tokens!r}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting!r}")
+        name = self.verify_policy.split(":", 1)[0]
+        if name not in ("auto", "none", "static", "threshold", "dspark", "dspark_global"):
+            raise ValueError(f"unknown verify_policy {self.verify_policy!r}")

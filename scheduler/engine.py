@@ -1,0 +1,348 @@
+"""The engine step: schedule -> draft -> choose lengths -> verify -> update.
+
+Single-threaded and synchronous; `scheduler.async_engine` runs it off the HTTP event loop.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from drafter.base import AcceptedContext, DraftProposal, DraftRequest, Drafter
+from scheduler.config import SchedulerConfig
+from scheduler.detokenizer import IncrementalDetokenizer
+from scheduler.load import LoadMonitor
+from scheduler.policy import CostTable, LoadState, Policy, PolicyInput, parse_policy
+from scheduler.request import Request, RequestOutput, Status
+from verifier.model_runner import ForwardOutput, ModelRunner, Segment
+from verifier.rejection import RejectionResult, rejection_sample
+from verifier.sampling import SamplingTensors, probs_from_logits
+
+log = logging.getLogger(__name__)
+
+# Used only when no profile was measured (tests, policies that ignore cost): SPS flat to 8
+# tokens, then falling as on a compute-bound machine.
+DEFAULT_COST = CostTable((1, 8, 64, 512), (100.0, 100.0, 40.0, 6.0))
+
+
+class RequestRejected(ValueError):
+    """A request the engine cannot take (too long, queue full); carries an HTTP-ish status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+@dataclass
+class ScheduledBatch:
+    """The requests that run in one step: decodes (anchor + drafts) and prefill chunks."""
+
+    decodes: list[Request] = field(default_factory=list)
+    prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk tokens)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefills)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+@dataclass
+class Verification:
+    """The target's verdict for one step."""
+
+    forward: ForwardOutput
+    result: RejectionResult | None      # rows: decodes then completing prefills
+    sampled_rows: list[Request]         # requests in result row order
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, tokenizer, sched: SchedulerConfig,
+                 max_model_len: int, drafter: Drafter | None = None,
+                 cost_table: CostTable | None = None, metrics=None) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.cfg = sched
+        self.max_model_len = max_model_len
+        self.drafter = drafter
+        policy = sched.verify_policy
+        if policy == "auto":
+            policy = "dspark" if drafter is not None else "none"
+        self.policy: Policy = parse_policy(policy)
+        self.cost_table = cost_table
+        self.metrics = metrics
+        self.load = LoadMonitor(runner)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.reserved_blocks = 0
+        self.eos_ids = self._eos_ids(runner.model, tokenizer)
+        self.tap_layers = tuple(drafter.tap_layers) if drafter is not None else ()
+
+    @staticmethod
+    def _eos_ids(model, tokenizer) -> frozenset[int]:
+        ids = set()
+        for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+            e = getattr(src, "eos_token_id", None)
+            if isinstance(e, int):
+                ids.add(e)
+            elif isinstance(e, (list, tuple)):
+                ids.update(int(x) for x in e)
+        return frozenset(ids)
+
+    # -- requests in and out -----------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise RequestRejected("the prompt is empty", 400, "messages")
+        if n + req.max_tokens > self.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {n + req.max_tokens} tokens ({n} in the messages, {req.max_tokens} in "
+                f"the completion). Please reduce the length of the messages or completion.",
+                400, "max_tokens")
+        if self.runner.blocks.blocks_needed(n + req.max_tokens) > self.runner.blocks.num_blocks:
+            raise RequestRejected("the request needs more KV cache than the server has", 400, "max_tokens")
+        if len(self.waiting) >= self.cfg.max_waiting:
+            raise RequestRejected("the server is at capacity; retry later", 429)
+        req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.stop)
+        self.waiting.append(req)
+        self.requests[req.request_id] = req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, "abort")
+        return self._output(req, [], final=True)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self._schedule()
+        if not batch:
+            return []
+        proposals = self._draft(batch.decodes)
+        lengths = self._choose_lengths(batch, proposals)
+        verification = self._verify(batch, proposals, lengths)
+        return self._update(batch, proposals, lengths, verification)
+
+    def _schedule(self) -> ScheduledBatch:
+        blocks = self.runner.blocks
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            need = blocks.blocks_needed(len(req.prompt_ids) + req.max_tokens)
+            # Reserve the request's whole worst case up front: it can then never run out of
+            # KV mid-way, so nothing is ever preempted and the process never over-commits.
+            if self.reserved_blocks + need > blocks.num_blocks:
+                break
+            self.waiting.popleft()
+            req.reserved_blocks = need
+            self.reserved_blocks += need
+            req.status = Status.PREFILL
+            self.running.append(req)
+        batch = ScheduledBatch(decodes=[r for r in self.running if r.status is Status.DECODE])
+        budget = self.cfg.max_num_batched_tokens - len(batch.decodes)
+        if self.drafter is not None:
+            # leave room for the drafts the policy may admit
+            budget -= len(batch.decodes) * min(2, self.drafter.block_size)
+        for r in self.running:
+            if r.status is Status.PREFILL and budget > 0:
+                chunk = min(len(r.prompt_ids) - r.num_computed, budget)
+                batch.prefills.append((r, chunk))
+                budget -= chunk
+        return batch
+
+    def _max_draft(self, r: Request) -> int:
+        return max(0, min(self.drafter.block_size, r.max_tokens - len(r.output_ids) - 1,
+                          self.max_model_len - r.num_tokens - 1))
+
+    def _draft(self, decodes: list[Request]) -> list[DraftProposal]:
+        empty = DraftProposal(tokens=torch.empty(0, dtype=torch.long))
+        if self.drafter is None or not decodes or self.policy.name == "none":
+            return [empty for _ in decodes]
+        views = [DraftRequest(r.request_id, r.token_ids, len(r.prompt_ids), r.sampling,
+                              r.generator, self._max_draft(r)) for r in decodes]
+        todo = [i for i, v in enumerate(views) if v.max_draft > 0]
+        proposals = [empty for _ in decodes]
+        if todo:
+            for i, p in zip(todo, self.drafter.propose([views[i] for i in todo])):
+                proposals[i] = p
+        return proposals
+
+    def _choose_lengths(self, batch: ScheduledBatch, proposals: list[DraftProposal]) -> list[int]:
+        if not proposals:
+            return []
+        inp = PolicyInput(confidences=[p.confidences for p in proposals],
+                          max_lengths=[len(p) for p in proposals])
+        load = LoadState(num_running=len(batch.decodes), num_waiting=len(self.waiting),
+                         prefill_tokens=batch.prefill_tokens, kv_usage=self.runner.blocks.usage)
+        decision = self.policy(inp, self.cost_table or DEFAULT_COST, load)
+        if self.metrics is not None:
+            self.metrics.record_policy(decision)
+        return list(decision.lengths)
+
+    def _verify(self, batch: ScheduledBatch, proposals: list[DraftProposal],
+                lengths: list[int]) -> Verification:
+        blocks = self.runner.blocks
+        segments: list[Segment] = []
+        for r, p, l in zip(batch.decodes, proposals, lengths):
+            toks = [r.output_ids[-1]] + p.tokens[:l].tolist()
+            blocks.append(r.request_id, len(toks))
+            segments.append(Segment(r.request_id, toks, r.num_computed, 0))
+        completing: list[Request] = []
+        for r, n in batch.prefills:
+            blocks.append(r.request_id, n)
+            done = r.num_computed + n == len(r.prompt_ids)
+            segments.append(Segment(r.request_id, r.prompt_ids[r.num_computed:r.num_computed + n],
+                                    r.num_computed, n - 1 if done else n))
+            if done:
+                completing.append(r)
+        t0 = time.perf_counter()
+        fwd = self.runner.forward(segments, self.tap_layers)
+        if self.metrics is not None:
+            self.metrics.record_forward(sum(len(s.token_ids) for s in segments), time.perf_counter() - t0)
+        rows = batch.decodes + completing
+        if not rows:
+            return Verification(fwd, None, [])
+        nd = lengths + [0] * len(completing)
+        K = max(nd)
+        R, V = len(rows), fwd.logits.shape[-1]
+        # Target p for every logit row at once (each request's params repeated over its rows).
+        st = SamplingTensors.from_params([r.sampling for r in rows], fwd.logits.device)
+        probs = probs_from_logits(fwd.logits, *_rows(st, torch.tensor([n + 1 for n in nd])))
+        target = probs.new_zeros(R, K + 1, V)
+        draft_tokens = torch.zeros(R, K, dtype=torch.long)
+        draft_probs = None
+        deterministic = torch.ones(R, dtype=torch.bool)
+        if K > 0 and any(p.probs is not None for p in proposals):
+            draft_probs = probs.new_zeros(R, K, V)
+        off = 0
+        for i, n in enumerate(nd):
+            target[i, :n + 1] = probs[off:off + n + 1]
+            off += n + 1
+            if i < len(proposals) and n > 0:
+                p = proposals[i]
+                draft_tokens[i, :n] = p.tokens[:n]
+                if p.probs is not None and draft_probs is not None:
+                    draft_probs[i, :n] = p.probs[:n]
+                    deterministic[i] = False
+        result = rejection_sample(target, draft_tokens, draft_probs, torch.tensor(nd),
+                                  [r.generator for r in rows], draft_deterministic=deterministic)
+        return Verification(fwd, result, rows)
+
+    def _update(self, batch: ScheduledBatch, proposals: list[DraftProposal], lengths: list[int],
+                v: Verification) -> list[RequestOutput]:
+        now = time.monotonic()
+        contexts: list[AcceptedContext] = []
+        new_tokens: dict[str, list[int]] = {}
+        row_of = {r.request_id: i for i, r in enumerate(v.sampled_rows)}
+        hidden = v.forward.hidden
+        for si, (r, p, l) in enumerate(zip(batch.decodes, proposals, lengths)):
+            i = row_of[r.request_id]
+            a = int(v.result.num_accepted[i])
+            toks = v.result.output_tokens[i, :a + 1].tolist()
+            start = r.num_computed
+            r.num_computed += 1 + a
+            self.runner.blocks.truncate(r.request_id, r.num_computed)   # roll back rejected drafts
+            if self.drafter is not None:
+                off = v.forward.token_offsets[si]
+                contexts.append(AcceptedContext(
+                    r.request_id, [r.output_ids[-1]] + p.tokens[:a].tolist(), start,
+                    None if hidden is None else hidden[off:off + 1 + a]))
+                if l > 0:
+                    self.drafter.observe_acceptance(r.request_id, l, a)
+                    r.spec.rounds += 1
+                    r.spec.drafted += l
+                    r.spec.accepted += a
+                    if self.metrics is not None:
+                        self.metrics.record_round(l, a)
+            r.last_verify_len = l
+            new_tokens[r.request_id] = toks
+        nd = len(batch.decodes)
+        for si, (r, n) in enumerate(batch.prefills):
+            if self.drafter is not None:
+                off = v.forward.token_offsets[nd + si]
+                contexts.append(AcceptedContext(
+                    r.request_id, r.prompt_ids[r.num_computed:r.num_computed + n], r.num_computed,
+                    None if hidden is None else hidden[off:off + n]))
+            r.num_computed += n
+            if r.request_id in row_of:
+                r.status = Status.DECODE
+                i = row_of[r.request_id]
+                new_tokens[r.request_id] = v.result.output_tokens[i, :1].tolist()
+        if contexts:
+            self.drafter.observe(contexts)
+        outputs = []
+        for rid, toks in new_tokens.items():
+            r = self.requests[rid]
+            appended = self._append_tokens(r, toks)
+            if self.metrics is not None:
+                self.metrics.record_tokens(len(appended))
+                if r.request_id in row_of and r.status is not Status.PREFILL and r in batch.decodes:
+                    self.metrics.realized.labels(**self.metrics.labels).inc(len(toks))
+            if r.first_token_time is None:
+                r.first_token_time = now
+                if self.metrics is not None:
+                    self.metrics.record_first_token(r, now)
+            elif self.metrics is not None:
+                self.metrics.record_inter_token(now - r.last_token_time, len(appended))
+            r.last_token_time = now
+            outputs.append(self._output(r, appended, final=r.finished))
+        if self.metrics is not None:
+            self.metrics.record_step(self)
+        return outputs
+
+    def _append_tokens(self, r: Request, toks: list[int]) -> list[int]:
+        """Append a round's tokens one by one, honouring EOS, stop strings and max_tokens
+        exactly: nothing after the stop point is kept or returned."""
+        appended = []
+        for t in toks:
+            if (t in self.eos_ids and not r.ignore_eos) or t in r.stop_token_ids:
+                self._finish(r, "stop")
+                break
+            r.output_ids.append(t)
+            appended.append(t)
+            if r.detok.add(t):
+                self._finish(r, "stop")
+                break
+            if len(r.output_ids) >= r.max_tokens:
+                self._finish(r, "length")
+                break
+        return appended
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.status = Status.FINISHED
+        r.finish_reason = reason
+        if r in self.running:
+            self.running.remove(r)
+            self.reserved_blocks -= r.reserved_blocks
+        self.runner.blocks.free(r.request_id)
+        if self.drafter is not None:
+            self.drafter.free(r.request_id)
+        if self.metrics is not None:
+            self.metrics.record_finished(r)
+
+    def _output(self, r: Request, appended: list[int], final: bool) -> RequestOutput:
+        text = r.detok.flush(final) if r.detok is not None else ""
+        if final:
+            self.requests.pop(r.request_id, None)
+        return RequestOutput(
+            request_id=r.request_id, text=text, token_ids=appended, finished=final,
+            finish_reason=r.finish_reason, prompt_tokens=len(r.prompt_ids),
+            completion_tokens=len(r.output_ids),
+            spec=r.spec if self.drafter is not None else None)
+
+
+def _rows(st: SamplingTensors, repeats: torch.Tensor):
+    e = st.repeat_interleave(repeats)
+    return e.temperature, e.top_p, e.top_k

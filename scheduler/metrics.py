@@ -1,0 +1,99 @@
+"""Engine metrics in Prometheus form. Names follow vLLM's (`vllm:` becomes `dspark:`) where the
+meaning is the same, so existing dashboards carry over."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_block: int = 16) -> None:
+        L = ["model_name"]
+        self.labels = {"model_name": model_name}
+        r = registry
+        self.running = Gauge("dspark:num_requests_running", "Requests decoding or prefilling.", L, registry=r)
+        self.waiting = Gauge("dspark:num_requests_waiting", "Requests queued for admission.", L, registry=r)
+        self.kv_usage = Gauge("dspark:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", L, registry=r)
+        self.prompt_tokens = Counter("dspark:prompt_tokens", "Prefilled prompt tokens.", L, registry=r)
+        self.gen_tokens = Counter("dspark:generation_tokens", "Generated tokens returned.", L, registry=r)
+        self.finished = Counter("dspark:request_success", "Finished requests.", L + ["finished_reason"], registry=r)
+        self.ttft = Histogram("dspark:time_to_first_token_seconds", "Time to first token.", L,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("dspark:inter_token_latency_seconds",
+                             "Time between tokens (a step yielding n tokens counts n times its time / n).",
+                             L, buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("dspark:e2e_request_latency_seconds", "Arrival to finish.", L,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.forward_tokens = Histogram("dspark:forward_batch_tokens", "Tokens per target forward.", L,
+                                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), registry=r)
+        self.forward_seconds = Histogram("dspark:forward_seconds", "Duration of a target forward.", L,
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        # speculative decoding
+        self.drafts = Counter("dspark:spec_decode_num_drafts", "Verification rounds with at least one draft.", L, registry=r)
+        self.draft_tokens = Counter("dspark:spec_decode_num_draft_tokens", "Draft tokens verified.", L, registry=r)
+        self.accepted = Counter("dspark:spec_decode_num_accepted_tokens", "Draft tokens accepted.", L, registry=r)
+        self.accepted_pos = Counter("dspark:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted draft tokens by position (0-based).", L + ["position"], registry=r)
+        self.accept_len = Histogram("dspark:spec_decode_acceptance_length",
+                                    "Tokens per round, the target's own token included.", L,
+                                    buckets=tuple(range(1, max_block + 3)), registry=r)
+        self.budget = Histogram("dspark:spec_decode_verify_budget",
+                                "Draft tokens admitted for verification per request per step.", L,
+                                buckets=tuple(range(0, max_block + 1)), registry=r)
+        self.budget_mean = Gauge("dspark:spec_decode_verify_budget_mean",
+                                 "Mean verification budget per request in the last step.", L, registry=r)
+        self.expected = Counter("dspark:spec_decode_expected_tokens",
+                                "Tokens per step the policy expected (tau), summed over steps.", L, registry=r)
+        self.realized = Counter("dspark:spec_decode_realized_tokens",
+                                "Tokens per step actually produced by decode requests, summed.", L, registry=r)
+        self.cost = Gauge("dspark:cost_table_steps_per_second",
+                          "Profiled target steps per second at a batch of B tokens.", L + ["batch_tokens"], registry=r)
+
+    def set_cost_table(self, table) -> None:
+        for b, s in zip(table.batch_sizes, table.steps_per_second):
+            self.cost.labels(**self.labels, batch_tokens=str(b)).set(s)
+
+    def record_forward(self, tokens: int, seconds: float) -> None:
+        self.forward_tokens.labels(**self.labels).observe(tokens)
+        self.forward_seconds.labels(**self.labels).observe(seconds)
+
+    def record_policy(self, decision) -> None:
+        ls = list(decision.lengths)
+        for l in ls:
+            self.budget.labels(**self.labels).observe(l)
+        if ls:
+            self.budget_mean.labels(**self.labels).set(sum(ls) / len(ls))
+        self.expected.labels(**self.labels).inc(decision.expected_tokens)
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        lab = self.labels
+        self.drafts.labels(**lab).inc()
+        self.draft_tokens.labels(**lab).inc(drafted)
+        self.accepted.labels(**lab).inc(accepted)
+        for k in range(accepted):
+            self.accepted_pos.labels(**lab, position=str(k)).inc()
+        self.accept_len.labels(**lab).observe(accepted + 1)
+
+    def record_first_token(self, req, now: float) -> None:
+        self.ttft.labels(**self.labels).observe(now - req.arrival_time)
+        self.prompt_tokens.labels(**self.labels).inc(len(req.prompt_ids))
+
+    def record_inter_token(self, seconds: float, n: int) -> None:
+        for _ in range(max(n, 0)):
+            self.itl.labels(**self.labels).observe(seconds / max(n, 1))
+
+    def record_tokens(self, n: int) -> None:
+        self.gen_tokens.labels(**self.labels).inc(n)
+
+    def record_finished(self, req) -> None:
+        self.finished.labels(**self.labels, finished_reason=req.finish_reason or "unknown").inc()
+        self.e2e.labels(**self.labels).observe(time.monotonic() - req.arrival_time)
+
+    def record_step(self, engine) -> None:
+        self.running.labels(**self.labels).set(len(engine.running))
+        self.waiting.labels(**self.labels).set(len(engine.waiting))
+        self.kv_usage.labels(**self.labels).set(engine.runner.blocks.usage)

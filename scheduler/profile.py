@@ -1,0 +1,106 @@
+"""The SPS profile: how many target forward steps per second the machine does at each batch size
+(in tokens). Measured once at start-up and cached per model, device and dtype."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from scheduler.policy import CostTable
+from verifier.model_runner import ModelRunner, Segment
+
+log = logging.getLogger(__name__)
+
+BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+CONTEXT_LENS = (128, 512)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(runner: ModelRunner, batch_sizes=BATCH_SIZES, context_lens=CONTEXT_LENS,
+            repeats: int = 3) -> dict:
+    """Time decode-shaped forwards of B tokens spread over up to 32 requests of a given context
+    length. Returns {"batch_sizes", "steps_per_second", "by_context": {ctx: [sps...]}}."""
+    blocks = runner.blocks
+    usable = blocks.num_blocks * blocks.block_size
+    by_ctx: dict[int, list[float]] = {}
+    for ctx in context_lens:
+        nreq = 32
+        if nreq * (ctx + max(batch_sizes)) > usable:
+            ctx = max(1, usable // nreq - max(batch_sizes))
+        ids = [f"__profile{i}" for i in range(nreq)]
+        for rid in ids:
+            blocks.append(rid, ctx)
+        # The prefix KV content does not change the cost, so it is left as is (no prefill).
+        sps = []
+        for B in batch_sizes:
+            r = min(B, nreq)
+            per = [B // r + (1 if i < B % r else 0) for i in range(r)]
+            segs = []
+            for rid, n in zip(ids, per):
+                blocks.append(rid, n)
+                segs.append(Segment(rid, [0] * n, ctx, 0))
+            times = []
+            for _ in range(repeats + 1):
+                _sync(runner.device)
+                t0 = time.perf_counter()
+                runner.forward(segs)
+                _sync(runner.device)
+                times.append(time.perf_counter() - t0)
+            for rid in ids[:r]:
+                blocks.truncate(rid, ctx)
+            sps.append(1.0 / statistics.median(times[1:]))  # first call warms up
+        for rid in ids:
+            blocks.free(rid)
+        by_ctx[ctx] = sps
+    # SPS(B) for the scheduler: the median over context lengths at each B, made non-increasing
+    # (a bigger batch is never faster; noise must not tell the scheduler otherwise).
+    merged = [statistics.median(v[i] for v in by_ctx.values()) for i in range(len(batch_sizes))]
+    for i in range(1, len(merged)):
+        merged[i] = min(merged[i], merged[i - 1])
+    return {"batch_sizes": list(batch_sizes), "steps_per_second": merged,
+            "by_context": {str(k): v for k, v in by_ctx.items()}}
+
+
+def cache_key(model_name: str, config, device: torch.device, dtype: torch.dtype) -> str:
+    ident = json.dumps([model_name, config.to_dict() if hasattr(config, "to_dict") else str(config),
+                        str(device), str(dtype), torch.__version__, BATCH_SIZES], sort_keys=True,
+                       default=str)
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def load_or_profile(runner: ModelRunner, model_name: str, cache_dir: Path | None,
+                    reprofile: bool = False) -> tuple[CostTable, dict, str]:
+    """Return (table, raw profile, source) where source says whether it was cached or measured."""
+    path = None
+    if cache_dir is not None:
+        key = cache_key(model_name, runner.config, runner.device, runner.dtype)
+        path = Path(cache_dir) / "cost-tables" / f"{model_name}-{runner.device.type}-{key}.json"
+        if path.is_file() and not reprofile:
+            raw = json.loads(path.read_text())
+            return CostTable.from_dict(raw), raw, f"cached {path.name}"
+    t0 = time.perf_counter()
+    raw = measure(runner)
+    raw["seconds"] = time.perf_counter() - t0
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(raw, indent=1))
+        except OSError as exc:
+            log.warning("could not cache the cost table: %s", exc)
+    return CostTable.from_dict(raw), raw, f"measured in {raw['seconds']:.1f}s"
+
+
+def format_table(raw: dict) -> str:
+    lines = ["  B(tokens)  steps/s  tokens/s"]
+    for b, s in zip(raw["batch_sizes"], raw["steps_per_second"]):
+        lines.append(f"  {b:9d}  {s:7.1f}  {b * s:8.0f}")
+    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""A request's state as it moves through the engine, and what the engine reports back for it."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from scheduler.detokenizer import IncrementalDetokenizer
+from verifier.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # queued, no KV yet
+    PREFILL = "prefill"      # admitted, prompt partly in the KV cache
+    DECODE = "decode"        # prompt done; last token sampled, its KV pending
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding statistics of one request."""
+
+    rounds: int = 0
+    drafted: int = 0     # draft tokens the target verified
+    accepted: int = 0    # of those, accepted
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification round, the target's own token included (tau)."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class Request:
+    """One generation request. The engine thread is its only writer."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0             # tokens whose KV is in the cache
+    reserved_blocks: int = 0          # KV blocks set aside at admission
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    generator: torch.Generator | None = None
+    detok: IncrementalDetokenizer | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    last_verify_len: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request (a delta, for streaming)."""
+
+    request_id: str
+    text: str                      # new text since the last output
+    token_ids: list[int]           # new tokens since the last output
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    spec: SpecStats | None = None
+    error: str | None = None

@@ -1,0 +1,41 @@
+"""Configuration of the target model and its KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What target to load and where its KV cache lives."""
+
+    model: str | None = None
+    """None: the embedded SmolLM2-135M-Instruct; else a HF directory or a .gguf file."""
+    device: str = "auto"
+    """auto (CUDA when present, else CPU), cpu or cuda."""
+    dtype: str = "auto"
+    """auto (float32 on CPU, bfloat16 on CUDA), float32, float16 or bfloat16."""
+    max_model_len: int = 2048
+    """Longest sequence (prompt + output) a request may reach."""
+    kv_cache_tokens: int = 0
+    """Token slots in the paged KV cache; 0 = derive from kv_cache_memory_fraction."""
+    kv_cache_memory_fraction: float = 0.1
+    """With kv_cache_tokens 0: fraction of free accelerator memory (CPU: of total RAM) for KV."""
+    kv_block_size: int = 16
+    """Token slots per KV block."""
+    cache_dir: str | None = None
+    """Where GGUF conversions are cached; None = the user cache directory."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.max_model_len < 16:
+            raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len!r}")
+        if self.kv_cache_tokens < 0:
+            raise ValueError(f"kv_cache_tokens must be >= 0, got {self.kv_cache_tokens!r}")
+        if not (0.0 < self.kv_cache_memory_fraction <= 0.95):
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction!r}")
+        if self.kv_block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"kv_block_size must be a power of two <= 256, got {self.kv_block_size!r}")

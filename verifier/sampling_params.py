@@ -1,0 +1,32 @@
+"""Per-request sampling parameters (plain Python, no torch)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns target logits into tokens.
+
+    temperature: 0 means greedy (argmax); > 0 divides the logits before softmax.
+    top_p: keep the smallest set of tokens whose probability mass reaches top_p (1.0 = off).
+    top_k: keep the k most likely tokens (0 = off).
+    seed: per-request seed; the same seed and prompt give the same output.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.temperature <= 100.0):
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
