@@ -18,7 +18,8 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from verifier.sampling import SamplingTensors, probs_from_logits, sample
@@ -396,12 +397,12 @@ class SampledBlock:
 
     tokens: [B, K] int64 sampled left to right from the Markov-corrected distribution.
     probs:  [B, K, V] float32, the distribution q_k each token was drawn from (one-hot for
-            greedy rows).
+            greedy rows), or None when every row is greedy.
     prev_tokens: [B, K] int64, the token preceding each draft (anchor, tokens[:, :-1]).
     """
 
     tokens: torch.Tensor
-    probs: torch.Tensor
+    probs: torch.Tensor | None
     prev_tokens: torch.Tensor
 
 
@@ -704,74 +705,83 @@ class DSparkModel(nn.Module):
 
         base_logits: [B, K, V] (lm_head output); anchor: [B]; sampling/generators: one per
         row; hidden: [B, K, d] (needed by gated / rnn heads) -> SampledBlock.
-        q_k = probs_from_logits(corrected logits_k) with the row's temperature/top-p/top-k;
-        greedy rows take the argmax and get a one-hot q."""
-        b, steps, _ = base_logits.shape
+        q_k = probs_from_logits(corrected logits_k) with the row's temperature/top-p/top-k,
+        the same function the verifier shapes p with. Greedy rows take the argmax (q one-hot)
+        and skip the vocabulary-wide work."""
+        b, steps, vocab = base_logits.shape
         dev = base_logits.device
-        st = SamplingTensors.from_params(sampling, dev)
-        greedy = torch.tensor([s.greedy for s in sampling], dtype=torch.bool, device=dev)
-        all_greedy = bool(greedy.all())
         head = self.markov_head
         if head is not None and head.kind != "vanilla" and hidden is None:
             raise ValueError(f"markov_head_type {head.kind!r} needs the block hidden states")
+        rows = [i for i, s in enumerate(sampling) if not s.greedy]
+        if rows:
+            row_idx = torch.tensor(rows, dtype=torch.long, device=dev)
+            st = SamplingTensors.from_params([sampling[i] for i in rows], dev)
+            row_gens = [generators[i] for i in rows]
         state = head.init_state((b,), head.markov_w1.weight) if head is not None else None
         prev = anchor.long().to(dev)
         tokens, probs, prevs = [], [], []
         for k in range(steps):
             logits = base_logits[:, k].float()
             if head is not None:
-                h = hidden[:, k] if hidden is not None else None
-                state, bias = head.step(state, prev, h)
+                state, bias = head.step(state, prev, hidden[:, k] if hidden is not None else None)
                 logits = logits + bias.float()
-            # q is shaped exactly like the verifier shapes p (same function).
-            q = probs_from_logits(logits, st.temperature, st.top_p, st.top_k)
-            if all_greedy:
-                tok = logits.argmax(-1)
-            else:
-                tok = sample(q, generators)
-                tok = torch.where(greedy, logits.argmax(-1), tok)
+            tok = logits.argmax(-1)
+            if rows:
+                q = probs_from_logits(logits[row_idx], st.temperature, st.top_p, st.top_k)
+                tok[row_idx] = sample(q, row_gens)
+                full = torch.zeros(b, vocab, dtype=torch.float32, device=dev)
+                full.scatter_(1, tok.unsqueeze(1), 1.0)
+                full[row_idx] = q
+                probs.append(full)
             prevs.append(prev)
             tokens.append(tok)
-            probs.append(q)
             prev = tok
         if steps == 0:
             empty = torch.empty(b, 0, dtype=torch.long, device=dev)
-            return SampledBlock(empty, base_logits.new_empty(b, 0, base_logits.shape[-1]).float(), empty)
-        return SampledBlock(torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(prevs, 1))
+            return SampledBlock(empty, None, empty)
+        return SampledBlock(torch.stack(tokens, 1), torch.stack(probs, 1) if rows else None,
+                            torch.stack(prevs, 1))
 
 
 # --------------------------------------------------------------------------------------
 # Checkpoints
 # --------------------------------------------------------------------------------------
 
-_SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")
+_SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
 
 
-def _read_state_dict(path: str) -> dict[str, torch.Tensor]:
+def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(path, name) for name in files]
-    else:
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, name) for name in names]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors weights in {path!r}")
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(name, device="cpu"))
-    return state
+    return files
 
 
-def _normalize_keys(state: dict[str, torch.Tensor], expected: set[str]) -> dict[str, torch.Tensor]:
+def _normalize_key(key: str, expected: set[str]) -> str:
     """Strip training-framework prefixes ("model.", "_orig_mod.", ...) from unknown keys."""
-    out = {}
-    for key, value in state.items():
-        k = key
-        while k not in expected and k.startswith(_KEY_PREFIXES):
-            k = k.split(".", 1)[1]
-        out[k if k in expected else key] = value
-    return out
+    k = key
+    while k not in expected and k.startswith(_KEY_PREFIXES):
+        k = k.split(".", 1)[1]
+    return k if k in expected else key
+
+
+def _read_state_dict(path: str, expected: set[str], skip: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors under normalized names; keys starting with `skip` are never read
+    (real checkpoints carry vocab-sized copies of the target's embedding and LM head)."""
+    state: dict[str, torch.Tensor] = {}
+    for name in _weight_files(path):
+        with safe_open(name, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                k = _normalize_key(key, expected)
+                if not (skip and k.startswith(skip)):
+                    state[k] = f.get_tensor(key)
+    return state
 
 
 def read_config(path: str) -> DSparkConfig:
@@ -790,6 +800,14 @@ def read_calibration(path: str) -> Calibration | None:
         return Calibration.from_json_dict(json.load(f))
 
 
+def resolve_device(device: torch.device | str) -> torch.device:
+    """"cuda" -> "cuda:<current>", so device identity checks are exact."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def load_dspark(
     path: str,
     target_embed: nn.Embedding | None = None,
@@ -801,51 +819,48 @@ def load_dspark(
     """Load a DeepSpec-format drafter (config.json + *.safetensors [+ calibration.json]).
 
     The target's embedding / LM head are shared by reference when given (the drafter's
-    copies are frozen target weights anyway); otherwise the checkpoint must contain them.
-    drop_markov_head: load as DFlash (no Markov correction); a confidence head that reads
-    W1[x_prev] is dropped with it, since its input no longer exists."""
+    copies are frozen target weights anyway, and not even read); otherwise the checkpoint
+    must contain them. drop_markov_head: load as DFlash (no Markov correction); a
+    confidence head that reads W1[x_prev] is dropped with it, since its input is gone."""
     cfg = read_config(path)
     if drop_markov_head and cfg.has_markov:
         conf = cfg.enable_confidence_head and not cfg.confidence_uses_markov
         cfg = cfg.replace(markov_rank=0, enable_confidence_head=conf,
                           confidence_head_with_markov=False)
-    model = DSparkModel(cfg)
-    own = model.state_dict()
-    expected = set(own)
-    state = _normalize_keys(_read_state_dict(path), expected)
+    if (target_embed is None) != (target_lm_head is None):
+        raise ValueError("pass both target_embed and target_lm_head, or neither")
+    dev = resolve_device(device)
+    shared = target_embed is not None
+    embed = _as_shared(target_embed, dev, dtype) if shared else None
+    head = _as_shared(target_lm_head, dev, dtype) if shared else None
+    with torch.device("meta"):  # no throwaway random init of ~0.5B parameters
+        model = DSparkModel(cfg, embed, head)
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    skip = _SHARED_PREFIXES if shared else ()
+    state = _read_state_dict(path, set(own), skip)
     if drop_markov_head:
         state = {k: v for k, v in state.items()
-                 if k in expected or not k.startswith(("markov_head.", "confidence_head."))}
-    unexpected = sorted(set(state) - expected)
+                 if k in own or not k.startswith(("markov_head.", "confidence_head."))}
+    unexpected = sorted(set(state) - set(own))
     if unexpected:
         raise ValueError(f"unexpected weights in {path!r}: {unexpected[:8]}")
-    share = {"embed_tokens.weight": target_embed, "lm_head.weight": target_lm_head}
-    missing = [k for k in expected - set(state) if not (k in share and share[k] is not None)]
+    missing = sorted(k for k in set(own) - set(state) if not (shared and k.startswith(skip)))
     if missing:
         hint = (" (embed_tokens / lm_head are not in the checkpoint: pass the target's)"
-                if set(missing) & set(_SHARED_KEYS) else "")
-        raise ValueError(f"missing weights in {path!r}: {sorted(missing)[:8]}{hint}")
+                if any(k.startswith(_SHARED_PREFIXES) for k in missing) else "")
+        raise ValueError(f"missing weights in {path!r}: {missing[:8]}{hint}")
     for key, value in state.items():
-        if tuple(value.shape) != tuple(own[key].shape):
-            raise ValueError(f"weight {key!r} has shape {tuple(value.shape)}, config implies "
-                             f"{tuple(own[key].shape)}")
-    for key in _SHARED_KEYS:
-        if share[key] is not None:
-            state.pop(key, None)
-    model.load_state_dict(state, strict=False)
-    model.to(device=device, dtype=dtype)
-    if target_embed is not None or target_lm_head is not None:
-        dev = model.device  # resolved ("cuda" -> "cuda:0") so identity checks work
-        model.attach_shared(_as_shared(target_embed, model.embed_tokens, dev, dtype),
-                            _as_shared(target_lm_head, model.lm_head, dev, dtype))
+        if tuple(value.shape) != own[key]:
+            raise ValueError(f"weight {key!r} has shape {tuple(value.shape)}, config implies {own[key]}")
+    model.load_state_dict({k: v.to(device=dev, dtype=dtype) for k, v in state.items()},
+                          strict=False, assign=True)
+    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
     model.calibration = read_calibration(path)
     return model.eval()
 
 
-def _as_shared(mod: nn.Module | None, fallback: nn.Module, device, dtype) -> nn.Module:
-    """The target module itself when it already lives on device/dtype, else a converted copy."""
-    if mod is None:
-        return fallback
+def _as_shared(mod: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The target module itself when it already lives on device/dtype, else a frozen copy."""
     w = mod.weight
     if w.device == device and w.dtype == dtype:
         return mod
@@ -865,7 +880,7 @@ def save_dspark(model: DSparkModel, path: str, include_shared: bool = False) -> 
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(model.config.to_json_dict(), f, indent=2)
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()
-             if include_shared or k not in _SHARED_KEYS}
+             if include_shared or not k.startswith(_SHARED_PREFIXES)}
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     if model.calibration is not None:
         save_calibration(model.calibration, path)

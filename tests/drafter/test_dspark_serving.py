@@ -136,6 +136,13 @@ def test_propose_mixed_sampling_truncation(head_type):
     full = model.block_logits(hidden0, torch.cat([ids[0, -1:], p0.tokens, p0.tokens[-1:]])[None, :BS])[0]
     assert full[:2].argmax(-1).tolist() == p0.tokens.tolist()
     assert ((p0.confidences > 0) & (p0.confidences < 1)).all()
+    # sample_block: greedy rows of a mixed batch carry a one-hot q; an all-greedy batch none.
+    both = dr.block_hidden(reqs(5)[:2])
+    base, anchors = model.lm_head(both), ids[:2, -1]
+    blk = model.sample_block(base, anchors, [GREEDY, hot], [None, torch.Generator().manual_seed(5)], both)
+    onehot = torch.nn.functional.one_hot(blk.tokens[0], V).float()
+    assert torch.equal(blk.probs[0], onehot) and blk.tokens[1].tolist() == p1.tokens.tolist()
+    assert model.sample_block(base, anchors, [GREEDY, GREEDY], [None, None], both).probs is None
 
 
 def test_factories_share_target_modules(tmp_path):
