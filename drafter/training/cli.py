@@ -1,0 +1,314 @@
+"""`dspark-train`: one subcommand per stage of the drafter pipeline.
+
+    dspark-train gen-data   --out runs/smollm2       # target writes responses (+ cache)
+    dspark-train cache-target --out runs/smollm2     # target taps for data without a cache
+    dspark-train train      --out runs/smollm2 --name dspark [--markov-rank 0 for DFlash]
+    dspark-train calibrate  --out runs/smollm2 --name dspark
+    dspark-train export     --out runs/smollm2 --name dspark --dest drafter/checkpoints/...
+    dspark-train evaluate   --drafter dspark=PATH --drafter dflash=PATH --results bench/results
+
+Every stage shows a progress bar, writes `<out>/progress/<stage>.json`, and resumes after an
+interruption (finished shards are skipped, training restarts from its last checkpoint).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+# The embedded target: 30 decoder layers; five taps spread over them (never the last layer,
+# whose output is the target's own prediction).
+DEFAULT_TAPS = "1,7,14,21,27"
+# <empty_output>: a special token of the SmolLM2 vocabulary that chat text never contains.
+DEFAULT_MASK_TOKEN = 16
+
+
+class Progress:
+    """A tqdm bar plus a JSON file others can poll (`<out>/progress/<stage>.json`)."""
+
+    def __init__(self, out: str, stage: str, total: int, unit: str):
+        from tqdm import tqdm
+
+        self.path = Path(out) / "progress" / f"{stage}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.bar = tqdm(total=total, desc=stage, unit=unit, dynamic_ncols=True, mininterval=2.0)
+        self.stage, self.t0 = stage, time.time()
+
+    def update(self, done: int, total: int, **info) -> None:
+        self.bar.total = total
+        self.bar.n = done
+        if info:
+            self.bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in info.items()})
+        self.bar.refresh()
+        self.path.write_text(json.dumps({"stage": self.stage, "done": done, "total": total,
+                                         "elapsed_s": round(time.time() - self.t0, 1), **info}))
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _taps(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"taps must be comma-separated ints, got {text!r}") from None
+
+
+def _set_threads(n: int) -> None:
+    import torch
+
+    if n > 0:
+        torch.set_num_threads(n)
+
+
+def cmd_gen_data(a: argparse.Namespace) -> None:
+    from drafter.training.data import GenDataConfig, run_gen_data
+    from verifier.loader import load_target
+
+    _set_threads(a.threads)
+    cfg = GenDataConfig(prompts=a.prompts, out_dir=a.out, max_prompt_tokens=a.max_prompt_tokens,
+                        max_new_tokens=a.max_new_tokens, max_prompts=a.max_prompts,
+                        batch_size=a.batch_size, temperature=a.temperature, seed=a.seed,
+                        holdout_every=a.holdout_every)
+    target = load_target(a.model, device=a.device)
+    taps = None if a.no_cache else a.taps
+    bar = Progress(a.out, "gen-data", 1, "batch")
+    n = run_gen_data(cfg, target.model, target.tokenizer, taps,
+                     lambda d, t, tok: bar.update(d, t, new_tokens=tok))
+    bar.close()
+    print(f"gen-data: {n} shards in {a.out}/data" + ("" if taps is None else f" (+ cache in {a.out}/cache)"))
+
+
+def _load_target(a: argparse.Namespace):
+    from verifier.loader import load_target
+
+    return load_target(a.model, device=a.device)
+
+
+def cmd_cache_target(a: argparse.Namespace) -> None:
+    from drafter.training.cache import run_cache_target
+
+    _set_threads(a.threads)
+    target = _load_target(a)
+    bar = Progress(a.out, "cache-target", 1, "shard")
+    n = run_cache_target(a.out, target.model, a.taps, lambda d, t: bar.update(d, t))
+    bar.close()
+    print(f"cache-target: {n} shards in {a.out}/cache")
+
+
+def _drafter_config(a: argparse.Namespace, target):
+    from drafter.dspark_model import DSparkConfig
+
+    return DSparkConfig.for_target(
+        target.model.config, num_draft_layers=a.layers, block_size=a.block_size,
+        target_layer_ids=a.taps, mask_token_id=a.mask_token_id, markov_rank=a.markov_rank,
+        markov_head_type=a.markov_head_type, enable_confidence_head=True,
+        confidence_head_with_markov=a.markov_rank > 0, num_anchors=a.num_anchors)
+
+
+def cmd_train(a: argparse.Namespace) -> None:
+    from drafter.training.loss import LossConfig
+    from drafter.training.train import TrainConfig, build_drafter, load_train_data, run_train, save_final
+
+    _set_threads(a.threads)
+    target = _load_target(a)
+    cfg = _drafter_config(a, target)
+    tcfg = TrainConfig(steps=a.steps, batch_seqs=a.batch_seqs, num_anchors=a.num_anchors, lr=a.lr,
+                       warmup_ratio=a.warmup_ratio, checkpoint_every=a.checkpoint_every,
+                       bf16=not a.fp32, init_from_target=not a.no_init_from_target, seed=a.seed)
+    lcfg = LossConfig(ce_alpha=a.ce_alpha, l1_alpha=a.l1_alpha, confidence_alpha=a.confidence_alpha,
+                      decay_gamma=a.decay_gamma)
+    data = load_train_data(a.out, a.holdout_every)
+    print(f"train {a.name}: {len(data)} sequences, {sum(len(s.input_ids) - s.num_prompt for s in data)} "
+          f"response tokens; drafter {cfg.num_hidden_layers} layers, markov_rank {cfg.markov_rank}")
+    model = build_drafter(cfg, target.model, tcfg.init_from_target).to(a.device)
+    work = Path(a.out) / "train" / a.name
+    bar = Progress(a.out, f"train-{a.name}", tcfg.steps, "step")
+    run_train(model, data, tcfg, lcfg, work,
+              lambda s: bar.update(s.step, tcfg.steps, loss=s.loss, ce=s.ce, l1=s.l1, conf=s.confidence,
+                                   tau=s.tau, s_per_step=s.seconds))
+    bar.close()
+    path = save_final(model, work)
+    (work / "final" / "train_args.json").write_text(json.dumps(
+        {"train": tcfg.__dict__, "loss": lcfg.__dict__, "sequences": len(data)}, indent=1))
+    print(f"train {a.name}: saved {path}")
+
+
+def _load_drafter(path: str, target, device: str):
+    from drafter.dspark_model import load_dspark
+
+    return load_dspark(path, target_embed=target.model.get_input_embeddings(),
+                       target_lm_head=target.model.get_output_embeddings(), device=device)
+
+
+def cmd_calibrate(a: argparse.Namespace) -> None:
+    from drafter.dspark_model import Calibration, save_calibration
+    from drafter.training.cache import load_cache
+    from drafter.training.calibrate import (STSConfig, collect_confidences, cumulative_survival, fit_sts,
+                                            plot_reliability, pooled_ece, position_metrics)
+    from drafter.training.evaluate import summarize_positions, write_json
+
+    import torch
+
+    _set_threads(a.threads)
+    target = _load_target(a)
+    path = a.drafter or str(Path(a.out) / "train" / a.name / "final")
+    model = _load_drafter(path, target, a.device)
+    model.calibration = None
+    seqs = load_cache(Path(a.out) / "cache", holdout=True, holdout_every=a.holdout_every)[:a.max_seqs]
+    if not seqs:
+        raise SystemExit("calibrate: no held-out cache shards (run gen-data longer or lower --holdout-every)")
+    bar = Progress(a.out, f"calibrate-{a.name}", 2, "phase")
+    samples = collect_confidences(model, seqs, a.num_anchors, seed=a.seed)
+    bar.update(1, 2, blocks=int(samples.mask[:, 0].sum()))
+    cfg = STSConfig()
+    temps = fit_sts(samples.logits, samples.prefix_labels, samples.mask, cfg)
+    before = position_metrics(cumulative_survival(samples.logits), samples.prefix_labels, samples.mask)
+    after = position_metrics(cumulative_survival(samples.logits, torch.tensor(temps)),
+                             samples.prefix_labels, samples.mask)
+    save_calibration(Calibration(tuple(temps)), path)
+    bar.update(2, 2, ece_before=pooled_ece(before), ece_after=pooled_ece(after))
+    bar.close()
+    report = {"drafter": path, "held_out_sequences": len(seqs), "blocks": int(samples.mask[:, 0].sum()),
+              "labels": "teacher-forced expected prefix survival prod c*_k",
+              "temperatures": temps, "ece_before": pooled_ece(before), "ece_after": pooled_ece(after),
+              "per_position_before": summarize_positions(before),
+              "per_position_after": summarize_positions(after)}
+    out = Path(a.out) / "calibration" / a.name
+    write_json(out / "calibration_report.json", report)
+    plot_reliability(before, after, f"{a.name}: held-out teacher-forced survival", str(out / "reliability.png"))
+    print(json.dumps({k: report[k] for k in ("temperatures", "ece_before", "ece_after")}))
+
+
+def cmd_export(a: argparse.Namespace) -> None:
+    from drafter.training.export import directory_size, export_drafter
+
+    src = a.drafter or str(Path(a.out) / "train" / a.name / "final")
+    target = _load_target(a)
+    model = _load_drafter(src, target, "cpu")
+    meta = None
+    args_path = Path(src) / "train_args.json"
+    if args_path.exists():
+        meta = json.loads(args_path.read_text())
+    export_drafter(model, a.dest, dtype=a.dtype, metadata=meta)
+    size = directory_size(a.dest)
+    print(f"export: {a.dest} ({size / 1e6:.1f} MB)")
+    if size > a.max_mb * 1e6:
+        raise SystemExit(f"export: {size / 1e6:.1f} MB exceeds --max-mb {a.max_mb}")
+
+
+def cmd_evaluate(a: argparse.Namespace) -> None:
+    from drafter.training.evaluate import run_evaluation
+
+    _set_threads(a.threads)
+    target = _load_target(a)
+    drafters = {}
+    for spec in a.drafter:
+        name, _, path = spec.partition("=")
+        drafters[name] = path
+    run_evaluation(target, drafters, a.datasets, a.results, max_prompts=a.max_prompts,
+                   max_new_tokens=a.max_new_tokens, temperatures=a.temperatures, ngram=not a.no_ngram,
+                   seed=a.seed, progress_out=a.out)
+
+
+def _add_model_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--layers", type=int, default=2, help="draft transformer layers")
+    sp.add_argument("--block-size", type=int, default=7)
+    sp.add_argument("--taps", type=_taps, default=_taps(DEFAULT_TAPS), help="target_layer_ids")
+    sp.add_argument("--mask-token-id", type=int, default=DEFAULT_MASK_TOKEN)
+    sp.add_argument("--markov-rank", type=int, default=64, help="0 = DFlash (no sequential head)")
+    sp.add_argument("--markov-head-type", default="vanilla", choices=("vanilla", "gated", "rnn"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dspark-train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--out", default="runs/smollm2", help="work directory of this pipeline")
+        sp.add_argument("--model", default=None, help="target (default: embedded SmolLM2-135M-Instruct)")
+        sp.add_argument("--device", default="cpu")
+        sp.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+        sp.add_argument("--seed", type=int, default=0)
+
+    g = sub.add_parser("gen-data", help="stage 1: the target answers the training prompts")
+    common(g)
+    g.add_argument("--prompts", default="../shared/data/prompts/train.jsonl")
+    g.add_argument("--max-prompt-tokens", type=int, default=256)
+    g.add_argument("--max-new-tokens", type=int, default=192)
+    g.add_argument("--max-prompts", type=int, default=0, help="0 = all")
+    g.add_argument("--batch-size", type=int, default=48)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--holdout-every", type=int, default=10, help="every n-th shard held out for calibration")
+    g.add_argument("--taps", type=_taps, default=_taps(DEFAULT_TAPS), help="target layers to cache")
+    g.add_argument("--no-cache", action="store_true", help="store token ids only")
+    g.set_defaults(func=cmd_gen_data)
+
+    c = sub.add_parser("cache-target", help="stage 1b: cache target taps for data shards without one")
+    common(c)
+    c.add_argument("--taps", type=_taps, default=_taps(DEFAULT_TAPS))
+    c.set_defaults(func=cmd_cache_target)
+
+    t = sub.add_parser("train", help="stage 2: train a drafter from the cache")
+    common(t)
+    _add_model_args(t)
+    t.add_argument("--name", default="dspark", help="run name (work dir <out>/train/<name>)")
+    t.add_argument("--steps", type=int, default=400)
+    t.add_argument("--batch-seqs", type=int, default=4)
+    t.add_argument("--num-anchors", type=int, default=24, help="random anchors per sequence")
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--warmup-ratio", type=float, default=0.04)
+    t.add_argument("--checkpoint-every", type=int, default=25)
+    t.add_argument("--ce-alpha", type=float, default=0.1)
+    t.add_argument("--l1-alpha", type=float, default=0.9)
+    t.add_argument("--confidence-alpha", type=float, default=1.0)
+    t.add_argument("--decay-gamma", type=float, default=None, help="default: the block size")
+    t.add_argument("--holdout-every", type=int, default=10)
+    t.add_argument("--fp32", action="store_true", help="no bfloat16 autocast")
+    t.add_argument("--no-init-from-target", action="store_true")
+    t.set_defaults(func=cmd_train)
+
+    k = sub.add_parser("calibrate", help="stage 3: Sequential Temperature Scaling on held-out data")
+    common(k)
+    k.add_argument("--name", default="dspark")
+    k.add_argument("--drafter", default=None, help="checkpoint dir (default <out>/train/<name>/final)")
+    k.add_argument("--holdout-every", type=int, default=10)
+    k.add_argument("--num-anchors", type=int, default=64)
+    k.add_argument("--max-seqs", type=int, default=200)
+    k.set_defaults(func=cmd_calibrate)
+
+    e = sub.add_parser("export", help="stage 4: DeepSpec-format directory without shared weights")
+    common(e)
+    e.add_argument("--name", default="dspark")
+    e.add_argument("--drafter", default=None, help="checkpoint dir (default <out>/train/<name>/final)")
+    e.add_argument("--dest", required=True)
+    e.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    e.add_argument("--max-mb", type=float, default=50.0)
+    e.set_defaults(func=cmd_export)
+
+    v = sub.add_parser("evaluate", help="acceptance length + calibration on the dev sets")
+    common(v)
+    v.add_argument("--drafter", action="append", default=[], help="NAME=PATH (repeatable)")
+    v.add_argument("--datasets", nargs="+", default=None, help="dev JSONL files (default: all dev-*.jsonl)")
+    v.add_argument("--results", default="bench/results/drafter_eval")
+    v.add_argument("--max-prompts", type=int, default=8, help="per dataset (0 = all)")
+    v.add_argument("--max-new-tokens", type=int, default=128)
+    v.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    v.add_argument("--no-ngram", action="store_true")
+    v.set_defaults(func=cmd_evaluate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""DeepSpec's DSpark objective, as pure functions.
+
+Per supervised slot (anchor n, block position k = 1..bs):
+    ce_k   = -log q_k(y_k)                      (y = the target's own next token)
+    l1_k   = ||q_k - p_k||_1                    (DeepSpec's total-variation term: the L1
+                                                 distance, i.e. twice the TV distance)
+    c*_k   = clamp(1 - 0.5 * ||q_k - p_k||_1)   (analytic acceptance rate, no gradient)
+    bce_k  = BCE(sigmoid(conf_k), c*_k)
+each weighted by w_k = exp(-(k - 1) / gamma) on valid slots, normalized by the sum of the
+weights, and combined as ce_alpha * CE + l1_alpha * L1 + confidence_alpha * BCE.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Weights of the DSpark objective.
+
+    ce_alpha: weight of the cross-entropy against the target's tokens (DeepSpec: 0.1).
+    l1_alpha: weight of the ||q - p||_1 distribution term (DeepSpec: 0.9).
+    confidence_alpha: weight of the confidence-head BCE (DeepSpec: 1.0).
+    decay_gamma: position decay exp(-(k-1)/gamma); None = the block size; 0 = no decay.
+    """
+
+    ce_alpha: float = 0.1
+    l1_alpha: float = 0.9
+    confidence_alpha: float = 1.0
+    decay_gamma: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ce_alpha", "l1_alpha", "confidence_alpha"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
+        if self.decay_gamma is not None and not (self.decay_gamma >= 0 and math.isfinite(self.decay_gamma)):
+            raise ValueError(f"decay_gamma must be None or finite and >= 0, got {self.decay_gamma!r}")
+
+    def gamma(self, block_size: int) -> float:
+        return float(block_size) if self.decay_gamma is None else float(self.decay_gamma)
+
+
+@dataclass
+class LossOutput:
+    """The objective and its parts (scalars; `loss` carries the gradient).
+
+    accept_rate: [bs] mean analytic acceptance c*_k per position over valid slots.
+    tau: expected accepted length per block, 1 + sum_k prod_{i<=k} c*_i (teacher-forced).
+    """
+
+    loss: torch.Tensor
+    ce: torch.Tensor
+    l1: torch.Tensor
+    confidence: torch.Tensor
+    accept_rate: torch.Tensor
+    tau: torch.Tensor
+
+
+def position_weights(mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """mask: [..., bs] bool -> [..., bs] float32 weights exp(-(k-1)/gamma) on valid slots."""
+    w = mask.to(torch.float32)
+    if gamma > 0:
+        k = torch.arange(mask.shape[-1], device=mask.device, dtype=torch.float32)
+        w = w * torch.exp(-k / gamma)
+    return w
+
+
+def acceptance_rate(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """draft_probs, target_probs: [..., V] -> [...] c* = 1 - 0.5 * ||q - p||_1 in [0, 1]."""
+    return (1.0 - 0.5 * (draft_probs - target_probs).abs().sum(-1)).clamp(0.0, 1.0)
+
+
+def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
+                mask: torch.Tensor, confidence_logits: torch.Tensor | None,
+                cfg: LossConfig) -> LossOutput:
+    """The DSpark training objective.
+
+    draft_logits: [B, N, bs, V] drafter logits (Markov-corrected, teacher-forced).
+    target_logits: [B, N, bs, V] the target's logits for the same slots (no gradient).
+    labels: [B, N, bs] the target's tokens y_k.
+    mask: [B, N, bs] bool, valid slots (a contiguous prefix of each block).
+    confidence_logits: [B, N, bs] raw confidence-head outputs, or None (no head).
+    """
+    bs, vocab = draft_logits.shape[-2], draft_logits.shape[-1]
+    w = position_weights(mask, cfg.gamma(bs))
+    den = w.sum().clamp_min(1e-6)
+    logits = draft_logits.float()
+    ce = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1).long(),
+                         reduction="none").view_as(w)
+    q = logits.softmax(-1)
+    with torch.no_grad():
+        p = target_logits.float().softmax(-1)
+    l1 = (q - p).abs().sum(-1)
+    c_star = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
+    ce_mean = (ce * w).sum() / den
+    l1_mean = (l1 * w).sum() / den
+    if confidence_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), c_star, reduction="none")
+        conf_mean = (bce * w).sum() / den
+    else:
+        conf_mean = ce_mean.new_zeros(())
+    loss = cfg.ce_alpha * ce_mean + cfg.l1_alpha * l1_mean + cfg.confidence_alpha * conf_mean
+    with torch.no_grad():
+        m = mask.to(torch.float32)
+        per_pos = (c_star * m).sum(dim=tuple(range(m.dim() - 1))) / m.sum(
+            dim=tuple(range(m.dim() - 1))).clamp_min(1.0)
+        blocks = m[..., 0] > 0
+        tau = ((c_star * m).cumprod(-1).sum(-1) + 1.0)[blocks].mean() if blocks.any() else m.new_zeros(())
+    return LossOutput(loss=loss, ce=ce_mean.detach(), l1=l1_mean.detach(), confidence=conf_mean.detach(),
+                      accept_rate=per_pos, tau=tau)

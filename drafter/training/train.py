@@ -1,0 +1,207 @@
+"""Stage 2: train a DSpark (or DFlash: markov_rank 0) drafter from the cached target states.
+
+The target stays frozen and absent: its taps and final hidden come from the cache, and its
+embedding / LM head are shared with the drafter and frozen. Checkpoints every few steps make
+a killed run resume where it stopped, with the same data order.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
+from drafter.training.cache import CachedSequence, TrainBatch, load_cache, make_batch
+from drafter.training.loss import LossConfig, LossOutput, dspark_loss
+
+SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimization of one drafter.
+
+    steps: optimizer steps (DSpark and DFlash baselines use the same number).
+    batch_seqs: sequences per step; num_anchors: random anchors per sequence.
+    lr / warmup_ratio / weight_decay / max_grad_norm: AdamW with linear warmup + cosine decay.
+    checkpoint_every: steps between resumable checkpoints.
+    bf16: run matmuls under bfloat16 autocast (losses stay float32).
+    init_from_target: copy the target's last decoder layers into the draft layers.
+    seed: data order and anchor sampling.
+    """
+
+    steps: int = 400
+    batch_seqs: int = 4
+    num_anchors: int = 24
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    checkpoint_every: int = 25
+    bf16: bool = True
+    init_from_target: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_seqs", "num_anchors", "checkpoint_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not (self.lr > 0):
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if not (0 <= self.warmup_ratio < 1):
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
+        if self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm!r}")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    warm = max(1, int(cfg.warmup_ratio * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def trainable_parameters(model: DSparkModel) -> list[nn.Parameter]:
+    return [p for n, p in model.named_parameters() if not n.startswith(SHARED_PREFIXES)]
+
+
+def trainable_state(model: DSparkModel) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
+
+
+def build_drafter(cfg: DSparkConfig, target: nn.Module, init_from_target: bool) -> DSparkModel:
+    """A drafter sharing the target's (frozen) embedding and LM head.
+
+    init_from_target: the draft layers start as copies of the target's last decoder layers
+    (same shapes for Llama/Qwen targets), the final norm as the target's, and fc reads the
+    deepest tap, so training starts from "the top of the target" instead of noise."""
+    embed = target.get_input_embeddings()
+    head = target.get_output_embeddings()
+    embed.requires_grad_(False)
+    head.requires_grad_(False)
+    torch.manual_seed(0)
+    model = DSparkModel(cfg, embed_tokens=embed, lm_head=head)
+    if model.markov_head is not None:
+        nn.init.zeros_(model.markov_head.markov_w2.weight)  # starts as DFlash
+        nn.init.normal_(model.markov_head.markov_w1.weight, std=0.02)
+    if init_from_target:
+        tlayers = target.model.layers
+        src = tlayers[len(tlayers) - cfg.num_hidden_layers:]
+        with torch.no_grad():
+            for dst, s in zip(model.layers, src):
+                for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                    mine, theirs = getattr(dst.self_attn, name), getattr(s.self_attn, name)
+                    if mine.weight.shape == theirs.weight.shape:
+                        mine.weight.copy_(theirs.weight)
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    mine, theirs = getattr(dst.mlp, name), getattr(s.mlp, name)
+                    if mine.weight.shape == theirs.weight.shape:
+                        mine.weight.copy_(theirs.weight)
+                dst.input_layernorm.weight.copy_(s.input_layernorm.weight)
+                dst.post_attention_layernorm.weight.copy_(s.post_attention_layernorm.weight)
+            model.norm.weight.copy_(target.model.norm.weight)
+            d = cfg.hidden_size
+            model.fc.weight.mul_(0.1)
+            model.fc.weight[:, (cfg.num_taps - 1) * d:] += torch.eye(d)
+            model.hidden_norm.weight.copy_(src[0].input_layernorm.weight)
+    return model
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    ce: float
+    l1: float
+    confidence: float
+    tau: float
+    accept_rate: list[float]
+    lr: float
+    seconds: float
+
+
+def forward_loss(model: DSparkModel, batch: TrainBatch, loss_cfg: LossConfig, bf16: bool) -> LossOutput:
+    """One teacher-forced forward over a batch -> the DSpark objective."""
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16) if model.device.type == "cpu" \
+        else torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16)
+    dev = model.device
+    with ctx:
+        hidden = model.forward_train(batch.context_hidden.to(dev), batch.input_ids.to(dev),
+                                     batch.anchors.to(dev), batch.anchor_valid.to(dev))
+        prev = batch.prev_tokens.to(dev)
+        draft_logits = model.block_logits(hidden, prev)
+        conf = model.confidence_logits(hidden, prev)
+        with torch.no_grad():
+            target_logits = model.lm_head(batch.target_hidden.to(dev).to(model.dtype)).float()
+    return dspark_loss(draft_logits, target_logits, batch.labels.to(dev), batch.mask.to(dev), conf, loss_cfg)
+
+
+def run_train(model: DSparkModel, data: Sequence[CachedSequence], cfg: TrainConfig, loss_cfg: LossConfig,
+              work_dir: str | os.PathLike,
+              progress: Callable[[StepStats], None] | None = None) -> list[StepStats]:
+    """Train (resuming from `work_dir/ckpt.pt` when present); returns this run's step stats."""
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt_path = work / "ckpt.pt"
+    params = trainable_parameters(model)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    start = 0
+    if ckpt_path.exists():
+        ck = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(ck["model"], strict=False)
+        opt.load_state_dict(ck["optimizer"])
+        start = int(ck["step"])
+    bs = model.config.block_size
+    history: list[StepStats] = []
+    model.train()
+    log = open(work / "log.jsonl", "a")
+    for step in range(start, cfg.steps):
+        t0 = time.time()
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # resumable data order
+        idx = torch.randint(len(data), (cfg.batch_seqs,), generator=gen).tolist()
+        batch = make_batch([data[i] for i in idx], cfg.num_anchors, bs, gen)
+        lr = lr_at(step, cfg)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        out = forward_loss(model, batch, loss_cfg, cfg.bf16)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        opt.step()
+        stats = StepStats(step=step + 1, loss=float(out.loss.detach()), ce=float(out.ce), l1=float(out.l1),
+                          confidence=float(out.confidence), tau=float(out.tau),
+                          accept_rate=[round(float(a), 4) for a in out.accept_rate],
+                          lr=lr, seconds=time.time() - t0)
+        history.append(stats)
+        log.write(json.dumps(asdict(stats)) + "\n")
+        log.flush()
+        if progress:
+            progress(stats)
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            tmp = ckpt_path.with_suffix(".tmp")
+            torch.save({"model": trainable_state(model), "optimizer": opt.state_dict(), "step": step + 1,
+                        "train_config": asdict(cfg)}, tmp)
+            os.replace(tmp, ckpt_path)
+    log.close()
+    model.eval()
+    return history
+
+
+def save_final(model: DSparkModel, work_dir: str | os.PathLike) -> Path:
+    """The trained drafter in DeepSpec format (without the shared embedding / LM head)."""
+    path = Path(work_dir) / "final"
+    save_dspark(model, str(path))
+    return path
+
+
+def load_train_data(out_dir: str | os.PathLike, holdout_every: int) -> list[CachedSequence]:
+    return load_cache(Path(out_dir) / "cache", holdout=False, holdout_every=holdout_every)

@@ -1,0 +1,220 @@
+"""The training pipeline on tiny random models: loss, batches, a train step, export, eval loop."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from drafter.dspark_model import Calibration, DSparkConfig, load_dspark
+from drafter.training.cache import CachedSequence, block_targets, make_batch, sample_anchors, target_states
+from drafter.training.evaluate import NeuralDrafter, NgramEvalDrafter, speculative_generate
+from drafter.training.export import export_drafter
+from drafter.training.loss import LossConfig, dspark_loss, position_weights
+from drafter.training.train import TrainConfig, build_drafter, forward_loss, run_train, trainable_state
+
+NEG_INF = float("-inf")
+
+
+def _log(ps):
+    return [math.log(p) if p > 0 else NEG_INF for p in ps]
+
+
+def test_loss_hand_computed():
+    # One block, bs = 2, V = 3.
+    # k=1: q = (.5, .25, .25), p = (.25, .5, .25), label 1, confidence logit 0.
+    # k=2: q = uniform, p = (.5, .5, 0), label 0, confidence logit log 2 (sigmoid = 2/3).
+    draft = torch.tensor([[[_log([.5, .25, .25]), [0.0, 0.0, 0.0]]]])
+    target = torch.tensor([[[_log([.25, .5, .25]), _log([.5, .5, 0.0])]]])
+    labels = torch.tensor([[[1, 0]]])
+    mask = torch.ones(1, 1, 2, dtype=torch.bool)
+    conf = torch.tensor([[[0.0, math.log(2.0)]]])
+    out = dspark_loss(draft, target, labels, mask, conf, LossConfig())  # gamma = bs = 2
+
+    w1, w2 = 1.0, math.exp(-1 / 2)
+    ce = (w1 * -math.log(.25) + w2 * math.log(3)) / (w1 + w2)
+    l1_1 = .25 + .25 + 0
+    l1_2 = (.5 - 1 / 3) * 2 + 1 / 3
+    l1 = (w1 * l1_1 + w2 * l1_2) / (w1 + w2)
+    c1, c2 = 1 - l1_1 / 2, 1 - l1_2 / 2  # 0.75, 2/3
+
+    def bce(prob, y):
+        return -(y * math.log(prob) + (1 - y) * math.log(1 - prob))
+
+    conf_loss = (w1 * bce(.5, c1) + w2 * bce(2 / 3, c2)) / (w1 + w2)
+    assert float(out.ce) == pytest.approx(ce, rel=1e-5)
+    assert float(out.l1) == pytest.approx(l1, rel=1e-5)
+    assert float(out.confidence) == pytest.approx(conf_loss, rel=1e-5)
+    assert float(out.loss) == pytest.approx(0.1 * ce + 0.9 * l1 + 1.0 * conf_loss, rel=1e-5)
+    assert out.accept_rate.tolist() == pytest.approx([c1, c2], rel=1e-5)
+    assert float(out.tau) == pytest.approx(1 + c1 + c1 * c2, rel=1e-5)
+
+
+def test_loss_ignores_masked_slots_and_decay_is_configurable():
+    g = torch.Generator().manual_seed(0)
+    draft = torch.randn(2, 3, 4, 11, generator=g)
+    target = torch.randn(2, 3, 4, 11, generator=g)
+    labels = torch.randint(0, 11, (2, 3, 4), generator=g)
+    mask = torch.ones(2, 3, 4, dtype=torch.bool)
+    mask[1, 2] = False
+    mask[0, 0, 2:] = False
+    base = dspark_loss(draft, target, labels, mask, None, LossConfig(decay_gamma=0))
+    draft2 = draft.clone()
+    draft2[1, 2] = 100.0 * torch.randn(4, 11, generator=g)  # junk in masked slots
+    draft2[0, 0, 2:] = -7.0
+    again = dspark_loss(draft2, target, labels, mask, None, LossConfig(decay_gamma=0))
+    assert float(again.loss) == pytest.approx(float(base.loss), rel=1e-6)
+    assert position_weights(mask[0, 1], 0.0).tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert position_weights(mask[0, 1], 4.0).tolist() == pytest.approx([math.exp(-k / 4) for k in range(4)])
+    with pytest.raises(ValueError, match="decay_gamma"):
+        LossConfig(decay_gamma=-1.0)
+    with pytest.raises(ValueError, match="l1_alpha"):
+        LossConfig(l1_alpha=float("nan"))
+
+
+def test_anchors_and_block_targets():
+    loss_mask = torch.zeros(2, 12, dtype=torch.bool)
+    loss_mask[0, 5:12] = True
+    loss_mask[1, 9:11] = True  # only one candidate anchor (9): 10 is the last supervised
+    ids = torch.arange(100, 124).view(2, 12)
+    anchors, valid = sample_anchors(loss_mask, 4, torch.Generator().manual_seed(0))
+    assert valid[0].all() and valid[1].tolist() == [True, False, False, False]
+    assert anchors[1, 0] == 9
+    a0 = anchors[0][valid[0]]
+    assert (a0 >= 5).all() and (a0 <= 10).all() and (a0.diff() > 0).all()
+    labels, mask, _ = block_targets(ids, loss_mask, anchors, valid, 3)
+    assert labels[1, 0].tolist()[:1] == [ids[1, 10].item()] and mask[1, 0].tolist() == [True, False, False]
+    assert not mask[1, 1:].any()
+    for n in range(4):
+        a = int(anchors[0, n])
+        assert labels[0, n].tolist() == [int(ids[0, min(a + k, 11)]) for k in (1, 2, 3)]
+        assert mask[0, n].tolist() == [a + k <= 11 for k in (1, 2, 3)]
+
+
+def _tiny_target(vocab: int = 96, layers: int = 4):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, rope_theta=10000.0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _tiny_drafter_config(target, markov_rank: int = 8) -> DSparkConfig:
+    return DSparkConfig.for_target(target.config, num_draft_layers=1, block_size=4, target_layer_ids=(0, 2),
+                                   mask_token_id=1, markov_rank=markov_rank, enable_confidence_head=True,
+                                   confidence_head_with_markov=markov_rank > 0, num_anchors=6)
+
+
+def _cached_sequences(target, n: int, length: int, prompt: int) -> list[CachedSequence]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        # A repetitive pattern the drafter can learn quickly.
+        period = int(torch.randint(2, 5, (1,), generator=g))
+        base = torch.randint(3, 96, (period,), generator=g)
+        ids = base.repeat(length // period + 1)[:length].tolist()
+        taps, last = target_states(target, ids, (0, 2))
+        out.append(CachedSequence(torch.tensor(ids), prompt, taps, last))
+    return out
+
+
+def test_batch_aligns_target_hidden_with_labels():
+    target = _tiny_target()
+    seqs = _cached_sequences(target, 2, 20, 6)
+    batch = make_batch(seqs, 5, 4, torch.Generator().manual_seed(3))
+    for b in range(2):
+        for n in range(5):
+            if not batch.anchor_valid[b, n]:
+                continue
+            a = int(batch.anchors[b, n])
+            assert batch.prev_tokens[b, n, 0] == seqs[b].input_ids[a]
+            for k in range(4):
+                if batch.mask[b, n, k]:
+                    # label a+k+1 is predicted by the target hidden at a+k
+                    assert batch.labels[b, n, k] == seqs[b].input_ids[a + k + 1]
+                    assert torch.equal(batch.target_hidden[b, n, k], seqs[b].last[a + k])
+    # The cached final hidden really gives the target's logits.
+    ids = seqs[0].input_ids.tolist()
+    logits = target(torch.tensor([ids])).logits[0, :-1]
+    assert torch.allclose(target.lm_head(seqs[0].last.float()), logits, atol=2e-2)
+
+
+def test_tiny_train_reduces_loss(tmp_path):
+    torch.manual_seed(0)
+    target = _tiny_target()
+    seqs = _cached_sequences(target, 8, 24, 4)
+    cfg = _tiny_drafter_config(target)
+    model = build_drafter(cfg, target, init_from_target=True)
+    tcfg = TrainConfig(steps=40, batch_seqs=4, num_anchors=6, lr=3e-3, checkpoint_every=20, bf16=False)
+    fixed = make_batch(seqs[:4], 6, 4, torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        before = float(forward_loss(model, fixed, LossConfig(), False).loss)
+    history = run_train(model, seqs, tcfg, LossConfig(), tmp_path / "run")
+    with torch.no_grad():
+        after = float(forward_loss(model, fixed, LossConfig(), False).loss)
+    assert len(history) == 40 and after < 0.7 * before
+    # Shared modules stay the target's, untouched.
+    assert model.lm_head is target.lm_head and not model.lm_head.weight.requires_grad
+    # Resuming a finished run does nothing and keeps the weights.
+    state = {k: v.clone() for k, v in trainable_state(model).items()}
+    assert run_train(model, seqs, tcfg, LossConfig(), tmp_path / "run") == []
+    assert all(torch.equal(state[k], v) for k, v in trainable_state(model).items())
+
+
+def test_export_then_load_gives_identical_logits(tmp_path):
+    target = _tiny_target()
+    cfg = _tiny_drafter_config(target)
+    model = build_drafter(cfg, target, init_from_target=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    model.calibration = Calibration((1.5, 2.0, 0.7, 3.0))
+    export_drafter(model, tmp_path / "ckpt", dtype="float32")
+    names = {p.name for p in (tmp_path / "ckpt").iterdir()}
+    assert {"config.json", "model.safetensors", "calibration.json"} <= names
+    from safetensors.torch import load_file
+
+    keys = set(load_file(str(tmp_path / "ckpt" / "model.safetensors")))
+    assert not any(k.startswith(("embed_tokens", "lm_head")) for k in keys)
+    loaded = load_dspark(str(tmp_path / "ckpt"), target_embed=target.get_input_embeddings(),
+                         target_lm_head=target.get_output_embeddings())
+    seqs = _cached_sequences(target, 2, 16, 4)
+    batch = make_batch(seqs, 3, 4, torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        outs = []
+        for m in (model, loaded):
+            h = m.forward_train(batch.context_hidden, batch.input_ids, batch.anchors, batch.anchor_valid)
+            outs.append((m.block_logits(h, batch.prev_tokens), m.confidence_probs(h, batch.prev_tokens)))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
+    assert loaded.calibration.temperatures == (1.5, 2.0, 0.7, 3.0)
+    # bf16 export is half the size and still loads.
+    export_drafter(model, tmp_path / "bf16", dtype="bfloat16")
+    assert (tmp_path / "bf16" / "model.safetensors").stat().st_size < \
+        0.6 * (tmp_path / "ckpt" / "model.safetensors").stat().st_size
+    load_dspark(str(tmp_path / "bf16"), target_embed=target.get_input_embeddings(),
+                target_lm_head=target.get_output_embeddings())
+
+
+@pytest.mark.parametrize("kind", ["dspark", "ngram"])
+def test_eval_loop_is_lossless_greedy(kind):
+    target = _tiny_target()
+    prompt = [5, 9, 5, 9, 5, 9, 7, 3]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                              pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+    if kind == "dspark":
+        drafter = NeuralDrafter(build_drafter(_tiny_drafter_config(target), target, True).eval())
+    else:
+        drafter = NgramEvalDrafter(4)
+    stats = speculative_generate(target, drafter, prompt, 20, 0.0, eos_id=-1, seed=0)
+    assert stats.new_tokens == 20
+    assert 0 < len(stats.accepted) <= 19
+    assert stats.generated == ref
