@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter.base import AcceptedContext, DraftProposal, DraftRequest, Drafter
+from scheduler.client import EngineError
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.load import LoadMonitor
@@ -28,13 +29,8 @@ log = logging.getLogger(__name__)
 DEFAULT_COST = CostTable((1, 8, 64, 512), (100.0, 100.0, 40.0, 6.0))
 
 
-class RequestRejected(ValueError):
-    """A request the engine cannot take (too long, queue full); carries an HTTP-ish status."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
+class RequestRejected(EngineError):
+    """A request the engine cannot take (too long, queue full); carries an HTTP status."""
 
 
 @dataclass

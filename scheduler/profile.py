@@ -16,7 +16,7 @@ from verifier.model_runner import ModelRunner, Segment
 
 log = logging.getLogger(__name__)
 
-BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTEXT_LENS = (128, 512)
 
 
@@ -26,7 +26,7 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(runner: ModelRunner, batch_sizes=BATCH_SIZES, context_lens=CONTEXT_LENS,
-            repeats: int = 3) -> dict:
+            repeats: int = 2) -> dict:
     """Time decode-shaped forwards of B tokens spread over up to 32 requests of a given context
     length. Returns {"batch_sizes", "steps_per_second", "by_context": {ctx: [sps...]}}."""
     blocks = runner.blocks

@@ -1,0 +1,174 @@
+"""Runs the engine loop on its own thread and serves it to asyncio callers.
+
+The HTTP event loop never runs a forward: it hands requests to the engine thread through a
+thread-safe inbox and receives deltas through per-request asyncio queues.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import traceback
+from typing import AsyncIterator, Callable
+
+from scheduler.builder import EngineBundle
+from scheduler.client import EngineError, GenerationParams, StreamDelta
+from scheduler.engine import RequestRejected
+from scheduler.request import Request, RequestOutput
+from verifier.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def _delta(out: RequestOutput) -> StreamDelta:
+    spec = None
+    if out.spec is not None:
+        s = out.spec
+        spec = {"rounds": s.rounds, "draft_tokens": s.drafted, "accepted_tokens": s.accepted,
+                "mean_acceptance_length": round(s.mean_acceptance_length, 4)}
+    return StreamDelta(out.text, out.token_ids, out.finished, out.finish_reason,
+                       out.prompt_tokens, out.completion_tokens, spec)
+
+
+class AsyncEngine:
+    def __init__(self, build: Callable[[], EngineBundle], model_name: str, max_model_len: int) -> None:
+        self._build = build
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.bundle: EngineBundle | None = None
+        self._error: str | None = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._inbox.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def ready(self) -> bool:
+        return self.bundle is not None
+
+    @property
+    def load_error(self) -> str | None:
+        return self._error
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        import time
+        t0 = time.monotonic()
+        while not self.ready and self._error is None:
+            if timeout is not None and time.monotonic() - t0 > timeout:
+                return False
+            time.sleep(0.05)
+        return self.ready
+
+    # -- tokenization (thread-safe on HF fast tokenizers) ----------------------------------------
+    def tokenize_chat(self, messages: list[dict]) -> list[int]:
+        tok = self.bundle.tokenizer
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.bundle.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # -- requests --------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       params: GenerationParams) -> AsyncIterator[StreamDelta]:
+        if not self.ready:
+            raise EngineError("the model is still loading", 503)
+        try:
+            sp = SamplingParams(temperature=params.temperature, top_p=params.top_p,
+                                top_k=params.top_k, seed=params.seed)
+        except ValueError as exc:
+            raise EngineError(str(exc), 400) from exc
+        req = Request(request_id, list(prompt_ids), sp, params.max_tokens, stop=params.stop,
+                      ignore_eos=params.ignore_eos)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (loop, q)
+        self._inbox.put(("add", req))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # the caller went away: free the request's KV now
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    # -- the engine thread -----------------------------------------------------------------------
+    def _send(self, request_id: str, item) -> None:
+        entry = self._queues.get(request_id)
+        if entry is not None:
+            loop, q = entry
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _handle(self, msg) -> None:
+        engine = self.bundle.engine
+        if msg[0] == "add":
+            req = msg[1]
+            try:
+                engine.add_request(req)
+            except RequestRejected as exc:
+                self._send(req.request_id, EngineError(str(exc), exc.status, exc.param))
+        elif msg[0] == "abort":
+            engine.abort(msg[1])
+
+    def _run(self) -> None:
+        try:
+            self.bundle = self._build()
+        except Exception as exc:  # reported by /health and logged; the server stays up
+            self._error = f"{type(exc).__name__}: {exc}"
+            log.error("engine failed to load:\n%s", traceback.format_exc())
+            return
+        engine = self.bundle.engine
+        while not self._stopping:
+            try:
+                msg = self._inbox.get(block=not engine.has_work())
+            except queue.Empty:
+                msg = None
+            while msg is not None:
+                if msg[0] == "stop":
+                    return
+                self._handle(msg)
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    msg = None
+            if not engine.has_work():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception:
+                log.error("engine step failed; failing the running requests:\n%s",
+                          traceback.format_exc())
+                self._fail_all(engine)
+                continue
+            for out in outputs:
+                self._send(out.request_id, _delta(out))
+
+    def _fail_all(self, engine) -> None:
+        for r in list(engine.running) + list(engine.waiting):
+            engine.abort(r.request_id)
+            self._send(r.request_id, EngineError("internal error while generating", 500))

@@ -1,0 +1,63 @@
+"""The one interface between the HTTP server and the engine: plain Python, no torch, so the
+server stays importable (and testable) without the model stack."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+
+class EngineError(ValueError):
+    """A request the engine refuses, with the HTTP status and the parameter to blame."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Everything a request asks of generation, as the server parsed it."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class StreamDelta:
+    """New output of one request since the previous delta."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    spec: dict | None = field(default=None)
+
+
+class EngineClient(Protocol):
+    model_name: str
+    max_model_len: int
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def load_error(self) -> str | None: ...
+
+    def tokenize_chat(self, messages: list[dict]) -> list[int]: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def generate(self, request_id: str, prompt_ids: list[int],
+                 params: GenerationParams) -> AsyncIterator[StreamDelta]: ...
+
+    def abort(self, request_id: str) -> None: ...

@@ -1,0 +1,135 @@
+"""`dspark-serve`: parse flags (defaults from the component configs, then a config file, then the
+command line), start the HTTP server at once, and load the engine in the background."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import tomllib
+from pathlib import Path
+
+from drafter.config import DRAFTER_CHOICES, DrafterConfig
+from scheduler.config import SchedulerConfig
+from server.config import ServerConfig
+from verifier.config import ModelConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = "embedded"
+COMPONENTS = (ModelConfig, DrafterConfig, SchedulerConfig, ServerConfig)
+
+
+def _flags() -> list[tuple[str, type, str, type]]:
+    """(dest, component, help, argparse type) for every flag."""
+    h = {
+        "model": "embedded SmolLM2-135M-Instruct when omitted; or a directory (config + safetensors + tokenizer) or a .gguf file",
+        "device": "auto, cpu or cuda", "dtype": "auto, float32, float16 or bfloat16",
+        "max_model_len": "longest prompt + completion in tokens",
+        "kv_cache_tokens": "token slots in the paged KV cache (0 = use --kv-cache-memory-fraction)",
+        "kv_cache_memory_fraction": "with --kv-cache-tokens 0: fraction of free accelerator memory (CPU: RAM) for KV",
+        "kv_block_size": "tokens per KV block", "cache_dir": "where GGUF conversions and cost tables are cached",
+        "drafter": "|".join(DRAFTER_CHOICES), "drafter_path": "DeepSpec-format drafter checkpoint directory",
+        "block_size": "most draft tokens per round (default: the drafter's)",
+        "max_num_seqs": "most requests decoding at once",
+        "max_num_batched_tokens": "token budget of one target forward",
+        "max_waiting": "waiting-queue capacity (beyond it: HTTP 429)",
+        "verify_policy": "none | static:K | threshold:T | dspark | auto (dspark when a drafter is on)",
+        "reprofile": "re-measure the target cost table",
+        "host": "interface to listen on", "port": "TCP port",
+        "api_key": "require this bearer token on /v1/*", "served_model_name": "model name in the API",
+        "log_level": "debug, info, warning or error",
+    }
+    out = []
+    for comp in COMPONENTS:
+        for f in dataclasses.fields(comp):
+            t = {int: int, float: float, bool: bool}.get(type(f.default), str)
+            out.append((f.name, comp, h.get(f.name, ""), t))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dspark-serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="OpenAI-compatible server with load-aware speculative decoding (DSpark).")
+    p.add_argument("--config", default=DEFAULT_CONFIG,
+                   help="a name under configs/ (without .toml) or a path to a TOML file; flags override it")
+    for name, comp, help_, typ in _flags():
+        default = getattr(comp(), name)
+        flag = "--" + name.replace("_", "-")
+        if typ is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+        else:
+            p.add_argument(flag, type=typ, default=default, help=help_)
+    return p
+
+
+def load_config_file(spec: str) -> dict:
+    path = Path(spec)
+    if not path.suffix:
+        path = CONFIG_DIR / f"{spec}.toml"
+    if not path.is_file():
+        raise ValueError(f"config {spec!r} not found (looked for {path.name} in configs/)")
+    data = tomllib.loads(path.read_text())
+    flat: dict = {}
+    for k, v in data.items():  # sections are optional: [model] device = "cpu" == device = "cpu"
+        if isinstance(v, dict):
+            flat.update(v)
+        else:
+            flat[k] = v
+    known = {n for n, *_ in _flags()}
+    unknown = sorted(set(flat) - known)
+    if unknown:
+        raise ValueError(f"unknown keys in config {path.name}: {unknown}")
+    return flat
+
+
+def resolve(argv: list[str] | None = None) -> tuple[ModelConfig, DrafterConfig, SchedulerConfig, ServerConfig]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    defaults = vars(parser.parse_args([]))
+    values = dict(defaults)
+    values.update(load_config_file(args.config))
+    # explicit command-line flags win over the file
+    values.update({k: v for k, v in vars(args).items() if v != defaults.get(k)})
+    for k in ("model", "drafter_path", "cache_dir", "api_key", "served_model_name"):
+        if values.get(k) in ("", "none", "None"):
+            values[k] = None
+    if values.get("block_size") in ("", "none", "None"):
+        values["block_size"] = None
+    elif values.get("block_size") is not None:
+        values["block_size"] = int(values["block_size"])
+    out = []
+    for comp in COMPONENTS:
+        out.append(comp(**{f.name: values[f.name] for f in dataclasses.fields(comp)}))
+    return tuple(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        model_cfg, drafter_cfg, sched_cfg, server_cfg = resolve(argv)
+    except ValueError as exc:
+        print(f"dspark-serve: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(level=server_cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    # The engine side (torch) is imported only here, at run time: server/ modules never need it.
+    from scheduler.async_engine import AsyncEngine
+    from scheduler.builder import build_engine
+    from scheduler.metrics import EngineMetrics
+    from server.app import build_app
+
+    registry = CollectorRegistry()
+    name = server_cfg.served_model_name or (Path(model_cfg.model).stem if model_cfg.model else "SmolLM2-135M-Instruct")
+    metrics = EngineMetrics(registry, name)
+    engine = AsyncEngine(lambda: build_engine(model_cfg, drafter_cfg, sched_cfg, metrics),
+                         model_name=name, max_model_len=model_cfg.max_model_len)
+    engine.start()
+    app = build_app(engine, server_cfg, registry)
+    uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level)
+
+
+if __name__ == "__main__":
+    main()

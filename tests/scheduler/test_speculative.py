@@ -1,0 +1,218 @@
+"""Speculative decoding through the engine is lossless: greedy output equals plain decoding for
+every drafter and policy, and sampled output has the target's distribution (a test that a
+broken sampler fails)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import drafter  # noqa: F401  (registers drafters)
+import scheduler.engine as engine_mod
+from drafter.base import DraftProposal, build_drafter
+from drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
+from scheduler.request import Request
+from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
+from verifier.rejection import rejection_sample
+from verifier.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class OracleDrafter:
+    """Proposes the true greedy continuation, corrupting each position with probability
+    `noise`: exercises multi-token acceptance, rejection in the middle, rollback."""
+
+    name, tap_layers = "oracle", ()
+
+    def __init__(self, refs: dict[str, list[int]], prompt_lens: dict[str, int], block_size=4,
+                 noise=0.3, seed=0):
+        self.refs, self.prompt_lens, self.block_size = refs, prompt_lens, block_size
+        self.noise, self.rng = noise, torch.Generator().manual_seed(seed)
+        self.observed: dict[str, int] = {}
+
+    def propose(self, requests):
+        out = []
+        for r in requests:
+            done = len(r.token_ids) - self.prompt_lens[r.request_id]
+            truth = self.refs[r.request_id][done:done + min(self.block_size, r.max_draft)]
+            toks = [t if torch.rand(1, generator=self.rng).item() > self.noise else (t + 1) % 256
+                    for t in truth]
+            out.append(DraftProposal(torch.tensor(toks, dtype=torch.long), None,
+                                     torch.full((len(toks),), 0.8)))
+        return out
+
+    def observe(self, contexts):
+        for c in contexts:  # contexts must arrive in order, gap-free
+            assert self.observed.get(c.request_id, 0) == c.start_pos
+            self.observed[c.request_id] = c.start_pos + len(c.token_ids)
+
+    def observe_acceptance(self, request_id, proposed, accepted):
+        assert 0 <= accepted <= proposed
+
+    def free(self, request_id):
+        self.observed.pop(request_id, None)
+
+
+def run(engine, reqs, late=()):
+    for r in reqs:
+        engine.add_request(r)
+    step = 0
+    while engine.has_work() or late:
+        if step == 2 and late:
+            for r in late:
+                engine.add_request(r)
+            late = ()
+        engine.step()
+        step += 1
+
+
+@pytest.mark.parametrize("policy", ["static:4", "dspark", "threshold:0.3"])
+def test_greedy_oracle_drafter_equals_plain(policy):
+    model = tiny_model("qwen3")
+    prompts = {f"r{i}": list(range(30 + i, 30 + i + n)) for i, n in enumerate((4, 19, 33, 8))}
+    refs = {k: hf_greedy(model, p, 24) for k, p in prompts.items()}
+    dr = OracleDrafter(refs, {k: len(p) for k, p in prompts.items()})
+    engine = Engine(runner_for(model), ByteTokenizer(), SchedulerConfig(verify_policy=policy,
+                    max_num_batched_tokens=40), max_model_len=512, drafter=dr)
+    reqs = [Request(k, p, GREEDY, max_tokens=17 + i, ignore_eos=True)
+            for i, (k, p) in enumerate(prompts.items())]
+    run(engine, reqs[:2], late=reqs[2:])
+    for r in reqs:
+        assert r.output_ids == refs[r.request_id][:r.max_tokens], r.request_id
+        assert len(r.output_ids) == r.max_tokens          # max_tokens exact despite blocks
+    total = sum(r.spec.accepted for r in reqs)
+    assert total > 0 and sum(r.spec.rounds for r in reqs) < sum(r.max_tokens for r in reqs)
+    assert engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks
+
+
+def random_dspark(target, tmp_path, markov_rank=8):
+    cfg = DSparkConfig.for_target(target.config, num_draft_layers=2, block_size=5,
+                                  target_layer_ids=(0, 1), mask_token_id=255,
+                                  markov_rank=markov_rank, markov_head_type="vanilla",
+                                  enable_confidence_head=True,
+                                  confidence_head_with_markov=markov_rank > 0)
+    torch.manual_seed(3)
+    m = DSparkModel(cfg, embed_tokens=target.model.embed_tokens, lm_head=target.lm_head)
+    save_dspark(m, tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", ["dspark", "dflash"])
+def test_greedy_dspark_drafter_equals_plain(tmp_path, name):
+    model = tiny_model("qwen3")
+    path = random_dspark(model, tmp_path, markov_rank=8 if name == "dspark" else 0)
+    dr = build_drafter(name, path=str(path), target_model=model)
+    engine = Engine(runner_for(model), ByteTokenizer(), SchedulerConfig(verify_policy="static:5"),
+                    max_model_len=512, drafter=dr)
+    prompts = [list(range(40, 40 + n)) for n in (3, 25, 11)]
+    reqs = [Request(f"r{i}", p, GREEDY, max_tokens=20, ignore_eos=True) for i, p in enumerate(prompts)]
+    run(engine, reqs)
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == hf_greedy(model, p, 20)
+        assert r.spec.drafted > 0
+    assert engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks
+
+
+def test_greedy_ngram_drafter_equals_plain_and_accepts_repeats():
+    model = tiny_model("llama", seed=5)
+    prompt = list(b"abcabcabcabc")
+    ref = hf_greedy(model, prompt, 40)
+    dr = build_drafter("ngram", block_size=4)
+    engine = Engine(runner_for(model), ByteTokenizer(), SchedulerConfig(verify_policy="static:4"),
+                    max_model_len=512, drafter=dr)
+    r = Request("n", prompt, GREEDY, max_tokens=40, ignore_eos=True)
+    run(engine, [r])
+    assert r.output_ids == ref
+    assert r.spec.drafted > 0
+
+
+# -- sampling: the distribution of speculative tokens ---------------------------------------------
+VOCAB = 8
+
+
+class LetterTokenizer:
+    eos_token_id = None
+
+    def decode(self, ids, **_):
+        return "".join(chr(97 + i) for i in ids)
+
+
+class FixedQDrafter:
+    """Drafts from a fixed distribution q that differs from the target's p."""
+
+    name, tap_layers, block_size = "fixed-q", (), 2
+
+    def __init__(self, q: torch.Tensor):
+        self.q = q
+
+    def propose(self, requests):
+        out = []
+        for r in requests:
+            k = min(2, r.max_draft)
+            toks = torch.multinomial(self.q, k, replacement=True, generator=r.generator)
+            out.append(DraftProposal(toks, self.q.expand(k, -1).clone(), None))
+        return out
+
+    def observe(self, contexts): pass
+    def observe_acceptance(self, *a): pass
+    def free(self, request_id): pass
+
+
+def exact_marginals(model, prompt):
+    """P(t2) and P(t3) under plain sampling at temperature 1, by enumeration."""
+    with torch.no_grad():
+        def p(seq):
+            return torch.softmax(model(torch.tensor([seq])).logits[0, -1].double(), -1)
+        p1 = p(prompt)
+        m2, m3 = torch.zeros(VOCAB, dtype=torch.float64), torch.zeros(VOCAB, dtype=torch.float64)
+        for a in range(VOCAB):
+            p2 = p(prompt + [a])
+            m2 += p1[a] * p2
+            for b in range(VOCAB):
+                m3 += p1[a] * p2[b] * p(prompt + [a, b])
+    return m2, m3
+
+
+def sampled_marginals(model, prompt, n, seed):
+    q = torch.softmax(torch.linspace(2.0, -2.0, VOCAB), -1)   # far from p on purpose
+    engine = Engine(runner_for(model, num_blocks=2048), LetterTokenizer(),
+                    SchedulerConfig(verify_policy="static:2", max_num_seqs=256,
+                                    max_num_batched_tokens=2048, max_waiting=n),
+                    max_model_len=64, drafter=FixedQDrafter(q))
+    reqs = [Request(f"s{i}", prompt, SamplingParams(temperature=1.0, seed=seed * 100000 + i),
+                    max_tokens=4, ignore_eos=True) for i in range(n)]
+    run(engine, reqs)
+    c2, c3 = torch.zeros(VOCAB, dtype=torch.float64), torch.zeros(VOCAB, dtype=torch.float64)
+    for r in reqs:
+        c2[r.output_ids[1]] += 1
+        c3[r.output_ids[2]] += 1
+    assert sum(r.spec.drafted for r in reqs) >= 2 * n  # the speculative path really ran
+    return c2 / n, c3 / n
+
+
+def broken_rejection_sample(target_probs, draft_tokens, draft_probs, num_draft, generators=None,
+                            draft_deterministic=None):
+    """Ignores q: pretends the draft distribution equals the target's, so every draft passes."""
+    K = draft_tokens.shape[1]
+    return rejection_sample(target_probs, draft_tokens, target_probs[:, :K].clone(), num_draft,
+                            generators, torch.zeros_like(num_draft, dtype=torch.bool))
+
+
+def test_sampled_distribution_matches_plain_and_catches_a_broken_sampler(monkeypatch):
+    model = tiny_model("llama", vocab=VOCAB, seed=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)     # p neither flat nor one-hot
+    prompt = [1, 2, 3]
+    m2, m3 = exact_marginals(model, prompt)
+    n = 3000
+    s2, s3 = sampled_marginals(model, prompt, n, seed=1)
+    tv = lambda a, b: 0.5 * (a - b).abs().sum().item()
+    # sampling noise of an 8-outcome TV at n=3000 is ~0.02; 0.05 leaves a wide margin
+    assert tv(s2, m2) < 0.05 and tv(s3, m3) < 0.05, (tv(s2, m2), tv(s3, m3))
+    monkeypatch.setattr(engine_mod, "rejection_sample", broken_rejection_sample)
+    b2, b3 = sampled_marginals(model, prompt, n, seed=2)
+    assert max(tv(b2, m2), tv(b3, m3)) > 0.1, (tv(b2, m2), tv(b3, m3))
