@@ -1,5 +1,3 @@
-"""Drafters. Importing the package registers every built-in drafter by name."""
-from drafter import dspark, ngram  # noqa: F401  (registration side effects)
-from drafter.base import build_drafter, drafter_names, register_drafter
-
-__all__ = ["build_drafter", "drafter_names", "register_drafter"]
+"""Drafters behind one interface (drafter.base). The built-in ones (ngram, dflash, dspark)
+register themselves when `drafter.base.build_drafter` first needs them, so importing this
+package (or drafter.config) stays light."""

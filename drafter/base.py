@@ -112,12 +112,19 @@ def register_drafter(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
     return deco
 
 
+def _load_builtins() -> None:
+    import drafter.dspark  # noqa: F401  (registers dspark, dflash)
+    import drafter.ngram  # noqa: F401  (registers ngram)
+
+
 def drafter_names() -> list[str]:
+    _load_builtins()
     return sorted(_REGISTRY)
 
 
 def build_drafter(name: str, **kwargs) -> Drafter:
     """Build a drafter by registry name ("ngram", "dflash", "dspark")."""
+    _load_builtins()
     if name not in _REGISTRY:
         raise ValueError(f"unknown drafter {name!r}; choose one of {drafter_names()}")
     return _REGISTRY[name](**kwargs)
