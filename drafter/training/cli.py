@@ -72,10 +72,10 @@ def cmd_gen_data(a: argparse.Namespace) -> None:
     cfg = GenDataConfig(prompts=a.prompts, out_dir=a.out, max_prompt_tokens=a.max_prompt_tokens,
                         max_new_tokens=a.max_new_tokens, max_prompts=a.max_prompts,
                         batch_size=a.batch_size, temperature=a.temperature, seed=a.seed,
-                        holdout_every=a.holdout_every)
+                        holdout_every=a.holdout_every, worker=a.worker, num_workers=a.num_workers)
     target = load_target(a.model, device=a.device)
     taps = None if a.no_cache else a.taps
-    bar = Progress(a.out, "gen-data", 1, "batch")
+    bar = Progress(a.out, f"gen-data-{a.worker}", 1, "batch")
     n = run_gen_data(cfg, target.model, target.tokenizer, taps,
                      lambda d, t, tok: bar.update(d, t, new_tokens=tok))
     bar.close()
@@ -246,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--holdout-every", type=int, default=10, help="every n-th shard held out for calibration")
     g.add_argument("--taps", type=_taps, default=_taps(DEFAULT_TAPS), help="target layers to cache")
     g.add_argument("--no-cache", action="store_true", help="store token ids only")
+    g.add_argument("--worker", type=int, default=0, help="this process's index among --num-workers")
+    g.add_argument("--num-workers", type=int, default=1, help="processes sharing the plan")
     g.set_defaults(func=cmd_gen_data)
 
     c = sub.add_parser("cache-target", help="stage 1b: cache target taps for data shards without one")

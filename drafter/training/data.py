@@ -32,6 +32,8 @@ class GenDataConfig:
     temperature: 0 = greedy.
     seed: shuffle + sampling seed.
     holdout_every: every n-th shard is held out for calibration (0 = none).
+    worker / num_workers: this process generates the batches i with i % num_workers == worker
+        (several processes can share one plan; each shard is written by exactly one).
     """
 
     prompts: str
@@ -43,8 +45,12 @@ class GenDataConfig:
     temperature: float = 0.0
     seed: int = 0
     holdout_every: int = 10
+    worker: int = 0
+    num_workers: int = 1
 
     def __post_init__(self) -> None:
+        if not (0 <= self.worker < self.num_workers):
+            raise ValueError(f"need 0 <= worker < num_workers, got {self.worker!r}, {self.num_workers!r}")
         for name in ("max_prompt_tokens", "max_new_tokens", "batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -136,43 +142,60 @@ def cut_response(ids: Sequence[int], eos_ids: set[int]) -> list[int]:
 def hf_generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, eos_ids: set[int],
                       pad_id: int, tap_ids: Sequence[int] | None,
                       generator_seed: int) -> tuple[list[Sample], list[dict] | None]:
-    """Generate one left-padded batch with HF `generate`.
+    """Generate one left-padded batch with a plain KV-cache loop on an HF causal LM.
 
     With tap_ids, also returns per sample the cache record {taps [L-1, m*d] fp16,
-    last [L-1, d] fp16} of the target at every position but the last (whose hidden is
-    never needed: it would predict past the end)."""
+    last [L-1, d] fp16}: the target's states at every position but the last (whose hidden
+    is never needed: it would predict past the end). Only those layers are kept per step,
+    which is what makes this loop much lighter than `generate(output_hidden_states=True)`."""
+    from transformers import DynamicCache
+
     dev = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    bsz, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((bsz, width), pad_id, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for b, p in enumerate(prompts):
         ids[b, width - len(p):] = torch.tensor(p)
         attn[b, width - len(p):] = 1
-    kwargs = dict(max_new_tokens=cfg.max_new_tokens, pad_token_id=pad_id,
-                  eos_token_id=sorted(eos_ids), return_dict_in_generate=True,
-                  output_hidden_states=tap_ids is not None)
-    if cfg.temperature > 0:
-        torch.manual_seed(generator_seed)
-        kwargs.update(do_sample=True, temperature=cfg.temperature, top_p=1.0, top_k=0)
-    else:
-        kwargs.update(do_sample=False)
-    out = model.generate(ids.to(dev), attention_mask=attn.to(dev), **kwargs)
-    seqs = out.sequences[:, width:].cpu()
-    samples = [Sample(list(p), cut_response(seqs[b].tolist(), eos_ids)) for b, p in enumerate(prompts)]
-    if tap_ids is None:
+    ids, attn = ids.to(dev), attn.to(dev)
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)
+    gen = torch.Generator(device=dev).manual_seed(generator_seed)
+    keep = None if tap_ids is None else [0 if i == -1 else i + 1 for i in tap_ids]
+    steps_taps: list[torch.Tensor] = []  # per forward: [B, n, m*d]
+    steps_last: list[torch.Tensor] = []
+    cache = DynamicCache()
+    out_tokens = torch.empty(bsz, 0, dtype=torch.long, device=dev)
+    done = torch.zeros(bsz, dtype=torch.bool, device=dev)
+    cur, cur_pos = ids, pos
+    for _ in range(cfg.max_new_tokens):
+        out = model(input_ids=cur, attention_mask=attn, position_ids=cur_pos, past_key_values=cache,
+                    use_cache=True, output_hidden_states=keep is not None, logits_to_keep=1)
+        if keep is not None:
+            hs = out.hidden_states
+            steps_taps.append(torch.cat([hs[i] for i in keep], -1).to(torch.float16))
+            steps_last.append(hs[-1].to(torch.float16))
+        logits = out.logits[:, -1].float()
+        if cfg.temperature > 0:
+            nxt = torch.multinomial(torch.softmax(logits / cfg.temperature, -1), 1, generator=gen)[:, 0]
+        else:
+            nxt = logits.argmax(-1)
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        out_tokens = torch.cat([out_tokens, nxt[:, None]], 1)
+        done = done | torch.isin(nxt, torch.tensor(sorted(eos_ids), device=dev))
+        if bool(done.all()):
+            break
+        cur, cur_pos = nxt[:, None], cur_pos[:, -1:] + 1
+        attn = torch.cat([attn, torch.ones(bsz, 1, dtype=attn.dtype, device=dev)], 1)
+    samples = [Sample(list(p), cut_response(out_tokens[b].tolist(), eos_ids)) for b, p in enumerate(prompts)]
+    if keep is None:
         return samples, None
-    hs = out.hidden_states  # steps x (layers+1) x [B, len, d]
-    tap_index = [0 if i == -1 else i + 1 for i in tap_ids]
+    taps_all = torch.cat(steps_taps, 1).cpu()  # [B, width + steps, m*d]
+    last_all = torch.cat(steps_last, 1).cpu()
     records = []
     for b, s in enumerate(samples):
-        pad = width - len(s.prompt_ids)
-        n_dec = len(s.response_ids) - 1  # decode steps whose input is a response token
-        def gather(layer: int) -> torch.Tensor:
-            parts = [hs[0][layer][b, pad:]] + [hs[t][layer][b] for t in range(1, 1 + n_dec)]
-            return torch.cat(parts, 0)
-        taps = torch.cat([gather(i) for i in tap_index], -1).to(torch.float16).cpu()
-        last = gather(len(hs[0]) - 1).to(torch.float16).cpu()
-        records.append({"taps": taps, "last": last})
+        start = width - len(s.prompt_ids)
+        stop = width + len(s.response_ids) - 1  # inputs: prompt + all responses but the last
+        records.append({"taps": taps_all[b, start:stop].clone(), "last": last_all[b, start:stop].clone()})
     return samples, records
 
 
@@ -193,6 +216,8 @@ def run_gen_data(cfg: GenDataConfig, model, tokenizer, tap_ids: Sequence[int] | 
                    "num_prompts": sum(map(len, batches))}, f, indent=1)
     tokens_done = 0
     for i, batch in enumerate(batches):
+        if i % cfg.num_workers != cfg.worker:
+            continue
         path = data_dir / SHARD_PATTERN.format(i)
         cpath = cache_dir / SHARD_PATTERN.format(i)
         if path.exists() and (tap_ids is None or cpath.exists()):

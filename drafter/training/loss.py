@@ -86,13 +86,12 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels:
     mask: [B, N, bs] bool, valid slots (a contiguous prefix of each block).
     confidence_logits: [B, N, bs] raw confidence-head outputs, or None (no head).
     """
-    bs, vocab = draft_logits.shape[-2], draft_logits.shape[-1]
+    bs = draft_logits.shape[-2]
     w = position_weights(mask, cfg.gamma(bs))
     den = w.sum().clamp_min(1e-6)
-    logits = draft_logits.float()
-    ce = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1).long(),
-                         reduction="none").view_as(w)
-    q = logits.softmax(-1)
+    logq = draft_logits.float().log_softmax(-1)  # one normalization serves CE and q
+    ce = -torch.gather(logq, -1, labels.long().unsqueeze(-1)).squeeze(-1)
+    q = logq.exp()
     with torch.no_grad():
         p = target_logits.float().softmax(-1)
     l1 = (q - p).abs().sum(-1)
