@@ -78,7 +78,21 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.reserved_blocks = 0
         self.eos_ids = self._eos_ids(runner.model, tokenizer)
-        self.tap_layers = tuple(drafter.tap_layers) if drafter is not None else ()
+
+    @property
+    def speculating(self) -> bool:
+        """A drafter is loaded and the policy may verify drafts (policy `none` = plain decoding)."""
+        return self.drafter is not None and self.policy.name != "none"
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return tuple(self.drafter.tap_layers) if self.speculating else ()
+
+    def set_policy(self, spec: str) -> None:
+        """Switch the verification policy (only between requests: drafter state is per request)."""
+        if self.running or self.waiting:
+            raise RuntimeError("set_policy needs an idle engine")
+        self.policy = parse_policy(spec)
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> frozenset[int]:
@@ -148,7 +162,7 @@ class Engine:
             self.running.append(req)
         batch = ScheduledBatch(decodes=[r for r in self.running if r.status is Status.DECODE])
         budget = self.cfg.max_num_batched_tokens - len(batch.decodes)
-        if self.drafter is not None:
+        if self.speculating:
             # leave room for the drafts the policy may admit
             budget -= len(batch.decodes) * min(2, self.drafter.block_size)
         for r in self.running:
@@ -164,7 +178,7 @@ class Engine:
 
     def _draft(self, decodes: list[Request]) -> list[DraftProposal]:
         empty = DraftProposal(tokens=torch.empty(0, dtype=torch.long))
-        if self.drafter is None or not decodes or self.policy.name == "none":
+        if not self.speculating or not decodes:
             return [empty for _ in decodes]
         views = [DraftRequest(r.request_id, r.token_ids, len(r.prompt_ids), r.sampling,
                               r.generator, self._max_draft(r)) for r in decodes]
@@ -250,7 +264,7 @@ class Engine:
             start = r.num_computed
             r.num_computed += 1 + a
             self.runner.blocks.truncate(r.request_id, r.num_computed)   # roll back rejected drafts
-            if self.drafter is not None:
+            if self.speculating:
                 off = v.forward.token_offsets[si]
                 contexts.append(AcceptedContext(
                     r.request_id, [r.output_ids[-1]] + p.tokens[:a].tolist(), start,
@@ -263,10 +277,11 @@ class Engine:
                     if self.metrics is not None:
                         self.metrics.record_round(l, a)
             r.last_verify_len = l
+            r.spec.steps += 1
             new_tokens[r.request_id] = toks
         nd = len(batch.decodes)
         for si, (r, n) in enumerate(batch.prefills):
-            if self.drafter is not None:
+            if self.speculating:
                 off = v.forward.token_offsets[nd + si]
                 contexts.append(AcceptedContext(
                     r.request_id, r.prompt_ids[r.num_computed:r.num_computed + n], r.num_computed,

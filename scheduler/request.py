@@ -22,9 +22,10 @@ class Status(enum.Enum):
 class SpecStats:
     """Speculative decoding statistics of one request."""
 
-    rounds: int = 0
+    rounds: int = 0      # decode steps that verified at least one draft
     drafted: int = 0     # draft tokens the target verified
     accepted: int = 0    # of those, accepted
+    steps: int = 0       # all decode steps (the budget per step is drafted / steps)
 
     @property
     def mean_acceptance_length(self) -> float:

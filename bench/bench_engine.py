@@ -1,0 +1,165 @@
+"""Throughput and per-user speed of the engine on the dev prompts, measured in one run.
+
+  # plain engine vs transformers' generate at concurrency 1, 4, 16
+  python bench/bench_engine.py baseline --out bench/results/baseline.json
+  # speculation: policies x concurrency x temperature, with JSON + two PNG plots
+  python bench/bench_engine.py sweep --drafter ngram --out bench/results/sweep-ngram.json
+
+Per point: per-user tokens/s (median over requests of tokens / (finish - first token)), aggregate
+tokens/s (all tokens / wall time), median TTFT, acceptance length tau and mean verification
+budget. Compare ratios within one run: the machine is shared and noisy.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.common import DATA, load_prompts, machine, median, run_engine_closed_loop  # noqa: E402
+
+
+def chat_ids(tok, text: str, max_prompt: int) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                  return_dict=False)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)[-max_prompt:]
+
+
+def hf_point(model, tok, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+    """transformers' generate, static batches of `concurrency` left-padded prompts, greedy."""
+    eos = tok.eos_token_id
+    per_user, total, t_all = [], 0, time.perf_counter()
+    for i in range(0, len(prompts), concurrency):
+        batch = prompts[i:i + concurrency]
+        L = max(map(len, batch))
+        ids = torch.tensor([[eos] * (L - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch])
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                             pad_token_id=eos, eos_token_id=eos)
+        dt = time.perf_counter() - t0
+        for row in out[:, L:].tolist():
+            n = row.index(eos) if eos in row else len(row)
+            total += n
+            per_user.append(n / dt)
+    wall = time.perf_counter() - t_all
+    return {"label": "hf-generate", "concurrency": concurrency, "per_user_tps": median(per_user),
+            "aggregate_tps": total / wall, "completion_tokens": total, "wall_s": wall}
+
+
+def baseline(args) -> dict:
+    from scheduler.llm import LLM
+    llm = LLM(drafter="none", max_num_seqs=max(args.concurrency), max_model_len=2048)
+    tok, model = llm.tokenizer, llm.engine.runner.model
+    rows = []
+    for c in args.concurrency:
+        n = max(args.min_prompts, 2 * c)
+        prompts = [chat_ids(tok, t, args.max_prompt) for _, t in load_prompts(args.data, n)]
+        run_engine_closed_loop(llm.engine, prompts[:1], 1, 4, 0.0, "warmup")
+        eng = dataclasses.asdict(run_engine_closed_loop(llm.engine, prompts, c, args.max_tokens, 0.0, "engine"))
+        hf = hf_point(model, tok, prompts, c, args.max_tokens)
+        rows += [eng, hf]
+        print(f"c={c:3d} engine per-user {eng['per_user_tps']:7.1f} agg {eng['aggregate_tps']:7.1f} | "
+              f"hf per-user {hf['per_user_tps']:7.1f} agg {hf['aggregate_tps']:7.1f}", flush=True)
+    return {"rows": rows}
+
+
+def sweep(args) -> dict:
+    from scheduler.llm import LLM
+    llm = LLM(drafter=args.drafter, drafter_path=args.drafter_path, block_size=args.block_size,
+              max_num_seqs=max(args.concurrency), max_model_len=2048)
+    eng = llm.engine
+    block = eng.drafter.block_size
+    policies = [p.replace("block", str(block)) for p in args.policies]
+    rows = []
+    prompts_all = [chat_ids(llm.tokenizer, t, args.max_prompt)
+                   for _, t in load_prompts(args.data, max(args.min_prompts, 2 * max(args.concurrency)))]
+    eng.set_policy("none")
+    run_engine_closed_loop(eng, prompts_all[:1], 1, 4, 0.0, "warmup")
+    for temp in args.temperatures:
+        for c in args.concurrency:
+            prompts = prompts_all[:max(args.min_prompts, 2 * c)]
+            for p in policies:
+                eng.set_policy(p)
+                r = dataclasses.asdict(run_engine_closed_loop(eng, prompts, c, args.max_tokens, temp, p))
+                rows.append(r)
+                print(f"T={temp} c={c:3d} {p:14s} per-user {r['per_user_tps']:7.1f} agg "
+                      f"{r['aggregate_tps']:7.1f} tau {r['tau'] or 0:4.2f} budget {r['mean_budget'] or 0:4.2f}",
+                      flush=True)
+    return {"rows": rows, "drafter": args.drafter, "block_size": block,
+            "cost_table": eng.cost_table.to_dict() if eng.cost_table else None}
+
+
+def plot(result: dict, out: Path) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    paths = []
+    for temp in sorted({r["temperature"] for r in rows}):
+        fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+        for label in dict.fromkeys(r["label"] for r in rows):
+            pts = sorted((r for r in rows if r["label"] == label and r["temperature"] == temp),
+                         key=lambda r: r["concurrency"])
+            ax[0].plot([r["per_user_tps"] for r in pts], [r["aggregate_tps"] for r in pts], "o-", label=label)
+            for r in pts:
+                ax[0].annotate(str(r["concurrency"]), (r["per_user_tps"], r["aggregate_tps"]), fontsize=7)
+            ax[1].plot([r["concurrency"] for r in pts], [r["mean_budget"] or 0 for r in pts], "o-", label=label)
+        ax[0].set(xlabel="per-user tokens/s", ylabel="aggregate tokens/s",
+                  title=f"throughput vs per-user speed (T={temp}; labels: concurrency)")
+        ax[1].set(xlabel="concurrency", ylabel="mean verification budget (drafts/request/step)",
+                  xscale="log", title="verification budget vs load")
+        for a in ax:
+            a.grid(alpha=0.3)
+            a.legend(fontsize=8)
+        fig.suptitle(f"{result.get('drafter')} drafter - {result['machine']}", fontsize=8)
+        fig.tight_layout()
+        p = out.with_name(out.stem + f"-T{temp:g}.png")
+        fig.savefig(p, dpi=110)
+        paths.append(str(p))
+    return paths
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["baseline", "sweep"])
+    ap.add_argument("--data", type=Path, default=DATA, help="folder of dev-*.jsonl prompt sets")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    ap.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
+    ap.add_argument("--policies", type=lambda s: s.split(","),
+                    default=["none", "static:1", "static:block", "threshold:0.5", "dspark"])
+    ap.add_argument("--drafter", default="ngram")
+    ap.add_argument("--drafter-path", default=None)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--min-prompts", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.concurrency is None:
+        args.concurrency = [1, 4, 16] if args.mode == "baseline" else [1, 2, 4, 8, 16, 32]
+    t0 = time.time()
+    result = baseline(args) if args.mode == "baseline" else sweep(args)
+    result.update(machine=machine(), args={k: str(v) for k, v in vars(args).items()},
+                  seconds=time.time() - t0)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.mode == "sweep":
+        result["plots"] = plot(result, args.out)
+    args.out.write_text(json.dumps(result, indent=1))
+    print("wrote", args.out, *result.get("plots", []))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Shared pieces of the benchmarks: prompts, closed-loop load generation, medians."""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "prompts"
+DOMAINS = ("gsm8k", "math500", "humaneval", "livecodebench", "mt-bench", "arena-hard")
+
+
+def load_prompts(data_dir: Path, n: int, domains=DOMAINS, offset: int = 0) -> list[tuple[str, str]]:
+    """n (domain, first user turn) pairs, round-robin over the dev sets so every point mixes domains."""
+    per = {}
+    for d in domains:
+        f = Path(data_dir) / f"dev-{d}.jsonl"
+        if f.is_file():
+            per[d] = [json.loads(l)["turns"][0] for l in f.read_text().splitlines() if l.strip()]
+    out, i = [], offset
+    while len(out) < n:
+        for d, ps in per.items():
+            if len(out) < n:
+                out.append((d, ps[i % len(ps)]))
+        i += 1
+    return out
+
+
+def median(xs) -> float:
+    xs = list(xs)
+    return statistics.median(xs) if xs else 0.0
+
+
+def machine() -> str:
+    import os
+    import torch
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {dev}, threads={torch.get_num_threads()}"
+
+
+@dataclass
+class PointResult:
+    label: str
+    concurrency: int
+    temperature: float
+    requests: int
+    completion_tokens: int
+    wall_s: float
+    per_user_tps: float          # median over requests of tokens / (finish - first token)
+    aggregate_tps: float         # all completion tokens / wall time
+    ttft_s: float                # median time to first token
+    tau: float | None = None     # mean tokens per verification round (drafting rounds)
+    mean_budget: float | None = None  # mean drafts verified per request per decode step
+    extra: dict = field(default_factory=dict)
+
+
+def run_engine_closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, max_tokens: int,
+                           temperature: float, label: str, seed: int = 0) -> PointResult:
+    """Keep `concurrency` requests in flight on an in-process engine until all prompts are done."""
+    from scheduler.request import Request
+    from verifier.sampling_params import SamplingParams
+
+    sp = lambda i: SamplingParams(temperature=temperature, seed=None if temperature == 0 else seed + i)
+    queue = list(enumerate(prompt_ids))
+    live, done = [], []
+    t0 = time.perf_counter()
+    while queue or live:
+        while queue and len(live) < concurrency:
+            i, ids = queue.pop(0)
+            r = Request(f"{label}-{i}", ids, sp(i), max_tokens)
+            engine.add_request(r)
+            live.append(r)
+        engine.step()
+        for r in [r for r in live if r.finished]:
+            r.finish_time = time.monotonic()
+            live.remove(r)
+            done.append(r)
+    wall = time.perf_counter() - t0
+    per_user = [len(r.output_ids) / max(r.finish_time - r.first_token_time, 1e-6)
+                for r in done if len(r.output_ids) > 1]
+    toks = sum(len(r.output_ids) for r in done)
+    rounds = sum(r.spec.rounds for r in done)
+    steps = sum(r.spec.steps for r in done)
+    tau = (sum(r.spec.accepted for r in done) + rounds) / rounds if rounds else None
+    budget = sum(r.spec.drafted for r in done) / steps if steps else None
+    return PointResult(label, concurrency, temperature, len(done), toks, wall, median(per_user),
+                       toks / wall, median(r.first_token_time - r.arrival_time for r in done),
+                       tau, budget)

@@ -1,0 +1,74 @@
+"""The SPS cost profile: measured on any device, cached per model/device/dtype, reused, redone
+on demand, and fed to the load-aware policy."""
+import json
+
+from scheduler import profile
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
+from scheduler.policy import CostTable
+from scheduler.request import Request
+from tests.helpers import ByteTokenizer, runner_for, tiny_model
+from verifier.sampling_params import SamplingParams
+
+
+def test_profile_is_measured_cached_and_reprofiled(tmp_path, monkeypatch):
+    runner = runner_for(tiny_model("llama"), num_blocks=1024, block_size=16)
+    monkeypatch.setattr(profile, "BATCH_SIZES", (1, 4, 16, 64))
+    calls = []
+    real = profile.measure
+
+    def counting(r, *a, **k):
+        calls.append(1)
+        return real(r, batch_sizes=(1, 4, 16, 64), context_lens=(16, 64), repeats=1)
+
+    monkeypatch.setattr(profile, "measure", counting)
+    table, raw, source = profile.load_or_profile(runner, "tiny", tmp_path)
+    assert isinstance(table, CostTable) and source.startswith("measured") and len(calls) == 1
+    assert table.batch_sizes == (1, 4, 16, 64)
+    sps = table.steps_per_second
+    assert all(b <= a for a, b in zip(sps, sps[1:]))          # never faster at a bigger batch
+    assert set(raw["by_context"]) == {"16", "64"}
+    assert runner.blocks.num_free_blocks == runner.blocks.num_blocks   # profiling frees its KV
+    cached = list((tmp_path / "cost-tables").glob("tiny-cpu-*.json"))
+    assert len(cached) == 1 and json.loads(cached[0].read_text())["steps_per_second"] == list(sps)
+    table2, _, source2 = profile.load_or_profile(runner, "tiny", tmp_path)
+    assert source2.startswith("cached") and table2 == table and len(calls) == 1
+    _, _, source3 = profile.load_or_profile(runner, "tiny", tmp_path, reprofile=True)
+    assert source3.startswith("measured") and len(calls) == 2
+    assert "steps/s" in profile.format_table(raw)
+
+
+class ConstantConfidenceDrafter:
+    """Drafts token 0 with confidence 0.9 at every position."""
+
+    name, tap_layers, block_size = "const", (), 6
+
+    def propose(self, requests):
+        import torch
+        from drafter.base import DraftProposal
+        return [DraftProposal(torch.zeros(min(6, r.max_draft), dtype=torch.long), None,
+                              torch.full((min(6, r.max_draft),), 0.9)) for r in requests]
+
+    def observe(self, contexts): pass
+    def observe_acceptance(self, *a): pass
+    def free(self, rid): pass
+
+
+def mean_budget(concurrency: int) -> float:
+    # A compute-bound cost curve: a step costs ~ B tokens beyond 8.
+    table = CostTable((1, 8, 16, 32, 64, 128), (100.0, 100.0, 50.0, 25.0, 12.5, 6.25))
+    engine = Engine(runner_for(tiny_model("llama"), num_blocks=2048), ByteTokenizer(),
+                    SchedulerConfig(verify_policy="dspark", max_num_seqs=64, max_num_batched_tokens=1024),
+                    max_model_len=256, drafter=ConstantConfidenceDrafter(), cost_table=table)
+    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0), 12, ignore_eos=True)
+            for i in range(concurrency)]
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_work():
+        engine.step()
+    return sum(r.spec.drafted for r in reqs) / sum(r.spec.steps for r in reqs)
+
+
+def test_engine_budget_shrinks_with_load():
+    light, heavy = mean_budget(1), mean_budget(48)
+    assert light >= 3.0 and heavy <= 1.0, (light, heavy)
