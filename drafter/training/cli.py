@@ -111,7 +111,10 @@ def _drafter_config(a: argparse.Namespace, target):
 
 def cmd_train(a: argparse.Namespace) -> None:
     from drafter.training.loss import LossConfig
-    from drafter.training.train import TrainConfig, build_drafter, load_train_data, run_train, save_final
+    from dataclasses import replace
+
+    from drafter.training.train import (TrainConfig, build_drafter, load_step_weights, load_train_data,
+                                        run_train, save_final)
 
     _set_threads(a.threads)
     target = _load_target(a)
@@ -126,11 +129,15 @@ def cmd_train(a: argparse.Namespace) -> None:
           f"response tokens; drafter {cfg.num_hidden_layers} layers, markov_rank {cfg.markov_rank}")
     model = build_drafter(cfg, target.model, tcfg.init_from_target).to(a.device)
     work = Path(a.out) / "train" / a.name
-    bar = Progress(a.out, f"train-{a.name}", tcfg.steps, "step")
-    run_train(model, data, tcfg, lcfg, work,
-              lambda s: bar.update(s.step, tcfg.steps, loss=s.loss, ce=s.ce, l1=s.l1, conf=s.confidence,
-                                   tau=s.tau, s_per_step=s.seconds))
-    bar.close()
+    if a.finalize_at:
+        load_step_weights(model, work, a.finalize_at)
+        tcfg = replace(tcfg, steps=a.finalize_at)
+    else:
+        bar = Progress(a.out, f"train-{a.name}", tcfg.steps, "step")
+        run_train(model, data, tcfg, lcfg, work,
+                  lambda s: bar.update(s.step, tcfg.steps, loss=s.loss, ce=s.ce, l1=s.l1, conf=s.confidence,
+                                       tau=s.tau, s_per_step=s.seconds))
+        bar.close()
     path = save_final(model, work)
     (work / "final" / "train_args.json").write_text(json.dumps(
         {"train": tcfg.__dict__, "loss": lcfg.__dict__, "sequences": len(data)}, indent=1))
@@ -272,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--holdout-every", type=int, default=10)
     t.add_argument("--fp32", action="store_true", help="no bfloat16 autocast")
     t.add_argument("--no-init-from-target", action="store_true")
+    t.add_argument("--finalize-at", type=int, default=0,
+                   help="skip training; save the weights of checkpoint step N as the final drafter")
     t.set_defaults(func=cmd_train)
 
     k = sub.add_parser("calibrate", help="stage 3: Sequential Temperature Scaling on held-out data")

@@ -191,9 +191,19 @@ def run_train(model: DSparkModel, data: Sequence[CachedSequence], cfg: TrainConf
             torch.save({"model": trainable_state(model), "optimizer": opt.state_dict(), "step": step + 1,
                         "train_config": asdict(cfg)}, tmp)
             os.replace(tmp, ckpt_path)
+            # Weights alone per checkpoint, so runs can be compared at an equal step.
+            torch.save(trainable_state(model), work / f"weights_step{step + 1}.pt")
     log.close()
     model.eval()
     return history
+
+
+def load_step_weights(model: DSparkModel, work_dir: str | os.PathLike, step: int) -> None:
+    """Load the weights a run saved at checkpoint `step`."""
+    path = Path(work_dir) / f"weights_step{step}.pt"
+    if not path.exists():
+        raise ValueError(f"no weights saved at step {step!r} in {str(work_dir)!r}")
+    model.load_state_dict(torch.load(path), strict=False)
 
 
 def save_final(model: DSparkModel, work_dir: str | os.PathLike) -> Path:
