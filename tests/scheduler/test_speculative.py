@@ -106,7 +106,8 @@ def test_greedy_dspark_drafter_equals_plain(tmp_path, name):
     model = tiny_model("qwen3")
     path = random_dspark(model, tmp_path, markov_rank=8 if name == "dspark" else 0)
     dr = build_drafter(name, path=str(path), target_model=model)
-    engine = Engine(runner_for(model), ByteTokenizer(), SchedulerConfig(verify_policy="static:5"),
+    engine = Engine(runner_for(model), ByteTokenizer(),
+                    SchedulerConfig(verify_policy="static:5", max_num_batched_tokens=16),  # chunked prefill
                     max_model_len=512, drafter=dr)
     prompts = [list(range(40, 40 + n)) for n in (3, 25, 11)]
     reqs = [Request(f"r{i}", p, GREEDY, max_tokens=20, ignore_eos=True) for i, p in enumerate(prompts)]
