@@ -61,7 +61,7 @@ def baseline(args) -> dict:
     tok, model = llm.tokenizer, llm.engine.runner.model
     rows = []
     for c in args.concurrency:
-        n = max(args.min_prompts, 2 * c)
+        n = max(args.min_prompts, args.waves * c)
         prompts = [chat_ids(tok, t, args.max_prompt) for _, t in load_prompts(args.data, n)]
         run_engine_closed_loop(llm.engine, prompts[:1], 1, 4, 0.0, "warmup")
         eng = dataclasses.asdict(run_engine_closed_loop(llm.engine, prompts, c, args.max_tokens, 0.0, "engine"))
@@ -81,12 +81,12 @@ def sweep(args) -> dict:
     policies = [p.replace("block", str(block)) for p in args.policies]
     rows = []
     prompts_all = [chat_ids(llm.tokenizer, t, args.max_prompt)
-                   for _, t in load_prompts(args.data, max(args.min_prompts, 2 * max(args.concurrency)))]
+                   for _, t in load_prompts(args.data, max(args.min_prompts, args.waves * max(args.concurrency)))]
     eng.set_policy("none")
     run_engine_closed_loop(eng, prompts_all[:1], 1, 4, 0.0, "warmup")
     for temp in args.temperatures:
         for c in args.concurrency:
-            prompts = prompts_all[:max(args.min_prompts, 2 * c)]
+            prompts = prompts_all[:max(args.min_prompts, args.waves * c)]
             for p in policies:
                 eng.set_policy(p)
                 r = dataclasses.asdict(run_engine_closed_loop(eng, prompts, c, args.max_tokens, temp, p))
@@ -143,6 +143,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--min-prompts", type=int, default=8)
+    ap.add_argument("--waves", type=int, default=2, help="prompts per point = waves x concurrency")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
