@@ -192,13 +192,21 @@ class Engine:
     def _choose_lengths(self, batch: ScheduledBatch, proposals: list[DraftProposal]) -> list[int]:
         if not proposals:
             return []
-        inp = PolicyInput(confidences=[p.confidences for p in proposals],
-                          max_lengths=[len(p) for p in proposals])
-        load = LoadState(num_running=len(batch.decodes), num_waiting=len(self.waiting),
-                         prefill_tokens=batch.prefill_tokens, kv_usage=self.runner.blocks.usage)
+        # The forward's token budget is a hard cap. It is applied to the per-request maxima
+        # *before* the policy, from quantities that do not depend on the drafted tokens, so
+        # which drafts get verified stays causal (no bias).
+        caps = [len(p) for p in proposals]
+        room = self.cfg.max_num_batched_tokens - batch.prefill_tokens - len(proposals)
+        if sum(caps) > room:
+            share, extra = divmod(max(room, 0), len(caps))
+            caps = [min(c, share + (i < extra)) for i, c in enumerate(caps)]
+        inp = PolicyInput(confidences=[p.confidences for p in proposals], max_lengths=caps)
+        snap = self.load.snapshot(len(batch.decodes), len(self.waiting))
+        load = LoadState(num_running=snap.num_running, num_waiting=snap.num_waiting,
+                         prefill_tokens=batch.prefill_tokens, kv_usage=min(1.0, snap.kv_usage))
         decision = self.policy(inp, self.cost_table or DEFAULT_COST, load)
         if self.metrics is not None:
-            self.metrics.record_policy(decision)
+            self.metrics.record_policy(decision, snap)
         return list(decision.lengths)
 
     def _verify(self, batch: ScheduledBatch, proposals: list[DraftProposal],

@@ -50,6 +50,8 @@ class EngineMetrics:
                                 "Tokens per step the policy expected (tau), summed over steps.", L, registry=r)
         self.realized = Counter("dspark:spec_decode_realized_tokens",
                                 "Tokens per step actually produced by decode requests, summed.", L, registry=r)
+        self.accel_mem = Gauge("dspark:accelerator_memory_used_bytes",
+                               "Accelerator memory allocated by the engine (CUDA only).", L, registry=r)
         self.cost = Gauge("dspark:cost_table_steps_per_second",
                           "Profiled target steps per second at a batch of B tokens.", L + ["batch_tokens"], registry=r)
 
@@ -61,7 +63,9 @@ class EngineMetrics:
         self.forward_tokens.labels(**self.labels).observe(tokens)
         self.forward_seconds.labels(**self.labels).observe(seconds)
 
-    def record_policy(self, decision) -> None:
+    def record_policy(self, decision, load=None) -> None:
+        if load is not None and load.accel_mem_used is not None:
+            self.accel_mem.labels(**self.labels).set(load.accel_mem_used)
         ls = list(decision.lengths)
         for l in ls:
             self.budget.labels(**self.labels).observe(l)
