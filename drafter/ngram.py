@@ -22,7 +22,7 @@ class NgramConfig:
     block_size: int = 5
     max_ngram: int = 4
     min_ngram: int = 1
-    prior_accept: float = 1.0
+    prior_accept: float = 3.0
     prior_reject: float = 1.0
 
     def __post_init__(self) -> None:
@@ -55,6 +55,9 @@ def lookup_continuation(tokens: np.ndarray, max_ngram: int, min_ngram: int, k: i
 class NgramDrafter:
     name = "ngram"
     tap_layers: tuple[int, ...] = ()
+    # Confidences are learned from verification outcomes, so the engine keeps verifying a
+    # little even when they look poor (otherwise a low estimate could never recover).
+    online_confidence = True
 
     def __init__(self, config: NgramConfig):
         self.config = config
@@ -102,7 +105,7 @@ class NgramDrafter:
 
 @register_drafter("ngram")
 def build_ngram(block_size: int | None = None, max_ngram: int = 4, min_ngram: int = 1,
-                prior_accept: float = 1.0, prior_reject: float = 1.0,
+                prior_accept: float = 3.0, prior_reject: float = 1.0,
                 path: str | None = None, target_model=None, device=None, dtype=None) -> NgramDrafter:
     """block_size None = NgramConfig's default. target_model / device / dtype are accepted
     so one call site serves every drafter; prompt lookup needs none of them."""

@@ -18,6 +18,9 @@ class SchedulerConfig:
     """none, static:K, threshold:T, dspark, or auto (dspark when a drafter is on, else none)."""
     reprofile: bool = False
     """Re-measure the target cost table even when a cached one exists."""
+    explore_every: int = 8
+    """For drafters whose confidences are learned online (n-gram): every n-th decode step of a
+    request verifies at least one draft, so a pessimistic estimate can recover."""
 
     def __post_init__(self) -> None:
         if not (1 <= self.max_num_seqs <= 4096):
@@ -27,6 +30,8 @@ class SchedulerConfig:
                 f"max_num_batched_tokens must be >= 16, got {self.max_num_batched_tokens!r}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting!r}")
+        if self.explore_every < 1:
+            raise ValueError(f"explore_every must be >= 1, got {self.explore_every!r}")
         name = self.verify_policy.split(":", 1)[0]
         if name not in ("auto", "none", "static", "threshold", "dspark", "dspark_global"):
             raise ValueError(f"unknown verify_policy {self.verify_policy!r}")

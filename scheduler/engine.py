@@ -205,9 +205,16 @@ class Engine:
         load = LoadState(num_running=snap.num_running, num_waiting=snap.num_waiting,
                          prefill_tokens=batch.prefill_tokens, kv_usage=min(1.0, snap.kv_usage))
         decision = self.policy(inp, self.cost_table or DEFAULT_COST, load)
+        lengths = list(decision.lengths)
+        if getattr(self.drafter, "online_confidence", False) and self.policy.name != "none":
+            # Exploration on a fixed schedule: it depends on the step count only, never on the
+            # drafted tokens, so it cannot bias the output.
+            for i, r in enumerate(batch.decodes):
+                if caps[i] > 0 and r.spec.steps % self.cfg.explore_every == 0:
+                    lengths[i] = max(lengths[i], 1)
         if self.metrics is not None:
             self.metrics.record_policy(decision, snap)
-        return list(decision.lengths)
+        return lengths
 
     def _verify(self, batch: ScheduledBatch, proposals: list[DraftProposal],
                 lengths: list[int]) -> Verification:

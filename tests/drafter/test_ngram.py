@@ -44,11 +44,11 @@ def test_confidences_follow_acceptance_feedback():
     d = build_drafter("ngram", block_size=3)
     tokens = [1, 2, 3, 1, 2, 3, 1, 2]
     start = d.propose([req(tokens)])[0].confidences
-    torch.testing.assert_close(start, torch.full((3,), 0.5))  # Beta(1, 1) prior
+    torch.testing.assert_close(start, torch.full((3,), 0.75))  # Beta(3, 1) prior: optimistic
     for _ in range(8):
         d.observe_acceptance("r", proposed=3, accepted=1)  # pos 0 accepted, pos 1 rejected
     c = d.propose([req(tokens, rid="other")])[0].confidences  # global across requests
-    torch.testing.assert_close(c, torch.tensor([9 / 10, 1 / 10, 0.5]))  # pos 2 never tested
+    torch.testing.assert_close(c, torch.tensor([11 / 12, 3 / 12, 0.75]))  # pos 2 never tested
     d.observe_acceptance("r", proposed=2, accepted=2)
     c2 = d.propose([req(tokens)])[0].confidences
     assert c2[0] > c[0] and c2[1] > c[1] and c2[2] == c[2]

@@ -72,3 +72,26 @@ def mean_budget(concurrency: int) -> float:
 def test_engine_budget_shrinks_with_load():
     light, heavy = mean_budget(1), mean_budget(48)
     assert light >= 3.0 and heavy <= 1.0, (light, heavy)
+
+
+class PessimisticOnlineDrafter(ConstantConfidenceDrafter):
+    """Claims confidence 0 everywhere, learned online: the policy alone would never verify."""
+
+    online_confidence = True
+
+    def propose(self, requests):
+        props = super().propose(requests)
+        for p in props:
+            p.confidences = p.confidences * 0
+        return props
+
+
+def test_online_confidence_drafters_still_explore():
+    engine = Engine(runner_for(tiny_model("llama")), ByteTokenizer(),
+                    SchedulerConfig(verify_policy="dspark", explore_every=4), max_model_len=256,
+                    drafter=PessimisticOnlineDrafter())
+    r = Request("x", [1, 2, 3], SamplingParams(temperature=0), 30, ignore_eos=True)
+    engine.add_request(r)
+    while engine.has_work():
+        engine.step()
+    assert r.spec.rounds >= 5 and r.spec.drafted == r.spec.rounds   # length 1 every 4th step
