@@ -22,7 +22,8 @@ class ByteTokenizer:
 
 def tiny_model(kind: str = "llama", vocab: int = 257, seed: int = 0, layers: int = 2,
                dtype=torch.float32):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
@@ -31,6 +32,12 @@ def tiny_model(kind: str = "llama", vocab: int = 257, seed: int = 0, layers: int
                   bos_token_id=None, pad_token_id=None)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "qwen2":  # q/k/v biases
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     else:

@@ -33,7 +33,7 @@ def run_all(engine, arrivals: dict[int, list[Request]], cancel: dict[int, str] |
         assert step < 2000
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_mixed_batch_matches_generate(kind):
     model = tiny_model(kind)
     engine = make_engine(model, budget=48)  # small budget: prompts prefill in chunks
