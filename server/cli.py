@@ -47,19 +47,22 @@ def _flags() -> list[tuple[str, type, str, type]]:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
+    """suppress_defaults: parse only the flags actually given (to layer them over a file)."""
     p = argparse.ArgumentParser(
         prog="dspark-serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        argument_default=argparse.SUPPRESS if suppress_defaults else None,
         description="OpenAI-compatible server with load-aware speculative decoding (DSpark).")
-    p.add_argument("--config", default=DEFAULT_CONFIG,
+    p.add_argument("--config", **({} if suppress_defaults else {"default": DEFAULT_CONFIG}),
                    help="a name under configs/ (without .toml) or a path to a TOML file; flags override it")
     for name, comp, help_, typ in _flags():
         default = getattr(comp(), name)
         flag = "--" + name.replace("_", "-")
+        kw = {} if suppress_defaults else {"default": default}
         if typ is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_, **kw)
         else:
-            p.add_argument(flag, type=typ, default=default, help=help_)
+            p.add_argument(flag, type=typ, help=help_, **kw)
     return p
 
 
@@ -86,11 +89,10 @@ def load_config_file(spec: str) -> dict:
 def resolve(argv: list[str] | None = None) -> tuple[ModelConfig, DrafterConfig, SchedulerConfig, ServerConfig]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    defaults = vars(parser.parse_args([]))
-    values = dict(defaults)
-    values.update(load_config_file(args.config))
-    # explicit command-line flags win over the file
-    values.update({k: v for k, v in vars(args).items() if v != defaults.get(k)})
+    given = vars(build_parser(suppress_defaults=True).parse_args(argv))
+    values = vars(parser.parse_args([]))           # the component configs' defaults
+    values.update(load_config_file(args.config))    # then the config file
+    values.update(given)                            # then the flags actually given
     for k in ("model", "drafter_path", "cache_dir", "api_key", "served_model_name"):
         if values.get(k) in ("", "none", "None"):
             values[k] = None

@@ -1,0 +1,30 @@
+"""On the embedded SmolLM2-135M-Instruct: greedy speculative output equals plain decoding, for
+the n-gram drafter and for the shipped DSpark drafter, under every policy."""
+import pytest
+
+from scheduler.llm import LLM
+from verifier.sampling_params import SamplingParams
+
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether?",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "Repeat after me three times: the quick brown fox jumps over the lazy dog.",
+]
+
+
+@pytest.mark.parametrize("drafter,policies", [("ngram", ["static:5", "dspark"]),
+                                              ("dspark", ["static:7", "dspark", "threshold:0.3"])])
+def test_greedy_speculation_equals_plain_on_embedded_model(drafter, policies):
+    llm = LLM(drafter=drafter, max_num_seqs=4, max_model_len=1024, kv_cache_tokens=8192)
+    tok = llm.tokenizer
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                   return_dict=False) for p in PROMPTS]
+    ids = [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in ids]
+    llm.engine.set_policy("none")
+    plain = [o.token_ids for o in llm.generate(ids, SamplingParams(temperature=0), 40)]
+    for policy in policies:
+        llm.engine.set_policy(policy)
+        outs = llm.generate(ids, SamplingParams(temperature=0), 40)
+        assert [o.token_ids for o in outs] == plain, policy
+        assert sum(o.spec.drafted for o in outs) > 0, policy
