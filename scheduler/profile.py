@@ -17,6 +17,8 @@ from verifier.model_runner import ModelRunner, Segment
 log = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Bumped whenever the measurement method changes, so stale cached tables are not reused.
+PROFILE_VERSION = 2
 CONTEXT_LENS = (128, 512)
 
 
@@ -74,7 +76,8 @@ def measure(runner: ModelRunner, batch_sizes=BATCH_SIZES, context_lens=CONTEXT_L
 
 def cache_key(model_name: str, config, device: torch.device, dtype: torch.dtype) -> str:
     ident = json.dumps([model_name, config.to_dict() if hasattr(config, "to_dict") else str(config),
-                        str(device), str(dtype), torch.__version__, BATCH_SIZES], sort_keys=True,
+                        str(device), str(dtype), torch.__version__, BATCH_SIZES, PROFILE_VERSION],
+                       sort_keys=True,
                        default=str)
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
