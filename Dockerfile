@@ -2,6 +2,7 @@
 # torch wheel has CUDA). Build: docker build -t dspark-serve .
 FROM python:3.11-slim
 WORKDIR /app
+ENV XDG_CACHE_HOME=/cache
 RUN pip install --no-cache-dir torch==2.13.0
 COPY pyproject.toml README.md ./
 COPY server server

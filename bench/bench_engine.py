@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
@@ -153,7 +155,8 @@ def main() -> None:
         args.concurrency = [1, 4, 16] if args.mode == "baseline" else [1, 2, 4, 8, 16, 32]
     t0 = time.time()
     result = baseline(args) if args.mode == "baseline" else sweep(args)
-    result.update(machine=machine(), args={k: str(v) for k, v in vars(args).items()},
+    rel = lambda v: os.path.relpath(v, ROOT) if isinstance(v, Path) else str(v)
+    result.update(machine=machine(), args={k: rel(v) for k, v in vars(args).items()},
                   seconds=time.time() - t0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.mode == "sweep":
