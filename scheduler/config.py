@@ -18,6 +18,9 @@ class SchedulerConfig:
     """none, static:K, threshold:T, dspark, or auto (dspark when a drafter is on, else none)."""
     reprofile: bool = False
     """Re-measure the target cost table even when a cached one exists."""
+    draft_gate: bool = True
+    """With the dspark policy: skip drafting at load levels where steps that draft have
+    produced fewer tokens per second than steps that do not (the drafter's own cost)."""
     explore_every: int = 8
     """For drafters whose confidences are learned online (n-gram): every n-th decode step of a
     request verifies at least one draft, so a pessimistic estimate can recover."""

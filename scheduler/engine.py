@@ -15,6 +15,7 @@ from drafter.base import AcceptedContext, DraftProposal, DraftRequest, Drafter
 from scheduler.client import EngineError
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import IncrementalDetokenizer
+from scheduler.gate import DraftGate
 from scheduler.load import LoadMonitor
 from scheduler.policy import CostTable, LoadState, Policy, PolicyInput, parse_policy
 from scheduler.request import Request, RequestOutput, Status
@@ -72,6 +73,9 @@ class Engine:
         self.policy: Policy = parse_policy(policy)
         self.cost_table = cost_table
         self.metrics = metrics
+        # Load-aware policies also decide whether drafting pays at all (scheduler/gate.py).
+        self.gate = DraftGate() if (drafter is not None and sched.draft_gate
+                                    and self.policy.name == "dspark") else None
         self.load = LoadMonitor(runner)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -93,6 +97,8 @@ class Engine:
         if self.running or self.waiting:
             raise RuntimeError("set_policy needs an idle engine")
         self.policy = parse_policy(spec)
+        self.gate = DraftGate() if (self.drafter is not None and self.cfg.draft_gate
+                                    and self.policy.name == "dspark") else None
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> frozenset[int]:
@@ -141,10 +147,27 @@ class Engine:
         batch = self._schedule()
         if not batch:
             return []
-        proposals = self._draft(batch.decodes)
+        t0 = time.perf_counter()
+        drafting = self._gate_open(batch)
+        proposals = self._draft(batch.decodes) if drafting else self._no_drafts(batch.decodes)
         lengths = self._choose_lengths(batch, proposals)
         verification = self._verify(batch, proposals, lengths)
-        return self._update(batch, proposals, lengths, verification)
+        outputs = self._update(batch, proposals, lengths, verification)
+        if self.gate is not None and batch.decodes and not batch.prefills:
+            # Only pure decode steps are comparable: a prefill chunk would dominate the time.
+            made = sum(len(o.token_ids) for o in outputs if o.request_id in
+                       {r.request_id for r in batch.decodes})
+            self.gate.record(len(batch.decodes), drafting, made, time.perf_counter() - t0)
+        return outputs
+
+    def _gate_open(self, batch: ScheduledBatch) -> bool:
+        if self.gate is None or not batch.decodes:
+            return True
+        return self.gate.should_draft(len(batch.decodes))
+
+    @staticmethod
+    def _no_drafts(decodes: list[Request]) -> list[DraftProposal]:
+        return [DraftProposal(tokens=torch.empty(0, dtype=torch.long)) for _ in decodes]
 
     def _schedule(self) -> ScheduledBatch:
         blocks = self.runner.blocks

@@ -35,6 +35,8 @@ def _flags() -> list[tuple[str, type, str, type]]:
         "max_waiting": "waiting-queue capacity (beyond it: HTTP 429)",
         "verify_policy": "none | static:K | threshold:T | dspark | auto (dspark when a drafter is on)",
         "reprofile": "re-measure the target cost table",
+        "draft_gate": "with the dspark policy, skip drafting where it has not paid for itself",
+        "explore_every": "online-confidence drafters (ngram) verify >= 1 draft every n-th step",
         "host": "interface to listen on", "port": "TCP port",
         "api_key": "require this bearer token on /v1/*", "served_model_name": "model name in the API",
         "log_level": "debug, info, warning or error",

@@ -58,7 +58,8 @@ def mean_budget(concurrency: int) -> float:
     # A compute-bound cost curve: a step costs ~ B tokens beyond 8.
     table = CostTable((1, 8, 16, 32, 64, 128), (100.0, 100.0, 50.0, 25.0, 12.5, 6.25))
     engine = Engine(runner_for(tiny_model("llama"), num_blocks=2048), ByteTokenizer(),
-                    SchedulerConfig(verify_policy="dspark", max_num_seqs=64, max_num_batched_tokens=1024),
+                    SchedulerConfig(verify_policy="dspark", max_num_seqs=64, max_num_batched_tokens=1024,
+                                    draft_gate=False),
                     max_model_len=256, drafter=ConstantConfidenceDrafter(), cost_table=table)
     reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0), 12, ignore_eos=True)
             for i in range(concurrency)]
@@ -88,7 +89,8 @@ class PessimisticOnlineDrafter(ConstantConfidenceDrafter):
 
 def test_online_confidence_drafters_still_explore():
     engine = Engine(runner_for(tiny_model("llama")), ByteTokenizer(),
-                    SchedulerConfig(verify_policy="dspark", explore_every=4), max_model_len=256,
+                    SchedulerConfig(verify_policy="dspark", explore_every=4, draft_gate=False),
+                    max_model_len=256,
                     drafter=PessimisticOnlineDrafter())
     r = Request("x", [1, 2, 3], SamplingParams(temperature=0), 30, ignore_eos=True)
     engine.add_request(r)
