@@ -149,11 +149,22 @@ class Engine:
             return []
         t0 = time.perf_counter()
         drafting = self._gate_open(batch)
-        proposals = self._draft(batch.decodes) if drafting else self._no_drafts(batch.decodes)
+        if drafting:
+            proposals = self._draft(batch.decodes)
+        else:
+            # Seeded requests keep drafting: the gate follows timings, and a seeded request's
+            # output must not depend on them.
+            seeded = [r for r in batch.decodes if r.sampling.seed is not None]
+            proposals = self._no_drafts(batch.decodes)
+            if seeded:
+                idx = {r.request_id: i for i, r in enumerate(batch.decodes)}
+                for r, p in zip(seeded, self._draft(seeded)):
+                    proposals[idx[r.request_id]] = p
         lengths = self._choose_lengths(batch, proposals)
         verification = self._verify(batch, proposals, lengths)
         outputs = self._update(batch, proposals, lengths, verification)
-        if self.gate is not None and batch.decodes and not batch.prefills:
+        mixed = not drafting and any(len(p) for p in proposals)
+        if self.gate is not None and batch.decodes and not batch.prefills and not mixed:
             # Only pure decode steps are comparable: a prefill chunk would dominate the time.
             made = sum(len(o.token_ids) for o in outputs if o.request_id in
                        {r.request_id for r in batch.decodes})

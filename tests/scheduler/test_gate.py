@@ -55,3 +55,21 @@ def test_engine_stops_drafting_when_it_does_not_pay_and_stays_lossless():
     drafted_steps = r.spec.rounds
     assert drafted_steps < 0.35 * r.spec.steps, (drafted_steps, r.spec.steps)
     assert engine.gate.rate(1, False) > engine.gate.rate(1, True)
+
+
+def test_seeded_requests_do_not_depend_on_the_gate():
+    model = tiny_model("llama")
+
+    def run(seed_gate_state: int) -> list[int]:
+        engine = Engine(runner_for(model), ByteTokenizer(), SchedulerConfig(verify_policy="dspark"),
+                        max_model_len=256, drafter=SlowWrongDrafter())
+        for i in range(seed_gate_state):  # teach the gate different things first
+            engine.gate.record(1, i % 2 == 0, decode_tokens=1 + (i % 3), seconds=0.01)
+        r = Request("s", list(b"seeded"), SamplingParams(temperature=1.0, seed=11), 20, ignore_eos=True)
+        engine.add_request(r)
+        while engine.has_work():
+            engine.step()
+        assert r.spec.rounds >= r.spec.steps - 1   # drafts every step (the last has no room)
+        return r.output_ids
+
+    assert run(0) == run(7)

@@ -33,12 +33,17 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, drafter="ngram", api_key=None, max_num_seqs=8, max_waiting=64):
+    def __init__(self, drafter="ngram", api_key=None, max_num_seqs=8, max_waiting=64,
+                 verify_policy="static:4"):
         registry = CollectorRegistry()
         metrics = EngineMetrics(registry, MODEL)
         cfgs = (ModelConfig(max_model_len=MAX_LEN, kv_cache_tokens=16384),
                 DrafterConfig(drafter=drafter, block_size=4 if drafter != "none" else None),
-                SchedulerConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting))
+                # A static policy keeps seeded sampling reproducible across requests: n-gram
+                # confidences are global state, so the load-aware policy's lengths (and hence
+                # the random draws) depend on earlier requests.
+                SchedulerConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting,
+                                verify_policy=verify_policy))
         self.engine = AsyncEngine(lambda: build_engine(*cfgs, metrics=metrics, profile=False),
                                   MODEL, MAX_LEN)
         self.engine.start()
