@@ -82,6 +82,9 @@ class Drafter(Protocol):
     # Target layers whose hidden states the drafter needs (DeepSpec semantics: layer i is
     # the output of decoder layer i, -1 the embeddings). Empty: no taps needed.
     tap_layers: tuple[int, ...]
+    # Optional (default False): True when confidences are learned online from verification
+    # outcomes (n-gram); the engine then keeps verifying a little so they can recover.
+    # online_confidence: bool
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         """One batched call for all running requests."""

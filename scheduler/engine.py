@@ -166,8 +166,8 @@ class Engine:
         mixed = not drafting and any(len(p) for p in proposals)
         if self.gate is not None and batch.decodes and not batch.prefills and not mixed:
             # Only pure decode steps are comparable: a prefill chunk would dominate the time.
-            made = sum(len(o.token_ids) for o in outputs if o.request_id in
-                       {r.request_id for r in batch.decodes})
+            decoding = {r.request_id for r in batch.decodes}
+            made = sum(len(o.token_ids) for o in outputs if o.request_id in decoding)
             self.gate.record(len(batch.decodes), drafting, made, time.perf_counter() - t0)
         return outputs
 
@@ -343,12 +343,13 @@ class Engine:
         if contexts:
             self.drafter.observe(contexts)
         outputs = []
+        decode_ids = {r.request_id for r in batch.decodes}
         for rid, toks in new_tokens.items():
             r = self.requests[rid]
             appended = self._append_tokens(r, toks)
             if self.metrics is not None:
                 self.metrics.record_tokens(len(appended))
-                if r.request_id in row_of and r.status is not Status.PREFILL and r in batch.decodes:
+                if rid in decode_ids:
                     self.metrics.realized.labels(**self.metrics.labels).inc(len(toks))
             if r.first_token_time is None:
                 r.first_token_time = now
