@@ -70,12 +70,9 @@ class Engine:
         policy = sched.verify_policy
         if policy == "auto":
             policy = "dspark" if drafter is not None else "none"
-        self.policy: Policy = parse_policy(policy)
         self.cost_table = cost_table
         self.metrics = metrics
-        # Load-aware policies also decide whether drafting pays at all (scheduler/gate.py).
-        self.gate = DraftGate() if (drafter is not None and sched.draft_gate
-                                    and self.policy.name == "dspark") else None
+        self._use_policy(policy)
         self.load = LoadMonitor(runner)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -96,7 +93,11 @@ class Engine:
         """Switch the verification policy (only between requests: drafter state is per request)."""
         if self.running or self.waiting:
             raise RuntimeError("set_policy needs an idle engine")
-        self.policy = parse_policy(spec)
+        self._use_policy(spec)
+
+    def _use_policy(self, spec: str) -> None:
+        self.policy: Policy = parse_policy(spec)
+        # The load-aware policy also decides whether drafting pays at all (scheduler/gate.py).
         self.gate = DraftGate() if (self.drafter is not None and self.cfg.draft_gate
                                     and self.policy.name == "dspark") else None
 
@@ -211,13 +212,12 @@ class Engine:
                           self.max_model_len - r.num_tokens - 1))
 
     def _draft(self, decodes: list[Request]) -> list[DraftProposal]:
-        empty = DraftProposal(tokens=torch.empty(0, dtype=torch.long))
+        proposals = self._no_drafts(decodes)
         if not self.speculating or not decodes:
-            return [empty for _ in decodes]
+            return proposals
         views = [DraftRequest(r.request_id, r.token_ids, len(r.prompt_ids), r.sampling,
                               r.generator, self._max_draft(r)) for r in decodes]
         todo = [i for i, v in enumerate(views) if v.max_draft > 0]
-        proposals = [empty for _ in decodes]
         if todo:
             for i, p in zip(todo, self.drafter.propose([views[i] for i in todo])):
                 proposals[i] = p
@@ -325,7 +325,6 @@ class Engine:
                     r.spec.accepted += a
                     if self.metrics is not None:
                         self.metrics.record_round(l, a)
-            r.last_verify_len = l
             r.spec.steps += 1
             new_tokens[r.request_id] = toks
         nd = len(batch.decodes)

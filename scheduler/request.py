@@ -56,7 +56,6 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     first_token_time: float | None = None
     last_token_time: float | None = None
-    last_verify_len: int = 0
 
     def __post_init__(self) -> None:
         if self.sampling.seed is not None:
@@ -87,4 +86,3 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     spec: SpecStats | None = None
-    error: str | None = None
