@@ -8,17 +8,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "prompts"
+from drafter.training.data import PROMPTS_DIR as DATA, dev_sets, read_prompts  # noqa: E402
 DOMAINS = ("gsm8k", "math500", "humaneval", "livecodebench", "mt-bench", "arena-hard")
 
 
 def load_prompts(data_dir: Path, n: int, domains=DOMAINS, offset: int = 0) -> list[tuple[str, str]]:
     """n (domain, first user turn) pairs, round-robin over the dev sets so every point mixes domains."""
-    per = {}
-    for d in domains:
-        f = Path(data_dir) / f"dev-{d}.jsonl"
-        if f.is_file():
-            per[d] = [json.loads(l)["turns"][0] for l in f.read_text().splitlines() if l.strip()]
+    files = dev_sets(data_dir)
+    per = {d: read_prompts(files[d]) for d in domains if d in files}
     out, i = [], offset
     while len(out) < n:
         for d, ps in per.items():

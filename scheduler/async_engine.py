@@ -13,7 +13,7 @@ import traceback
 from typing import AsyncIterator, Callable
 
 from scheduler.builder import EngineBundle
-from scheduler.client import EngineError, GenerationParams, StreamDelta
+from scheduler.client import EngineError, GenerationParams, RuntimeInfo, StreamDelta
 from scheduler.engine import RequestRejected
 from scheduler.request import Request, RequestOutput
 from verifier.sampling_params import SamplingParams
@@ -61,6 +61,16 @@ class AsyncEngine:
     @property
     def load_error(self) -> str | None:
         return self._error
+
+    @property
+    def runtime_info(self) -> RuntimeInfo | None:
+        b = self.bundle
+        if b is None:
+            return None
+        e = b.engine
+        return RuntimeInfo(dtype=b.dtype.name, dtype_reason=b.dtype.reason, device=str(e.runner.device),
+                           drafter=e.drafter.name if e.drafter is not None else "none",
+                           verify_policy=e.policy.name)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         import time

@@ -5,15 +5,16 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from drafter.config import DrafterConfig
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
+from scheduler.engine import Engine, HiddenCapture
 from scheduler.policy import CostTable
 from verifier.config import ModelConfig
-from verifier.loader import default_cache_dir, load_target, resolve_device, resolve_dtype
+from verifier.loader import DtypeChoice, choose_dtype, default_cache_dir, load_target, resolve_device
 from verifier.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class EngineBundle:
     model_name: str
     cost_table: CostTable | None
     cost_source: str
+    dtype: DtypeChoice
 
 
 def kv_cache_tokens(cfg: ModelConfig, hf_config, device: torch.device, dtype: torch.dtype) -> int:
@@ -61,9 +63,13 @@ def build_drafter_for(cfg: DrafterConfig, target, device, dtype, model_is_embedd
 
 
 def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: SchedulerConfig,
-                 metrics=None, profile: bool | None = None) -> EngineBundle:
+                 metrics=None, profile: bool | None = None,
+                 capture: Callable[[int], HiddenCapture] | None = None) -> EngineBundle:
+    """`capture(num_layers)` builds a hidden-state capture for training-data generation."""
     device = resolve_device(model_cfg.device)
-    dtype = resolve_dtype(model_cfg.dtype, device)
+    choice = choose_dtype(model_cfg.dtype, device)
+    dtype = choice.dtype
+    log.info("target dtype %s on %s (%s)", choice.name, device, choice.reason)
     cache_dir = Path(model_cfg.cache_dir) if model_cfg.cache_dir else default_cache_dir()
     target = load_target(model_cfg.model, device, dtype, cache_dir)
     max_len = min(model_cfg.max_model_len,
@@ -85,8 +91,9 @@ def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: 
         if metrics is not None:
             metrics.set_cost_table(table)
     engine = Engine(runner, target.tokenizer, sched_cfg, max_len, drafter=drafter,
-                    cost_table=table, metrics=metrics)
+                    cost_table=table, metrics=metrics,
+                    capture=None if capture is None else capture(runner.num_layers))
     if drafter is not None:
         log.info("drafter %s (block %d), verify policy %s", drafter.name, drafter.block_size,
                  engine.policy.name)
-    return EngineBundle(engine, target.tokenizer, target.name, table, source)
+    return EngineBundle(engine, target.tokenizer, target.name, table, source, choice)

@@ -43,6 +43,17 @@ class StreamDelta:
     spec: dict | None = field(default=None)
 
 
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """How the loaded engine runs (shown on /v1/models): dtype and why, device, drafter."""
+
+    dtype: str
+    dtype_reason: str
+    device: str
+    drafter: str
+    verify_policy: str
+
+
 class EngineClient(Protocol):
     model_name: str
     max_model_len: int
@@ -52,6 +63,9 @@ class EngineClient(Protocol):
 
     @property
     def load_error(self) -> str | None: ...
+
+    @property
+    def runtime_info(self) -> RuntimeInfo | None: ...
 
     def tokenize_chat(self, messages: list[dict]) -> list[int]: ...
 

@@ -8,6 +8,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -58,10 +59,20 @@ class Verification:
     sampled_rows: list[Request]         # requests in result row order
 
 
+class HiddenCapture(Protocol):
+    """Receives the target's hidden states of every token it commits (training-data
+    generation: the tap states the drafter learns from, captured in the serving pass)."""
+
+    layers: tuple[int, ...]
+
+    def observe(self, contexts: list[AcceptedContext]) -> None: ...
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer, sched: SchedulerConfig,
                  max_model_len: int, drafter: Drafter | None = None,
-                 cost_table: CostTable | None = None, metrics=None) -> None:
+                 cost_table: CostTable | None = None, metrics=None,
+                 capture: HiddenCapture | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.cfg = sched
@@ -72,7 +83,10 @@ class Engine:
             policy = "dspark" if drafter is not None else "none"
         self.cost_table = cost_table
         self.metrics = metrics
+        self.capture = capture
         self._use_policy(policy)
+        if capture is not None and self.speculating:
+            raise ValueError("hidden-state capture runs with plain decoding (drafter none)")
         self.load = LoadMonitor(runner)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -87,7 +101,9 @@ class Engine:
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
-        return tuple(self.drafter.tap_layers) if self.speculating else ()
+        if self.speculating:
+            return tuple(self.drafter.tap_layers)
+        return tuple(self.capture.layers) if self.capture is not None else ()
 
     def set_policy(self, spec: str) -> None:
         """Switch the verification policy (only between requests: drafter state is per request)."""
@@ -306,6 +322,7 @@ class Engine:
         new_tokens: dict[str, list[int]] = {}
         row_of = {r.request_id: i for i, r in enumerate(v.sampled_rows)}
         hidden = v.forward.hidden
+        keep_context = self.speculating or self.capture is not None
         for si, (r, p, l) in enumerate(zip(batch.decodes, proposals, lengths)):
             i = row_of[r.request_id]
             a = int(v.result.num_accepted[i])
@@ -313,11 +330,12 @@ class Engine:
             start = r.num_computed
             r.num_computed += 1 + a
             self.runner.blocks.truncate(r.request_id, r.num_computed)   # roll back rejected drafts
-            if self.speculating:
+            if keep_context:
                 off = v.forward.token_offsets[si]
                 contexts.append(AcceptedContext(
                     r.request_id, [r.output_ids[-1]] + p.tokens[:a].tolist(), start,
                     None if hidden is None else hidden[off:off + 1 + a]))
+            if self.speculating:
                 if l > 0:
                     self.drafter.observe_acceptance(r.request_id, l, a)
                     r.spec.rounds += 1
@@ -329,7 +347,7 @@ class Engine:
             new_tokens[r.request_id] = toks
         nd = len(batch.decodes)
         for si, (r, n) in enumerate(batch.prefills):
-            if self.speculating:
+            if keep_context:
                 off = v.forward.token_offsets[nd + si]
                 contexts.append(AcceptedContext(
                     r.request_id, r.prompt_ids[r.num_computed:r.num_computed + n], r.num_computed,
@@ -339,8 +357,10 @@ class Engine:
                 r.status = Status.DECODE
                 i = row_of[r.request_id]
                 new_tokens[r.request_id] = v.result.output_tokens[i, :1].tolist()
-        if contexts:
+        if contexts and self.speculating:
             self.drafter.observe(contexts)
+        if contexts and self.capture is not None:
+            self.capture.observe(contexts)
         outputs = []
         decode_ids = {r.request_id for r in batch.decodes}
         for rid, toks in new_tokens.items():

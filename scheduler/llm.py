@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 from drafter.config import DrafterConfig
 from scheduler.builder import build_engine
 from scheduler.config import SchedulerConfig
+from scheduler.engine import HiddenCapture
 from scheduler.request import Request, SpecStats
 from verifier.config import ModelConfig
 from verifier.sampling_params import SamplingParams
@@ -27,13 +29,15 @@ class LLM:
                  block_size: int | None = None, verify_policy: str = "auto", max_num_seqs: int = 32,
                  max_model_len: int = 2048, device: str = "cpu", dtype: str = "auto",
                  kv_cache_tokens: int = 0, max_num_batched_tokens: int = 512,
-                 cache_dir: str | None = None) -> None:
+                 cache_dir: str | None = None,
+                 capture: Callable[[int], HiddenCapture] | None = None) -> None:
         bundle = build_engine(
             ModelConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
                         kv_cache_tokens=kv_cache_tokens, cache_dir=cache_dir),
             DrafterConfig(drafter=drafter, drafter_path=drafter_path, block_size=block_size),
             SchedulerConfig(max_num_seqs=max_num_seqs, verify_policy=verify_policy,
-                            max_num_batched_tokens=max_num_batched_tokens, max_waiting=1 << 30))
+                            max_num_batched_tokens=max_num_batched_tokens, max_waiting=1 << 30),
+            capture=capture)
         self.engine = bundle.engine
         self.tokenizer = bundle.tokenizer
         self.model_name = bundle.model_name

@@ -6,6 +6,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import asdict
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -95,9 +96,12 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_name(), "object": "model",
-                                            "created": 0, "owned_by": "dspark-serve",
-                                            "max_model_len": engine.max_model_len}]}
+        entry = {"id": served_name(), "object": "model", "created": 0, "owned_by": "dspark-serve",
+                 "max_model_len": engine.max_model_len}
+        info = engine.runtime_info
+        if info is not None:
+            entry["runtime"] = asdict(info)
+        return {"object": "list", "data": [entry]}
 
     async def parse(request: Request, schema):
         try:

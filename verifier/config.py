@@ -13,7 +13,8 @@ class ModelConfig:
     device: str = "auto"
     """auto (CUDA when present, else CPU), cpu or cuda."""
     dtype: str = "auto"
-    """auto (float32 on CPU, bfloat16 on CUDA), float32, float16 or bfloat16."""
+    """auto (bfloat16 where the hardware computes it natively: CUDA with bf16, x86 CPUs with
+    AVX512-BF16 or AMX; float32 elsewhere), float32, float16 or bfloat16."""
     max_model_len: int = 2048
     """Longest sequence (prompt + output) a request may reach."""
     kv_cache_tokens: int = 0

@@ -65,18 +65,25 @@ def _set_threads(n: int) -> None:
 
 
 def cmd_gen_data(a: argparse.Namespace) -> None:
-    from drafter.training.data import GenDataConfig, run_gen_data
-    from verifier.loader import load_target
+    from drafter.training.data import GenDataConfig, TapCapture, run_gen_data
+    from scheduler.llm import LLM
 
     _set_threads(a.threads)
-    cfg = GenDataConfig(prompts=a.prompts, out_dir=a.out, max_prompt_tokens=a.max_prompt_tokens,
+    from drafter.training.data import TRAIN_PROMPTS
+
+    cfg = GenDataConfig(prompts=a.prompts or str(TRAIN_PROMPTS), out_dir=a.out, max_prompt_tokens=a.max_prompt_tokens,
                         max_new_tokens=a.max_new_tokens, max_prompts=a.max_prompts,
                         batch_size=a.batch_size, temperature=a.temperature, seed=a.seed,
                         holdout_every=a.holdout_every, worker=a.worker, num_workers=a.num_workers)
-    target = load_target(a.model, device=a.device)
     taps = None if a.no_cache else a.taps
-    bar = Progress(a.out, f"gen-data-{a.worker}", 1, "batch")
-    n = run_gen_data(cfg, target.model, target.tokenizer, taps,
+    # The serving engine writes the data (continuous batching at full concurrency) and hands
+    # the tap states of every token it feeds to the capture in the same pass.
+    llm = LLM(model=a.model, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
+              max_model_len=a.max_prompt_tokens + a.max_new_tokens + 16,
+              max_num_batched_tokens=a.max_num_batched_tokens,
+              capture=None if taps is None else (lambda layers: TapCapture(taps, layers)))
+    bar = Progress(a.out, f"gen-data-{a.worker}", 1, "shard")
+    n = run_gen_data(cfg, llm.engine, llm.tokenizer, taps,
                      lambda d, t, tok: bar.update(d, t, new_tokens=tok))
     bar.close()
     print(f"gen-data: {n} shards in {a.out}/data" + ("" if taps is None else f" (+ cache in {a.out}/cache)"))
@@ -244,11 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("gen-data", help="stage 1: the target answers the training prompts")
     common(g)
-    g.add_argument("--prompts", default="../shared/data/prompts/train.jsonl")
+    g.add_argument("--prompts", default=None, help="JSONL(.gz) of prompts (default: the vendored train set)")
     g.add_argument("--max-prompt-tokens", type=int, default=256)
     g.add_argument("--max-new-tokens", type=int, default=192)
     g.add_argument("--max-prompts", type=int, default=0, help="0 = all")
-    g.add_argument("--batch-size", type=int, default=48)
+    g.add_argument("--batch-size", type=int, default=48, help="prompts per shard")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="requests the engine runs at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--dtype", default="auto", help="target dtype (auto: bfloat16 where native)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--holdout-every", type=int, default=10, help="every n-th shard held out for calibration")
     g.add_argument("--taps", type=_taps, default=_taps(DEFAULT_TAPS), help="target layers to cache")
@@ -304,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("evaluate", help="acceptance length + calibration on the dev sets")
     common(v)
     v.add_argument("--drafter", action="append", default=[], help="NAME=PATH (repeatable)")
-    v.add_argument("--datasets", nargs="+", default=None, help="dev JSONL files (default: all dev-*.jsonl)")
+    v.add_argument("--datasets", nargs="+", default=None,
+                   help="dev JSONL(.gz) files (default: every vendored data/prompts/dev-*.jsonl.gz)")
     v.add_argument("--results", default="bench/results/drafter_eval")
     v.add_argument("--max-prompts", type=int, default=8, help="per dataset (0 = all)")
     v.add_argument("--max-new-tokens", type=int, default=128)

@@ -74,10 +74,27 @@ class Sample:
         return self.prompt_ids + self.response_ids
 
 
+# The prompt sets vendored with the repository (gzipped JSONL; sources and licences in
+# data/README.md): train.jsonl.gz for drafter data, dev-*.jsonl.gz for benchmarks.
+PROMPTS_DIR = Path(__file__).resolve().parents[2] / "data" / "prompts"
+TRAIN_PROMPTS = PROMPTS_DIR / "train.jsonl.gz"
+
+
+def dev_sets(folder: str | os.PathLike = PROMPTS_DIR) -> dict[str, Path]:
+    """{domain: file} of the dev prompt sets in `folder` (dev-NAME.jsonl or .jsonl.gz)."""
+    out = {}
+    for f in sorted(Path(folder).glob("dev-*.jsonl*")):
+        out[f.name.removeprefix("dev-").split(".jsonl")[0]] = f
+    return out
+
+
 def read_prompts(path: str | os.PathLike) -> list[str]:
-    """First user turn of every line of a {"turns": [...]} JSONL file."""
+    """First user turn of every line of a {"turns": [...]} JSONL file (gzipped or not)."""
+    import gzip
+
+    opener = gzip.open if str(path).endswith(".gz") else open
     out = []
-    with open(path, encoding="utf-8") as f:
+    with opener(path, "rt", encoding="utf-8") as f:
         for line in f:
             line = line.strip()
             if line:
@@ -138,102 +155,118 @@ def cut_response(ids: Sequence[int], eos_ids: set[int]) -> list[int]:
     return out
 
 
-@torch.no_grad()
-def hf_generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, eos_ids: set[int],
-                      pad_id: int, tap_ids: Sequence[int] | None,
-                      generator_seed: int) -> tuple[list[Sample], list[dict] | None]:
-    """Generate one left-padded batch with a plain KV-cache loop on an HF causal LM.
+class TapCapture:
+    """The engine's `HiddenCapture` for data generation: per request, the target's tap states
+    and final-norm hidden of every token it fed, in position order (fp16 on the CPU).
 
-    With tap_ids, also returns per sample the cache record {taps [L-1, m*d] fp16,
-    last [L-1, d] fp16}: the target's states at every position but the last (whose hidden
-    is never needed: it would predict past the end). Only those layers are kept per step,
-    which is what makes this loop much lighter than `generate(output_hidden_states=True)`."""
-    from transformers import DynamicCache
+    layers: the drafter's taps followed by the last layer (whose tap is the final-norm hidden
+    that the frozen LM head turns into the target's logits)."""
 
-    dev = next(model.parameters()).device
-    bsz, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((bsz, width), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p):] = torch.tensor(p)
-        attn[b, width - len(p):] = 1
-    ids, attn = ids.to(dev), attn.to(dev)
-    pos = (attn.cumsum(-1) - 1).clamp_min(0)
-    gen = torch.Generator(device=dev).manual_seed(generator_seed)
-    keep = None if tap_ids is None else [0 if i == -1 else i + 1 for i in tap_ids]
-    steps_taps: list[torch.Tensor] = []  # per forward: [B, n, m*d]
-    steps_last: list[torch.Tensor] = []
-    cache = DynamicCache()
-    out_tokens = torch.empty(bsz, 0, dtype=torch.long, device=dev)
-    done = torch.zeros(bsz, dtype=torch.bool, device=dev)
-    cur, cur_pos = ids, pos
-    for _ in range(cfg.max_new_tokens):
-        out = model(input_ids=cur, attention_mask=attn, position_ids=cur_pos, past_key_values=cache,
-                    use_cache=True, output_hidden_states=keep is not None, logits_to_keep=1)
-        if keep is not None:
-            hs = out.hidden_states
-            steps_taps.append(torch.cat([hs[i] for i in keep], -1).to(torch.float16))
-            steps_last.append(hs[-1].to(torch.float16))
-        logits = out.logits[:, -1].float()
-        if cfg.temperature > 0:
-            nxt = torch.multinomial(torch.softmax(logits / cfg.temperature, -1), 1, generator=gen)[:, 0]
-        else:
-            nxt = logits.argmax(-1)
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        out_tokens = torch.cat([out_tokens, nxt[:, None]], 1)
-        done = done | torch.isin(nxt, torch.tensor(sorted(eos_ids), device=dev))
-        if bool(done.all()):
-            break
-        cur, cur_pos = nxt[:, None], cur_pos[:, -1:] + 1
-        attn = torch.cat([attn, torch.ones(bsz, 1, dtype=attn.dtype, device=dev)], 1)
-    samples = [Sample(list(p), cut_response(out_tokens[b].tolist(), eos_ids)) for b, p in enumerate(prompts)]
-    if keep is None:
-        return samples, None
-    taps_all = torch.cat(steps_taps, 1).cpu()  # [B, width + steps, m*d]
-    last_all = torch.cat(steps_last, 1).cpu()
-    records = []
-    for b, s in enumerate(samples):
-        start = width - len(s.prompt_ids)
-        stop = width + len(s.response_ids) - 1  # inputs: prompt + all responses but the last
-        records.append({"taps": taps_all[b, start:stop].clone(), "last": last_all[b, start:stop].clone()})
-    return samples, records
+    def __init__(self, tap_ids: Sequence[int], num_layers: int) -> None:
+        self.tap_ids = tuple(tap_ids)
+        self.layers = self.tap_ids + (num_layers - 1,)
+        self._rows: dict[str, list[torch.Tensor]] = {}
+        self._count: dict[str, int] = {}
+
+    def observe(self, contexts) -> None:
+        for c in contexts:
+            have = self._count.get(c.request_id, 0)
+            if c.start_pos != have or c.hidden is None:
+                raise RuntimeError(f"capture of {c.request_id!r}: rows from {c.start_pos}, have {have}")
+            self._rows.setdefault(c.request_id, []).append(c.hidden.to("cpu", torch.float16))
+            self._count[c.request_id] = have + c.hidden.shape[0]
+
+    def pop(self, request_id: str) -> dict:
+        """{taps [n, m*d], last [n, d]} for the n fed positions of a finished request."""
+        self._count.pop(request_id, None)
+        h = torch.cat(self._rows.pop(request_id), 0)
+        d = h.shape[1] // len(self.layers)
+        return {"taps": h[:, :-d].clone(), "last": h[:, -d:].clone()}
 
 
-def run_gen_data(cfg: GenDataConfig, model, tokenizer, tap_ids: Sequence[int] | None,
+@dataclass
+class _Shard:
+    index: int
+    prompt_ids: list[list[int]]
+    responses: dict[int, list[int]]
+    records: dict[int, dict]
+
+
+def run_gen_data(cfg: GenDataConfig, engine, tokenizer, tap_ids: Sequence[int] | None,
                  progress: Callable[[int, int, int], None] | None = None) -> int:
-    """Generate every planned batch whose shard is missing; returns the number of shards."""
+    """Generate every planned shard that is missing, through the serving engine at its full
+    concurrency (`engine` built with a `TapCapture` when `tap_ids` is given, plain decoding).
+
+    Shards are fed back to back: the next shard's prompts join as soon as the engine has free
+    sequence slots, so the batch never drains between shards. Returns the number of shards."""
+    from scheduler.request import Request
+    from verifier.sampling_params import SamplingParams
+
     data_dir = Path(cfg.out_dir) / "data"
     cache_dir = Path(cfg.out_dir) / "cache"
     data_dir.mkdir(parents=True, exist_ok=True)
+    capture = engine.capture
     if tap_ids is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
+        if capture is None or tuple(capture.tap_ids) != tuple(tap_ids):
+            raise ValueError("the engine must capture the requested taps")
     prompts = [encode_chat(tokenizer, p) for p in read_prompts(cfg.prompts)]
     batches = plan_batches(prompts, cfg)
-    eos_ids = {int(tokenizer.eos_token_id)}
-    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    eos = int(tokenizer.eos_token_id)
     with open(data_dir / "plan.json", "w") as f:
-        json.dump({"config": cfg.__dict__, "num_batches": len(batches),
+        # file names only: the plan is committed with the data and must not name this machine
+        json.dump({"config": {**cfg.__dict__, "prompts": Path(cfg.prompts).name, "out_dir": "."},
+                   "num_batches": len(batches),
                    "num_prompts": sum(map(len, batches))}, f, indent=1)
+
+    def done(i: int) -> bool:
+        return (data_dir / SHARD_PATTERN.format(i)).exists() and (
+            tap_ids is None or (cache_dir / SHARD_PATTERN.format(i)).exists())
+
+    todo = [i for i in range(len(batches)) if i % cfg.num_workers == cfg.worker and not done(i)]
+    finished_shards = len([i for i in range(len(batches)) if i % cfg.num_workers == cfg.worker]) - len(todo)
+    owner: dict[str, tuple[_Shard, int, Request]] = {}
+    open_shards: list[_Shard] = []
     tokens_done = 0
-    for i, batch in enumerate(batches):
-        if i % cfg.num_workers != cfg.worker:
-            continue
-        path = data_dir / SHARD_PATTERN.format(i)
-        cpath = cache_dir / SHARD_PATTERN.format(i)
-        if path.exists() and (tap_ids is None or cpath.exists()):
+    slots = engine.cfg.max_num_seqs
+    while todo or open_shards:
+        # Join the next shard once the running ones leave free sequence slots.
+        while todo and len(owner) < slots:
+            i = todo.pop(0)
+            sh = _Shard(i, [prompts[j] for j in batches[i]], {}, {})
+            open_shards.append(sh)
+            for j, ids in enumerate(sh.prompt_ids):
+                seed = cfg.seed * 100003 + i * 1009 + j
+                sp = SamplingParams(temperature=cfg.temperature, seed=seed if cfg.temperature > 0 else None)
+                rid = f"gen-{i}-{j}"
+                req = Request(rid, list(ids), sp, cfg.max_new_tokens)
+                engine.add_request(req)
+                owner[rid] = (sh, j, req)
+        for out in engine.step():
+            if not out.finished:
+                continue
+            sh, j, req = owner.pop(out.request_id)
+            req_tokens = list(req.output_ids)
+            if out.finish_reason == "stop":
+                req_tokens.append(eos)   # the end-of-turn token is a label too
+            sh.responses[j] = req_tokens
+            if capture is not None:
+                sh.records[j] = capture.pop(out.request_id)
+        for sh in [s for s in open_shards if len(s.responses) == len(s.prompt_ids)]:
+            open_shards.remove(sh)
+            samples = [Sample(list(p), sh.responses[j]) for j, p in enumerate(sh.prompt_ids)]
+            if tap_ids is not None:
+                records = [sh.records[j] for j in range(len(samples))]
+                save_atomic(cache_record_shard(samples, records, tap_ids),
+                            cache_dir / SHARD_PATTERN.format(sh.index))
+            save_atomic({"prompt_ids": [s.prompt_ids for s in samples],
+                         "response_ids": [s.response_ids for s in samples],
+                         "holdout": is_holdout(sh.index, cfg.holdout_every)},
+                        data_dir / SHARD_PATTERN.format(sh.index))
+            tokens_done += sum(len(s.response_ids) for s in samples)
+            finished_shards += 1
             if progress:
-                progress(i + 1, len(batches), tokens_done)
-            continue
-        samples, records = hf_generate_batch(model, [prompts[j] for j in batch], cfg, eos_ids,
-                                             pad_id, tap_ids, cfg.seed * 100003 + i)
-        if records is not None:
-            save_atomic(cache_record_shard(samples, records, tap_ids), cpath)
-        save_atomic({"prompt_ids": [s.prompt_ids for s in samples],
-                     "response_ids": [s.response_ids for s in samples],
-                     "holdout": is_holdout(i, cfg.holdout_every)}, path)
-        tokens_done += sum(len(s.response_ids) for s in samples)
-        if progress:
-            progress(i + 1, len(batches), tokens_done)
+                progress(finished_shards, len(batches) // cfg.num_workers, tokens_done)
     return len(batches)
 
 

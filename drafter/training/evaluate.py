@@ -246,8 +246,8 @@ def confidence_arrays(stats: RunStats, block_size: int) -> tuple[torch.Tensor, t
 
 
 def dataset_name(path: str | Path) -> str:
-    stem = Path(path).stem
-    return stem[4:] if stem.startswith("dev-") else stem
+    stem = Path(path).name.split(".jsonl")[0]
+    return stem.removeprefix("dev-")
 
 
 def finite(x: float) -> float | None:
@@ -279,23 +279,20 @@ def _stats_from_json(d: dict) -> RunStats:
 
 def run_evaluation(target, drafters: dict[str, str], datasets: Sequence[str] | None, results_dir: str,
                    max_prompts: int = 8, max_new_tokens: int = 128, temperatures: Sequence[float] = (0.0, 1.0),
-                   ngram: bool = True, seed: int = 0, progress_out: str | None = None,
-                   dev_glob: str = "../shared/data/prompts/dev-*.jsonl") -> dict:
+                   ngram: bool = True, seed: int = 0, progress_out: str | None = None) -> dict:
     """Evaluate every drafter on every dev set at every temperature; writes
     `<results_dir>/summary.json` and reliability diagrams. Finished (dataset, temperature,
     drafter) runs are kept under `<results_dir>/runs/` and skipped when resuming."""
-    import glob
-
     from drafter.training.calibrate import (cumulative_survival, plot_reliability, pooled_ece,
                                             position_metrics)
-    from drafter.training.data import encode_chat, read_prompts
+    from drafter.training.data import dev_sets, encode_chat, read_prompts
     from drafter.dspark_model import load_dspark
 
     results = Path(results_dir)
     (results / "runs").mkdir(parents=True, exist_ok=True)
-    files = list(datasets) if datasets else sorted(glob.glob(dev_glob))
+    files = list(datasets) if datasets else [str(f) for f in dev_sets().values()]
     if not files:
-        raise ValueError(f"no dev datasets found (glob {dev_glob!r})")
+        raise ValueError("no dev datasets found")
     hf, tok = target.model, target.tokenizer
     eos = int(tok.eos_token_id)
     models = {name: load_dspark(path, target_embed=hf.get_input_embeddings(),

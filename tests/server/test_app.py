@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from scheduler.client import EngineError, GenerationParams, StreamDelta
+from scheduler.client import EngineError, GenerationParams, RuntimeInfo, StreamDelta
 from server.app import build_app
 from server.config import ServerConfig
 
@@ -29,6 +29,8 @@ class FakeEngine:
         return self._ready
 
     load_error = None
+    runtime_info = RuntimeInfo(dtype="bfloat16", dtype_reason="auto: test", device="cpu",
+                               drafter="none", verify_policy="none")
 
     def tokenize_chat(self, messages):
         return [1] * sum(len(m["content"]) for m in messages)
@@ -136,6 +138,8 @@ def test_health_is_503_while_loading():
     assert c.get("/health").status_code == 200
     models = c.get("/v1/models").json()
     assert models["data"][0]["id"] == "fake-model"
+    assert models["data"][0]["runtime"]["dtype"] == "bfloat16"
+    assert models["data"][0]["runtime"]["dtype_reason"] == "auto: test"
 
 
 def test_server_package_never_imports_torch():

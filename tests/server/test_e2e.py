@@ -37,7 +37,7 @@ class LiveServer:
                  verify_policy="static:4"):
         registry = CollectorRegistry()
         metrics = EngineMetrics(registry, MODEL)
-        cfgs = (ModelConfig(max_model_len=MAX_LEN, kv_cache_tokens=16384),
+        cfgs = (ModelConfig(max_model_len=MAX_LEN, kv_cache_tokens=16384, dtype="float32"),
                 DrafterConfig(drafter=drafter, block_size=4 if drafter != "none" else None),
                 # A static policy keeps seeded sampling reproducible across requests: n-gram
                 # confidences are global state, so the load-aware policy's lengths (and hence
