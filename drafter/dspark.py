@@ -229,7 +229,7 @@ class DSparkDrafter:
                 k = lengths[j]
                 out[i] = DraftProposal(
                     tokens=drafted.tokens[j, :k],
-                    probs=None if r.sampling.greedy else drafted.probs[j, :k],  # type: ignore[index]
+                    probs=None if r.sampling.greedy else self.model.to_target_probs(drafted.probs[j, :k]),  # type: ignore[index]
                     confidences=None if conf is None else conf[j, :k].float(),
                 )
         return out  # type: ignore[return-value]

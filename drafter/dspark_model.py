@@ -64,6 +64,10 @@ class DSparkConfig:
     enable_confidence_head: whether a confidence head exists.
     confidence_head_with_markov: confidence input is [h ; W1[x_prev]] instead of h.
     num_anchors: anchors sampled per sequence in training (unused when serving).
+    draft_vocab_size: size of a truncated draft vocabulary (0 = the full vocabulary). The
+        draft LM head and the Markov head's output then cover only the kept target ids,
+        listed in the checkpoint's `d2t` tensor (d2t[i] = target id of draft id i), so q is
+        a proper distribution over them (zero elsewhere) and verification stays lossless.
     """
 
     hidden_size: int
@@ -88,6 +92,7 @@ class DSparkConfig:
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = False
     num_anchors: int = 512
+    draft_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -133,6 +138,9 @@ class DSparkConfig:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
+        if not (0 <= self.draft_vocab_size <= self.vocab_size):
+            raise ValueError(f"draft_vocab_size must be in [0, vocab_size={self.vocab_size}], "
+                             f"got {self.draft_vocab_size!r}")
         rope_type = _rope_type(self.rope_scaling)
         if rope_type not in _SUPPORTED_ROPE:
             raise ValueError(f"rope_scaling type must be one of {_SUPPORTED_ROPE}, got {rope_type!r}")
@@ -146,6 +154,15 @@ class DSparkConfig:
     @property
     def has_markov(self) -> bool:
         return self.markov_rank > 0
+
+    @property
+    def truncated(self) -> bool:
+        return 0 < self.draft_vocab_size < self.vocab_size
+
+    @property
+    def output_size(self) -> int:
+        """Rows of the draft LM head: the kept ids of a truncated vocabulary, else all."""
+        return self.draft_vocab_size if self.truncated else self.vocab_size
 
     @property
     def confidence_uses_markov(self) -> bool:
@@ -191,6 +208,7 @@ class DSparkConfig:
             enable_confidence_head=enable_conf,
             confidence_head_with_markov=bool(d.get("confidence_head_with_markov", False)) and enable_conf,
             num_anchors=int(d.get("num_anchors", 512)),
+            draft_vocab_size=int(d.get("draft_vocab_size") or 0),
         )
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -228,6 +246,8 @@ class DSparkConfig:
             d["markov_head_type"] = self.markov_head_type
         if self.enable_confidence_head:
             d["confidence_head_with_markov"] = self.confidence_head_with_markov
+        if self.truncated:
+            d["draft_vocab_size"] = self.draft_vocab_size
         return d
 
     @classmethod
@@ -395,9 +415,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 class SampledBlock:
     """Draft tokens of a batch of blocks.
 
-    tokens: [B, K] int64 sampled left to right from the Markov-corrected distribution.
-    probs:  [B, K, V] float32, the distribution q_k each token was drawn from (one-hot for
-            greedy rows), or None when every row is greedy.
+    tokens: [B, K] int64 target ids, sampled left to right from the Markov-corrected distribution.
+    probs:  [B, K, V'] float32, the distribution q_k each token was drawn from (one-hot for
+            greedy rows), or None when every row is greedy. V' is the draft vocabulary
+            (`to_target_probs` spreads it over the target's).
     prev_tokens: [B, K] int64, the token preceding each draft (anchor, tokens[:, :-1]).
     """
 
@@ -489,8 +510,10 @@ class MarkovHead(nn.Module):
         r, d, vocab = cfg.markov_rank, cfg.hidden_size, cfg.vocab_size
         self.kind = cfg.markov_head_type
         self.rank = r
+        # W1 reads the previous token, a target id (the anchor may lie outside a truncated
+        # draft vocabulary); W2 writes draft-vocabulary logits.
         self.markov_w1 = nn.Embedding(vocab, r)
-        self.markov_w2 = nn.Linear(r, vocab, bias=False)
+        self.markov_w2 = nn.Linear(r, cfg.output_size, bias=False)
         if self.kind == "gated":
             self.gate_proj = nn.Linear(d + r, r)
         elif self.kind == "rnn":
@@ -556,7 +579,12 @@ class DSparkModel(nn.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.fc = nn.Linear(cfg.num_taps * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.lm_head = lm_head if lm_head is not None else nn.Linear(d, cfg.vocab_size, bias=False)
+        self.lm_head = lm_head if lm_head is not None else nn.Linear(d, cfg.output_size, bias=False)
+        if cfg.truncated:
+            # d2t[i] = target id of draft id i (saved with the weights)
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        else:
+            self.d2t = None
         self.markov_head = MarkovHead(cfg) if cfg.has_markov else None
         self.confidence_head = (
             ConfidenceHead(d + (cfg.markov_rank if cfg.confidence_uses_markov else 0))
@@ -570,16 +598,29 @@ class DSparkModel(nn.Module):
     # -- shared modules -----------------------------------------------------------------
 
     def _check_shared(self) -> None:
-        v, d = self.config.vocab_size, self.config.hidden_size
+        v, d, o = self.config.vocab_size, self.config.hidden_size, self.config.output_size
         if tuple(self.embed_tokens.weight.shape) != (v, d):
             raise ValueError(f"embed_tokens must be [{v}, {d}], got {tuple(self.embed_tokens.weight.shape)}")
-        if tuple(self.lm_head.weight.shape) != (v, d):
-            raise ValueError(f"lm_head must be [{v}, {d}], got {tuple(self.lm_head.weight.shape)}")
+        if tuple(self.lm_head.weight.shape) != (o, d):
+            raise ValueError(f"lm_head must be [{o}, {d}], got {tuple(self.lm_head.weight.shape)}")
 
     def attach_shared(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
-        """Use the target's embedding and LM head (by reference; caller decides freezing)."""
+        """Use the target's embedding and LM head (by reference; caller decides freezing).
+        With a truncated vocabulary (d2t set), a full-vocabulary head is cut to the kept rows."""
+        if self.config.truncated and lm_head.weight.shape[0] == self.config.vocab_size:
+            lm_head = draft_head(lm_head, self.d2t)
         self.embed_tokens, self.lm_head = embed_tokens, lm_head
         self._check_shared()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> target ids (identity without a truncated vocabulary)."""
+        return draft_ids if self.d2t is None else self.d2t[draft_ids]
+
+    def to_target_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """[..., output_size] draft distribution -> [..., vocab_size] (zero off the kept ids)."""
+        if self.d2t is None:
+            return probs
+        return probs.new_zeros(*probs.shape[:-1], self.config.vocab_size).index_copy_(-1, self.d2t, probs)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -708,7 +749,7 @@ class DSparkModel(nn.Module):
         q_k = probs_from_logits(corrected logits_k) with the row's temperature/top-p/top-k,
         the same function the verifier shapes p with. Greedy rows take the argmax (q one-hot)
         and skip the vocabulary-wide work."""
-        b, steps, vocab = base_logits.shape
+        b, steps, vocab = base_logits.shape  # vocab: the draft vocabulary (output_size)
         dev = base_logits.device
         head = self.markov_head
         if head is not None and head.kind != "vanilla" and hidden is None:
@@ -735,6 +776,7 @@ class DSparkModel(nn.Module):
                 full[row_idx] = q
                 probs.append(full)
             prevs.append(prev)
+            tok = self.to_target_ids(tok)
             tokens.append(tok)
             prev = tok
         if steps == 0:
@@ -832,7 +874,8 @@ def load_dspark(
     dev = resolve_device(device)
     shared = target_embed is not None
     embed = _as_shared(target_embed, dev, dtype) if shared else None
-    head = _as_shared(target_lm_head, dev, dtype) if shared else None
+    # A truncated vocabulary's head is cut from the target's once d2t is read (below).
+    head = _as_shared(target_lm_head, dev, dtype) if shared and not cfg.truncated else None
     with torch.device("meta"):  # no throwaway random init of ~0.5B parameters
         model = DSparkModel(cfg, embed, head)
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -844,6 +887,8 @@ def load_dspark(
     unexpected = sorted(set(state) - set(own))
     if unexpected:
         raise ValueError(f"unexpected weights in {path!r}: {unexpected[:8]}")
+    if cfg.truncated and "d2t" not in state:
+        raise ValueError(f"{path!r}: draft_vocab_size is {cfg.draft_vocab_size} but there is no d2t map")
     missing = sorted(k for k in set(own) - set(state) if not (shared and k.startswith(skip)))
     if missing:
         hint = (" (embed_tokens / lm_head are not in the checkpoint: pass the target's)"
@@ -852,11 +897,28 @@ def load_dspark(
     for key, value in state.items():
         if tuple(value.shape) != own[key]:
             raise ValueError(f"weight {key!r} has shape {tuple(value.shape)}, config implies {own[key]}")
-    model.load_state_dict({k: v.to(device=dev, dtype=dtype) for k, v in state.items()},
-                          strict=False, assign=True)
+    model.load_state_dict({k: v.to(device=dev) if k == "d2t" else v.to(device=dev, dtype=dtype)
+                           for k, v in state.items()}, strict=False, assign=True)
+    if cfg.truncated:
+        d2t = model.d2t
+        if d2t.min() < 0 or d2t.max() >= cfg.vocab_size or d2t.unique().numel() != d2t.numel():
+            raise ValueError(f"{path!r}: d2t must list distinct target ids in [0, {cfg.vocab_size})")
+        if shared:
+            model.lm_head = draft_head(target_lm_head, d2t, dev, dtype)
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
     model.calibration = read_calibration(path)
     return model.eval()
+
+
+def draft_head(lm_head: nn.Module, d2t: torch.Tensor, device: torch.device | None = None,
+               dtype: torch.dtype | None = None) -> nn.Linear:
+    """The rows of a target LM head that a truncated draft vocabulary keeps (frozen copy)."""
+    w = lm_head.weight
+    dev, dt = device or w.device, dtype or w.dtype
+    head = nn.Linear(w.shape[1], d2t.numel(), bias=False, device=dev, dtype=dt)
+    with torch.no_grad():
+        head.weight.copy_(w.detach()[d2t.to(w.device)].to(device=dev, dtype=dt))
+    return head.requires_grad_(False)
 
 
 def _as_shared(mod: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

@@ -191,8 +191,10 @@ class ConfidenceSamples:
 
 
 @torch.no_grad()
-def collect_confidences(model, seqs, num_anchors: int, seed: int = 0, bf16: bool = True) -> ConfidenceSamples:
-    """Run the drafter teacher-forced over held-out cached sequences (one at a time)."""
+def collect_confidences(model, seqs, num_anchors: int, seed: int = 0, bf16: bool = True,
+                        target_head=None) -> ConfidenceSamples:
+    """Run the drafter teacher-forced over held-out cached sequences (one at a time).
+    `target_head`: the target's full LM head (default the drafter's, when not truncated)."""
     from drafter.training.cache import make_batch
     from drafter.training.loss import acceptance_rate
 
@@ -208,8 +210,8 @@ def collect_confidences(model, seqs, num_anchors: int, seed: int = 0, bf16: bool
             prev = batch.prev_tokens.to(dev)
             q = model.block_logits(hidden, prev).float().softmax(-1)
             conf = model.confidence_logits(hidden, prev)
-            p = model.lm_head(batch.target_hidden.to(dev).to(model.dtype)).float().softmax(-1)
-        c_star = acceptance_rate(q, p) * batch.mask.to(dev)
+            p = (target_head or model.lm_head)(batch.target_hidden.to(dev).to(model.dtype)).float().softmax(-1)
+        c_star = acceptance_rate(q, p, model.d2t) * batch.mask.to(dev)
         keep = batch.anchor_valid[0]
         logits.append(conf[0][keep].float().cpu())
         labels.append(c_star[0][keep].double().cumprod(-1).cpu())

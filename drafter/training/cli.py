@@ -117,11 +117,13 @@ def _drafter_config(a: argparse.Namespace, target):
 
 
 def cmd_train(a: argparse.Namespace) -> None:
+    import torch
+
     from drafter.training.loss import LossConfig
     from dataclasses import replace
 
-    from drafter.training.train import (TrainConfig, build_drafter, load_step_weights, load_train_data,
-                                        run_train, save_final)
+    from drafter.training.train import (TrainConfig, build_drafter, draft_vocabulary, load_step_weights,
+                                        load_train_data, run_train, save_final, vocabulary_coverage)
 
     _set_threads(a.threads)
     target = _load_target(a)
@@ -134,8 +136,17 @@ def cmd_train(a: argparse.Namespace) -> None:
     data = load_train_data(a.out, a.holdout_every)
     print(f"train {a.name}: {len(data)} sequences, {sum(len(s.input_ids) - s.num_prompt for s in data)} "
           f"response tokens; drafter {cfg.num_hidden_layers} layers, markov_rank {cfg.markov_rank}")
-    model = build_drafter(cfg, target.model, tcfg.init_from_target).to(a.device)
+    d2t = None
     work = Path(a.out) / "train" / a.name
+    if a.draft_vocab:
+        ckpt = work / "ckpt.pt"
+        # A resumed run keeps the vocabulary it started with (the data may have grown since).
+        d2t = (torch.load(ckpt, weights_only=False)["model"]["d2t"] if ckpt.exists() else
+               draft_vocabulary(data, a.draft_vocab, always=[target.tokenizer.eos_token_id]))
+        cfg = cfg.replace(draft_vocab_size=int(d2t.numel()))
+        print(f"train {a.name}: draft vocabulary of {d2t.numel()} ids covers "
+              f"{vocabulary_coverage(data, d2t):.2%} of the response tokens")
+    model = build_drafter(cfg, target.model, tcfg.init_from_target, d2t).to(a.device)
     if a.finalize_at:
         load_step_weights(model, work, a.finalize_at)
         tcfg = replace(tcfg, steps=a.finalize_at)
@@ -143,7 +154,8 @@ def cmd_train(a: argparse.Namespace) -> None:
         bar = Progress(a.out, f"train-{a.name}", tcfg.steps, "step")
         run_train(model, data, tcfg, lcfg, work,
                   lambda s: bar.update(s.step, tcfg.steps, loss=s.loss, ce=s.ce, l1=s.l1, conf=s.confidence,
-                                       tau=s.tau, s_per_step=s.seconds))
+                                       tau=s.tau, s_per_step=s.seconds),
+                  target_head=target.model.get_output_embeddings())
         bar.close()
     path = save_final(model, work)
     (work / "final" / "train_args.json").write_text(json.dumps(
@@ -176,7 +188,8 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
     if not seqs:
         raise SystemExit("calibrate: no held-out cache shards (run gen-data longer or lower --holdout-every)")
     bar = Progress(a.out, f"calibrate-{a.name}", 2, "phase")
-    samples = collect_confidences(model, seqs, a.num_anchors, seed=a.seed)
+    samples = collect_confidences(model, seqs, a.num_anchors, seed=a.seed,
+                                  target_head=target.model.get_output_embeddings())
     bar.update(1, 2, blocks=int(samples.mask[:, 0].sum()))
     cfg = STSConfig()
     temps = fit_sts(samples.logits, samples.prefix_labels, samples.mask, cfg)
@@ -289,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--holdout-every", type=int, default=10)
     t.add_argument("--fp32", action="store_true", help="no bfloat16 autocast")
     t.add_argument("--no-init-from-target", action="store_true")
+    t.add_argument("--draft-vocab", type=int, default=0,
+                   help="keep only the N ids the target writes most (truncated draft vocabulary; 0 = all)")
     t.add_argument("--finalize-at", type=int, default=0,
                    help="skip training; save the weights of checkpoint step N as the final drafter")
     t.set_defaults(func=cmd_train)

@@ -78,7 +78,7 @@ class NeuralDrafter:
         hidden = m.forward_block(ids, positions, ctx, ctx_mask)[:, :k]
         block = m.sample_block(m.lm_head(hidden), anchor, [SamplingParams(temperature=temperature)], [gen], hidden)
         conf = m.confidence_logits(hidden, block.prev_tokens)
-        probs = None if temperature == 0 or block.probs is None else block.probs[0]
+        probs = None if temperature == 0 or block.probs is None else m.to_target_probs(block.probs[0])
         return Proposal(block.tokens[0], probs,
                         None if conf is None else conf[0].float())
 

@@ -70,33 +70,56 @@ def position_weights(mask: torch.Tensor, gamma: float) -> torch.Tensor:
     return w
 
 
-def acceptance_rate(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """draft_probs, target_probs: [..., V] -> [...] c* = 1 - 0.5 * ||q - p||_1 in [0, 1]."""
-    return (1.0 - 0.5 * (draft_probs - target_probs).abs().sum(-1)).clamp(0.0, 1.0)
+def l1_distance(draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                d2t: torch.Tensor | None = None) -> torch.Tensor:
+    """||q - p||_1. draft_probs: [..., V'] over the draft vocabulary; target_probs: [..., V];
+    d2t: [V'] target id of each draft id, or None when V' = V. Off the kept ids q is zero,
+    so the distance there is the target mass the draft vocabulary misses."""
+    if d2t is None:
+        return (draft_probs - target_probs).abs().sum(-1)
+    kept = target_probs[..., d2t]
+    return (draft_probs - kept).abs().sum(-1) + (1.0 - kept.sum(-1)).clamp_min(0.0)
+
+
+def acceptance_rate(draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                    d2t: torch.Tensor | None = None) -> torch.Tensor:
+    """-> [...] c* = 1 - 0.5 * ||q - p||_1 in [0, 1] (shapes as `l1_distance`)."""
+    return (1.0 - 0.5 * l1_distance(draft_probs, target_probs, d2t)).clamp(0.0, 1.0)
 
 
 def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
                 mask: torch.Tensor, confidence_logits: torch.Tensor | None,
-                cfg: LossConfig) -> LossOutput:
+                cfg: LossConfig, d2t: torch.Tensor | None = None) -> LossOutput:
     """The DSpark training objective.
 
-    draft_logits: [B, N, bs, V] drafter logits (Markov-corrected, teacher-forced).
+    draft_logits: [B, N, bs, V'] drafter logits (Markov-corrected, teacher-forced) over the
+        draft vocabulary (V' = V unless truncated).
     target_logits: [B, N, bs, V] the target's logits for the same slots (no gradient).
-    labels: [B, N, bs] the target's tokens y_k.
+    labels: [B, N, bs] the target's tokens y_k (target ids).
     mask: [B, N, bs] bool, valid slots (a contiguous prefix of each block).
     confidence_logits: [B, N, bs] raw confidence-head outputs, or None (no head).
+    d2t: [V'] target id of each draft id for a truncated vocabulary, else None. Labels
+        outside it have no draft id: they are left out of the CE term (the L1 term and c*
+        count the mass the draft vocabulary misses).
     """
     bs = draft_logits.shape[-2]
     w = position_weights(mask, cfg.gamma(bs))
     den = w.sum().clamp_min(1e-6)
     logq = draft_logits.float().log_softmax(-1)  # one normalization serves CE and q
-    ce = -torch.gather(logq, -1, labels.long().unsqueeze(-1)).squeeze(-1)
+    labels, w_ce = labels.long(), w
+    if d2t is not None:
+        t2d = torch.full((target_logits.shape[-1],), -1, dtype=torch.long, device=labels.device)
+        t2d[d2t.to(labels.device)] = torch.arange(d2t.numel(), device=labels.device)
+        labels = t2d[labels]
+        w_ce = w * (labels >= 0)
+        labels = labels.clamp_min(0)
+    ce = -torch.gather(logq, -1, labels.unsqueeze(-1)).squeeze(-1)
     q = logq.exp()
     with torch.no_grad():
         p = target_logits.float().softmax(-1)
-    l1 = (q - p).abs().sum(-1)
+    l1 = l1_distance(q, p, d2t)
     c_star = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
-    ce_mean = (ce * w).sum() / den
+    ce_mean = (ce * w_ce).sum() / w_ce.sum().clamp_min(1e-6)
     l1_mean = (l1 * w).sum() / den
     if confidence_logits is not None:
         bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), c_star, reduction="none")

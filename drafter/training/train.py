@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
+from drafter.dspark_model import DSparkConfig, DSparkModel, draft_head, save_dspark
 from drafter.training.cache import CachedSequence, TrainBatch, load_cache, make_batch
 from drafter.training.loss import LossConfig, LossOutput, dspark_loss
 
@@ -78,8 +78,10 @@ def trainable_state(model: DSparkModel) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
 
 
-def build_drafter(cfg: DSparkConfig, target: nn.Module, init_from_target: bool) -> DSparkModel:
-    """A drafter sharing the target's (frozen) embedding and LM head.
+def build_drafter(cfg: DSparkConfig, target: nn.Module, init_from_target: bool,
+                  d2t: torch.Tensor | None = None) -> DSparkModel:
+    """A drafter sharing the target's (frozen) embedding and LM head (its kept rows, for a
+    truncated vocabulary: `d2t` lists them, cfg.draft_vocab_size = len(d2t)).
 
     init_from_target: the draft layers start as copies of the target's last decoder layers
     (same shapes for Llama/Qwen targets), the final norm as the target's, and fc reads the
@@ -89,7 +91,13 @@ def build_drafter(cfg: DSparkConfig, target: nn.Module, init_from_target: bool) 
     embed.requires_grad_(False)
     head.requires_grad_(False)
     torch.manual_seed(0)
+    if cfg.truncated:
+        if d2t is None or d2t.numel() != cfg.draft_vocab_size:
+            raise ValueError(f"a draft vocabulary of {cfg.draft_vocab_size} needs a d2t map of that size")
+        head = draft_head(head, d2t)
     model = DSparkModel(cfg, embed_tokens=embed, lm_head=head)
+    if cfg.truncated:
+        model.d2t.copy_(d2t)
     if model.markov_head is not None:
         nn.init.zeros_(model.markov_head.markov_w2.weight)  # starts as DFlash
         nn.init.normal_(model.markov_head.markov_w1.weight, std=0.02)
@@ -129,8 +137,10 @@ class StepStats:
     seconds: float
 
 
-def forward_loss(model: DSparkModel, batch: TrainBatch, loss_cfg: LossConfig, bf16: bool) -> LossOutput:
-    """One teacher-forced forward over a batch -> the DSpark objective."""
+def forward_loss(model: DSparkModel, batch: TrainBatch, loss_cfg: LossConfig, bf16: bool,
+                 target_head: nn.Module | None = None) -> LossOutput:
+    """One teacher-forced forward over a batch -> the DSpark objective. `target_head`: the
+    target's full LM head (needed with a truncated draft vocabulary; default the drafter's)."""
     ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16) if model.device.type == "cpu" \
         else torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16)
     dev = model.device
@@ -141,13 +151,15 @@ def forward_loss(model: DSparkModel, batch: TrainBatch, loss_cfg: LossConfig, bf
         draft_logits = model.block_logits(hidden, prev)
         conf = model.confidence_logits(hidden, prev)
         with torch.no_grad():
-            target_logits = model.lm_head(batch.target_hidden.to(dev).to(model.dtype)).float()
-    return dspark_loss(draft_logits, target_logits, batch.labels.to(dev), batch.mask.to(dev), conf, loss_cfg)
+            target_logits = (target_head or model.lm_head)(batch.target_hidden.to(dev).to(model.dtype)).float()
+    return dspark_loss(draft_logits, target_logits, batch.labels.to(dev), batch.mask.to(dev), conf, loss_cfg,
+                       d2t=model.d2t)
 
 
 def run_train(model: DSparkModel, data: Sequence[CachedSequence], cfg: TrainConfig, loss_cfg: LossConfig,
               work_dir: str | os.PathLike,
-              progress: Callable[[StepStats], None] | None = None) -> list[StepStats]:
+              progress: Callable[[StepStats], None] | None = None,
+              target_head: nn.Module | None = None) -> list[StepStats]:
     """Train (resuming from `work_dir/ckpt.pt` when present); returns this run's step stats."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -172,7 +184,7 @@ def run_train(model: DSparkModel, data: Sequence[CachedSequence], cfg: TrainConf
         lr = lr_at(step, cfg)
         for g in opt.param_groups:
             g["lr"] = lr
-        out = forward_loss(model, batch, loss_cfg, cfg.bf16)
+        out = forward_loss(model, batch, loss_cfg, cfg.bf16, target_head)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
@@ -211,6 +223,29 @@ def save_final(model: DSparkModel, work_dir: str | os.PathLike) -> Path:
     path = Path(work_dir) / "final"
     save_dspark(model, str(path))
     return path
+
+
+def draft_vocabulary(seqs: Sequence[CachedSequence], size: int, always: Sequence[int] = ()) -> torch.Tensor:
+    """The `size` target ids the target writes most often in its responses (plus `always`,
+    e.g. end-of-turn), ascending: the kept ids of a truncated draft vocabulary (d2t)."""
+    counts: dict[int, int] = {}
+    for s in seqs:
+        for t in s.input_ids[s.num_prompt:].tolist():
+            counts[t] = counts.get(t, 0) + 1
+    ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    keep = list(dict.fromkeys([int(t) for t in always] + ranked))[:size]
+    return torch.tensor(sorted(keep), dtype=torch.long)
+
+
+def vocabulary_coverage(seqs: Sequence[CachedSequence], d2t: torch.Tensor) -> float:
+    """Fraction of response tokens inside the kept ids."""
+    kept = set(d2t.tolist())
+    total = hit = 0
+    for s in seqs:
+        resp = s.input_ids[s.num_prompt:].tolist()
+        total += len(resp)
+        hit += sum(t in kept for t in resp)
+    return hit / max(total, 1)
 
 
 def load_train_data(out_dir: str | os.PathLike, holdout_every: int) -> list[CachedSequence]:

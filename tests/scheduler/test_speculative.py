@@ -178,8 +178,12 @@ def exact_marginals(model, prompt):
     return m2, m3
 
 
-def sampled_marginals(model, prompt, n, seed):
-    q = torch.softmax(torch.linspace(2.0, -2.0, VOCAB), -1)   # far from p on purpose
+FULL_Q = torch.softmax(torch.linspace(2.0, -2.0, VOCAB), -1)   # far from p on purpose
+# A truncated draft vocabulary: q is a distribution over 5 kept ids, zero on the other 3.
+TRUNCATED_Q = torch.cat([torch.softmax(torch.linspace(2.0, -2.0, 5), -1), torch.zeros(3)])
+
+
+def sampled_marginals(model, prompt, n, seed, q=FULL_Q):
     engine = Engine(runner_for(model, num_blocks=2048), LetterTokenizer(),
                     SchedulerConfig(verify_policy="static:2", max_num_seqs=256,
                                     max_num_batched_tokens=2048, max_waiting=n),
@@ -203,17 +207,18 @@ def broken_rejection_sample(target_probs, draft_tokens, draft_probs, num_draft, 
                             generators, torch.zeros_like(num_draft, dtype=torch.bool))
 
 
-def test_sampled_distribution_matches_plain_and_catches_a_broken_sampler(monkeypatch):
+@pytest.mark.parametrize("q", [FULL_Q, TRUNCATED_Q], ids=["full-vocab", "truncated-vocab"])
+def test_sampled_distribution_matches_plain_and_catches_a_broken_sampler(monkeypatch, q):
     model = tiny_model("llama", vocab=VOCAB, seed=2)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.25)     # p neither flat nor one-hot
     prompt = [1, 2, 3]
     m2, m3 = exact_marginals(model, prompt)
     n = 3000
-    s2, s3 = sampled_marginals(model, prompt, n, seed=1)
+    s2, s3 = sampled_marginals(model, prompt, n, seed=1, q=q)
     tv = lambda a, b: 0.5 * (a - b).abs().sum().item()
     # sampling noise of an 8-outcome TV at n=3000 is ~0.02; 0.05 leaves a wide margin
     assert tv(s2, m2) < 0.05 and tv(s3, m3) < 0.05, (tv(s2, m2), tv(s3, m3))
     monkeypatch.setattr(engine_mod, "rejection_sample", broken_rejection_sample)
-    b2, b3 = sampled_marginals(model, prompt, n, seed=2)
+    b2, b3 = sampled_marginals(model, prompt, n, seed=2, q=q)
     assert max(tv(b2, m2), tv(b3, m3)) > 0.1, (tv(b2, m2), tv(b3, m3))
