@@ -6,11 +6,14 @@ builds each step) and answers with one `DraftProposal` per request.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 from verifier.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from drafter.online_calibration import OnlineCalibrator
 
 
 @dataclass
@@ -85,6 +88,9 @@ class Drafter(Protocol):
     # Optional (default False): True when confidences are learned online from verification
     # outcomes (n-gram); the engine then keeps verifying a little so they can recover.
     # online_confidence: bool
+    # The online recalibration of a confidence head (drafter/online_calibration.py), or None;
+    # /metrics exports its live ECE and per-position temperatures.
+    calibrator: "OnlineCalibrator | None"
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         """One batched call for all running requests."""

@@ -16,6 +16,8 @@ class DrafterConfig:
     """Checkpoint directory for dflash/dspark (DeepSpec format); None = the shipped one."""
     block_size: int | None = None
     """Most draft tokens per round; None = the checkpoint's block size (ngram: 5)."""
+    online_calibration: bool = True
+    """Refit the confidence head's per-position calibration from verification outcomes."""
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTER_CHOICES:

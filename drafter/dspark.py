@@ -13,6 +13,7 @@ import torch
 
 from drafter.base import AcceptedContext, DraftProposal, DraftRequest, register_drafter
 from drafter.dspark_model import DSparkModel, load_dspark
+from drafter.online_calibration import OnlineCalibrator
 
 
 @dataclass(frozen=True)
@@ -23,12 +24,15 @@ class DSparkDrafterConfig:
     block_size: tokens drafted per block; None = the checkpoint's. At most the checkpoint's.
     use_markov: apply the Markov head (False = DFlash: plain parallel drafting).
     initial_capacity: context slots preallocated per request before the first doubling.
+    online_calibration: refit the confidence head's per-position temperatures from
+        verification outcomes while serving (drafter/online_calibration.py).
     """
 
     path: str
     block_size: int | None = None
     use_markov: bool = True
     initial_capacity: int = 256
+    online_calibration: bool = True
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -143,6 +147,12 @@ class DSparkDrafter:
         mc = model.config
         self.cache = ContextKVCache(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                                     model.device, model.dtype, capacity=config.initial_capacity)
+        self.calibrator: OnlineCalibrator | None = None
+        if config.online_calibration and model.confidence_head is not None:
+            offline = model.calibration.temperatures if model.calibration is not None else None
+            self.calibrator = OnlineCalibrator(bs, offline)
+        # per request: the raw confidence logits and the confidences used in its last proposal
+        self._last: dict[str, tuple[list[float], list[float]]] = {}
 
     # -- context ------------------------------------------------------------------------
 
@@ -224,25 +234,45 @@ class DSparkDrafter:
             anchors = torch.tensor([r.token_ids[-1] for r in batch], dtype=torch.long, device=dev)
             drafted = self.model.sample_block(base, anchors, [r.sampling for r in batch],
                                               [r.generator for r in batch], hidden)
-            conf = self.model.confidence_probs(hidden, drafted.prev_tokens)
+            conf = self._confidences(hidden, drafted.prev_tokens, batch, lengths)
             for j, (i, r) in enumerate(zip(live, batch)):
                 k = lengths[j]
                 out[i] = DraftProposal(
                     tokens=drafted.tokens[j, :k],
                     probs=None if r.sampling.greedy else self.model.to_target_probs(drafted.probs[j, :k]),  # type: ignore[index]
-                    confidences=None if conf is None else conf[j, :k].float(),
+                    confidences=None if conf is None else conf[j],
                 )
         return out  # type: ignore[return-value]
 
+    def _confidences(self, hidden: torch.Tensor, prev: torch.Tensor, batch: list[DraftRequest],
+                     lengths: list[int]) -> list[torch.Tensor] | None:
+        """c_k per request: the offline-calibrated head, or the online calibrator's fit (which
+        only ever learned from earlier rounds)."""
+        if self.calibrator is None:
+            conf = self.model.confidence_probs(hidden, prev)
+            return None if conf is None else [conf[j, :k].float() for j, k in enumerate(lengths)]
+        raw = self.model.confidence_logits(hidden, prev).float().cpu().tolist()
+        out = []
+        for j, (r, k) in enumerate(zip(batch, lengths)):
+            used = self.calibrator.calibrate(raw[j][:k])
+            self._last[r.request_id] = (raw[j][:k], used)
+            out.append(torch.tensor(used, dtype=torch.float32))
+        return out
+
     def observe_acceptance(self, request_id: str, proposed: int, accepted: int) -> None:
-        """The confidence head is learned offline; online feedback is not used."""
+        """Verification outcome of the request's last proposal: feeds online calibration."""
+        last = self._last.pop(request_id, None)
+        if self.calibrator is not None and last is not None and proposed > 0:
+            self.calibrator.record(last[0], last[1], proposed, accepted)
 
     def free(self, request_id: str) -> None:
         self.cache.free(request_id)
+        self._last.pop(request_id, None)
 
 
 def _build(name: str, use_markov: bool, path: str, target_model=None, block_size: int | None = None,
-           device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> DSparkDrafter:
+           device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+           online_calibration: bool = True) -> DSparkDrafter:
     embed = head = None
     if target_model is not None:
         embed = target_model.get_input_embeddings()
@@ -250,7 +280,8 @@ def _build(name: str, use_markov: bool, path: str, target_model=None, block_size
         ref = embed.weight
         device = device if device is not None else ref.device
         dtype = dtype if dtype is not None else ref.dtype
-    cfg = DSparkDrafterConfig(path=path, block_size=block_size, use_markov=use_markov)
+    cfg = DSparkDrafterConfig(path=path, block_size=block_size, use_markov=use_markov,
+                              online_calibration=online_calibration)
     model = load_dspark(path, embed, head, device=device or "cpu", dtype=dtype or torch.float32,
                         drop_markov_head=not use_markov)
     return DSparkDrafter(model, cfg, name)
@@ -258,13 +289,15 @@ def _build(name: str, use_markov: bool, path: str, target_model=None, block_size
 
 @register_drafter("dspark")
 def build_dspark(path: str, target_model=None, block_size: int | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> DSparkDrafter:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 online_calibration: bool = True) -> DSparkDrafter:
     """DSpark drafter from a DeepSpec checkpoint; embed/LM head shared with `target_model`."""
-    return _build("dspark", True, path, target_model, block_size, device, dtype)
+    return _build("dspark", True, path, target_model, block_size, device, dtype, online_calibration)
 
 
 @register_drafter("dflash")
 def build_dflash(path: str, target_model=None, block_size: int | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> DSparkDrafter:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 online_calibration: bool = True) -> DSparkDrafter:
     """DFlash: the same backbone without the Markov head (ignored if the checkpoint has one)."""
-    return _build("dflash", False, path, target_model, block_size, device, dtype)
+    return _build("dflash", False, path, target_model, block_size, device, dtype, online_calibration)

@@ -58,6 +58,7 @@ class NgramDrafter:
     # Confidences are learned from verification outcomes, so the engine keeps verifying a
     # little even when they look poor (otherwise a low estimate could never recover).
     online_confidence = True
+    calibrator = None
 
     def __init__(self, config: NgramConfig):
         self.config = config
@@ -106,11 +107,13 @@ class NgramDrafter:
 @register_drafter("ngram")
 def build_ngram(block_size: int | None = None, max_ngram: int = 4, min_ngram: int = 1,
                 prior_accept: float = 3.0, prior_reject: float = 1.0,
-                path: str | None = None, target_model=None, device=None, dtype=None) -> NgramDrafter:
-    """block_size None = NgramConfig's default. target_model / device / dtype are accepted
-    so one call site serves every drafter; prompt lookup needs none of them."""
+                path: str | None = None, target_model=None, device=None, dtype=None,
+                online_calibration: bool = True) -> NgramDrafter:
+    """block_size None = NgramConfig's default. target_model / device / dtype /
+    online_calibration are accepted so one call site serves every drafter; prompt lookup
+    needs none of them (its confidences are learned online anyway)."""
     if path is not None:
         raise ValueError(f"the ngram drafter has no weights; got a checkpoint path {path!r}")
-    del target_model, device, dtype
+    del target_model, device, dtype, online_calibration
     size = NgramConfig.block_size if block_size is None else block_size
     return NgramDrafter(NgramConfig(size, max_ngram, min_ngram, prior_accept, prior_reject))

@@ -59,7 +59,8 @@ def build_drafter_for(cfg: DrafterConfig, target, device, dtype, model_is_embedd
         if not Path(path).is_dir():
             raise ValueError(f"the shipped {cfg.drafter} drafter is missing ({Path(path).name})")
     return build_drafter(cfg.drafter, path=path, target_model=target.model,
-                         block_size=cfg.block_size, device=device, dtype=dtype)
+                         block_size=cfg.block_size, device=device, dtype=dtype,
+                         online_calibration=cfg.online_calibration)
 
 
 def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: SchedulerConfig,

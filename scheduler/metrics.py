@@ -6,6 +6,9 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# Steps between exports of the online calibration state (its ECE scans a few thousand
+# outcomes per position: too much work for every step).
+CALIBRATION_EVERY = 32
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
@@ -52,6 +55,20 @@ class EngineMetrics:
                                 "Tokens per step actually produced by decode requests, summed.", L, registry=r)
         self.accel_mem = Gauge("dspark:accelerator_memory_used_bytes",
                                "Accelerator memory allocated by the engine (CUDA only).", L, registry=r)
+        self.conf_ece = Gauge("dspark:spec_decode_confidence_ece",
+                              "Live expected calibration error of the survival probability the "
+                              "policy used, by draft position (0-based), over the recent window.",
+                              L + ["position"], registry=r)
+        self.conf_temp = Gauge("dspark:spec_decode_confidence_temperature",
+                               "Online-calibrated confidence temperature T_k by draft position.",
+                               L + ["position"], registry=r)
+        self.conf_bias = Gauge("dspark:spec_decode_confidence_bias",
+                               "Online-calibrated confidence bias b_k by draft position.",
+                               L + ["position"], registry=r)
+        self.conf_samples = Gauge("dspark:spec_decode_confidence_samples",
+                                  "Verified drafts behind the live ECE, by draft position.",
+                                  L + ["position"], registry=r)
+        self._steps = 0
         self.cost = Gauge("dspark:cost_table_steps_per_second",
                           "Profiled target steps per second at a batch of B tokens.", L + ["batch_tokens"], registry=r)
 
@@ -101,3 +118,16 @@ class EngineMetrics:
         self.running.labels(**self.labels).set(len(engine.running))
         self.waiting.labels(**self.labels).set(len(engine.waiting))
         self.kv_usage.labels(**self.labels).set(engine.runner.blocks.usage)
+        self._steps += 1
+        cal = engine.drafter.calibrator if engine.drafter is not None else None
+        if cal is not None and self._steps % CALIBRATION_EVERY == 1:
+            self.record_calibration(cal)
+
+    def record_calibration(self, cal) -> None:
+        """Export an online calibrator's state (drafter/online_calibration.py)."""
+        for k, (ece, t, b) in enumerate(zip(cal.survival_ece(), cal.temperatures, cal.biases)):
+            pos = {**self.labels, "position": str(k)}
+            self.conf_ece.labels(**pos).set(ece)
+            self.conf_temp.labels(**pos).set(t)
+            self.conf_bias.labels(**pos).set(b)
+            self.conf_samples.labels(**pos).set(cal.samples(k))

@@ -30,6 +30,7 @@ def _flags() -> list[tuple[str, type, str, type]]:
         "kv_block_size": "tokens per KV block", "cache_dir": "where GGUF conversions and cost tables are cached",
         "drafter": "|".join(DRAFTER_CHOICES), "drafter_path": "DeepSpec-format drafter checkpoint directory",
         "block_size": "most draft tokens per round (default: the drafter's)",
+        "online_calibration": "refit the confidence head's per-position calibration from verification outcomes",
         "max_num_seqs": "most requests decoding at once",
         "max_num_batched_tokens": "token budget of one target forward",
         "max_waiting": "waiting-queue capacity (beyond it: HTTP 429)",

@@ -1,0 +1,96 @@
+"""Online recalibration from verification outcomes: it repairs confidences that are off, stays
+bounded, and never changes what greedy decoding outputs."""
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import drafter  # noqa: F401
+from drafter.base import build_drafter
+from drafter.online_calibration import (OnlineCalibrationConfig, OnlineCalibrator,
+                                        expected_calibration_error, fit_platt)
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
+from scheduler.metrics import EngineMetrics
+from scheduler.request import Request
+from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
+from tests.scheduler.test_speculative import random_dspark
+from verifier.sampling_params import SamplingParams
+
+
+def overconfident_rounds(n, seed):
+    """Rounds whose true conditional survival s_k is known; the raw logit claims far more."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        s = [rng.uniform(0.1, 0.9) for _ in range(3)]
+        raw = [3.0 * math.log(p / (1 - p)) + 2.0 for p in s]   # overconfident on purpose
+        accepted = 0
+        while accepted < 3 and rng.random() < s[accepted]:
+            accepted += 1
+        yield raw, accepted
+
+
+def test_recalibration_lowers_the_ece_of_an_overconfident_head():
+    cal = OnlineCalibrator(3, config=OnlineCalibrationConfig(window=2048, refit_every=64, min_samples=128))
+    for raw, acc in overconfident_rounds(3000, seed=0):
+        cal.record(raw, cal.calibrate(raw), 3, acc)
+    # fresh rounds: ECE of the raw head vs the recalibrated confidences, position 1
+    raw_c, fit_c, out = [], [], []
+    for raw, acc in overconfident_rounds(4000, seed=1):
+        raw_c.append(1 / (1 + math.exp(-raw[0])))
+        fit_c.append(cal.calibrate(raw)[0])
+        out.append(1.0 if acc > 0 else 0.0)
+    before = expected_calibration_error(np.array(raw_c), np.array(out), 10)
+    after = expected_calibration_error(np.array(fit_c), np.array(out), 10)
+    assert before > 0.1 and after < 0.03, (before, after)
+    assert 2.0 < cal.temperatures[0] < 4.5     # the 3x over-scaling was found
+    # the live ECE that /metrics reports fell as the fit took over
+    assert cal.survival_ece()[0] < before
+
+
+def test_fit_is_bounded_and_config_validated():
+    cfg = OnlineCalibrationConfig()
+    z = np.linspace(-3, 3, 200)
+    t, b = fit_platt(z, np.ones_like(z), 1.0, 0.0, cfg)     # all accepted: push to the bounds
+    assert cfg.min_temperature <= t <= cfg.max_temperature and abs(b) <= cfg.max_bias
+    with pytest.raises(ValueError, match="window"):
+        OnlineCalibrationConfig(window=0)
+    with pytest.raises(ValueError, match="3"):
+        OnlineCalibrator(3).record([0.0, 0.0, 0.0], [0.5, 0.5, 0.5], 2, 3)
+
+
+def test_engine_recalibrates_an_overconfident_drafter_and_greedy_is_unchanged(tmp_path):
+    target = tiny_model("qwen3")
+    path = random_dspark(target, tmp_path)
+    dr = build_drafter("dspark", path=str(path), target_model=target)
+    with torch.no_grad():
+        dr.model.confidence_head.proj.bias.fill_(4.0)   # claims ~0.98; random drafts fail
+    dr.calibrator.config = OnlineCalibrationConfig(window=512, refit_every=16, min_samples=32)
+    from prometheus_client import CollectorRegistry
+    reg = CollectorRegistry()
+    engine = Engine(runner_for(target), ByteTokenizer(), SchedulerConfig(verify_policy="static:5"),
+                    max_model_len=512, drafter=dr, metrics=EngineMetrics(reg, "tiny"))
+    prompts = [list(range(40 + i, 52 + i)) for i in range(4)]
+    reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0), max_tokens=40, ignore_eos=True)
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_work():
+        engine.step()
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == hf_greedy(target, p, 40)
+    cal = dr.calibrator
+    assert cal.rounds > 64
+    z = np.array(list(cal._z[0]))
+    y = np.array(list(cal._y[0]))
+    offline = expected_calibration_error(1 / (1 + np.exp(-z)), y, 10)
+    online = expected_calibration_error(np.array([cal.calibrate([v])[0] for v in z]), y, 10)
+    assert offline > 0.5 and online < offline / 2, (offline, online)
+    engine.metrics.record_calibration(cal)
+    text = __import__("prometheus_client").generate_latest(reg).decode()
+    assert 'dspark:spec_decode_confidence_temperature{model_name="tiny",position="0"}' in text
+    assert "dspark:spec_decode_confidence_ece" in text
