@@ -122,6 +122,7 @@ def register_drafter(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
 
 
 def _load_builtins() -> None:
+    import drafter.combined  # noqa: F401  (registers dspark+ngram)
     import drafter.dspark  # noqa: F401  (registers dspark, dflash)
     import drafter.ngram  # noqa: F401  (registers ngram)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DRAFTER_CHOICES = ("none", "ngram", "dflash", "dspark")
+DRAFTER_CHOICES = ("none", "ngram", "dflash", "dspark", "dspark+ngram")
 
 
 @dataclass(frozen=True)
@@ -11,7 +11,8 @@ class DrafterConfig:
     """Which drafter proposes tokens, and how many per round at most."""
 
     drafter: str = "none"
-    """none (plain decoding), ngram (prompt lookup), dflash, or dspark."""
+    """none (plain decoding), ngram (prompt lookup), dflash, dspark, or dspark+ngram (both,
+    chosen per request and step by their recent acceptance)."""
     drafter_path: str | None = None
     """Checkpoint directory for dflash/dspark (DeepSpec format); None = the shipped one."""
     block_size: int | None = None

@@ -20,7 +20,8 @@ from verifier.model_runner import ModelRunner
 log = logging.getLogger(__name__)
 
 SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafter" / "checkpoints"
-EMBEDDED_DRAFTER = {"dspark": "smollm2-135m-dspark", "dflash": "smollm2-135m-dflash"}
+EMBEDDED_DRAFTER = {"dspark": "smollm2-135m-dspark", "dflash": "smollm2-135m-dflash",
+                    "dspark+ngram": "smollm2-135m-dspark"}
 
 
 @dataclass

@@ -11,6 +11,7 @@ import torch
 import drafter  # noqa: F401  (registers drafters)
 import scheduler.engine as engine_mod
 from drafter.base import DraftProposal, build_drafter
+from drafter.combined import CombinedDrafter
 from drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
@@ -145,7 +146,7 @@ class LetterTokenizer:
 class FixedQDrafter:
     """Drafts from a fixed distribution q that differs from the target's p."""
 
-    name, tap_layers, block_size = "fixed-q", (), 2
+    name, tap_layers, block_size, calibrator = "fixed-q", (), 2, None
 
     def __init__(self, q: torch.Tensor):
         self.q = q
@@ -183,11 +184,14 @@ FULL_Q = torch.softmax(torch.linspace(2.0, -2.0, VOCAB), -1)   # far from p on p
 TRUNCATED_Q = torch.cat([torch.softmax(torch.linspace(2.0, -2.0, 5), -1), torch.zeros(3)])
 
 
-def sampled_marginals(model, prompt, n, seed, q=FULL_Q):
+def sampled_marginals(model, prompt, n, seed, q=FULL_Q, combined=False):
+    dr = FixedQDrafter(q)
+    if combined:   # prompt lookup where it matches, the fixed-q drafter elsewhere
+        dr = CombinedDrafter(dr, build_drafter("ngram", block_size=2))
     engine = Engine(runner_for(model, num_blocks=2048), LetterTokenizer(),
                     SchedulerConfig(verify_policy="static:2", max_num_seqs=256,
                                     max_num_batched_tokens=2048, max_waiting=n),
-                    max_model_len=64, drafter=FixedQDrafter(q))
+                    max_model_len=64, drafter=dr)
     reqs = [Request(f"s{i}", prompt, SamplingParams(temperature=1.0, seed=seed * 100000 + i),
                     max_tokens=4, ignore_eos=True) for i in range(n)]
     run(engine, reqs)
@@ -195,7 +199,10 @@ def sampled_marginals(model, prompt, n, seed, q=FULL_Q):
     for r in reqs:
         c2[r.output_ids[1]] += 1
         c3[r.output_ids[2]] += 1
-    assert sum(r.spec.drafted for r in reqs) >= 2 * n  # the speculative path really ran
+    # the speculative path really ran (prompt lookup may propose a single token)
+    assert sum(r.spec.drafted for r in reqs) >= (n if combined else 2 * n)
+    if combined:
+        assert dr.uses[1] > 0   # lookup drafted too
     return c2 / n, c3 / n
 
 
@@ -207,18 +214,36 @@ def broken_rejection_sample(target_probs, draft_tokens, draft_probs, num_draft, 
                             generators, torch.zeros_like(num_draft, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("q", [FULL_Q, TRUNCATED_Q], ids=["full-vocab", "truncated-vocab"])
-def test_sampled_distribution_matches_plain_and_catches_a_broken_sampler(monkeypatch, q):
+@pytest.mark.parametrize("q,combined", [(FULL_Q, False), (TRUNCATED_Q, False), (FULL_Q, True)],
+                         ids=["full-vocab", "truncated-vocab", "combined-drafters"])
+def test_sampled_distribution_matches_plain_and_catches_a_broken_sampler(monkeypatch, q, combined):
     model = tiny_model("llama", vocab=VOCAB, seed=2)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.25)     # p neither flat nor one-hot
     prompt = [1, 2, 3]
     m2, m3 = exact_marginals(model, prompt)
     n = 3000
-    s2, s3 = sampled_marginals(model, prompt, n, seed=1, q=q)
+    s2, s3 = sampled_marginals(model, prompt, n, seed=1, q=q, combined=combined)
     tv = lambda a, b: 0.5 * (a - b).abs().sum().item()
     # sampling noise of an 8-outcome TV at n=3000 is ~0.02; 0.05 leaves a wide margin
     assert tv(s2, m2) < 0.05 and tv(s3, m3) < 0.05, (tv(s2, m2), tv(s3, m3))
     monkeypatch.setattr(engine_mod, "rejection_sample", broken_rejection_sample)
-    b2, b3 = sampled_marginals(model, prompt, n, seed=2, q=q)
+    b2, b3 = sampled_marginals(model, prompt, n, seed=2, q=q, combined=combined)
     assert max(tv(b2, m2), tv(b3, m3)) > 0.1, (tv(b2, m2), tv(b3, m3))
+
+
+def test_greedy_combined_drafters_equal_plain_and_both_propose(tmp_path):
+    model = tiny_model("qwen3")
+    path = random_dspark(model, tmp_path)
+    dr = build_drafter("dspark+ngram", path=str(path), target_model=model)
+    engine = Engine(runner_for(model), ByteTokenizer(),
+                    SchedulerConfig(verify_policy="dspark", max_num_batched_tokens=32),
+                    max_model_len=512, drafter=dr)
+    # repeated text: prompt lookup matches; a fresh prompt: it does not at first
+    prompts = [list(b"abcdabcdabcdabcd"), list(range(60, 75)), list(b"xyzxyzxyz") + list(range(90, 97))]
+    reqs = [Request(f"r{i}", p, GREEDY, max_tokens=30, ignore_eos=True) for i, p in enumerate(prompts)]
+    run(engine, reqs)
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == hf_greedy(model, p, 30)
+    assert dr.uses[0] > 0 and dr.uses[1] > 0, dr.uses
+    assert engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks

@@ -1,0 +1,123 @@
+"""Two drafters that complement each other: prompt lookup (n-gram) wins on code and repeated
+text, the parallel DSpark drafter on free text. Each request's step uses one of them.
+
+The choice must not look at this step's drafted tokens, nor at confidences computed from them:
+that would bias sampled output (the Appendix A argument). It uses only quantities fixed before
+any draft token of the step is sampled: each drafter's recent acceptance on this request (an
+exponential average of accepted tokens per verified round), and whether prompt lookup finds a
+match at all (a deterministic function of the context). A fixed schedule sends every
+`explore_every`-th round of a request to the other drafter, so both estimates stay current.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from drafter.base import AcceptedContext, DraftProposal, DraftRequest, Drafter, register_drafter
+
+
+@dataclass(frozen=True)
+class CombinedConfig:
+    """How the per-request choice between two drafters is made.
+
+    decay: weight of the newest round in each drafter's running acceptance (0..1).
+    prior: accepted tokens per round a drafter is credited with before it was tried.
+    explore_every: every n-th decode step of a request tries the drafter not in favour.
+    """
+
+    decay: float = 0.3
+    prior: float = 1.0
+    explore_every: int = 8
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.decay <= 1.0):
+            raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
+        if self.prior < 0:
+            raise ValueError(f"prior must be >= 0, got {self.prior!r}")
+        if self.explore_every < 2:
+            raise ValueError(f"explore_every must be >= 2, got {self.explore_every!r}")
+
+
+@dataclass
+class _RequestChoice:
+    """Per request: running accepted tokens per round of each drafter, and the last choice."""
+
+    score: list[float]
+    steps: int = 0
+    last: int = -1
+
+
+class CombinedDrafter:
+    """`primary` (DSpark/DFlash) and `lookup` (n-gram) behind one Drafter interface."""
+
+    online_confidence = True  # the n-gram side learns its confidences online
+
+    def __init__(self, primary: Drafter, lookup: Drafter, config: CombinedConfig | None = None) -> None:
+        self.config = config or CombinedConfig()
+        self.drafters = (primary, lookup)
+        self.name = f"{primary.name}+{lookup.name}"
+        self.block_size = max(primary.block_size, lookup.block_size)
+        self.tap_layers = tuple(primary.tap_layers)
+        self.calibrator = primary.calibrator
+        self._state: dict[str, _RequestChoice] = {}
+        self.uses = [0, 0]   # request-steps each drafter proposed for (primary, lookup)
+
+    def _choice(self, request_id: str) -> _RequestChoice:
+        if request_id not in self._state:
+            self._state[request_id] = _RequestChoice([self.config.prior, self.config.prior])
+        return self._state[request_id]
+
+    def choose(self, request_id: str, lookup_hit: bool) -> int:
+        """0 = primary, 1 = lookup, from this request's history and the lookup's match alone."""
+        st = self._choice(request_id)
+        st.steps += 1
+        if not lookup_hit:
+            return 0
+        best = 1 if st.score[1] >= st.score[0] else 0
+        return 1 - best if st.steps % self.config.explore_every == 0 else best
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        primary, lookup = self.drafters
+        out: list[DraftProposal] = lookup.propose(requests)   # cheap: a suffix match per request
+        use_primary = []
+        for i, (r, p) in enumerate(zip(requests, out)):
+            which = self.choose(r.request_id, len(p) > 0)
+            self._state[r.request_id].last = which
+            if which == 0:
+                use_primary.append(i)
+        if use_primary:
+            for i, p in zip(use_primary, primary.propose([requests[i] for i in use_primary])):
+                out[i] = p
+        self.uses[0] += len(use_primary)
+        self.uses[1] += len(requests) - len(use_primary)
+        return out
+
+    def observe(self, contexts: list[AcceptedContext]) -> None:
+        for d in self.drafters:   # both keep complete contexts, whichever drafted
+            d.observe(contexts)
+
+    def observe_acceptance(self, request_id: str, proposed: int, accepted: int) -> None:
+        st = self._state.get(request_id)
+        if st is None or st.last < 0 or proposed <= 0:
+            return
+        d = self.config.decay
+        st.score[st.last] = (1 - d) * st.score[st.last] + d * accepted
+        self.drafters[st.last].observe_acceptance(request_id, proposed, accepted)
+
+    def free(self, request_id: str) -> None:
+        self._state.pop(request_id, None)
+        for d in self.drafters:
+            d.free(request_id)
+
+
+@register_drafter("dspark+ngram")
+def build_dspark_ngram(path: str, target_model=None, block_size: int | None = None,
+                       device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                       online_calibration: bool = True) -> CombinedDrafter:
+    """The DSpark drafter at `path` and prompt lookup, chosen per request and step."""
+    from drafter.dspark import build_dspark
+    from drafter.ngram import build_ngram
+
+    primary = build_dspark(path, target_model, block_size, device, dtype, online_calibration)
+    return CombinedDrafter(primary, build_ngram(block_size=primary.block_size))
