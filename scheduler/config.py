@@ -21,6 +21,10 @@ class SchedulerConfig:
     draft_gate: bool = True
     """With the dspark policy: skip drafting at load levels where steps that draft have
     produced fewer tokens per second than steps that do not (the drafter's own cost)."""
+    draft_headroom: int = 2
+    """With the dspark policy: a request drafts at most this many positions past the budget
+    the policy gave it last step (0 = always a full block). Positions the policy cannot
+    admit are not worth drafting; the cap follows load within a few steps."""
     explore_every: int = 8
     """For drafters whose confidences are learned online (n-gram): every n-th decode step of a
     request verifies at least one draft, so a pessimistic estimate can recover."""
@@ -33,6 +37,8 @@ class SchedulerConfig:
                 f"max_num_batched_tokens must be >= 16, got {self.max_num_batched_tokens!r}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting!r}")
+        if self.draft_headroom < 0:
+            raise ValueError(f"draft_headroom must be >= 0, got {self.draft_headroom!r}")
         if self.explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {self.explore_every!r}")
         name = self.verify_policy.split(":", 1)[0]

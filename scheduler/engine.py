@@ -224,8 +224,14 @@ class Engine:
         return batch
 
     def _max_draft(self, r: Request) -> int:
-        return max(0, min(self.drafter.block_size, r.max_tokens - len(r.output_ids) - 1,
-                          self.max_model_len - r.num_tokens - 1))
+        cap = min(self.drafter.block_size, r.max_tokens - len(r.output_ids) - 1,
+                  self.max_model_len - r.num_tokens - 1)
+        if self.policy.name == "dspark" and self.cfg.draft_headroom and r.last_budget is not None:
+            # Skip positions the policy will not admit: it gave this request `last_budget`
+            # drafts a step ago, and load moves slowly. Fixed before any draft of this step
+            # is sampled, so it cannot bias the output.
+            cap = min(cap, r.last_budget + self.cfg.draft_headroom)
+        return max(0, cap)
 
     def _draft(self, decodes: list[Request]) -> list[DraftProposal]:
         proposals = self._no_drafts(decodes)
@@ -256,6 +262,8 @@ class Engine:
                          prefill_tokens=batch.prefill_tokens, kv_usage=min(1.0, snap.kv_usage))
         decision = self.policy(inp, self.cost_table or DEFAULT_COST, load)
         lengths = list(decision.lengths)
+        for r, l in zip(batch.decodes, lengths):
+            r.last_budget = l
         if getattr(self.drafter, "online_confidence", False) and self.policy.name != "none":
             # Exploration on a fixed schedule: it depends on the step count only, never on the
             # drafted tokens, so it cannot bias the output.

@@ -54,6 +54,7 @@ class Request:
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+    last_budget: int | None = None    # drafts the policy let it verify last step
     first_token_time: float | None = None
     last_token_time: float | None = None
 

@@ -38,6 +38,7 @@ def _flags() -> list[tuple[str, type, str, type]]:
         "reprofile": "re-measure the target cost table",
         "draft_gate": "with the dspark policy, skip drafting where it has not paid for itself",
         "explore_every": "online-confidence drafters (ngram) verify >= 1 draft every n-th step",
+        "draft_headroom": "dspark policy: draft at most this many positions past last step's budget (0 = full block)",
         "host": "interface to listen on", "port": "TCP port",
         "api_key": "require this bearer token on /v1/*", "served_model_name": "model name in the API",
         "log_level": "debug, info, warning or error",

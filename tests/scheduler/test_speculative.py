@@ -247,3 +247,30 @@ def test_greedy_combined_drafters_equal_plain_and_both_propose(tmp_path):
         assert r.output_ids == hf_greedy(model, p, 30)
     assert dr.uses[0] > 0 and dr.uses[1] > 0, dr.uses
     assert engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks
+
+
+def test_drafts_no_positions_the_policy_cannot_admit():
+    """With the dspark policy a request drafts at most `draft_headroom` positions past the
+    budget it got last step; output is unchanged."""
+    model = tiny_model("qwen3")
+    prompts = {f"r{i}": list(range(30 + i, 38 + i)) for i in range(3)}
+    refs = {k: hf_greedy(model, p, 20) for k, p in prompts.items()}
+
+    class Recording(OracleDrafter):
+        def propose(self, requests):
+            for r in requests:
+                self.asked.setdefault(r.request_id, []).append(r.max_draft)
+            return super().propose(requests)
+
+    dr = Recording(refs, {k: len(p) for k, p in prompts.items()}, block_size=6, noise=0.0)
+    dr.asked = {}
+    steep = engine_mod.CostTable((1, 2, 4, 64), (100.0, 40.0, 20.0, 1.0))   # drafts rarely pay
+    engine = Engine(runner_for(model), ByteTokenizer(), SchedulerConfig(verify_policy="dspark",
+                    draft_gate=False, draft_headroom=1), max_model_len=512, drafter=dr,
+                    cost_table=steep)
+    reqs = [Request(k, p, GREEDY, max_tokens=20, ignore_eos=True) for k, p in prompts.items()]
+    run(engine, reqs)
+    for r in reqs:
+        assert r.output_ids == refs[r.request_id]
+    asked = [m for ms in dr.asked.values() for m in ms[1:]]
+    assert asked and max(asked) <= 2 < 6, dr.asked     # budget 0-1 here, +1 headroom
