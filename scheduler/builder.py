@@ -83,8 +83,8 @@ def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: 
              runner.block_size, runner.k_cache.numel() * runner.k_cache.element_size() * 2 / 2**20)
     drafter = build_drafter_for(drafter_cfg, target, device, dtype, model_cfg.model is None)
     table, source = None, "none (no drafter)"
-    if profile is None:
-        profile = drafter is not None
+    if profile is None:   # only the load-aware policy reads the cost table
+        profile = drafter is not None and sched_cfg.verify_policy in ("auto", "dspark", "dspark_global")
     if profile:
         from scheduler.profile import format_table, load_or_profile
 
