@@ -84,4 +84,4 @@ def run_engine_closed_loop(engine, prompt_ids: list[list[int]], concurrency: int
     budget = sum(r.spec.drafted for r in done) / steps if steps else None
     return PointResult(label, concurrency, temperature, len(done), toks, wall, median(per_user),
                        toks / wall, median(r.first_token_time - r.arrival_time for r in done),
-                       tau, budget)
+                       tau, budget, extra={"rounds": rounds})

@@ -20,7 +20,9 @@ from verifier.model_runner import ModelRunner
 log = logging.getLogger(__name__)
 
 SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafter" / "checkpoints"
-EMBEDDED_DRAFTER = {"dspark": "smollm2-135m-dspark", "dflash": "smollm2-135m-dflash",
+# The embedded model ships one drafter checkpoint. `dflash` serves it without its Markov head
+# (and without the confidence head that reads it): the DFlash ablation of the same weights.
+EMBEDDED_DRAFTER = {"dspark": "smollm2-135m-dspark", "dflash": "smollm2-135m-dspark",
                     "dspark+ngram": "smollm2-135m-dspark"}
 
 

@@ -1,5 +1,6 @@
 """On the embedded SmolLM2-135M-Instruct: greedy speculative output equals plain decoding, for
-the n-gram drafter and for the shipped DSpark drafter, under every policy."""
+the n-gram drafter, the shipped DSpark drafter (with online recalibration on, the default), its
+DFlash ablation and both drafters combined, under every policy."""
 import pytest
 
 from scheduler.llm import LLM
@@ -14,7 +15,9 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize("drafter,policies", [("ngram", ["static:5", "dspark"]),
-                                              ("dspark", ["static:7", "dspark", "threshold:0.3"])])
+                                              ("dspark", ["static:7", "dspark", "threshold:0.3"]),
+                                              ("dflash", ["static:7"]),
+                                              ("dspark+ngram", ["static:7", "dspark"])])
 def test_greedy_speculation_equals_plain_on_embedded_model(drafter, policies):
     # float32: bit-exact greedy equality is the losslessness proof (bf16 is not batch-invariant)
     llm = LLM(drafter=drafter, max_num_seqs=4, max_model_len=1024, kv_cache_tokens=8192, dtype="float32")

@@ -1,0 +1,77 @@
+"""Acceptance length per dev set through the serving engine, and the live calibration of the
+drafter's survival probabilities, at a fixed verification length (default static:7, greedy).
+
+    python bench/acceptance.py --drafters dspark dflash ngram dspark+ngram --out bench/results/acceptance.json
+
+tau = (accepted drafts + rounds) / rounds over every verification round of every request;
+`rounds` says how many rounds stand behind each figure. For drafters with a confidence head
+the live per-position ECE of the cumulative survival probability (what the policy uses) is
+reported with the number of verified drafts behind it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import DATA, DOMAINS, load_prompts, machine  # noqa: E402
+
+
+def run_domain(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, label: str) -> dict:
+    from bench.common import run_engine_closed_loop
+
+    r = run_engine_closed_loop(llm.engine, prompts, concurrency, max_tokens, 0.0, label)
+    return {"tau": r.tau, "rounds": r.extra["rounds"], "completion_tokens": r.completion_tokens,
+            "requests": r.requests,
+            "per_user_tps": r.per_user_tps, "aggregate_tps": r.aggregate_tps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafters", nargs="+", default=["dspark", "dflash", "ngram"])
+    ap.add_argument("--policy", default="static:7")
+    ap.add_argument("--prompts", type=int, default=16, help="per dev set")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/acceptance.json")
+    args = ap.parse_args()
+    from bench.bench_engine import chat_ids
+    from scheduler.llm import LLM
+
+    result = {"machine": machine(), "policy": args.policy, "prompts_per_set": args.prompts,
+              "max_tokens": args.max_tokens, "drafters": {}}
+    for name in args.drafters:
+        t0 = time.perf_counter()
+        llm = LLM(drafter=name, verify_policy=args.policy, dtype=args.dtype,
+                  max_num_seqs=args.concurrency, max_model_len=1024, kv_cache_tokens=65536)
+        rows, rounds_all, acc_all = {}, 0, 0
+        for d in DOMAINS:
+            texts = [t for _, t in load_prompts(DATA, args.prompts, domains=(d,))]
+            prompts = [chat_ids(llm.tokenizer, t, args.max_prompt) for t in texts]
+            rows[d] = run_domain(llm, prompts, args.concurrency, args.max_tokens, f"{name}-{d}")
+        eng = llm.engine
+        cal = getattr(eng.drafter, "calibrator", None)
+        out = {"per_set": rows,
+               "macro_tau": sum(r["tau"] or 1.0 for r in rows.values()) / len(rows),
+               "seconds": round(time.perf_counter() - t0, 1)}
+        if cal is not None:
+            out["survival_ece"] = cal.survival_ece()
+            out["ece_samples"] = [cal.samples(k) for k in range(cal.block_size)]
+            out["temperatures"] = list(cal.temperatures)
+            out["biases"] = list(cal.biases)
+        result["drafters"][name] = out
+        print(name, json.dumps({d: round(r["tau"] or 0, 2) for d, r in rows.items()}),
+              "macro", round(out["macro_tau"], 2), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
