@@ -87,7 +87,7 @@ class ModelRunner(FastForwardMixin):
         if quantize not in ("none", "int8"):
             raise ValueError(f"quantize must be none or int8, got {quantize!r}")
         if quantize != "none" and impl != "fast":
-            raise ValueError("quantize needs impl='fast'")
+            raise ValueError(f"quantize {quantize!r} needs impl='fast', got {impl!r}")
         self.impl = impl
         self.quantize = quantize
         self.model = model
