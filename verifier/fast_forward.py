@@ -361,7 +361,8 @@ class FastForwardMixin:
         if last in tap_layers:
             taps[last] = h
         if plan.logit_rows is not None:
-            logits = self.fast_lm_head(h[plan.logit_rows]).float()
+            rows = h if plan.logit_rows.numel() == T else h[plan.logit_rows]   # decode: every row
+            logits = self.fast_lm_head(rows).float()
         else:
             logits = h.new_zeros(0, self.vocab_size, dtype=torch.float32)
         hidden = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
@@ -370,9 +371,7 @@ class FastForwardMixin:
 
 
 def _rms_norm(x: torch.Tensor, d: int, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm (float32 statistics, weight applied in the input dtype)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (d,), w, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
+    """RMSNorm as one fused kernel. float32: HF's maths; bf16/fp16: the statistics are float32 as
+    in HF, only the rounding of the weight product may differ by an ulp (bf16 is not held to
+    bit equality anyway)."""
+    return F.rms_norm(x, (d,), w, eps)
