@@ -7,6 +7,8 @@
   # plain decoding, forward variants x dtypes, interleaved in one process, vs generate
   python bench/bench_engine.py plain --forwards reference,fast --dtypes float32,bfloat16 \
       --concurrency 1,16 --out bench/results/plain-forward.json
+  # the same script run from an older checkout (--forwards default), merged into one plot
+  python bench/bench_engine.py merge --inputs new.json,old.json --labels ,pre-change: --out both.json
 
 Per point: per-user tokens/s (median over requests of tokens / (finish - first token)), aggregate
 tokens/s (all tokens / wall time), median TTFT, acceptance length tau and mean verification
@@ -125,6 +127,17 @@ def plain(args) -> dict:
     return {"rows": rows}
 
 
+def merge(args) -> dict:
+    """Rows of several plain-mode results in one file (and one plot), labels prefixed."""
+    rows, sources = [], []
+    labels = args.labels or [""] * len(args.inputs)
+    for path, prefix in zip(args.inputs, labels):
+        data = json.loads(path.read_text())
+        sources.append({"file": path.name, "machine": data.get("machine"), "seconds": data.get("seconds")})
+        rows += [dict(r, label=prefix + r["label"]) for r in data["rows"]]
+    return {"rows": rows, "sources": sources}
+
+
 def plot_plain(result: dict, out: Path) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
@@ -216,7 +229,11 @@ def plot(result: dict, out: Path) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["baseline", "sweep", "plain"])
+    ap.add_argument("mode", choices=["baseline", "sweep", "plain", "merge"])
+    ap.add_argument("--inputs", type=lambda s: [Path(x) for x in s.split(",")], default=[],
+                    help="merge mode: plain-mode JSON files")
+    ap.add_argument("--labels", type=lambda s: s.split(","), default=None,
+                    help="merge mode: a prefix per input for its row labels")
     ap.add_argument("--data", type=Path, default=DATA, help="folder of dev-*.jsonl prompt sets")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None)
     ap.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
@@ -242,14 +259,14 @@ def main() -> None:
     if args.concurrency is None:
         args.concurrency = {"baseline": [1, 4, 16], "plain": [1, 16]}.get(args.mode, [1, 2, 4, 8, 16, 32])
     t0 = time.time()
-    result = {"baseline": baseline, "sweep": sweep, "plain": plain}[args.mode](args)
+    result = {"baseline": baseline, "sweep": sweep, "plain": plain, "merge": merge}[args.mode](args)
     rel = lambda v: os.path.relpath(v, ROOT) if isinstance(v, Path) else str(v)
     result.update(machine=machine(), args={k: rel(v) for k, v in vars(args).items()},
                   seconds=time.time() - t0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.mode == "sweep":
         result["plots"] = plot(result, args.out)
-    elif args.mode == "plain":
+    elif args.mode in ("plain", "merge"):
         result["plots"] = plot_plain(result, args.out)
     args.out.write_text(json.dumps(result, indent=1))
     print("wrote", args.out, *result.get("plots", []))
