@@ -227,8 +227,9 @@ def main() -> None:
           f"({bw / weight_bytes:.0f} steps/s at the bandwidth limit)", flush=True)
     timers: dict = {}
     wrap(runner, "forward", "forward", timers)
-    if hasattr(runner, "_attention"):
-        wrap(runner, "_attention", "attention", timers)
+    for name in ("_attention", "_attention_reference"):   # fast / reference forward
+        if hasattr(runner, name):
+            wrap(runner, name, "attention", timers)
     import scheduler.engine as engmod
     wrap(engmod, "probs_from_logits", "sampling", timers)
     wrap(engmod, "rejection_sample", "sampling", timers)
