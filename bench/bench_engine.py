@@ -4,6 +4,11 @@
   python bench/bench_engine.py baseline --out bench/results/baseline.json
   # speculation: policies x concurrency x temperature, with JSON + two PNG plots
   python bench/bench_engine.py sweep --drafter ngram --out bench/results/sweep-ngram.json
+  # plain decoding, forward variants x dtypes, interleaved in one process, vs generate
+  python bench/bench_engine.py plain --forwards reference,fast --dtypes float32,bfloat16 \
+      --concurrency 1,16 --out bench/results/plain-forward.json
+  # the same script run from an older checkout (--forwards default), merged into one plot
+  python bench/bench_engine.py merge --inputs new.json,old.json --labels ,pre-change: --out both.json
 
 Per point: per-user tokens/s (median over requests of tokens / (finish - first token)), aggregate
 tokens/s (all tokens / wall time), median TTFT, acceptance length tau and mean verification
@@ -74,6 +79,97 @@ def baseline(args) -> dict:
     return {"rows": rows}
 
 
+def plain(args) -> dict:
+    """Plain decoding (no drafter) for every forward variant x dtype at every concurrency, plus
+    transformers' generate on the same prompts. Variants of one dtype live in one process and
+    take turns (`--rounds` times, medians kept), so a noisy machine hits them alike.
+    A variant name is ModelConfig.forward (`reference`, `fast`), optionally with `+linear` or
+    `+int8` (`fast+torch`), or `default` (pass nothing: for running this script on older code)."""
+    from scheduler.llm import LLM
+    rows = []
+    for dtype in args.dtypes:
+        llms = {}
+        for var in args.forwards:
+            kw = {}
+            if var != "default":
+                fwd, *mods = var.split("+")
+                kw["forward"] = fwd
+                for m in mods:
+                    kw.update({"quantize": m} if m == "int8" else {"linear": m})
+            llms[var] = LLM(drafter="none", dtype=dtype, max_num_seqs=max(args.concurrency),
+                            max_model_len=2048, **kw)
+        first = next(iter(llms.values()))
+        tok, model = first.tokenizer, first.engine.runner.model
+        for c in args.concurrency:
+            n = max(args.min_prompts, args.waves * c)
+            prompts = [chat_ids(tok, t, args.max_prompt) for _, t in load_prompts(args.data, n)]
+            runs: dict[str, list] = {v: [] for v in list(llms) + ["hf-generate"]}
+            for rnd in range(args.rounds):
+                for var, llm in llms.items():
+                    run_engine_closed_loop(llm.engine, prompts[:1], 1, 4, 0.0, "warmup")
+                    runs[var].append(dataclasses.asdict(
+                        run_engine_closed_loop(llm.engine, prompts, c, args.max_tokens, 0.0, var)))
+                if not args.no_hf:
+                    runs["hf-generate"].append(hf_point(model, tok, prompts, c, args.max_tokens))
+            for var, rs in runs.items():
+                if not rs:
+                    continue
+                row = dict(rs[0], label=var, dtype=dtype, concurrency=c,
+                           per_user_tps=median(r["per_user_tps"] for r in rs),
+                           aggregate_tps=median(r["aggregate_tps"] for r in rs),
+                           rounds=[{k: r[k] for k in ("per_user_tps", "aggregate_tps")} for r in rs],
+                           runner=llms[var].engine.runner.describe() if var in llms and hasattr(
+                               llms[var].engine.runner, "describe") else var)
+                rows.append(row)
+                print(f"{dtype:8s} c={c:3d} {var:16s} per-user {row['per_user_tps']:7.1f} "
+                      f"agg {row['aggregate_tps']:7.1f}  rounds {row['rounds']}", flush=True)
+        del llms
+    return {"rows": rows}
+
+
+def merge(args) -> dict:
+    """Rows of several plain-mode results in one file (and one plot), labels prefixed."""
+    rows, sources = [], []
+    labels = args.labels or [""] * len(args.inputs)
+    for path, prefix in zip(args.inputs, labels):
+        data = json.loads(path.read_text())
+        sources.append({"file": path.name, "machine": data.get("machine"), "seconds": data.get("seconds")})
+        rows += [dict(r, label=prefix + r["label"]) for r in data["rows"]]
+    return {"rows": rows, "sources": sources}
+
+
+def plot_plain(result: dict, out: Path) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    concs = sorted({r["concurrency"] for r in rows})
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    fig, axes = plt.subplots(1, len(concs), figsize=(6 * len(concs), 4.5), squeeze=False)
+    for ax, c in zip(axes[0], concs):
+        metric = "per_user_tps" if c == 1 else "aggregate_tps"
+        w = 0.8 / len(labels)
+        for j, lab in enumerate(labels):
+            vals = [next((r[metric] for r in rows if r["label"] == lab and r["dtype"] == d
+                          and r["concurrency"] == c), 0.0) for d in dtypes]
+            xs = [i + j * w for i in range(len(dtypes))]
+            ax.bar(xs, vals, w, label=lab)
+            for x, v in zip(xs, vals):
+                ax.annotate(f"{v:.0f}", (x, v), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(dtypes))], dtypes)
+        ax.set(ylabel="per-user tokens/s" if c == 1 else "aggregate tokens/s",
+               title=f"plain decoding, concurrency {c}")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    fig.suptitle(result["machine"], fontsize=8)
+    fig.tight_layout()
+    p = out.with_suffix(".png")
+    fig.savefig(p, dpi=110)
+    return [str(p)]
+
+
 def sweep(args) -> dict:
     from scheduler.llm import LLM
     llm = LLM(drafter=args.drafter, drafter_path=args.drafter_path, block_size=args.block_size,
@@ -133,7 +229,11 @@ def plot(result: dict, out: Path) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["baseline", "sweep"])
+    ap.add_argument("mode", choices=["baseline", "sweep", "plain", "merge"])
+    ap.add_argument("--inputs", type=lambda s: [Path(x) for x in s.split(",")], default=[],
+                    help="merge mode: plain-mode JSON files")
+    ap.add_argument("--labels", type=lambda s: s.split(","), default=None,
+                    help="merge mode: a prefix per input for its row labels")
     ap.add_argument("--data", type=Path, default=DATA, help="folder of dev-*.jsonl prompt sets")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None)
     ap.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
@@ -147,20 +247,27 @@ def main() -> None:
     ap.add_argument("--min-prompts", type=int, default=8)
     ap.add_argument("--waves", type=int, default=2, help="prompts per point = waves x concurrency")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    ap.add_argument("--forwards", type=lambda s: s.split(","), default=["reference", "fast"],
+                    help="plain mode: forward variants (reference, fast, fast+torch, fast+int8, default)")
+    ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
+    ap.add_argument("--rounds", type=int, default=1, help="plain mode: turns per variant")
+    ap.add_argument("--no-hf", action="store_true", help="plain mode: skip transformers' generate")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.concurrency is None:
-        args.concurrency = [1, 4, 16] if args.mode == "baseline" else [1, 2, 4, 8, 16, 32]
+        args.concurrency = {"baseline": [1, 4, 16], "plain": [1, 16]}.get(args.mode, [1, 2, 4, 8, 16, 32])
     t0 = time.time()
-    result = baseline(args) if args.mode == "baseline" else sweep(args)
+    result = {"baseline": baseline, "sweep": sweep, "plain": plain, "merge": merge}[args.mode](args)
     rel = lambda v: os.path.relpath(v, ROOT) if isinstance(v, Path) else str(v)
     result.update(machine=machine(), args={k: rel(v) for k, v in vars(args).items()},
                   seconds=time.time() - t0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.mode == "sweep":
         result["plots"] = plot(result, args.out)
+    elif args.mode in ("plain", "merge"):
+        result["plots"] = plot_plain(result, args.out)
     args.out.write_text(json.dumps(result, indent=1))
     print("wrote", args.out, *result.get("plots", []))
 

@@ -80,7 +80,9 @@ def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: 
                   getattr(target.model.config, "max_position_embeddings", model_cfg.max_model_len))
     tokens = kv_cache_tokens(model_cfg, target.model.config, device, dtype)
     runner = ModelRunner(target.model, num_blocks=max(1, tokens // model_cfg.kv_block_size),
-                         block_size=model_cfg.kv_block_size)
+                         block_size=model_cfg.kv_block_size, impl=model_cfg.forward,
+                         linear=model_cfg.linear, quantize=model_cfg.quantize)
+    log.info("target forward: %s", runner.describe())
     log.info("KV cache: %d blocks x %d tokens (%.0f MiB)", runner.blocks.num_blocks,
              runner.block_size, runner.k_cache.numel() * runner.k_cache.element_size() * 2 / 2**20)
     drafter = build_drafter_for(drafter_cfg, target, device, dtype, model_cfg.model is None)

@@ -29,11 +29,13 @@ class LLM:
                  block_size: int | None = None, verify_policy: str = "auto", max_num_seqs: int = 32,
                  max_model_len: int = 2048, device: str = "cpu", dtype: str = "auto",
                  kv_cache_tokens: int = 0, max_num_batched_tokens: int = 512,
-                 cache_dir: str | None = None,
+                 cache_dir: str | None = None, forward: str = "fast", linear: str = "auto",
+                 quantize: str = "none",
                  capture: Callable[[int], HiddenCapture] | None = None) -> None:
         bundle = build_engine(
             ModelConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
-                        kv_cache_tokens=kv_cache_tokens, cache_dir=cache_dir),
+                        kv_cache_tokens=kv_cache_tokens, cache_dir=cache_dir, forward=forward,
+                        linear=linear, quantize=quantize),
             DrafterConfig(drafter=drafter, drafter_path=drafter_path, block_size=block_size),
             SchedulerConfig(max_num_seqs=max_num_seqs, verify_policy=verify_policy,
                             max_num_batched_tokens=max_num_batched_tokens, max_waiting=1 << 30),

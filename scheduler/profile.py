@@ -87,7 +87,8 @@ def load_or_profile(runner: ModelRunner, model_name: str, cache_dir: Path | None
     """Return (table, raw profile, source) where source says whether it was cached or measured."""
     path = None
     if cache_dir is not None:
-        key = cache_key(model_name, runner.config, runner.device, runner.dtype)
+        # The forward's kernels change the costs: a table measured with others is not reused.
+        key = cache_key(model_name + "|" + runner.describe(), runner.config, runner.device, runner.dtype)
         path = Path(cache_dir) / "cost-tables" / f"{model_name}-{runner.device.type}-{key}.json"
         if path.is_file() and not reprofile:
             raw = json.loads(path.read_text())

@@ -25,6 +25,15 @@ class ModelConfig:
     """Token slots per KV block."""
     cache_dir: str | None = None
     """Where GGUF conversions are cached; None = the user cache directory."""
+    forward: str = "fast"
+    """fast (fused weights, vectorised step planning, block-granular KV reads) or reference (the
+    original per-module forward, kept as the fallback and the tests' reference)."""
+    linear: str = "auto"
+    """Matmul kernels of the fast forward: auto (oneDNN prepacked weights on CPU for float32 and
+    bfloat16 when oneDNN accepts them, else torch), torch (F.linear), or mkldnn (CPU only)."""
+    quantize: str = "none"
+    """none, or int8: weight-only int8 with one scale per output channel (fast forward only).
+    int8 CHANGES THE TARGET: outputs follow the quantised model, not the float one."""
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -38,5 +47,13 @@ class ModelConfig:
         if not (0.0 < self.kv_cache_memory_fraction <= 0.95):
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction!r}")
+        if self.forward not in ("fast", "reference"):
+            raise ValueError(f"forward must be fast or reference, got {self.forward!r}")
+        if self.linear not in ("auto", "torch", "mkldnn"):
+            raise ValueError(f"linear must be auto, torch or mkldnn, got {self.linear!r}")
+        if self.quantize not in ("none", "int8"):
+            raise ValueError(f"quantize must be none or int8, got {self.quantize!r}")
+        if self.quantize != "none" and self.forward != "fast":
+            raise ValueError(f"quantize {self.quantize!r} needs forward 'fast', got {self.forward!r}")
         if self.kv_block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"kv_block_size must be a power of two <= 256, got {self.kv_block_size!r}")

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from verifier.block_manager import BlockManager
+from verifier.fast_forward import FastForwardMixin
 
 # Segments this short (decode/verify rounds) are attended together in one padded call per layer;
 # longer ones (prefill chunks) get a call each, so one long prompt never pads the whole batch.
@@ -72,10 +73,23 @@ class _AttnPlan:
     big: list = field(default_factory=list)   # (row_start, n, gather [C], mask [n, C])
 
 
-class ModelRunner:
+class ModelRunner(FastForwardMixin):
     """Runs a HF causal LM (Llama/Qwen2/Qwen3) over a paged KV cache it owns."""
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
+                 impl: str = "fast", linear: str = "auto", quantize: str = "none") -> None:
+        """impl: "fast" (fused weights, vectorised planning, block-granular KV reads) or
+        "reference" (the original per-module forward). linear: how the fast path multiplies
+        (see `verifier.kernels.make_linear`). quantize: "none" or "int8" (weight-only,
+        per output channel; changes the target's numerics)."""
+        if impl not in ("fast", "reference"):
+            raise ValueError(f"impl must be fast or reference, got {impl!r}")
+        if quantize not in ("none", "int8"):
+            raise ValueError(f"quantize must be none or int8, got {quantize!r}")
+        if quantize != "none" and impl != "fast":
+            raise ValueError(f"quantize {quantize!r} needs impl='fast', got {impl!r}")
+        self.impl = impl
+        self.quantize = quantize
         self.model = model
         cfg = model.config
         self.config = cfg
@@ -100,6 +114,23 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.has_qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         self.scaling = self.head_dim ** -0.5
+        self.linear_kind = "module"
+        if impl == "fast":
+            self._build_fast(linear)
+
+    def describe(self) -> str:
+        """One line for logs and benchmarks: which forward runs and how it multiplies."""
+        if self.impl == "reference":
+            return "reference"
+        q = "" if self.quantize == "none" else f", weights {self.quantize}"
+        return f"fast (linear {self.linear_kind}{q})"
+
+    def forward(self, segments: list[Segment], tap_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """Forward the new tokens of all segments. The caller has already reserved their KV slots
+        with `self.blocks.append` (so a failed allocation never leaves half a forward)."""
+        if self.impl == "reference":
+            return self.forward_reference(segments, tap_layers)
+        return self.forward_fast(segments, tap_layers)
 
     @staticmethod
     def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -108,7 +139,7 @@ class ModelRunner:
         return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elt
 
     # -- planning --------------------------------------------------------------------------
-    def _plan(self, segments: list[Segment]) -> _AttnPlan:
+    def _plan_reference(self, segments: list[Segment]) -> _AttnPlan:
         dev = self.device
         slots: list[int] = []
         positions: list[int] = []
@@ -153,9 +184,10 @@ class ModelRunner:
         return plan
 
     # -- forward ---------------------------------------------------------------------------
-    def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   plan: _AttnPlan) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] (new tokens) -> out [T, H*D]."""
+    def _attention_reference(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             plan: _AttnPlan) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] (new tokens) -> out [T, H*D]; gathers every request's
+        whole context into padded buffers (the reference the fast path is tested against)."""
         kc, vc = self.k_cache[li], self.v_cache[li]
         kc.index_copy_(0, plan.slots, k)
         vc.index_copy_(0, plan.slots, v)
@@ -179,10 +211,11 @@ class ModelRunner:
         return out.reshape(q.shape[0], -1)
 
     @torch.inference_mode()
-    def forward(self, segments: list[Segment], tap_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        """Forward the new tokens of all segments. The caller has already reserved their KV slots
-        with `self.blocks.append` (so a failed allocation never leaves half a forward)."""
-        plan = self._plan(segments)
+    def forward_reference(self, segments: list[Segment], tap_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """The original forward on the HF modules: per-token Python planning, separate q/k/v and
+        gate/up projections, a padded gather of every context per layer. Kept as the reference
+        (and as `impl="reference"`)."""
+        plan = self._plan_reference(segments)
         ids = torch.tensor([t for s in segments for t in s.token_ids], device=self.device)
         T = ids.numel()
         h = self.embed(ids)
@@ -201,7 +234,7 @@ class ModelRunner:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            h = h + attn.o_proj(self._attention(li, q, k, v, plan))
+            h = h + attn.o_proj(self._attention_reference(li, q, k, v, plan))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if li in tap_layers and li != self.num_layers - 1:
                 taps[li] = h

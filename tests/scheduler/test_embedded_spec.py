@@ -32,3 +32,26 @@ def test_greedy_speculation_equals_plain_on_embedded_model(drafter, policies):
         outs = llm.generate(ids, SamplingParams(temperature=0), 40)
         assert [o.token_ids for o in outs] == plain, policy
         assert sum(o.spec.drafted for o in outs) > 0, policy
+
+
+def test_fast_forward_equals_reference_and_generate_on_embedded_model():
+    """float32 greedy on the real model: the fast forward gives the reference forward's tokens
+    and transformers' own `generate` tokens, with three requests decoding together."""
+    import torch
+
+    outs = {}
+    for forward in ("reference", "fast"):
+        llm = LLM(drafter="none", max_num_seqs=4, max_model_len=1024, kv_cache_tokens=4096,
+                  dtype="float32", forward=forward)
+        tok = llm.tokenizer
+        ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                       return_dict=False) for p in PROMPTS]
+        ids = [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in ids]
+        outs[forward] = [o.token_ids for o in llm.generate(ids, SamplingParams(temperature=0), 24,
+                                                           ignore_eos=True)]
+    assert outs["fast"] == outs["reference"]
+    model = llm.engine.runner.model
+    for p, got in zip(ids, outs["fast"]):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                             eos_token_id=None, pad_token_id=None)[0, len(p):].tolist()
+        assert got == ref

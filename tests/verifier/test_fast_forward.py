@@ -1,0 +1,187 @@
+"""The fast forward against the reference forward and transformers (greedy, float32), its paged
+attention against a dense reference on random block layouts, its fallbacks and int8 option."""
+import random
+
+import pytest
+import torch
+
+import verifier.fast_forward as ff
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
+from scheduler.request import Request
+from tests.helpers import ByteTokenizer, hf_greedy, tiny_model
+from verifier.config import ModelConfig
+from verifier.model_runner import ModelRunner, Segment
+from verifier.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def engine_outputs(model, prompts, max_tokens, **runner_kw):
+    runner = ModelRunner(model, num_blocks=128, block_size=4, **runner_kw)
+    eng = Engine(runner, ByteTokenizer(), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=40),
+                 max_model_len=512)
+    reqs = [Request(f"r{i}", p, GREEDY, max_tokens=max_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
+    for r in reqs[:2]:
+        eng.add_request(r)
+    steps = 0
+    while eng.has_work() or steps < 3:
+        if steps == 2:                       # late arrivals join running decodes
+            for r in reqs[2:]:
+                eng.add_request(r)
+        eng.step()
+        steps += 1
+    assert runner.blocks.num_free_blocks == runner.blocks.num_blocks
+    return [r.output_ids for r in reqs]
+
+
+@pytest.mark.parametrize("linear", ["torch", "auto"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_fast_forward_greedy_equals_reference_and_generate(kind, linear):
+    model = tiny_model(kind)
+    g = torch.Generator().manual_seed(3)
+    # no token 0: hf_greedy passes pad_token_id=0, and generate would mask it out of the prompt
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (3, 45, 17, 70)]
+    ref = engine_outputs(tiny_model(kind), prompts, 14, impl="reference")
+    fast = engine_outputs(model, prompts, 14, impl="fast", linear=linear)
+    assert fast == ref
+    for p, out in zip(prompts, fast):
+        assert out == hf_greedy(model, p, 14)
+
+
+def test_fast_logits_close_to_reference_with_taps():
+    model = tiny_model("qwen3", layers=3)
+    runners = [ModelRunner(tiny_model("qwen3", layers=3), 64, 4, impl="reference"),
+               ModelRunner(model, 64, 4, impl="fast")]
+    outs = []
+    for r in runners:
+        r.blocks.append("a", 37)
+        r.blocks.append("b", 5)
+        segs = [Segment("a", list(range(37)), 0, 30), Segment("b", [7, 8, 9, 10, 11], 0, 4)]
+        first = r.forward(segs, tap_layers=(-1, 1, 2))
+        r.blocks.append("a", 3)
+        r.blocks.append("b", 1)
+        second = r.forward([Segment("a", [1, 2, 3], 37, 0), Segment("b", [4], 5, 0)], tap_layers=(0, 2))
+        outs.append((first, second))
+    for a, b in zip(*outs):
+        assert a.logits_offsets == b.logits_offsets and a.token_offsets == b.token_offsets
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-5, atol=1e-5)
+
+
+def dense_attention(q, keys, values, start, scale):
+    """q [n, H, D] at positions start.., keys/values [start + n, Hkv, D]: causal, float64."""
+    n, H, D = q.shape
+    rep = H // keys.shape[1]
+    k = keys.double().repeat_interleave(rep, dim=1)
+    v = values.double().repeat_interleave(rep, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    qpos = torch.arange(start, start + n)[:, None]
+    s = s.masked_fill(torch.arange(k.shape[0])[None, :] > qpos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, -1)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_paged_attention_matches_dense_reference_on_random_layouts(block_size):
+    rng = random.Random(block_size)
+    torch.manual_seed(block_size)
+    model = tiny_model("llama")
+    runner = ModelRunner(model, num_blocks=512 // block_size + 8, block_size=block_size)
+    rng.shuffle(runner.blocks._free)                 # block tables are not contiguous
+    H, Hkv, D = runner.num_heads, runner.num_kv_heads, runner.head_dim
+    li = 1
+    runner.k_cache.normal_()                         # stale garbage in every slot
+    runner.v_cache.normal_()
+    hist = {f"q{i}": (torch.empty(0, Hkv, D), torch.empty(0, Hkv, D)) for i in range(5)}
+    for step in range(14):
+        segs = []
+        for rid in rng.sample(sorted(hist), rng.randint(1, len(hist))):
+            have = hist[rid][0].shape[0]
+            n = rng.choice([1, 1, 2, 5, 8, 33, 40]) if have else rng.choice([3, 35, 50])
+            runner.blocks.append(rid, n)
+            segs.append(Segment(rid, [0] * n, have, 0))
+        T = sum(len(s.token_ids) for s in segs)
+        q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+        plan = runner._plan_fast(segs)
+        out = runner._attention(li, q, k, v, plan)
+        r0 = 0
+        for s in segs:
+            n = len(s.token_ids)
+            kh = torch.cat([hist[s.request_id][0], k[r0:r0 + n]])
+            vh = torch.cat([hist[s.request_id][1], v[r0:r0 + n]])
+            want = dense_attention(q[r0:r0 + n], kh, vh, s.start_pos, runner.scaling)
+            torch.testing.assert_close(out[r0:r0 + n].double(), want, rtol=1e-4, atol=1e-4)
+            hist[s.request_id] = (kh, vh)
+            r0 += n
+        # roll back part of some requests (rejected drafts), sometimes across a block boundary
+        for rid in rng.sample(sorted(hist), 2):
+            have = hist[rid][0].shape[0]
+            if have > 2:
+                keep = rng.randint(1, have - 1)
+                runner.blocks.truncate(rid, keep)
+                hist[rid] = (hist[rid][0][:keep], hist[rid][1][:keep])
+        # and, now and then, a finished request frees its blocks and a new one reuses them
+        if step % 5 == 4:
+            victim = rng.choice(sorted(hist))
+            runner.blocks.free(victim)
+            hist[victim] = (torch.empty(0, Hkv, D), torch.empty(0, Hkv, D))
+    tables = [runner.blocks.table(r).blocks for r in hist if runner.blocks.has(r)]
+    assert any(any(b - a != 1 for a, b in zip(t, t[1:])) for t in tables if len(t) > 1)
+
+
+def test_torch_linear_fallback_when_onednn_is_unavailable(monkeypatch):
+    monkeypatch.setattr(ff, "mkldnn_linear_works", lambda dtype, device: False)
+    model = tiny_model("qwen2")
+    runner = ModelRunner(model, 64, 4, impl="fast", linear="auto")
+    assert runner.linear_kind == "torch" and "torch" in runner.describe()
+    with pytest.raises(ValueError, match="mkldnn"):
+        ModelRunner(tiny_model("qwen2"), 64, 4, impl="fast", linear="mkldnn")
+    prompt = list(range(40, 60))
+    eng = Engine(runner, ByteTokenizer(), SchedulerConfig(), max_model_len=256)
+    r = Request("x", prompt, GREEDY, 10, ignore_eos=True)
+    eng.add_request(r)
+    while eng.has_work():
+        eng.step()
+    assert r.output_ids == hf_greedy(model, prompt, 10)
+
+
+@pytest.mark.skipif(not ff.mkldnn_linear_works(torch.float32, torch.device("cpu")), reason="no oneDNN")
+def test_auto_picks_onednn_on_cpu_and_reference_uses_modules():
+    assert ModelRunner(tiny_model("llama"), 64, 4).linear_kind == "mkldnn"
+    assert ModelRunner(tiny_model("llama"), 64, 4, impl="reference").describe() == "reference"
+
+
+def test_bfloat16_fast_forward_runs_and_tracks_reference():
+    ref = ModelRunner(tiny_model("qwen3", dtype=torch.bfloat16), 64, 4, impl="reference")
+    fast = ModelRunner(tiny_model("qwen3", dtype=torch.bfloat16), 64, 4, impl="fast")
+    outs = []
+    for r in (ref, fast):
+        r.blocks.append("a", 20)
+        outs.append(r.forward([Segment("a", list(range(20)), 0, 0)]).logits)
+    assert outs[1].dtype == torch.float32
+    # bf16 is not batch-invariant: close, and the same argmax nearly everywhere
+    assert (outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean() >= 0.9
+
+
+def test_int8_weights_change_little_and_are_opt_in():
+    model = tiny_model("llama")
+    float_runner = ModelRunner(tiny_model("llama"), 64, 4)
+    q_runner = ModelRunner(model, 64, 4, quantize="int8")
+    assert "int8" in q_runner.describe() and "int8" not in float_runner.describe()
+    outs = []
+    for r in (float_runner, q_runner):
+        r.blocks.append("a", 30)
+        outs.append(r.forward([Segment("a", list(range(30)), 0, 0)]).logits)
+    assert not torch.equal(outs[0], outs[1])                    # the target did change ...
+    cos = torch.nn.functional.cosine_similarity(outs[0], outs[1], dim=-1)
+    assert cos.min() > 0.98                                      # ... but only a little
+    with pytest.raises(ValueError, match="int8"):
+        ModelRunner(tiny_model("llama"), 64, 4, impl="reference", quantize="int8")
+
+
+@pytest.mark.parametrize("field,value", [("forward", "fastest"), ("linear", "blas"), ("quantize", "int4")])
+def test_model_config_rejects_bad_kernel_choices(field, value):
+    with pytest.raises(ValueError, match=repr(value)):
+        ModelConfig(**{field: value})
+    with pytest.raises(ValueError, match="'reference'"):
+        ModelConfig(forward="reference", quantize="int8")

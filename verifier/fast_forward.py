@@ -1,0 +1,377 @@
+"""The fast forward of the model runner: the same maths as the reference forward, with fewer and
+larger kernels and almost no Python per token.
+
+- Weights are fused once at load: q/k/v into one [(H + 2 Hkv) D, d] matrix, gate/up into one
+  [2 I, d] matrix (the HF modules keep views into them, so no memory is duplicated).
+- A step's index tensors (token positions, cache slots, rotary rows, attention masks, the block
+  lists attention reads) are built from the block tables with tensor ops, not loops over tokens.
+- Rotary embedding reads a cos/sin table built once; q and k are rotated in one op.
+- Attention reads the paged cache by whole blocks (`index_select` of [block_size, Hkv, D] rows
+  straight from the block tables) instead of gathering token slot by token slot; a prefill chunk
+  that starts a sequence attends to its own new keys with no cache read at all; decode/verify
+  segments of equal length need no query re-packing.
+- Linear layers go through `make_linear`: plain `F.linear`, oneDNN prepacked weights for bf16
+  on CPUs (guarded by device and dtype; never used on CUDA), or weight-only int8.
+
+Greedy equality with the reference forward in float32 is what the tests hold it to.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+SMALL_SEGMENT = 32
+LINEAR_KINDS = ("auto", "torch", "mkldnn")
+
+
+# -- linear layers ------------------------------------------------------------------------------
+class _TorchLinear:
+    kind = "torch"
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        self.w, self.b = w, b
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w, self.b)
+
+
+class _MkldnnLinear:
+    """CPU only: the weight reordered once into oneDNN's blocked layout (what inductor's
+    freezing pass does), so each call skips the per-call weight reorder."""
+
+    kind = "mkldnn"
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        self.out_features = w.shape[0]
+        self.w = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        self.b = b
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
+
+
+class _Int8Linear:
+    """Weight-only int8, one scale per output channel (symmetric, round to nearest)."""
+
+    kind = "int8"
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        wf = w.float()
+        scale = wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        self.q = (wf / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale.to(w.dtype)
+        self.b = b
+        self.use_pack = w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_pack:
+            y = torch._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
+        else:  # CUDA and others: dequantise on the fly (correct everywhere, fast on none)
+            y = F.linear(x, self.q.to(x.dtype)) * self.scale
+        return y if self.b is None else y + self.b
+
+
+def mkldnn_linear_works(dtype: torch.dtype, device: torch.device) -> bool:
+    """oneDNN prepacked linear: float32/bf16 on a CPU whose oneDNN build accepts it (never CUDA)."""
+    if (device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)
+            or not torch.backends.mkldnn.is_available()):
+        return False
+    try:
+        w = torch.randn(8, 16).to(dtype)
+        x = torch.randn(2, 16).to(dtype)
+        y = _MkldnnLinear(w, None)(x)
+        return bool(torch.allclose(y.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def make_linear(w: torch.Tensor, b: torch.Tensor | None, kind: str, quantize: str):
+    """kind: auto (mkldnn where it works: float32/bf16 on CPU; else torch), torch or mkldnn."""
+    if quantize == "int8":
+        return _Int8Linear(w, b)
+    if kind == "mkldnn" or (kind == "auto" and mkldnn_linear_works(w.dtype, w.device)):
+        return _MkldnnLinear(w, b)
+    return _TorchLinear(w, b)
+
+
+# -- per-step plan --------------------------------------------------------------------------------
+@dataclass
+class _FastPlan:
+    ids: torch.Tensor                          # [T]
+    slots: torch.Tensor                        # [T] cache slot of each new token
+    cos: torch.Tensor                          # [T, 1, D]
+    sin: torch.Tensor                          # [T, 1, D] (sign of rotate_half folded in)
+    # decode/verify segments (<= SMALL_SEGMENT tokens), attended in one call per layer
+    g_count: int = 0
+    g_q: int = 0                               # padded queries per segment
+    g_row0: int = -1                           # >= 0: rows [g_row0, g_row0 + G*Q) in order
+    g_rows: torch.Tensor | None = None         # else [G, Q] flat row per query (pad -> 0)
+    g_valid: torch.Tensor | None = None        # [G, Q] bool (with g_rows)
+    g_blocks: torch.Tensor | None = None       # [G * nblk] block ids (pad -> 0)
+    g_nblk: int = 0
+    g_mask: torch.Tensor | None = None         # [G, 1, Q, nblk * bs] bool
+    big: list = field(default_factory=list)    # (row0, n, start, blocks [nb] | None, mask | None)
+    logit_rows: torch.Tensor | None = None
+    logits_offsets: list = field(default_factory=list)
+    token_offsets: list = field(default_factory=list)
+
+
+@dataclass
+class _FastLayer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: object
+    o: object
+    gate_up: object
+    down: object
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+class FastForwardMixin:
+    """Mixed into ModelRunner; uses its attributes (layers, caches, blocks, sizes)."""
+
+    # -- build ------------------------------------------------------------------------------------
+    def _build_fast(self, linear: str) -> None:
+        if linear not in LINEAR_KINDS:
+            raise ValueError(f"linear must be one of {LINEAR_KINDS}, got {linear!r}")
+        if linear == "mkldnn" and not mkldnn_linear_works(self.dtype, self.device):
+            raise ValueError("linear 'mkldnn' needs float32/bfloat16 weights on a CPU with oneDNN")
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        self.eps = self._eps(self.layers[0].input_layernorm)
+        self.fast_layers: list[_FastLayer] = []
+        kinds = set()
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            with torch.no_grad():
+                wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous()
+                bqkv = None
+                if a.q_proj.bias is not None:
+                    bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).contiguous()
+                wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous()
+                if self.quantize == "none":
+                    # The HF modules keep views into the fused weights: no second copy in memory.
+                    nq, nk = H * D, Hkv * D
+                    a.q_proj.weight.data = wqkv[:nq]
+                    a.k_proj.weight.data = wqkv[nq:nq + nk]
+                    a.v_proj.weight.data = wqkv[nq + nk:]
+                    if bqkv is not None:
+                        a.q_proj.bias.data = bqkv[:nq]
+                        a.k_proj.bias.data = bqkv[nq:nq + nk]
+                        a.v_proj.bias.data = bqkv[nq + nk:]
+                    ni = m.gate_proj.weight.shape[0]
+                    m.gate_proj.weight.data = wgu[:ni]
+                    m.up_proj.weight.data = wgu[ni:]
+            fl = _FastLayer(
+                in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+                qkv=make_linear(wqkv, bqkv, linear, self.quantize),
+                o=make_linear(a.o_proj.weight, a.o_proj.bias, linear, self.quantize),
+                gate_up=make_linear(wgu, None, linear, self.quantize),
+                down=make_linear(m.down_proj.weight, m.down_proj.bias, linear, self.quantize),
+                q_norm=a.q_norm.weight if self.has_qk_norm else None,
+                k_norm=a.k_norm.weight if self.has_qk_norm else None)
+            kinds.add(fl.qkv.kind)
+            self.fast_layers.append(fl)
+        # The LM head stays as is (tied to the embedding the drafter shares); prepacking helps it too.
+        lm_w = self.lm_head.weight
+        self.fast_lm_head = make_linear(lm_w, self.lm_head.bias, linear, "none")
+        self.linear_kind = "/".join(sorted(kinds))
+        self.norm_eps_final = self._eps(self.norm)
+        self.qk_eps = self._eps(self.layers[0].self_attn.q_norm) if self.has_qk_norm else None
+        self._rope_dynamic = "dynamic" in str(getattr(self.rotary, "rope_type", ""))
+        self._cos_table = self._sin_table = None
+        self._ensure_rope(min(4096, getattr(self.config, "max_position_embeddings", 4096) or 4096))
+
+    @staticmethod
+    def _eps(norm) -> float:
+        return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+    def _ensure_rope(self, n: int) -> None:
+        if self._cos_table is not None and self._cos_table.shape[0] >= n:
+            return
+        size = max(n, 2 * (0 if self._cos_table is None else self._cos_table.shape[0]))
+        pos = torch.arange(size, device=self.device)[None]
+        cos, sin = self.rotary(torch.empty(1, device=self.device, dtype=self.dtype), pos)
+        half = self.head_dim // 2
+        sin = sin[0].clone()
+        sin[:, :half] = -sin[:, :half]          # rotate_half(x) * sin == roll(x) * signed sin
+        self._cos_table, self._sin_table = cos[0].contiguous(), sin.contiguous()
+
+    # -- plan ---------------------------------------------------------------------------------------
+    def _plan_fast(self, segments) -> _FastPlan:
+        dev, bs = self.device, self.block_size
+        lens = [len(s.token_ids) for s in segments]
+        starts = [s.start_pos for s in segments]
+        S = len(segments)
+        T = sum(lens)
+        row0 = list(itertools.accumulate(lens, initial=0))[:-1]
+        ends = [a + n for a, n in zip(starts, lens)]
+        nblks = [-(-e // bs) for e in ends]
+        maxblk = max(nblks)
+        tables = [self.blocks.table(s.request_id).blocks for s in segments]
+        bt = torch.tensor([t[:nb] + [0] * (maxblk - nb) for t, nb in zip(tables, nblks)],
+                          dtype=torch.long).reshape(S, maxblk)
+        lens_t = torch.tensor(lens)
+        seg_of = torch.repeat_interleave(torch.arange(S), lens_t)
+        pos = torch.tensor(starts)[seg_of] + torch.arange(T) - torch.tensor(row0)[seg_of]
+        slots = bt[seg_of, pos // bs] * bs + pos % bs
+        ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in segments)))
+        if self._rope_dynamic:
+            cos, sin = self.rotary(torch.empty(1, device=dev, dtype=self.dtype), pos.to(dev)[None])
+            cos, sin = cos[0], sin[0].clone()
+            sin[:, :self.head_dim // 2] *= -1
+        else:
+            self._ensure_rope(max(ends))
+            pd = pos.to(dev)
+            cos, sin = self._cos_table[pd], self._sin_table[pd]
+        plan = _FastPlan(ids=ids.to(dev), slots=slots.to(dev), cos=cos[:, None, :], sin=sin[:, None, :])
+
+        small = [i for i in range(S) if lens[i] <= SMALL_SEGMENT]
+        if small:
+            G = len(small)
+            Q = max(lens[i] for i in small)
+            nb = max(nblks[i] for i in small)
+            sel = torch.tensor(small)
+            plan.g_count, plan.g_q, plan.g_nblk = G, Q, nb
+            plan.g_blocks = bt[sel, :nb].reshape(-1).to(dev)
+            qn = lens_t[sel]
+            qpos = torch.tensor(starts)[sel][:, None] + torch.arange(Q)[None, :]       # [G, Q]
+            valid = torch.arange(Q)[None, :] < qn[:, None]
+            kpos = torch.arange(nb * bs)
+            mask = kpos[None, None, :] <= qpos[:, :, None]
+            mask[:, :, 0] |= ~valid                         # padded query rows see key 0
+            plan.g_mask = mask[:, None].to(dev)
+            contiguous = (all(lens[i] == Q for i in small) and small == list(range(small[0], small[-1] + 1)))
+            if contiguous:
+                plan.g_row0 = row0[small[0]]
+            else:
+                rows = torch.tensor(row0)[sel][:, None] + torch.arange(Q)[None, :]
+                plan.g_rows = torch.where(valid, rows, 0).to(dev)
+                plan.g_valid = valid.to(dev)
+        for i in range(S):
+            if lens[i] <= SMALL_SEGMENT:
+                continue
+            n, st = lens[i], starts[i]
+            if st == 0:
+                plan.big.append((row0[i], n, 0, None, None))
+            else:
+                c = st + n
+                m = torch.arange(nblks[i] * bs)[None, :] <= torch.arange(st, c)[:, None]
+                plan.big.append((row0[i], n, st, bt[i, :nblks[i]].to(dev), m.to(dev)))
+        logit_rows, r = [], 0
+        for s, a in zip(segments, row0):
+            plan.token_offsets.append(a)
+            plan.logits_offsets.append(len(logit_rows))
+            logit_rows.extend(range(a + s.logits_from, a + len(s.token_ids)))
+        if logit_rows:
+            plan.logit_rows = torch.tensor(logit_rows, device=dev)
+        return plan
+
+    # -- attention ----------------------------------------------------------------------------------
+    def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _FastPlan) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] (new tokens) -> [T, H * D]. New K/V are written to their
+        slots, then every segment attends to its blocks, read whole from the paged cache."""
+        bs, Hkv, D = self.block_size, self.num_kv_heads, self.head_dim
+        kc, vc = self.k_cache[li], self.v_cache[li]
+        kc.index_copy_(0, plan.slots, k)
+        vc.index_copy_(0, plan.slots, v)
+        kb = kc.view(-1, bs, Hkv, D)
+        vb = vc.view(-1, bs, Hkv, D)
+        T = q.shape[0]
+        gqa = self.num_heads != Hkv
+        if plan.g_count and plan.g_row0 >= 0 and plan.g_count * plan.g_q == T and not plan.big:
+            out = None                                        # the whole step is one group
+        else:
+            out = q.new_empty(q.shape)
+        if plan.g_count:
+            G, Q = plan.g_count, plan.g_q
+            C = plan.g_nblk * bs
+            if plan.g_row0 >= 0:
+                qs = q[plan.g_row0:plan.g_row0 + G * Q].view(G, Q, *q.shape[1:])
+            else:
+                qs = q[plan.g_rows]
+            ks = kb.index_select(0, plan.g_blocks).view(G, C, Hkv, D)
+            vs = vb.index_select(0, plan.g_blocks).view(G, C, Hkv, D)
+            o = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
+                                               attn_mask=plan.g_mask, scale=self.scaling, enable_gqa=gqa)
+            o = o.transpose(1, 2)                              # [G, Q, H, D]
+            if out is None:
+                return o.reshape(T, -1)
+            if plan.g_row0 >= 0:
+                out[plan.g_row0:plan.g_row0 + G * Q] = o.reshape(G * Q, *q.shape[1:])
+            else:
+                out[plan.g_rows[plan.g_valid]] = o[plan.g_valid]
+        for r0, n, st, blocks, mask in plan.big:
+            qs = q[r0:r0 + n].transpose(0, 1)[None]
+            if blocks is None:                                 # a sequence's first chunk
+                ks = k[r0:r0 + n].transpose(0, 1)[None]
+                vs = v[r0:r0 + n].transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scaling,
+                                                   enable_gqa=gqa)
+            else:
+                ks = kb.index_select(0, blocks).view(-1, Hkv, D).transpose(0, 1)[None]
+                vs = vb.index_select(0, blocks).view(-1, Hkv, D).transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[None, None],
+                                                   scale=self.scaling, enable_gqa=gqa)
+            out[r0:r0 + n] = o[0].transpose(0, 1)
+        return out.reshape(T, -1)
+
+    # -- forward ------------------------------------------------------------------------------------
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + torch.roll(x, self.head_dim // 2, dims=-1) * sin
+
+    @torch.inference_mode()
+    def forward_fast(self, segments, tap_layers: tuple[int, ...] = ()):
+        from verifier.model_runner import ForwardOutput
+
+        plan = self._plan_fast(segments)
+        T = plan.ids.numel()
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        d = self.hidden_size
+        nq, nk = H * D, Hkv * D
+        h = self.embed(plan.ids)
+        taps: dict[int, torch.Tensor] = {}
+        if -1 in tap_layers:
+            taps[-1] = h
+        cos, sin = plan.cos, plan.sin
+        eps = self.eps
+        last = self.num_layers - 1
+        for li, L in enumerate(self.fast_layers):
+            x = _rms_norm(h, d, L.in_norm, eps)
+            qkv = L.qkv(x)
+            if self.has_qk_norm:
+                q = _rms_norm(qkv[:, :nq].view(T, H, D), D, L.q_norm, self.qk_eps)
+                k = _rms_norm(qkv[:, nq:nq + nk].view(T, Hkv, D), D, L.k_norm, self.qk_eps)
+                q = self._rope(q, cos, sin)
+                k = self._rope(k, cos, sin)
+            else:
+                qk = self._rope(qkv[:, :nq + nk].view(T, H + Hkv, D), cos, sin)
+                q, k = qk[:, :H], qk[:, H:]
+            v = qkv[:, nq + nk:].view(T, Hkv, D)
+            h = h + L.o(self._attention(li, q, k, v, plan))
+            gu = L.gate_up(_rms_norm(h, d, L.post_norm, eps))
+            g, u = gu.chunk(2, dim=-1)
+            h = h + L.down(F.silu(g) * u)
+            if li in tap_layers and li != last:
+                taps[li] = h
+        h = _rms_norm(h, d, self.norm.weight, self.norm_eps_final)
+        if last in tap_layers:
+            taps[last] = h
+        if plan.logit_rows is not None:
+            rows = h if plan.logit_rows.numel() == T else h[plan.logit_rows]   # decode: every row
+            logits = self.fast_lm_head(rows).float()
+        else:
+            logits = h.new_zeros(0, self.vocab_size, dtype=torch.float32)
+        hidden = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
+        return ForwardOutput(logits=logits, logits_offsets=plan.logits_offsets, hidden=hidden,
+                             token_offsets=plan.token_offsets)
+
+
+def _rms_norm(x: torch.Tensor, d: int, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as one fused kernel. float32: HF's maths; bf16/fp16: the statistics are float32 as
+    in HF, only the rounding of the weight product may differ by an ulp (bf16 is not held to
+    bit equality anyway)."""
+    return F.rms_norm(x, (d,), w, eps)
