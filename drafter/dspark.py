@@ -108,8 +108,9 @@ class ContextKVCache:
 
     def gather(self, slots: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
         """-> per layer (k, v) [B, Lmax, Hkv, D] and the valid mask [B, Lmax] bool."""
-        lengths = torch.tensor([self.lengths[s] for s in slots], device=self.device)
-        lmax = int(lengths.max()) if slots else 0
+        host_lengths = [self.lengths[s] for s in slots]
+        lengths = torch.tensor(host_lengths, device=self.device)
+        lmax = max(host_lengths, default=0)  # from the host list: no device sync
         lo = slots[0] if slots else 0
         if slots == list(range(lo, lo + len(slots))):
             kv = [(k[lo:lo + len(slots), :lmax], v[lo:lo + len(slots), :lmax])
@@ -214,7 +215,7 @@ class DSparkDrafter:
         dev = self.model.device
         for i, r in enumerate(requests):
             if r.max_draft <= 0:
-                out[i] = DraftProposal(tokens=torch.empty(0, dtype=torch.long, device=dev))
+                out[i] = DraftProposal(tokens=torch.empty(0, dtype=torch.long))
         if live:
             batch = [requests[i] for i in live]
             lengths = [min(self.block_size, r.max_draft) for r in batch]
@@ -225,12 +226,16 @@ class DSparkDrafter:
             drafted = self.model.sample_block(base, anchors, [r.sampling for r in batch],
                                               [r.generator for r in batch], hidden)
             conf = self.model.confidence_probs(hidden, drafted.prev_tokens)
+            # Tokens and confidences go to the host once per step (the engine and the policy
+            # read them there); per-request slices of device tensors would sync per request.
+            tokens = drafted.tokens.cpu()
+            conf = None if conf is None else conf.float().cpu()
             for j, (i, r) in enumerate(zip(live, batch)):
                 k = lengths[j]
                 out[i] = DraftProposal(
-                    tokens=drafted.tokens[j, :k],
+                    tokens=tokens[j, :k],
                     probs=None if r.sampling.greedy else drafted.probs[j, :k],  # type: ignore[index]
-                    confidences=None if conf is None else conf[j, :k].float(),
+                    confidences=None if conf is None else conf[j, :k],
                 )
         return out  # type: ignore[return-value]
 
