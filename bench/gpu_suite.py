@@ -354,6 +354,7 @@ class Suite:
                         replay.references.update(outs)
                     row = dataclasses.asdict(point)
                     row.update(shape=m.shape.name, policy=p, rounds=stats.rounds,
+                               positions_tried=stats.tried, positions_accepted=stats.accepted,
                                realised_accept_rate=stats.rate,
                                diverged_requests=len(stats.diverged),
                                equal_to_plain=(sum(outs[k] == v for k, v in plain.items() if k in outs)
@@ -740,6 +741,7 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default=None, help="comma-separated concurrencies")
     ap.add_argument("--accept-rate", type=float, default=0.8)
     ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--dtype", default=None, help="target dtype (default bfloat16; tiny float32)")
     ap.add_argument("--cpu-table", default=str(DEFAULT_CPU_TABLE),
                     help="JSON with a CPU cost table to plot next to the device one ('' = none)")
     args = ap.parse_args(argv)
@@ -752,6 +754,8 @@ def main(argv=None) -> int:
         kw["concurrency"] = tuple(int(x) for x in args.concurrency.split(","))
     if args.max_tokens:
         kw["max_tokens"] = args.max_tokens
+    if args.dtype:
+        kw["dtype"] = args.dtype
     if args.tiny:
         cfg = SuiteConfig.tiny(**({"device": args.device} if args.device else {}), **kw)
     else:
