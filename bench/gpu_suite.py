@@ -79,6 +79,8 @@ class SuiteConfig:
     budget_s: wall-clock budget of the whole run; later work is skipped to stay inside it.
     reserve_s: seconds the sweep leaves for the timing stage.
     cpu_table: a JSON file holding a CPU cost table to plot next to the device one, or None.
+    threads: torch CPU threads (0 = torch's default); tiny mode uses 1, which on a shared CPU
+        avoids oversubscription that slows tiny ops by orders of magnitude.
     seed: prompts, weights and the replay corruption.
     """
 
@@ -102,6 +104,7 @@ class SuiteConfig:
     budget_s: float = 280.0
     reserve_s: float = 45.0
     cpu_table: str | None = None
+    threads: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -121,6 +124,8 @@ class SuiteConfig:
         if self.max_num_batched_tokens < max(self.concurrency) * (1 + self.block_size):
             raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens!r} cannot hold "
                              f"{max(self.concurrency)} requests x {1 + self.block_size} tokens")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads!r}")
         if self.budget_s <= 0 or self.reserve_s < 0:
             raise ValueError(f"budget_s must be > 0 and reserve_s >= 0, got {self.budget_s!r}, "
                              f"{self.reserve_s!r}")
@@ -146,7 +151,8 @@ class SuiteConfig:
                     prompt_len=12, max_tokens=24, min_requests=4, max_num_batched_tokens=256,
                     kv_block_size=4, profile_batch_sizes=(1, 2, 4, 8, 16, 32),
                     profile_context_lens=(16, 48), profile_repeats=1, drafter_batches=(1, 4),
-                    overhead_concurrency=(1, 4), timing_steps=12, budget_s=120.0, reserve_s=5.0)
+                    overhead_concurrency=(1, 4), timing_steps=12, budget_s=120.0, reserve_s=5.0,
+                    threads=1)
         base.update(kw)
         return cls(**base)
 
@@ -175,6 +181,8 @@ class Suite:
     def __init__(self, cfg: SuiteConfig, out: Path) -> None:
         self.cfg = cfg
         self.out = out
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         self.dev = torch.device(cfg.device)
         self.t0 = time.monotonic()
         self.models: list[Model] = []
