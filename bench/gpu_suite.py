@@ -296,7 +296,7 @@ class Suite:
         c = self.cfg
         res["tables"] = {}
         for m in self.models:
-            if m is not self.models[0] and self.remaining() < c.reserve_s + 60:
+            if m is not self.models[0] and self.remaining() < c.reserve_s + 15:
                 res["tables"][m.shape.name] = {"skipped": "time budget"}
                 continue
             t0 = time.monotonic()
