@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))  # runnable from a plain checkout, whatever is ins
 import torch  # noqa: E402
 
 from bench.common import machine, median, run_engine_closed_loop  # noqa: E402
-from bench.models import SHAPES, ByteTokenizer, TargetShape, random_dspark, random_qwen3  # noqa: E402
+from bench.models import SHAPES, CharTokenizer, TargetShape, random_dspark, random_qwen3  # noqa: E402
 from bench.replay import ReplayDrafter  # noqa: E402  (registers the "replay" drafter)
 from drafter.base import AcceptedContext, DraftRequest, build_drafter  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
@@ -318,7 +318,7 @@ class Suite:
         sched = SchedulerConfig(max_num_seqs=max(max(c.concurrency), max(c.overhead_concurrency)),
                                 max_num_batched_tokens=c.max_num_batched_tokens,
                                 max_waiting=4096, verify_policy="none")
-        return Engine(m.runner, ByteTokenizer(), sched,
+        return Engine(m.runner, CharTokenizer(), sched,
                       max_model_len=c.prompt_len + (max_tokens or c.max_tokens) + c.block_size + 2,
                       drafter=drafter, cost_table=m.table)
 

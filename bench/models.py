@@ -28,6 +28,17 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
 
+class CharTokenizer:
+    """For random vocabularies: token i decodes to one printable character, so incremental
+    detokenization advances every token (as with a real tokenizer) instead of re-decoding a
+    growing window of ids that decode to nothing. No EOS."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) -> str:
+        return "".join(chr(0x21 + i % 94) for i in ids)
+
+
 def tiny_model(kind: str = "llama", vocab: int = 257, seed: int = 0, layers: int = 2,
                dtype=torch.float32):
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
