@@ -66,7 +66,7 @@ class ReplayDrafter:
         return old
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
-        out = []
+        truths = []
         for r in requests:
             n0 = r.num_prompt_tokens
             ref = self.references.get(tuple(r.token_ids[:n0]), [])
@@ -76,11 +76,15 @@ class ReplayDrafter:
                 if r.token_ids[n0 + seen:] != ref[seen:done]:
                     self.stats.diverged.add(r.request_id)
                 self._checked[r.request_id] = done
-            truth = ref[done:done + min(self.block_size, r.max_draft)]
-            keep = torch.rand(len(truth), generator=self.rng) < self.accept_rate
-            toks = [t if k else (t + 1) % self.vocab_size for t, k in zip(truth, keep.tolist())]
-            out.append(DraftProposal(torch.tensor(toks, dtype=torch.long), None,
-                                     torch.full((len(toks),), self.accept_rate)))
+            truths.append(ref[done:done + min(self.block_size, r.max_draft)])
+        # One draw for the whole batch: the drafter's own cost stays small next to the step.
+        keep = (torch.rand(sum(map(len, truths)), generator=self.rng) < self.accept_rate).tolist()
+        conf = torch.full((self.block_size,), self.accept_rate)
+        out, i = [], 0
+        for truth in truths:
+            toks = [t if k else (t + 1) % self.vocab_size for t, k in zip(truth, keep[i:i + len(truth)])]
+            i += len(truth)
+            out.append(DraftProposal(torch.tensor(toks, dtype=torch.long), None, conf[:len(toks)]))
         return out
 
     def observe(self, contexts: list[AcceptedContext]) -> None:
