@@ -523,30 +523,42 @@ class Suite:
         return {"tokens": made, "seconds": dt, "tokens_per_s": made / dt}
 
     def profile_step(self, m: Model) -> dict:
-        """One plain decode step at the largest overhead concurrency under torch.profiler."""
+        """One decode step at the largest overhead concurrency under torch.profiler: plain, then
+        static:<block> with the replay drafter (verification of full blocks)."""
         from torch.profiler import ProfilerActivity, profile
 
         c = self.cfg
         conc = max(c.overhead_concurrency)
-        eng = self.engine(m, None, max_tokens=8)
-        eng.set_policy("none")
-        reqs = [Request(f"p{i}", ids, SamplingParams(temperature=0.0), 8, ignore_eos=True)
-                for i, ids in enumerate(self.prompts(m.shape, conc, salt=900))]
-        for r in reqs:
-            eng.add_request(r)
-        while eng.waiting or any(r.status is not Status.DECODE for r in eng.running):
-            eng.step()
-        eng.step()  # one warm decode step
+        replay = build_drafter("replay", references={}, vocab_size=m.shape.vocab_size,
+                               block_size=c.block_size, accept_rate=c.accept_rate, seed=c.seed)
+        eng = self.engine(m, replay, max_tokens=8)
+        prompts = self.prompts(m.shape, conc, salt=900)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dev.type == "cuda" else [])
-        _sync(self.dev)
-        with profile(activities=acts) as prof:
-            t0 = time.perf_counter()
-            eng.step()
+        out: dict = {"concurrency": conc}
+        for p in ("none", f"static:{c.block_size}"):
+            if self.remaining() < 3:
+                out[p] = {"skipped": "time budget"}
+                continue
+            eng.set_policy(p)
+            reqs = [Request(f"p{p}-{i}", ids, SamplingParams(temperature=0.0), 8, ignore_eos=True)
+                    for i, ids in enumerate(prompts)]
+            for r in reqs:
+                eng.add_request(r)
+            while eng.waiting or any(r.status is not Status.DECODE for r in eng.running):
+                eng.step()
+            eng.step()  # one warm decode step
             _sync(self.dev)
-            wall = time.perf_counter() - t0
-        while eng.has_work():
-            eng.step()
-        return {"concurrency": conc, **summarize_profile(prof, wall, self.dev.type == "cuda")}
+            with profile(activities=acts) as prof:
+                t0 = time.perf_counter()
+                eng.step()
+                _sync(self.dev)
+                wall = time.perf_counter() - t0
+            while eng.has_work():
+                eng.step()
+            if p == "none":
+                replay.references.update({tuple(r.prompt_ids): r.output_ids for r in reqs})
+            out[p] = summarize_profile(prof, wall, self.dev.type == "cuda")
+        return out
 
     # -- 6. plots and the summary -----------------------------------------------------------
     def plots(self, res: dict) -> bool:

@@ -126,9 +126,11 @@ def test_timings_split_the_step(tiny_run):
         assert p["decode_steps"] > 0 and 0 < p["plan_ms"] <= p["forward_ms"] <= p["step_ms"] * 1.05
     assert t["hf_generate"]["tokens"] == 13 and t["hf_generate"]["tokens_per_s"] > 0
     assert t["engine_vs_hf_generate_c1"] > 0
-    prof = t["profiler"]
-    assert prof["step_wall_ms"] > 0 and len(prof["top_ops"]) == 10
-    assert any("mm" in op["name"] or "linear" in op["name"] for op in prof["top_ops"])
+    assert t["profiler"]["concurrency"] == 4
+    for policy in ("none", "static:7"):
+        prof = t["profiler"][policy]
+        assert prof["step_wall_ms"] > 0 and len(prof["top_ops"]) == 10
+        assert any("mm" in op["name"] or "linear" in op["name"] for op in prof["top_ops"])
 
 
 # -- guards, config, summary (no model needed) ------------------------------------------------
