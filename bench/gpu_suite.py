@@ -393,10 +393,8 @@ class Suite:
                 res[name] = {"error": f"{type(exc).__name__}: {exc}",
                              "traceback": traceback.format_exc()[-3000:]}
             self.save()
-        if isinstance(res.get("hf_generate"), dict) and "tokens_per_s" in res["hf_generate"]:
-            eng = res.get("engine_split", {}).get("plain_c1_tokens_per_s")
-            if eng:
-                res["engine_vs_hf_generate_c1"] = eng / res["hf_generate"]["tokens_per_s"]
+        if isinstance(res.get("hf_generate"), dict) and "engine_vs_hf" in res["hf_generate"]:
+            res["engine_vs_hf_generate_c1"] = res["hf_generate"]["engine_vs_hf"]
         return all("error" not in v for v in res.values() if isinstance(v, dict))
 
     def _timed(self, fn, reps: int) -> float:
@@ -499,19 +497,27 @@ class Suite:
                     point["outside_forward_share"] = (point["outside_forward_ms"] / point["step_ms"]
                                                       if point["step_ms"] else None)
                     out["points"].append(point)
-                    if conc == 1 and p == "none":
-                        out["plain_c1_tokens_per_s"] = toks / total
         finally:
             runner.forward, runner._plan = orig_forward, orig_plan
         return out
 
     def time_hf_generate(self, m: Model) -> dict:
-        """transformers' generate, batch 1, greedy, the same tokens the engine's c=1 point makes
-        (prompt included in the time on both sides)."""
+        """transformers' generate and the engine's plain decoding (no instrumentation), batch 1,
+        greedy, the same prompt and token count, the prompt's forward included on both sides."""
         n = self.cfg.timing_steps + 1
-        prompt = torch.tensor(self.prompts(m.shape, 1, salt=701)[:1], device=self.dev)
+        ids = self.prompts(m.shape, 1, salt=701)[0]
+        prompt = torch.tensor([ids], device=self.dev)
         gen = lambda k: m.target.generate(prompt, max_new_tokens=k, min_new_tokens=k, do_sample=False,
                                           eos_token_id=None, pad_token_id=0)
+        eng = self.engine(m, None, max_tokens=n)
+
+        def engine_run(k: int, rid: str) -> Request:
+            r = Request(rid, ids, SamplingParams(temperature=0.0), k, ignore_eos=True)
+            eng.add_request(r)
+            while eng.has_work():
+                eng.step()
+            return r
+
         with torch.inference_mode():
             gen(4)
             _sync(self.dev)
@@ -519,8 +525,19 @@ class Suite:
             out = gen(n)
             _sync(self.dev)
             dt = time.perf_counter() - t0
+        engine_run(4, "hf-warm")
+        _sync(self.dev)
+        t0 = time.perf_counter()
+        r = engine_run(n, "hf-cmp")
+        _sync(self.dev)
+        dt_engine = time.perf_counter() - t0
         made = out.shape[1] - prompt.shape[1]
-        return {"tokens": made, "seconds": dt, "tokens_per_s": made / dt}
+        hf_tokens = out[0, prompt.shape[1]:].tolist()
+        return {"tokens": made, "seconds": dt, "tokens_per_s": made / dt,
+                "engine_tokens": len(r.output_ids), "engine_seconds": dt_engine,
+                "engine_tokens_per_s": len(r.output_ids) / dt_engine,
+                "engine_vs_hf": (len(r.output_ids) / dt_engine) / (made / dt),
+                "same_tokens_share": sum(a == b for a, b in zip(hf_tokens, r.output_ids)) / max(made, 1)}
 
     def profile_step(self, m: Model) -> dict:
         """One decode step at the largest overhead concurrency under torch.profiler: plain, then

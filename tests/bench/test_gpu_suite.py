@@ -124,8 +124,10 @@ def test_timings_split_the_step(tiny_run):
                                                                (4, "none"), (4, "dspark")}
     for p in points:
         assert p["decode_steps"] > 0 and 0 < p["plan_ms"] <= p["forward_ms"] <= p["step_ms"] * 1.05
-    assert t["hf_generate"]["tokens"] == 13 and t["hf_generate"]["tokens_per_s"] > 0
-    assert t["engine_vs_hf_generate_c1"] > 0
+    hf = t["hf_generate"]
+    assert hf["tokens"] == hf["engine_tokens"] == 13 and hf["tokens_per_s"] > 0
+    assert hf["same_tokens_share"] == 1.0          # the same model: the same greedy tokens
+    assert t["engine_vs_hf_generate_c1"] == hf["engine_vs_hf"] > 0
     assert t["profiler"]["concurrency"] == 4
     for policy in ("none", "static:7"):
         prof = t["profiler"][policy]
