@@ -188,7 +188,8 @@ class Suite:
         self.models: list[Model] = []
         self.report: dict = {
             "suite": "gpu_suite", "tiny": cfg.device == "cpu" and cfg.shapes[0].startswith("tiny"),
-            "machine": machine(), "device": self._device_name(), "torch": torch.__version__,
+            "machine": machine(), "cpu_model": _cpu_model(), "device": self._device_name(),
+            "torch": torch.__version__,
             "transformers": _version("transformers"), "python": sys.version.split()[0],
             "repo_root": str(ROOT), "config": _jsonable(dataclasses.asdict(cfg)),
             "started_unix": time.time(), "elapsed_s": 0.0, "complete": False, "stages": {},
@@ -611,6 +612,16 @@ class Suite:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def _version(mod: str) -> str | None:
     try:
         return __import__(mod).__version__
