@@ -351,11 +351,28 @@ class Suite:
                                            "reason": f"time budget: {self.remaining():.0f}s left"})
                         complete = mi > 0 and complete
                         continue
-                    eng.set_policy(p)
+                    if p != "none" and not plain:
+                        res["cut"].append({"shape": m.shape.name, "concurrency": conc, "policy": p,
+                                           "reason": "no plain run to replay"})
+                        continue
                     replay.reset_stats()
                     done = []
-                    point = run_engine_closed_loop(eng, prompts, conc, c.max_tokens, 0.0, p,
-                                                   ignore_eos=True, finished=done)
+                    try:  # one failing point (e.g. out of memory) must not end the sweep
+                        eng.set_policy(p)
+                        point = run_engine_closed_loop(eng, prompts, conc, c.max_tokens, 0.0, p,
+                                                       ignore_eos=True, finished=done)
+                    except Exception as exc:
+                        res.setdefault("errors", []).append({
+                            "shape": m.shape.name, "concurrency": conc, "policy": p,
+                            "error": f"{type(exc).__name__}: {exc}",
+                            "traceback": traceback.format_exc()[-2000:]})
+                        for rid in list(eng.requests):
+                            eng.abort(rid)
+                        eng = self.engine(m, replay)
+                        if self.dev.type == "cuda":
+                            torch.cuda.empty_cache()
+                        self.save()
+                        continue
                     stats = replay.reset_stats()
                     outs = {tuple(r.prompt_ids): r.output_ids for r in done}
                     if p == "none":
@@ -376,8 +393,8 @@ class Suite:
                           flush=True)
                     self.save()
             del eng
-        res["complete"] = complete
-        return bool(res["rows"])
+        res["complete"] = complete and not res.get("errors")
+        return bool(res["rows"]) and not res.get("errors")
 
     # -- 5. timings -------------------------------------------------------------------------
     def timings(self, res: dict) -> bool:

@@ -177,3 +177,29 @@ def test_summary_computes_the_aims_from_the_rows():
     assert s["aims_met"] == {"plain_vs_hf_generate_c1": False, "dspark_vs_plain_per_user_low": True,
                              "dspark_vs_plain_aggregate_high": True}
     assert s["realised_accept_rate"]["dspark@256"] == 0.8
+
+
+def test_a_failing_sweep_point_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    import bench.gpu_suite as gs
+
+    suite = Suite(SuiteConfig.tiny(shapes=("tiny-a",), max_tokens=6), tmp_path)
+    suite.stage("build", suite.build)
+    suite.stage("profile", suite.profile)
+    real = gs.run_engine_closed_loop
+
+    def flaky(engine, prompts, conc, *a, **k):
+        if conc == 1 and a[-1] == "static:7":      # label = policy
+            engine.add_request(gs.Request("stuck", prompts[0], gs.SamplingParams(temperature=0.0), 4))
+            engine.step()
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(engine, prompts, conc, *a, **k)
+
+    monkeypatch.setattr(gs, "run_engine_closed_loop", flaky)
+    entry = suite.stage("sweep", suite.sweep)
+    res = entry["result"]
+    assert entry["status"] == "failed" and not res["complete"]
+    assert [(e["concurrency"], e["policy"]) for e in res["errors"]] == [(1, "static:7")]
+    assert "out of memory" in res["errors"][0]["error"]
+    assert [(r["concurrency"], r["policy"]) for r in res["rows"]] == [
+        (1, "none"), (1, "dspark"), (4, "none"), (4, "static:7"), (4, "dspark")]
+    assert all(r["kv_free_after"] for r in res["rows"])   # the failed point's KV was released
