@@ -136,8 +136,9 @@ def test_timings_split_the_step(tiny_run):
 
 
 # -- guards, config, summary (no model needed) ------------------------------------------------
+# In-process suites keep the test process's torch thread count (threads=0).
 def test_a_failing_stage_is_recorded_and_the_next_still_runs(tmp_path):
-    suite = Suite(SuiteConfig.tiny(budget_s=60), tmp_path)
+    suite = Suite(SuiteConfig.tiny(budget_s=60, threads=0), tmp_path)
     suite.stage("boom", lambda res: 1 / 0)
     suite.stage("fine", lambda res: res.update(x=1) or True)
     suite.stage("later", lambda res: True, needs=("boom",))
@@ -148,7 +149,7 @@ def test_a_failing_stage_is_recorded_and_the_next_still_runs(tmp_path):
 
 
 def test_the_budget_skips_stages_instead_of_running_over(tmp_path):
-    suite = Suite(SuiteConfig.tiny(budget_s=0.001), tmp_path)
+    suite = Suite(SuiteConfig.tiny(budget_s=0.001, threads=0), tmp_path)
     ran = []
     suite.stage("slow", lambda res: ran.append(1) or True, min_s=5)
     assert not ran and suite.report["stages"]["slow"]["status"] == "skipped"
@@ -158,7 +159,7 @@ def test_the_budget_skips_stages_instead_of_running_over(tmp_path):
 @pytest.mark.parametrize("bad, match", [
     (dict(dtype="int8"), "int8"), (dict(shapes=("nope",)), "nope"),
     (dict(concurrency=(0, 4)), "0"), (dict(accept_rate=1.5), "1.5"),
-    (dict(max_num_batched_tokens=16), "16"), (dict(budget_s=-1.0), "-1.0")])
+    (dict(max_num_batched_tokens=16), "16"), (dict(budget_s=-1.0), "-1.0"), (dict(threads=-1), "-1")])
 def test_bad_config_values_are_rejected(bad, match):
     with pytest.raises(ValueError, match=match):
         SuiteConfig.tiny(**bad)
@@ -182,7 +183,7 @@ def test_summary_computes_the_aims_from_the_rows():
 def test_a_failing_sweep_point_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
     import bench.gpu_suite as gs
 
-    suite = Suite(SuiteConfig.tiny(shapes=("tiny-a",), max_tokens=6), tmp_path)
+    suite = Suite(SuiteConfig.tiny(shapes=("tiny-a",), max_tokens=6, threads=0), tmp_path)
     suite.stage("build", suite.build)
     suite.stage("profile", suite.profile)
     real = gs.run_engine_closed_loop
