@@ -191,7 +191,7 @@ class Suite:
             "machine": machine(), "cpu_model": _cpu_model(), "device": self._device_name(),
             "torch": torch.__version__,
             "transformers": _version("transformers"), "python": sys.version.split()[0],
-            "repo_root": str(ROOT), "config": _jsonable(dataclasses.asdict(cfg)),
+            "config": _jsonable({**dataclasses.asdict(cfg), "cpu_table": _rel(cfg.cpu_table)}),
             "started_unix": time.time(), "elapsed_s": 0.0, "complete": False, "stages": {},
         }
 
@@ -658,6 +658,14 @@ def _jsonable(x):
     return str(x)
 
 
+def _rel(path: str | None) -> str | None:
+    """A path as the report shows it: relative to the checkout when inside it."""
+    if not path:
+        return None
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else p.name
+
+
 def load_cpu_table(path: str | None) -> dict | None:
     """A CPU cost table to compare with: a profile JSON (batch_sizes, steps_per_second) or a
     benchmark JSON holding one under "cost_table"."""
@@ -667,7 +675,7 @@ def load_cpu_table(path: str | None) -> dict | None:
     table = d.get("cost_table", d)
     if not isinstance(table, dict) or "batch_sizes" not in table:
         return None
-    return {"source": os.path.relpath(path, ROOT) if Path(path).is_absolute() else str(path),
+    return {"source": _rel(path),
             "machine": d.get("machine"), "batch_sizes": table["batch_sizes"],
             "steps_per_second": table["steps_per_second"]}
 
