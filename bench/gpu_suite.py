@@ -780,9 +780,9 @@ def plot_sweep(rows: list[dict], path: Path, device: str, accept_rate: float) ->
     import matplotlib.pyplot as plt
 
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    fig, axes = plt.subplots(1, 2 * len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
+    fig, axes = plt.subplots(len(shapes), 3, figsize=(15, 4 * len(shapes)), squeeze=False)
     for si, shape in enumerate(shapes):
-        a0, a1 = axes[0, 2 * si], axes[0, 2 * si + 1]
+        a0, a1, a2 = axes[si]
         for p in dict.fromkeys(r["policy"] for r in rows):
             pts = sorted((r for r in rows if r["shape"] == shape and r["policy"] == p),
                          key=lambda r: r["concurrency"])
@@ -790,11 +790,14 @@ def plot_sweep(rows: list[dict], path: Path, device: str, accept_rate: float) ->
             for r in pts:
                 a0.annotate(str(r["concurrency"]), (r["per_user_tps"], r["aggregate_tps"]), fontsize=6)
             a1.plot([r["concurrency"] for r in pts], [r["aggregate_tps"] for r in pts], "o-", label=p, ms=3)
+            a2.plot([r["concurrency"] for r in pts], [r["mean_budget"] or 0 for r in pts], "o-", label=p, ms=3)
         a0.set(xlabel="per-user tokens/s", ylabel="aggregate tokens/s", xscale="log", yscale="log",
                title=f"{shape}: frontier (labels: concurrency)")
         a1.set(xlabel="concurrency", ylabel="aggregate tokens/s", xscale="log", yscale="log",
                title=f"replay drafter, acceptance {accept_rate:g}")
-        for a in (a0, a1):
+        a2.set(xlabel="concurrency", ylabel="drafts verified per request per step", xscale="log",
+               title="verification budget vs load")
+        for a in (a0, a1, a2):
             a.grid(alpha=0.3, which="both")
             a.legend(fontsize=7)
     fig.suptitle(device, fontsize=8)
