@@ -1,6 +1,6 @@
 """The CUDA path, measured: one self-contained run for a short session on one GPU.
 
-  python bench/gpu_suite.py --out bench/results/gpu            # on the GPU machine (~4-5 min)
+  python bench/gpu_suite.py --out bench/results/gpu            # on the GPU machine (<= 280 s)
   python bench/gpu_suite.py --out /tmp/gpu-suite --tiny         # CPU, tiny shapes (a CI test)
 
 Needs only torch, transformers and safetensors (matplotlib for the two plots, if present);
