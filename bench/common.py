@@ -54,8 +54,10 @@ class PointResult:
 
 
 def run_engine_closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, max_tokens: int,
-                           temperature: float, label: str, seed: int = 0) -> PointResult:
-    """Keep `concurrency` requests in flight on an in-process engine until all prompts are done."""
+                           temperature: float, label: str, seed: int = 0, ignore_eos: bool = False,
+                           finished: list | None = None) -> PointResult:
+    """Keep `concurrency` requests in flight on an in-process engine until all prompts are done.
+    Finished requests are appended to `finished` when given."""
     from scheduler.request import Request
     from verifier.sampling_params import SamplingParams
 
@@ -66,7 +68,7 @@ def run_engine_closed_loop(engine, prompt_ids: list[list[int]], concurrency: int
     while queue or live:
         while queue and len(live) < concurrency:
             i, ids = queue.pop(0)
-            r = Request(f"{label}-{i}", ids, sp(i), max_tokens)
+            r = Request(f"{label}-{i}", ids, sp(i), max_tokens, ignore_eos=ignore_eos)
             engine.add_request(r)
             live.append(r)
         engine.step()
@@ -75,6 +77,8 @@ def run_engine_closed_loop(engine, prompt_ids: list[list[int]], concurrency: int
             live.remove(r)
             done.append(r)
     wall = time.perf_counter() - t0
+    if finished is not None:
+        finished.extend(done)
     per_user = [len(r.output_ids) / max(r.finish_time - r.first_token_time, 1e-6)
                 for r in done if len(r.output_ids) > 1]
     toks = sum(len(r.output_ids) for r in done)

@@ -112,8 +112,9 @@ class ContextKVCache:
 
     def gather(self, slots: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
         """-> per layer (k, v) [B, Lmax, Hkv, D] and the valid mask [B, Lmax] bool."""
-        lengths = torch.tensor([self.lengths[s] for s in slots], device=self.device)
-        lmax = int(lengths.max()) if slots else 0
+        host_lengths = [self.lengths[s] for s in slots]
+        lengths = torch.tensor(host_lengths, device=self.device)
+        lmax = max(host_lengths, default=0)  # from the host list: no device sync
         lo = slots[0] if slots else 0
         if slots == list(range(lo, lo + len(slots))):
             kv = [(k[lo:lo + len(slots), :lmax], v[lo:lo + len(slots), :lmax])
@@ -224,7 +225,7 @@ class DSparkDrafter:
         dev = self.model.device
         for i, r in enumerate(requests):
             if r.max_draft <= 0:
-                out[i] = DraftProposal(tokens=torch.empty(0, dtype=torch.long, device=dev))
+                out[i] = DraftProposal(tokens=torch.empty(0, dtype=torch.long))
         if live:
             batch = [requests[i] for i in live]
             lengths = [min(self.block_size, r.max_draft) for r in batch]
@@ -235,10 +236,13 @@ class DSparkDrafter:
             drafted = self.model.sample_block(base, anchors, [r.sampling for r in batch],
                                               [r.generator for r in batch], hidden)
             conf = self._confidences(hidden, drafted.prev_tokens, batch, lengths)
+            # Tokens and confidences go to the host once per step (the engine and the policy
+            # read them there); per-request slices of device tensors would sync per request.
+            tokens = drafted.tokens.cpu()
             for j, (i, r) in enumerate(zip(live, batch)):
                 k = lengths[j]
                 out[i] = DraftProposal(
-                    tokens=drafted.tokens[j, :k],
+                    tokens=tokens[j, :k],
                     probs=None if r.sampling.greedy else self.model.to_target_probs(drafted.probs[j, :k]),  # type: ignore[index]
                     confidences=None if conf is None else conf[j],
                 )
@@ -250,7 +254,10 @@ class DSparkDrafter:
         only ever learned from earlier rounds)."""
         if self.calibrator is None:
             conf = self.model.confidence_probs(hidden, prev)
-            return None if conf is None else [conf[j, :k].float() for j, k in enumerate(lengths)]
+            if conf is None:
+                return None
+            conf = conf.float().cpu()
+            return [conf[j, :k] for j, k in enumerate(lengths)]
         raw = self.model.confidence_logits(hidden, prev).float().cpu().tolist()
         out = []
         for j, (r, k) in enumerate(zip(batch, lengths)):

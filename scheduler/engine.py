@@ -302,7 +302,8 @@ class Engine:
         R, V = len(rows), fwd.logits.shape[-1]
         # Target p for every logit row at once (each request's params repeated over its rows).
         st = SamplingTensors.from_params([r.sampling for r in rows], fwd.logits.device)
-        probs = probs_from_logits(fwd.logits, *_rows(st, torch.tensor([n + 1 for n in nd])))
+        probs = probs_from_logits(fwd.logits, *_rows(st, torch.tensor([n + 1 for n in nd],
+                                                                       device=fwd.logits.device)))
         target = probs.new_zeros(R, K + 1, V)
         draft_tokens = torch.zeros(R, K, dtype=torch.long)
         draft_probs = None
@@ -321,6 +322,9 @@ class Engine:
                     deterministic[i] = False
         result = rejection_sample(target, draft_tokens, draft_probs, torch.tensor(nd),
                                   [r.generator for r in rows], draft_deterministic=deterministic)
+        # One device-to-host copy per step: _update reads the result row by row.
+        result = RejectionResult(result.output_tokens.cpu(), result.num_accepted.cpu(),
+                                 result.num_output.cpu())
         return Verification(fwd, result, rows)
 
     def _update(self, batch: ScheduledBatch, proposals: list[DraftProposal], lengths: list[int],

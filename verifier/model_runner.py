@@ -67,9 +67,10 @@ class _AttnPlan:
     cos: torch.Tensor                         # [T, 1, D]
     sin: torch.Tensor                         # [T, 1, D]
     small_rows: torch.Tensor | None = None    # [G, Qmax] flat row of each padded query (pad -> 0)
-    small_valid: torch.Tensor | None = None   # [G, Qmax] bool
     small_gather: torch.Tensor | None = None  # [G, Cmax] cache slot per key (pad -> 0)
     small_mask: torch.Tensor | None = None    # [G, 1, Qmax, Cmax] bool
+    small_dst: torch.Tensor | None = None     # [sum n] flat row of each real padded query
+    small_src: torch.Tensor | None = None     # [sum n] its index in the flattened [G * Qmax]
     big: list = field(default_factory=list)   # (row_start, n, gather [C], mask [n, C])
 
 
@@ -174,8 +175,12 @@ class ModelRunner(FastForwardMixin):
             # causal within the request; padded query rows see key 0 so softmax stays finite
             mask = (kpos <= qpos[:, :, None]) & (kpos < ctx[:, :, None])
             mask[:, :, 0] |= ~valid
-            plan.small_rows, plan.small_valid = rows.to(dev), valid.to(dev)
+            plan.small_rows = rows.to(dev)
             plan.small_gather, plan.small_mask = gather.to(dev), mask[:, None].to(dev)
+            # Integer indices built on the host: a boolean mask index on the device would
+            # synchronise with it in every layer.
+            plan.small_dst = rows[valid].to(dev)
+            plan.small_src = valid.flatten().nonzero().squeeze(1).to(dev)
         for r0, s in big:
             n, c = len(s.token_ids), s.start_pos + len(s.token_ids)
             g = torch.tensor(self.blocks.slots(s.request_id, 0, c), device=dev)
@@ -200,7 +205,7 @@ class ModelRunner(FastForwardMixin):
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.small_mask,
                                                scale=self.scaling, enable_gqa=gqa)
             o = o.transpose(1, 2)                                # [G, Qmax, H, D]
-            out[plan.small_rows[plan.small_valid]] = o[plan.small_valid]
+            out[plan.small_dst] = o.flatten(0, 1)[plan.small_src]
         for r0, n, gidx, mask in plan.big:
             qs = q[r0:r0 + n].transpose(0, 1)[None]              # [1, H, n, D]
             ks = kc[gidx].transpose(0, 1)[None]                  # [1, Hkv, C, D]

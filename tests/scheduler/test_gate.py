@@ -29,7 +29,7 @@ def test_gate_alternates_then_picks_the_faster_mode_and_explores():
 class SlowWrongDrafter:
     """Drafts a constant token (almost always rejected) and takes 30 ms: drafting loses."""
 
-    name, tap_layers, block_size = "slow-wrong", (), 4
+    name, tap_layers, block_size, calibrator = "slow-wrong", (), 4, None
 
     def propose(self, requests):
         time.sleep(0.03)

@@ -41,7 +41,7 @@ def test_profile_is_measured_cached_and_reprofiled(tmp_path, monkeypatch):
 class ConstantConfidenceDrafter:
     """Drafts token 0 with confidence 0.9 at every position."""
 
-    name, tap_layers, block_size = "const", (), 6
+    name, tap_layers, block_size, calibrator = "const", (), 6, None
 
     def propose(self, requests):
         import torch

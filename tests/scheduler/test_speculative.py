@@ -10,6 +10,7 @@ import torch
 
 import drafter  # noqa: F401  (registers drafters)
 import scheduler.engine as engine_mod
+from bench.replay import ReplayDrafter
 from drafter.base import DraftProposal, build_drafter
 from drafter.combined import CombinedDrafter
 from drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
@@ -21,41 +22,6 @@ from verifier.rejection import rejection_sample
 from verifier.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-class OracleDrafter:
-    """Proposes the true greedy continuation, corrupting each position with probability
-    `noise`: exercises multi-token acceptance, rejection in the middle, rollback."""
-
-    name, tap_layers = "oracle", ()
-
-    def __init__(self, refs: dict[str, list[int]], prompt_lens: dict[str, int], block_size=4,
-                 noise=0.3, seed=0):
-        self.refs, self.prompt_lens, self.block_size = refs, prompt_lens, block_size
-        self.noise, self.rng = noise, torch.Generator().manual_seed(seed)
-        self.observed: dict[str, int] = {}
-
-    def propose(self, requests):
-        out = []
-        for r in requests:
-            done = len(r.token_ids) - self.prompt_lens[r.request_id]
-            truth = self.refs[r.request_id][done:done + min(self.block_size, r.max_draft)]
-            toks = [t if torch.rand(1, generator=self.rng).item() > self.noise else (t + 1) % 256
-                    for t in truth]
-            out.append(DraftProposal(torch.tensor(toks, dtype=torch.long), None,
-                                     torch.full((len(toks),), 0.8)))
-        return out
-
-    def observe(self, contexts):
-        for c in contexts:  # contexts must arrive in order, gap-free
-            assert self.observed.get(c.request_id, 0) == c.start_pos
-            self.observed[c.request_id] = c.start_pos + len(c.token_ids)
-
-    def observe_acceptance(self, request_id, proposed, accepted):
-        assert 0 <= accepted <= proposed
-
-    def free(self, request_id):
-        self.observed.pop(request_id, None)
 
 
 def run(engine, reqs, late=()):
@@ -76,7 +42,10 @@ def test_greedy_oracle_drafter_equals_plain(policy):
     model = tiny_model("qwen3")
     prompts = {f"r{i}": list(range(30 + i, 30 + i + n)) for i, n in enumerate((4, 19, 33, 8))}
     refs = {k: hf_greedy(model, p, 24) for k, p in prompts.items()}
-    dr = OracleDrafter(refs, {k: len(p) for k, p in prompts.items()})
+    # The true greedy continuation, each position corrupted with probability 0.3: multi-token
+    # acceptance, rejection in the middle, rollback; it also checks contexts arrive gap-free.
+    dr = ReplayDrafter({tuple(p): refs[k] for k, p in prompts.items()}, vocab_size=257,
+                       block_size=4, accept_rate=0.7)
     engine = Engine(runner_for(model), ByteTokenizer(), SchedulerConfig(verify_policy=policy,
                     max_num_batched_tokens=40), max_model_len=512, drafter=dr)
     reqs = [Request(k, p, GREEDY, max_tokens=17 + i, ignore_eos=True)
@@ -256,13 +225,14 @@ def test_drafts_no_positions_the_policy_cannot_admit():
     prompts = {f"r{i}": list(range(30 + i, 38 + i)) for i in range(3)}
     refs = {k: hf_greedy(model, p, 20) for k, p in prompts.items()}
 
-    class Recording(OracleDrafter):
+    class Recording(ReplayDrafter):
         def propose(self, requests):
             for r in requests:
                 self.asked.setdefault(r.request_id, []).append(r.max_draft)
             return super().propose(requests)
 
-    dr = Recording(refs, {k: len(p) for k, p in prompts.items()}, block_size=6, noise=0.0)
+    dr = Recording({tuple(p): refs[k] for k, p in prompts.items()}, vocab_size=257, block_size=6,
+                   accept_rate=1.0)
     dr.asked = {}
     steep = engine_mod.CostTable((1, 2, 4, 64), (100.0, 40.0, 20.0, 1.0))   # drafts rarely pay
     engine = Engine(runner_for(model), ByteTokenizer(), SchedulerConfig(verify_policy="dspark",
