@@ -135,7 +135,7 @@ def merge(args) -> dict:
         data = json.loads(path.read_text())
         sources.append({"file": path.name, "machine": data.get("machine"), "seconds": data.get("seconds")})
         rows += [dict(r, label=prefix + r["label"]) for r in data["rows"]]
-    return {"rows": rows, "sources": sources}
+    return {"rows": rows, "sources": sources, "machine": sources[0]["machine"] if sources else machine()}
 
 
 def plot_plain(result: dict, out: Path) -> list[str]:
@@ -261,7 +261,8 @@ def main() -> None:
     t0 = time.time()
     result = {"baseline": baseline, "sweep": sweep, "plain": plain, "merge": merge}[args.mode](args)
     rel = lambda v: os.path.relpath(v, ROOT) if isinstance(v, Path) else str(v)
-    result.update(machine=machine(), args={k: rel(v) for k, v in vars(args).items()},
+    result.setdefault("machine", machine())   # merge mode keeps the measuring runs' machine
+    result.update(args={k: rel(v) for k, v in vars(args).items()},
                   seconds=time.time() - t0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.mode == "sweep":

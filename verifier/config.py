@@ -33,7 +33,8 @@ class ModelConfig:
     bfloat16 when oneDNN accepts them, else torch), torch (F.linear), or mkldnn (CPU only)."""
     quantize: str = "none"
     """none, or int8: weight-only int8 with one scale per output channel (fast forward only).
-    int8 CHANGES THE TARGET: outputs follow the quantised model, not the float one."""
+    int8 CHANGES THE TARGET: outputs follow the quantised model, not the float one. On CPU it pays
+    with bfloat16 only (torch's int8 weight kernel is slow with float32 activations)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
