@@ -459,7 +459,8 @@ class Suite:
         out: dict = {"steps_per_point": c.timing_steps, "points": []}
         fwd_t: list[float] = []
         plan_t: list[float] = []
-        orig_forward, orig_plan = runner.forward, runner._plan
+        plan_name = "_plan_reference" if runner.impl == "reference" else "_plan_fast"
+        orig_forward, orig_plan = runner.forward, getattr(runner, plan_name)
 
         def forward(*a, **k):
             _sync(self.dev)
@@ -478,7 +479,8 @@ class Suite:
         replay = build_drafter("replay", references={}, vocab_size=m.shape.vocab_size,
                                block_size=c.block_size, accept_rate=c.accept_rate, seed=c.seed)
         eng = self.engine(m, replay, max_tokens=c.timing_steps + 1)
-        runner.forward, runner._plan = forward, plan
+        runner.forward = forward
+        setattr(runner, plan_name, plan)
         try:
             for conc in c.overhead_concurrency:
                 prompts = self.prompts(m.shape, conc, salt=700 + conc)
@@ -516,7 +518,8 @@ class Suite:
                                                       if point["step_ms"] else None)
                     out["points"].append(point)
         finally:
-            runner.forward, runner._plan = orig_forward, orig_plan
+            runner.forward = orig_forward
+            setattr(runner, plan_name, orig_plan)
         return out
 
     def time_hf_generate(self, m: Model) -> dict:
