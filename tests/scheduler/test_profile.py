@@ -30,7 +30,7 @@ def test_profile_is_measured_cached_and_reprofiled(tmp_path, monkeypatch):
     assert set(raw["by_context"]) == {"16", "64"}
     assert runner.blocks.num_free_blocks == runner.blocks.num_blocks   # profiling frees its KV
     cached = list((tmp_path / "cost-tables").glob("tiny-cpu-*.json"))
-    assert len(cached) == 1 and json.loads(cached[0].read_text())["steps_per_second"] == list(sps)
+    assert len(cached) == 1 and json.loads(cached[0].read_text())["profile"]["steps_per_second"] == list(sps)
     table2, _, source2 = profile.load_or_profile(runner, "tiny", tmp_path)
     assert source2.startswith("cached") and table2 == table and len(calls) == 1
     _, _, source3 = profile.load_or_profile(runner, "tiny", tmp_path, reprofile=True)
