@@ -136,6 +136,10 @@ class Engine:
         sp = req.sampling
         if sp.seed is not None and req.generator is None:
             raise RequestRejected("a seeded request needs its generator", 400, "seed")
+        try:  # the sampling parameters must fit the tensors the step builds from them
+            SamplingTensors.from_params([sp], torch.device("cpu"))
+        except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
+            raise RequestRejected(f"sampling parameters out of range: {exc}", 400) from exc
         if n + req.max_tokens > self.max_model_len:
             raise RequestRejected(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "

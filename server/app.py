@@ -136,8 +136,13 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "StreamOptions", "TextPart"}
+
+
 def _param_of(err: dict) -> str | None:
+    # pydantic names the union member tried (`prompt.str`, `prompt.list[str]`): not a parameter
     loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
+    loc = [x for x in loc if x not in _TYPE_TAGS and "[" not in x and not x.startswith("function-")]
     return ".".join(loc) if loc else None
 
 
@@ -145,6 +150,35 @@ def _validation_error(exc: ValidationError | RequestValidationError) -> ApiError
     err = exc.errors()[0]
     param = _param_of(err)
     return ApiError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param)
+
+
+def _narrow_schema(props: dict, model: str, max_len: int, vocab: int | None) -> None:
+    """Document what is accepted, not merely what parses: the values checked after parsing
+    (n, penalties, logprobs, stop, model, token ids) so a schema-driven client or fuzzer sends
+    valid requests when it means to. Anything outside still gets a 400 naming the parameter."""
+    null = {"type": "null"}
+    props["model"] = {"anyOf": [{"type": "string", "enum": [model]}, null], "default": None}
+    props["n"] = {"type": "integer", "minimum": 1, "maximum": 1, "default": 1}
+    for k in ("presence_penalty", "frequency_penalty"):
+        props[k] = {"type": "number", "minimum": 0, "maximum": 0, "default": 0}
+    props["logprobs"] = {"anyOf": [{"type": "boolean", "enum": [False]}, null], "default": None}
+    if "top_logprobs" in props:
+        props["top_logprobs"] = {"anyOf": [{"type": "integer", "enum": [0]}, null], "default": None}
+    word = {"type": "string", "minLength": 1}
+    props["stop"] = {"anyOf": [word, {"type": "array", "items": word, "maxItems": 16}, null],
+                     "default": None}
+    for k in ("max_tokens", "max_completion_tokens"):
+        if k in props:
+            props[k] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": max_len - 1}, null],
+                        "default": props[k].get("default")}
+    if "prompt" in props:
+        ids = {"type": "integer", "minimum": 0}
+        if vocab is not None:
+            ids["maximum"] = vocab - 1
+        props["prompt"] = {"anyOf": [{"type": "string", "minLength": 1},
+                                     {"type": "array", "items": {"type": "string", "minLength": 1},
+                                      "minItems": 1, "maxItems": 1},
+                                     {"type": "array", "items": ids, "minItems": 1}]}
 
 
 def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorRegistry) -> FastAPI:
@@ -447,6 +481,12 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 comps.update(js.pop("$defs", {}))
                 comps[model.__name__] = js
+            for name in ("ChatCompletionRequest", "CompletionRequest"):
+                _narrow_schema(comps[name]["properties"], served_name(), engine.max_model_len,
+                               getattr(engine, "vocab_size", None))
+            for op in doc["paths"].get("/v1/models/{model_id}", {}).values():
+                for prm in op.get("parameters", []):
+                    prm["schema"] = {"type": "string", "enum": [served_name()]}
             if config.api_key:
                 doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
                 for path, ops in doc["paths"].items():

@@ -6,9 +6,20 @@ listed in UNSUPPORTED and answered 400 by name (never silently ignored); see `ch
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+
+def _no_text_or_bool(v):
+    # JSON has one number type: 10.0 is a valid integer (JSON Schema agrees), "10" and true are not.
+    if isinstance(v, (str, bool)):
+        raise ValueError(f"Input should be a valid integer, got {type(v).__name__}")
+    return v
+
+
+# An integer field: integral JSON numbers (10 or 10.0) only; never a string or a bool.
+Int = Annotated[int, Field(strict=False), BeforeValidator(_no_text_or_bool)]
 
 # Every seed torch's generator accepts (int64 and uint64 alike).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -46,13 +57,13 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    top_k: Int = Field(default=0, ge=-1, le=2**31 - 1)
+    seed: Int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=128)
+    n: Int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -69,14 +80,14 @@ class _Sampling(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    top_logprobs: int | None = None
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    top_logprobs: Int | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[Int]
     # OpenAI's default; `null` means the default too (not "up to the context limit").
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: Int | None = Field(default=16, ge=1)
 
 
 class ErrorDetail(BaseModel):
