@@ -8,9 +8,8 @@ import time
 
 import pytest
 import requests
+import schemathesis
 import urllib3
-
-schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
