@@ -189,7 +189,9 @@ class AsyncEngine:
                 log.exception("add_request failed for %s", req.request_id)
                 self._send(req.request_id, EngineError(f"the request could not be queued: {exc}", 500))
         elif msg[0] == "abort":
-            engine.abort(msg[1])
+            out = engine.abort(msg[1])
+            if out is not None:  # whoever still waits on it (a non-streaming handler) is told
+                self._send(out.request_id, _delta(out))
 
     def _run(self) -> None:
         t0 = time.monotonic()

@@ -347,7 +347,13 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
         gen = engine.generate(rid, prompt_ids, params)
-        first = await first_delta(gen)
+        # Watch for the client going away from the start: while queued and prefilling too.
+        watcher = asyncio.create_task(watch_disconnect(request, rid))
+        try:
+            first = await first_delta(gen)
+        except BaseException:
+            watcher.cancel()
+            raise
         name = served_name()
 
         def choice(text: str, finish: str | None, delta: bool) -> dict:
@@ -358,7 +364,6 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
         if not stream:
-            watcher = asyncio.create_task(watch_disconnect(request, rid))
             parts, last = [], first
             try:
                 if first is not None and not first.finished:
@@ -380,6 +385,8 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                     "choices": [choice("".join(parts), last.finish_reason if last else "stop", False)],
                     "usage": usage(last, len(prompt_ids), completion)}
 
+        # From here the streaming response notices a disconnect itself (and closes `gen`).
+        watcher.cancel()
         chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def sse(payload: dict) -> str:

@@ -177,3 +177,17 @@ def test_health_answers_while_a_big_body_is_refused_or_parsed(plain):
         assert sent_before, f"{kind}: no /health request went out while the big body was handled"
         assert all(end < t_big for _, end in sent_before), kind    # none waited for the big one
         assert max(end - start for start, end in sent_before) < 1.0, kind
+
+
+def test_aborted_non_streaming_handler_is_released(plain):
+    """An abort (client gone) ends the waiting handler too: nothing stays in flight."""
+    try:
+        httpx.post(plain.url + "/v1/completions", json={"prompt": "Once upon a time",
+                   "max_tokens": 600, "ignore_eos": True}, timeout=1.0)
+    except httpx.TimeoutException:
+        pass
+    assert plain.idle(timeout=10)
+    t0 = time.monotonic()
+    while plain.engine.in_flight and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert plain.engine.in_flight == 0
