@@ -85,7 +85,8 @@ def measure(runner: ModelRunner, batch_sizes=BATCH_SIZES, context_lens=CONTEXT_L
 def cache_key(model_name: str, config, device: torch.device, dtype: torch.dtype) -> str:
     arch = {f: getattr(config, f, None) for f in ARCH_FIELDS}
     hw = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    ident = json.dumps([model_name, arch, hw, str(dtype), torch.__version__, BATCH_SIZES,
+    threads = torch.get_num_threads() if device.type == "cpu" else None
+    ident = json.dumps([model_name, arch, hw, threads, str(dtype), torch.__version__, BATCH_SIZES,
                         PROFILE_VERSION], sort_keys=True, default=str)
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
