@@ -6,14 +6,16 @@ thread-safe inbox and receives deltas through per-request asyncio queues.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import queue
 import threading
+import time
 import traceback
 from typing import AsyncIterator, Callable
 
 from scheduler.builder import EngineBundle
-from scheduler.client import EngineError, GenerationParams, RuntimeInfo, StreamDelta
+from scheduler.client import DrainReport, EngineError, GenerationParams, RuntimeInfo, StreamDelta
 from scheduler.engine import RequestRejected
 from scheduler.request import Request, RequestOutput
 from verifier.sampling_params import SamplingParams
@@ -31,8 +33,13 @@ def _delta(out: RequestOutput) -> StreamDelta:
                        out.prompt_tokens, out.completion_tokens, spec)
 
 
+DRAIN_MESSAGE = "the server is shutting down; this request was cut off"
+
+
 class AsyncEngine:
-    def __init__(self, build: Callable[[], EngineBundle], model_name: str, max_model_len: int) -> None:
+    def __init__(self, build: Callable[..., EngineBundle], model_name: str, max_model_len: int) -> None:
+        """build: makes the engine bundle on the engine thread; when it takes an `on_stage`
+        keyword it is told what is loading (shown on /health and in the log)."""
         self._build = build
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -42,6 +49,9 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._draining = False
+        self._stage: str | None = "starting"
+        self._finished_in_drain = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -57,6 +67,47 @@ class AsyncEngine:
     @property
     def ready(self) -> bool:
         return self.bundle is not None
+
+    @property
+    def loading_stage(self) -> str | None:
+        """What is loading now (None once ready)."""
+        return None if self.ready else self._stage
+
+    def set_stage(self, stage: str) -> None:
+        self._stage = stage
+        log.info("loading: %s", stage)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.bundle.engine.vocab_size if self.bundle is not None else None
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queues)
+
+    async def drain(self, timeout: float) -> DrainReport:
+        """Graceful drain (SIGTERM, or a supervisor stopping this replica): refuse new requests
+        from now on (503, and /health says so), let those in flight finish for up to `timeout`
+        seconds, then end the rest: each gets a final delta with finish_reason "abort" and an
+        error, and its KV is freed. Returns what happened; safe to call more than once."""
+        self._draining = True
+        t0 = time.monotonic()
+        before = len(self._queues)
+        log.info("draining: %d requests in flight, waiting up to %.0fs", before, timeout)
+        while self._queues and time.monotonic() - t0 < timeout:
+            await asyncio.sleep(0.05)
+        cut = list(self._queues)
+        for rid in cut:
+            self.abort(rid)
+            self._send(rid, StreamDelta("", [], True, "abort", 0, 0, error=DRAIN_MESSAGE))
+        report = DrainReport(finished=before - len(cut), cut=len(cut),
+                             seconds=time.monotonic() - t0)
+        log.info("drained in %.1fs: %d finished, %d cut", report.seconds, report.finished, report.cut)
+        return report
 
     @property
     def load_error(self) -> str | None:
@@ -96,15 +147,17 @@ class AsyncEngine:
     # -- requests --------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int],
                        params: GenerationParams) -> AsyncIterator[StreamDelta]:
+        if self._draining:
+            raise EngineError("the server is draining (shutting down)", 503, code="draining")
         if not self.ready:
             raise EngineError("the model is still loading", 503)
         try:
             sp = SamplingParams(temperature=params.temperature, top_p=params.top_p,
                                 top_k=params.top_k, seed=params.seed)
-        except ValueError as exc:
-            raise EngineError(str(exc), 400) from exc
-        req = Request(request_id, list(prompt_ids), sp, params.max_tokens, stop=params.stop,
-                      ignore_eos=params.ignore_eos)
+            req = Request(request_id, list(prompt_ids), sp, params.max_tokens, stop=params.stop,
+                          ignore_eos=params.ignore_eos)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise EngineError(str(exc), 400, "seed" if "seed" in str(exc) else None) from exc
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, q)
@@ -141,17 +194,28 @@ class AsyncEngine:
             try:
                 engine.add_request(req)
             except RequestRejected as exc:
-                self._send(req.request_id, EngineError(str(exc), exc.status, exc.param))
+                self._send(req.request_id, EngineError(str(exc), exc.status, exc.param, exc.code))
+            except Exception as exc:  # never let one request stop the engine thread
+                log.exception("add_request failed for %s", req.request_id)
+                self._send(req.request_id, EngineError(f"the request could not be queued: {exc}", 500))
         elif msg[0] == "abort":
-            engine.abort(msg[1])
+            out = engine.abort(msg[1])
+            if out is not None:  # whoever still waits on it (a non-streaming handler) is told
+                self._send(out.request_id, _delta(out))
 
     def _run(self) -> None:
+        t0 = time.monotonic()
         try:
-            self.bundle = self._build()
+            if "on_stage" in inspect.signature(self._build).parameters:
+                bundle = self._build(on_stage=self.set_stage)
+            else:
+                bundle = self._build()
         except Exception as exc:  # reported by /health and logged; the server stays up
             self._error = f"{type(exc).__name__}: {exc}"
             log.error("engine failed to load:\n%s", traceback.format_exc())
             return
+        self.bundle = bundle
+        log.info("ready: the engine loaded in %.1fs and accepts requests", time.monotonic() - t0)
         engine = self.bundle.engine
         while not self._stopping:
             try:
@@ -176,7 +240,10 @@ class AsyncEngine:
                 self._fail_all(engine)
                 continue
             for out in outputs:
-                self._send(out.request_id, _delta(out))
+                if out.error is not None:  # the engine failed this request alone
+                    self._send(out.request_id, EngineError(out.error, 500))
+                else:
+                    self._send(out.request_id, _delta(out))
 
     def _fail_all(self, engine) -> None:
         for r in list(engine.running) + list(engine.waiting):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 from typing import Callable
 
@@ -68,13 +69,17 @@ def build_drafter_for(cfg: DrafterConfig, target, device, dtype, model_is_embedd
 
 def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: SchedulerConfig,
                  metrics=None, profile: bool | None = None,
-                 capture: Callable[[int], HiddenCapture] | None = None) -> EngineBundle:
-    """`capture(num_layers)` builds a hidden-state capture for training-data generation."""
+                 capture: Callable[[int], HiddenCapture] | None = None,
+                 on_stage: Callable[[str], None] | None = None) -> EngineBundle:
+    """`capture(num_layers)` builds a hidden-state capture for training-data generation;
+    on_stage: told what is being loaded, step by step (for /health and the log)."""
+    stage = on_stage or (lambda s: None)
     device = resolve_device(model_cfg.device)
     choice = choose_dtype(model_cfg.dtype, device)
     dtype = choice.dtype
     log.info("target dtype %s on %s (%s)", choice.name, device, choice.reason)
     cache_dir = Path(model_cfg.cache_dir) if model_cfg.cache_dir else default_cache_dir()
+    stage("loading the target model")
     target = load_target(model_cfg.model, device, dtype, cache_dir)
     max_len = min(model_cfg.max_model_len,
                   getattr(target.model.config, "max_position_embeddings", model_cfg.max_model_len))
@@ -85,6 +90,7 @@ def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: 
     log.info("target forward: %s", runner.describe())
     log.info("KV cache: %d blocks x %d tokens (%.0f MiB)", runner.blocks.num_blocks,
              runner.block_size, runner.k_cache.numel() * runner.k_cache.element_size() * 2 / 2**20)
+    stage("loading the drafter")
     drafter = build_drafter_for(drafter_cfg, target, device, dtype, model_cfg.model is None)
     table, source = None, "none (no drafter)"
     if profile is None:   # only the load-aware policy reads the cost table
@@ -92,6 +98,7 @@ def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: 
     if profile:
         from scheduler.profile import format_table, load_or_profile
 
+        stage("loading or measuring the cost table")
         table, raw, source = load_or_profile(runner, target.name, cache_dir, sched_cfg.reprofile)
         log.info("cost table (%s):\n%s", source, format_table(raw))
         if metrics is not None:

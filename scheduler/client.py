@@ -41,6 +41,16 @@ class StreamDelta:
     prompt_tokens: int
     completion_tokens: int
     spec: dict | None = field(default=None)
+    error: str | None = None  # set on a final delta when the server cut the request (drain)
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """What a drain did: requests that finished on their own, requests cut at the timeout."""
+
+    finished: int
+    cut: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -75,3 +85,8 @@ class EngineClient(Protocol):
                  params: GenerationParams) -> AsyncIterator[StreamDelta]: ...
 
     def abort(self, request_id: str) -> None: ...
+
+    # Optional (the server falls back when missing): the vocabulary size once loaded (token ids
+    # are range-checked against it), what is still loading, and graceful drain.
+    # vocab_size: int | None; loading_stage: str | None; draining: bool
+    # async def drain(self, timeout: float) -> DrainReport

@@ -93,6 +93,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.reserved_blocks = 0
         self.eos_ids = self._eos_ids(runner.model, tokenizer)
+        self.vocab_size = int(runner.embed.num_embeddings)
 
     @property
     def speculating(self) -> bool:
@@ -130,9 +131,31 @@ class Engine:
 
     # -- requests in and out -----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        """Queue a request after checking everything it brings, so that no step can fail
+        because of its input (raises RequestRejected with an HTTP status and the parameter)."""
+        if req.request_id in self.requests:
+            raise RequestRejected(f"request id {req.request_id!r} is already in use", 400)
         n = len(req.prompt_ids)
         if n == 0:
             raise RequestRejected("the prompt is empty", 400, "messages")
+        V = self.vocab_size
+        for t in req.prompt_ids:
+            if type(t) is not int or not (0 <= t < V):
+                raise RequestRejected(f"prompt token id {t!r} is out of range [0, {V})", 400, "prompt")
+        if type(req.max_tokens) is not int or req.max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be a positive integer, got {req.max_tokens!r}",
+                                  400, "max_tokens")
+        if any(type(t) is not int for t in req.stop_token_ids):
+            raise RequestRejected("stop token ids must be integers", 400, "stop")
+        if not all(isinstance(s, str) for s in req.stop):
+            raise RequestRejected("stop must be strings", 400, "stop")
+        sp = req.sampling
+        if sp.seed is not None and req.generator is None:
+            raise RequestRejected("a seeded request needs its generator", 400, "seed")
+        try:  # the sampling parameters must fit the tensors the step builds from them
+            SamplingTensors.from_params([sp], torch.device("cpu"))
+        except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
+            raise RequestRejected(f"sampling parameters out of range: {exc}", 400) from exc
         if n + req.max_tokens > self.max_model_len:
             raise RequestRejected(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
@@ -143,9 +166,13 @@ class Engine:
             raise RequestRejected("the request needs more KV cache than the server has", 400, "max_tokens")
         if len(self.waiting) >= self.cfg.max_waiting:
             raise RequestRejected("the server is at capacity; retry later", 429)
-        req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.stop)
+        try:
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.stop)
+        except Exception as exc:  # the tokenizer cannot decode this prompt's ids
+            raise RequestRejected(f"the prompt cannot be decoded: {exc}", 400, "prompt") from exc
         self.waiting.append(req)
         self.requests[req.request_id] = req
+        self._record_load()
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
@@ -154,16 +181,71 @@ class Engine:
         if req in self.waiting:
             self.waiting.remove(req)
         self._finish(req, "abort")
+        self._record_load()  # /metrics must not show it running after the last abort
         return self._output(req, [], final=True)
+
+    def _record_load(self) -> None:
+        if self.metrics is not None:
+            self.metrics.record_step(self)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. Never raises because of one request: a request found invalid before any
+        state changed is failed alone; an error later in the step fails the step's batch
+        (their KV and drafter state freed, finish_reason "error"), and everyone else goes on."""
         batch = self._schedule()
         if not batch:
             return []
+        failed = []
+        for r in [r for r in batch.decodes + [r for r, _ in batch.prefills] if self._invalid(r)]:
+            log.error("request %s failed its pre-step check: %s", r.request_id, self._invalid(r))
+            failed.append(self._fail(r, f"invalid request state: {self._invalid(r)}"))
+        if failed:
+            batch = ScheduledBatch([r for r in batch.decodes if not r.finished],
+                                   [(r, n) for r, n in batch.prefills if not r.finished])
+            if not batch:
+                return failed
+        try:
+            return failed + self._step(batch)
+        except Exception:
+            log.exception("engine step failed; failing its %d requests",
+                          len(batch.decodes) + len(batch.prefills))
+            victims = batch.decodes + [r for r, _ in batch.prefills]
+            out = failed + [self._fail(r, "internal error while generating") for r in victims
+                            if not r.finished or r.request_id in self.requests]
+            self._record_load()
+            return out
+
+    def _invalid(self, r: Request) -> str | None:
+        """What is wrong with a scheduled request's input, checked before the step touches any
+        state (KV, drafter, generators); None when it is fine."""
+        V = self.vocab_size
+        if r.detok is None:
+            return "not admitted through add_request"
+        if r.status is Status.DECODE:
+            t = r.output_ids[-1] if r.output_ids else None
+            if type(t) is not int or not (0 <= t < V):
+                return f"last token {t!r} out of range"
+        else:
+            for t in r.prompt_ids[r.num_computed:]:
+                if type(t) is not int or not (0 <= t < V):
+                    return f"prompt token id {t!r} out of range [0, {V})"
+        return None
+
+    def _fail(self, r: Request, message: str) -> RequestOutput:
+        if r.finished:  # finished inside the failed step: its final output was never sent
+            r.finish_reason = "error"
+        else:
+            self._finish(r, "error")
+        self.runner.blocks.free(r.request_id)
+        out = self._output(r, [], final=True)
+        out.error = message
+        return out
+
+    def _step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         t0 = time.perf_counter()
         drafting = self._gate_open(batch)
         if drafting:

@@ -72,6 +72,16 @@ class EngineMetrics:
         self.cost = Gauge("dspark:cost_table_steps_per_second",
                           "Profiled target steps per second at a batch of B tokens.", L + ["batch_tokens"], registry=r)
 
+        # Export every series at zero from the start (spec-decode counters included), so a
+        # dashboard sees them before the first draft round.
+        for m in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.gen_tokens,
+                  self.ttft, self.itl, self.e2e, self.forward_tokens, self.forward_seconds,
+                  self.drafts, self.draft_tokens, self.accepted, self.accept_len, self.budget,
+                  self.budget_mean, self.expected, self.realized):
+            m.labels(**self.labels)
+        for reason in ("stop", "length", "abort", "error"):
+            self.finished.labels(**self.labels, finished_reason=reason)
+
     def set_cost_table(self, table) -> None:
         for b, s in zip(table.batch_sizes, table.steps_per_second):
             self.cost.labels(**self.labels, batch_tokens=str(b)).set(s)

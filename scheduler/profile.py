@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -17,8 +18,15 @@ from verifier.model_runner import ModelRunner, Segment
 log = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Bumped whenever the measurement method changes, so stale cached tables are not reused.
-PROFILE_VERSION = 2
+# Bumped whenever the measurement method or the cache format changes, so stale cached tables
+# are not reused.
+PROFILE_VERSION = 3
+# What the cost depends on. Only these config fields enter the cache key: the whole config also
+# carries the path it was loaded from, its dtype and library versions, which differ between a
+# freshly converted model and its cached copy (and would make every start re-measure).
+ARCH_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+               "attention_bias", "mlp_bias", "hidden_act", "sliding_window", "use_sliding_window")
 CONTEXT_LENS = (128, 512)
 
 
@@ -75,11 +83,44 @@ def measure(runner: ModelRunner, batch_sizes=BATCH_SIZES, context_lens=CONTEXT_L
 
 
 def cache_key(model_name: str, config, device: torch.device, dtype: torch.dtype) -> str:
-    ident = json.dumps([model_name, config.to_dict() if hasattr(config, "to_dict") else str(config),
-                        str(device), str(dtype), torch.__version__, BATCH_SIZES, PROFILE_VERSION],
-                       sort_keys=True,
-                       default=str)
+    arch = {f: getattr(config, f, None) for f in ARCH_FIELDS}
+    hw = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    threads = torch.get_num_threads() if device.type == "cpu" else None
+    ident = json.dumps([model_name, arch, hw, threads, str(dtype), torch.__version__, BATCH_SIZES,
+                        PROFILE_VERSION], sort_keys=True, default=str)
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _checksum(raw: dict) -> str:
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
+
+
+def read_cached(path: Path) -> dict | None:
+    """The cached profile at `path`, or None when it is missing or damaged (truncated, edited,
+    another format): a damaged cache is never trusted, it is measured again."""
+    try:
+        doc = json.loads(path.read_text())
+        raw = doc["profile"]
+        if doc.get("sha256") != _checksum(raw):
+            raise ValueError("checksum mismatch")
+        CostTable.from_dict(raw)
+        return raw
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("cached cost table %s is damaged (%s); measuring again", path.name, exc)
+        return None
+
+
+def write_cached(path: Path, raw: dict) -> None:
+    """Write atomically: a temporary file, then a rename, so a kill never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"profile": raw, "sha256": _checksum(raw)}, indent=1))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_or_profile(runner: ModelRunner, model_name: str, cache_dir: Path | None,
@@ -90,16 +131,16 @@ def load_or_profile(runner: ModelRunner, model_name: str, cache_dir: Path | None
         # The forward's kernels change the costs: a table measured with others is not reused.
         key = cache_key(model_name + "|" + runner.describe(), runner.config, runner.device, runner.dtype)
         path = Path(cache_dir) / "cost-tables" / f"{model_name}-{runner.device.type}-{key}.json"
-        if path.is_file() and not reprofile:
-            raw = json.loads(path.read_text())
+        raw = None if reprofile else read_cached(path)
+        if raw is not None:
             return CostTable.from_dict(raw), raw, f"cached {path.name}"
+    log.info("measuring the cost table (first start on this machine; cached afterwards)")
     t0 = time.perf_counter()
     raw = measure(runner)
     raw["seconds"] = time.perf_counter() - t0
     if path is not None:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(raw, indent=1))
+            write_cached(path, raw)
         except OSError as exc:
             log.warning("could not cache the cost table: %s", exc)
     return CostTable.from_dict(raw), raw, f"measured in {raw['seconds']:.1f}s"

@@ -87,3 +87,4 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     spec: SpecStats | None = None
+    error: str | None = None       # set when the engine failed this request (finish_reason "error")

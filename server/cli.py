@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -44,7 +45,13 @@ def _flags() -> list[tuple[str, type, str, type]]:
         "explore_every": "online-confidence drafters (ngram) verify >= 1 draft every n-th step",
         "draft_headroom": "dspark policy: draft at most this many positions past last step's budget (0 = full block)",
         "host": "interface to listen on", "port": "TCP port",
-        "api_key": "require this bearer token on /v1/*", "served_model_name": "model name in the API",
+        "api_key": "require this bearer token on /v1/* (visible in the process list: prefer the "
+                   "DSPARK_API_KEY environment variable or --api-key-file)",
+        "api_key_file": "read the API key from this file at start-up",
+        "served_model_name": "model name in the API",
+        "max_body_bytes": "largest request body (bigger: HTTP 413)",
+        "max_json_depth": "deepest JSON nesting accepted in a request body",
+        "shutdown_timeout": "on SIGTERM: seconds in-flight requests may finish before their streams are cut",
         "log_level": "debug, info, warning or error",
     }
     out = []
@@ -101,7 +108,7 @@ def resolve(argv: list[str] | None = None) -> tuple[ModelConfig, DrafterConfig, 
     values = vars(parser.parse_args([]))           # the component configs' defaults
     values.update(load_config_file(args.config))    # then the config file
     values.update(given)                            # then the flags actually given
-    for k in ("model", "drafter_path", "cache_dir", "api_key", "served_model_name"):
+    for k in ("model", "drafter_path", "cache_dir", "api_key", "api_key_file", "served_model_name"):
         if values.get(k) in ("", "none", "None"):
             values[k] = None
     if values.get("block_size") in ("", "none", "None"):
@@ -114,15 +121,34 @@ def resolve(argv: list[str] | None = None) -> tuple[ModelConfig, DrafterConfig, 
     return tuple(out)
 
 
+API_KEY_ENV = "DSPARK_API_KEY"
+
+
+def resolve_api_key(cfg: ServerConfig, environ) -> ServerConfig:
+    """Fill `api_key` at start-up from `api_key_file` or, when neither is given, from the
+    DSPARK_API_KEY environment variable (so the key need not be on the command line)."""
+    if cfg.api_key_file is not None:
+        try:
+            key = Path(cfg.api_key_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read api_key_file {cfg.api_key_file!r}: {exc.strerror}") from exc
+        if not key:
+            raise ValueError(f"api_key_file {cfg.api_key_file!r} is empty")
+        return dataclasses.replace(cfg, api_key=key, api_key_file=None)
+    if cfg.api_key is None and environ.get(API_KEY_ENV):
+        return dataclasses.replace(cfg, api_key=environ[API_KEY_ENV].strip())
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         model_cfg, drafter_cfg, sched_cfg, server_cfg = resolve(argv)
+        server_cfg = resolve_api_key(server_cfg, os.environ)
     except ValueError as exc:
         print(f"dspark-serve: error: {exc}", file=sys.stderr)
         sys.exit(2)
     logging.basicConfig(level=server_cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
     from prometheus_client import CollectorRegistry
 
     # The engine side (torch) is imported only here, at run time: server/ modules never need it.
@@ -130,15 +156,19 @@ def main(argv: list[str] | None = None) -> None:
     from scheduler.builder import build_engine
     from scheduler.metrics import EngineMetrics
     from server.app import build_app
+    from server.serve import serve
 
     registry = CollectorRegistry()
     name = server_cfg.served_model_name or (Path(model_cfg.model).stem if model_cfg.model else "SmolLM2-135M-Instruct")
     metrics = EngineMetrics(registry, name)
-    engine = AsyncEngine(lambda: build_engine(model_cfg, drafter_cfg, sched_cfg, metrics),
+    engine = AsyncEngine(lambda on_stage=None: build_engine(model_cfg, drafter_cfg, sched_cfg, metrics,
+                                                            on_stage=on_stage),
                          model_name=name, max_model_len=model_cfg.max_model_len)
     engine.start()
     app = build_app(engine, server_cfg, registry)
-    uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level)
+    serve(app, engine, server_cfg.host, server_cfg.port, server_cfg.log_level,
+          server_cfg.shutdown_timeout)
+    engine.stop()
 
 
 if __name__ == "__main__":

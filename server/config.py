@@ -11,11 +11,21 @@ class ServerConfig:
     port: int = 8000
     """TCP port."""
     api_key: str | None = None
-    """When set, /v1/* requires `Authorization: Bearer <api_key>`."""
+    """When set, /v1/* requires `Authorization: Bearer <api_key>`. Prefer the DSPARK_API_KEY
+    environment variable or `api_key_file` (a flag is visible in the process list)."""
+    api_key_file: str | None = None
+    """A file whose content (surrounding whitespace stripped) is the API key, read at start-up."""
     served_model_name: str | None = None
     """Name in /v1/models and responses; None = the model's own name."""
     log_level: str = "info"
     """debug, info, warning or error."""
+    max_body_bytes: int = 4 * 2**20
+    """Largest request body accepted; a bigger one is answered 413 without being parsed."""
+    max_json_depth: int = 32
+    """Deepest nesting of arrays/objects accepted in a request body (deeper: 400)."""
+    shutdown_timeout: float = 30.0
+    """On SIGTERM (or `drain`): seconds in-flight requests may still run before their streams
+    are ended with an error event and finish_reason `abort`."""
 
     def __post_init__(self) -> None:
         if not (0 < self.port < 65536):
@@ -24,3 +34,11 @@ class ServerConfig:
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError(f"give api_key or api_key_file, not both (api_key_file={self.api_key_file!r})")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes!r}")
+        if not (2 <= self.max_json_depth <= 256):
+            raise ValueError(f"max_json_depth must be in [2, 256], got {self.max_json_depth!r}")
+        if not (0 <= self.shutdown_timeout <= 3600):
+            raise ValueError(f"shutdown_timeout must be in [0, 3600] seconds, got {self.shutdown_timeout!r}")

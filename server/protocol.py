@@ -1,17 +1,40 @@
-"""OpenAI request/response schemas (the subset this server implements)."""
+"""OpenAI request/response schemas (the subset this server implements).
+
+Fields are strict: a string is never coerced to a number (`"max_tokens": "10"` is a 400), a
+number never to a bool. Parameters of the OpenAI API that this server does not implement are
+listed in UNSUPPORTED and answered 400 by name (never silently ignored); see `check_extras`.
+"""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+
+def _no_text_or_bool(v):
+    # JSON has one number type: 10.0 is a valid integer (JSON Schema agrees), "10" and true are not.
+    if isinstance(v, (str, bool)):
+        raise ValueError(f"Input should be a valid integer, got {type(v).__name__}")
+    return v
+
+
+# An integer field: integral JSON numbers (10 or 10.0) only; never a string or a bool.
+Int = Annotated[int, Field(strict=False), BeforeValidator(_no_text_or_bool)]
+
+# Every seed torch's generator accepts (int64 and uint64 alike).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -25,20 +48,22 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    seed: int | None = None
+    top_k: Int = Field(default=0, ge=-1, le=2**31 - 1)
+    seed: Int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=128)
+    n: Int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -55,11 +80,84 @@ class _Sampling(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    top_logprobs: int | None = None
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    top_logprobs: Int | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False
+    prompt: str | list[str] | list[Int]
+    # OpenAI's default; `null` means the default too (not "up to the context limit").
+    max_tokens: Int | None = Field(default=16, ge=1)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error this server returns: `{"error": {message, type, param, code}}`."""
+
+    error: ErrorDetail
+
+
+# OpenAI parameters this server does not implement. A request that sets one to anything but its
+# neutral value (listed here; a missing entry means only null) is refused with a 400 naming it.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),
+    "functions": ([],),
+    "function_call": ("none",),
+    "logit_bias": ({},),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "web_search_options": (),
+}
+# OpenAI parameters that do not change what is generated; accepted and not used.
+ACCEPTED_UNUSED = ("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+
+
+def check_extras(body: dict, schema: type[BaseModel]) -> tuple[dict, str | None, str | None]:
+    """Drop accepted-but-unused keys and neutral unsupported ones from a raw request body.
+
+    Returns (cleaned body, offending parameter or None, message)."""
+    out = {}
+    for key, value in body.items():
+        if key in schema.model_fields:
+            out[key] = value
+        elif key in ACCEPTED_UNUSED:
+            continue
+        elif key in UNSUPPORTED:
+            if value is None or any(value == v and type(value) is type(v) for v in UNSUPPORTED[key]):
+                continue
+            return out, key, f"`{key}` is not supported by this server"
+        else:
+            return out, key, f"Unrecognized request argument supplied: {key}"
+    return out, None, None
+
+
+def check_content_parts(body: dict) -> tuple[str | None, str | None]:
+    """A readable error for non-text content parts (images, audio, files): (param, message)."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        return None, None
+    for i, m in enumerate(msgs):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                return (f"messages.{i}.content.{j}",
+                        f"content parts of type `{kind}` are not supported: this model reads text only")
+    return None, None

@@ -124,11 +124,15 @@ def _load_gguf(gguf: Path, cache_dir: Path | None):
 
     cached = None
     if cache_dir is not None:
+        # Keyed by the file's name and size only: nothing that differs between runs.
         cached = cache_dir / f"{gguf.stem}-{gguf.stat().st_size}"
-        if (cached / "config.json").is_file():
+        problem = conversion_problem(cached)
+        if problem is None:
             log.info("loading cached conversion %s", cached)
             return (AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32),
                     AutoTokenizer.from_pretrained(cached))
+        if cached.exists():
+            log.warning("cached conversion %s is damaged (%s); converting again", cached.name, problem)
     log.info("converting %s (first start only)", gguf.name)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -140,6 +144,37 @@ def _load_gguf(gguf: Path, cache_dir: Path | None):
     return model, tok
 
 
+def conversion_problem(path: Path) -> str | None:
+    """Why a cached conversion cannot be trusted (None: it is complete). Checks that the config
+    parses, a tokenizer is there, and the safetensors file is exactly as long as its own header
+    says (a truncated or partly written file never is)."""
+    import json
+    import struct
+
+    if not path.is_dir():
+        return "missing"
+    try:
+        json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"config.json unreadable: {exc}"
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return "no tokenizer"
+    st = path / "model.safetensors"
+    try:
+        size = st.stat().st_size
+        with st.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size:
+                return "model.safetensors header truncated"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error) as exc:
+        return f"model.safetensors unreadable: {exc}"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if size != 8 + n + end:
+        return f"model.safetensors has {size} bytes, its header describes {8 + n + end}"
+    return None
+
+
 def _save_plain(model, tok, dest: Path) -> None:
     """Write config + safetensors + tokenizer (the GGUF model itself refuses save_pretrained)."""
     import json
@@ -147,7 +182,9 @@ def _save_plain(model, tok, dest: Path) -> None:
 
     from safetensors.torch import save_file
 
-    tmp = dest.with_name(dest.name + ".tmp")
+    # Written under a temporary name, then renamed: a kill mid-way never leaves a directory
+    # that looks complete.
+    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     cfg = model.config.to_dict()

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The seeds torch.Generator.manual_seed accepts (int64 and uint64 alike).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,8 +27,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+        if not (0 <= self.top_k < 2**63):
+            raise ValueError(f"top_k must be in [0, 2**63), got {self.top_k!r}")
+        if self.seed is not None and not (SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

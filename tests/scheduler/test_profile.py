@@ -2,6 +2,8 @@
 on demand, and fed to the load-aware policy."""
 import json
 
+import torch
+
 from scheduler import profile
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
@@ -30,7 +32,7 @@ def test_profile_is_measured_cached_and_reprofiled(tmp_path, monkeypatch):
     assert set(raw["by_context"]) == {"16", "64"}
     assert runner.blocks.num_free_blocks == runner.blocks.num_blocks   # profiling frees its KV
     cached = list((tmp_path / "cost-tables").glob("tiny-cpu-*.json"))
-    assert len(cached) == 1 and json.loads(cached[0].read_text())["steps_per_second"] == list(sps)
+    assert len(cached) == 1 and json.loads(cached[0].read_text())["profile"]["steps_per_second"] == list(sps)
     table2, _, source2 = profile.load_or_profile(runner, "tiny", tmp_path)
     assert source2.startswith("cached") and table2 == table and len(calls) == 1
     _, _, source3 = profile.load_or_profile(runner, "tiny", tmp_path, reprofile=True)
@@ -97,3 +99,57 @@ def test_online_confidence_drafters_still_explore():
     while engine.has_work():
         engine.step()
     assert r.spec.rounds >= 5 and r.spec.drafted == r.spec.rounds   # length 1 every 4th step
+
+
+def _quick_measure(monkeypatch):
+    monkeypatch.setattr(profile, "BATCH_SIZES", (1, 4))
+    calls = []
+    real = profile.measure
+
+    def counting(r, *a, **k):
+        calls.append(1)
+        return real(r, batch_sizes=(1, 4), context_lens=(16,), repeats=1)
+
+    monkeypatch.setattr(profile, "measure", counting)
+    return calls
+
+
+def test_truncated_or_edited_cache_is_detected_and_rebuilt(tmp_path, monkeypatch):
+    calls = _quick_measure(monkeypatch)
+    runner = runner_for(tiny_model("llama"), num_blocks=512, block_size=16)
+    table, _, _ = profile.load_or_profile(runner, "tiny", tmp_path)
+    (path,) = (tmp_path / "cost-tables").glob("tiny-*.json")
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])                  # a kill mid-write, say
+    _, _, source = profile.load_or_profile(runner, "tiny", tmp_path)
+    assert source.startswith("measured") and len(calls) == 2
+    assert profile.read_cached(path) is not None              # rebuilt, whole again
+    doc = json.loads(path.read_text())
+    doc["profile"]["steps_per_second"][0] *= 10              # a tampered table is not trusted
+    path.write_text(json.dumps(doc))
+    _, _, source = profile.load_or_profile(runner, "tiny", tmp_path)
+    assert source.startswith("measured") and len(calls) == 3
+    assert not list((tmp_path / "cost-tables").glob(".*.tmp"))   # no temporary files left
+
+
+def test_second_start_from_a_cached_copy_uses_the_cached_table(tmp_path, monkeypatch):
+    """The key ignores what differs between a freshly made model and the copy reloaded from
+    the conversion cache (its path, dtype field, library version)."""
+    from transformers import AutoModelForCausalLM
+
+    from verifier.loader import _save_plain
+
+    calls = _quick_measure(monkeypatch)
+    first = tiny_model("llama")
+    _, _, source = profile.load_or_profile(runner_for(first, num_blocks=512, block_size=16), "tiny", tmp_path)
+    assert source.startswith("measured")
+
+    class Tok:
+        def save_pretrained(self, d):
+            (d / "tokenizer_config.json").write_text("{}")
+
+    _save_plain(first, Tok(), tmp_path / "copy")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "copy", dtype=torch.float32).eval()
+    assert again.config.to_dict() != first.config.to_dict()    # the configs do differ
+    _, _, source = profile.load_or_profile(runner_for(again, num_blocks=512, block_size=16), "tiny", tmp_path)
+    assert source.startswith("cached") and len(calls) == 1

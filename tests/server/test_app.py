@@ -146,3 +146,166 @@ def test_server_package_never_imports_torch():
     code = ("import sys, server.app, server.cli, server.protocol, server.config; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# -- issue: no request can hurt another (validation at the edge) ------------------------------
+
+class VocabEngine(FakeEngine):
+    vocab_size = 100
+    loading_stage = None
+    draining = False
+
+
+def test_strict_types_no_coercion():
+    c = client()
+    assert_error(chat(c, max_tokens="10"), 400, "max_tokens")
+    assert_error(chat(c, stream="true"), 400, "stream")
+    assert_error(chat(c, temperature="0.5"), 400, "temperature")
+    assert_error(chat(c, seed=1.5), 400, "seed")
+    assert_error(c.post("/v1/completions", json={"prompt": [1, "2"]}), 400)
+    assert chat(c, temperature=1).status_code == 200          # an int is a valid float
+
+
+def test_seed_range():
+    eng = FakeEngine()
+    c = client(eng)
+    assert_error(chat(c, seed=2**64), 400, "seed")
+    assert_error(chat(c, seed=-(2**63) - 1), 400, "seed")
+    assert chat(c, seed=2**64 - 1).status_code == 200 and eng.last_params.seed == 2**64 - 1
+
+
+def test_prompt_token_ids_range_checked():
+    eng = VocabEngine()
+    c = client(eng)
+    for bad in ([-1], [100], [5, 10**12]):
+        err = assert_error(c.post("/v1/completions", json={"prompt": bad, "max_tokens": 4}), 400, "prompt")
+        assert "out of range" in err["message"]
+    assert c.post("/v1/completions", json={"prompt": [0, 99], "max_tokens": 4}).status_code == 200
+
+
+def test_unsupported_parameters_are_named():
+    c = client()
+    for key, value in (("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+                       ("tool_choice", "auto"), ("logit_bias", {"5": 1}), ("top_logprobs", 2),
+                       ("parallel_tool_calls", 1)):
+        err = assert_error(chat(c, **{key: value}), 400, key)
+        assert key in err["message"]
+    for key, value in (("echo", True), ("suffix", "x"), ("best_of", 3), ("logit_bias", {"1": 2})):
+        assert_error(c.post("/v1/completions", json={"prompt": "hi", key: value}), 400, key)
+    err = assert_error(chat(c, frobnicate=1), 400, "frobnicate")
+    assert "Unrecognized" in err["message"]
+    # neutral values and parameters that do not change generation are fine
+    assert chat(c, response_format={"type": "text"}, tools=[], logit_bias=None, store=False,
+                metadata={"a": "b"}, user="u").status_code == 200
+
+
+def test_image_content_part_gets_a_readable_error():
+    c = client()
+    err = assert_error(chat(c, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400)
+    assert err["param"] == "messages.0.content.1" and "image_url" in err["message"]
+
+
+def test_completions_max_tokens_null_is_16():
+    eng = FakeEngine()
+    c = client(eng)
+    assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": None}).status_code == 200
+    assert eng.last_params.max_tokens == 16
+    c.post("/v1/completions", json={"prompt": "hi"})
+    assert eng.last_params.max_tokens == 16
+
+
+def test_body_limit_and_json_depth():
+    c = client(max_body_bytes=2048, max_json_depth=8)
+    err = assert_error(c.post("/v1/chat/completions", content=b"x" * 5000,
+                              headers={"content-type": "application/json"}), 413)
+    assert "2048" in err["message"]
+
+    def chunks():  # no Content-Length: counted while read
+        for _ in range(5):
+            yield b"x" * 1000
+    assert_error(c.post("/v1/chat/completions", content=chunks(),
+                        headers={"content-type": "application/json"}), 413)
+    deep = b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 9 + b"]" * 9 + b"}"
+    assert_error(c.post("/v1/chat/completions", content=deep,
+                        headers={"content-type": "application/json"}), 400)
+    very_deep = b'{"x": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    assert_error(client(max_json_depth=8).post("/v1/chat/completions", content=very_deep,
+                                               headers={"content-type": "application/json"}), 400)
+    assert c.get("/health").status_code == 200
+
+
+def test_http_details_allow_retry_after_auth_headers():
+    r = client().get("/v1/chat/completions")
+    assert_error(r, 405)
+    assert r.headers["allow"] == "POST"
+    r = chat(client(), max_tokens=13)
+    assert_error(r, 429)
+    assert r.json()["error"]["code"] == "rate_limit_exceeded" and int(r.headers["retry-after"]) >= 1
+    c = client(api_key="sekret")
+    r = chat(c)
+    assert_error(r, 401)
+    assert r.headers["www-authenticate"].startswith("Bearer")
+    assert chat(c, headers={"Authorization": "bearer sekret"}).status_code == 200
+    assert chat(c, headers={"Authorization": "BEARER sekret"}).status_code == 200
+    assert_error(chat(c, headers={"Authorization": "Basic sekret"}), 401)
+
+
+def test_errors_are_counted_in_metrics():
+    c = client()
+    chat(c, max_tokens=13)
+    chat(c, max_tokens=13)
+    chat(c, n=5)
+    text = c.get("/metrics").text
+    assert 'dspark:http_errors_total{status="429"} 2.0' in text
+    assert 'dspark:http_errors_total{status="400"} 1.0' in text
+    assert 'dspark:http_errors_total{status="413"} 0.0' in text
+
+
+def test_model_by_id():
+    c = client()
+    assert c.get("/v1/models/fake-model").json()["id"] == "fake-model"
+    assert_error(c.get("/v1/models/other"), 404, "model")
+
+
+def test_openapi_documents_bodies_errors_and_metrics():
+    doc = client().get("/openapi.json").json()
+    for path, schema in (("/v1/chat/completions", "ChatCompletionRequest"),
+                         ("/v1/completions", "CompletionRequest")):
+        op = doc["paths"][path]["post"]
+        ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.endswith(schema) and schema in doc["components"]["schemas"]
+        for status in ("400", "413", "429", "503"):
+            assert op["responses"][status]["content"]["application/json"]["schema"]["$ref"].endswith(
+                "ErrorResponse")
+    assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert "/v1/models/{model_id}" in doc["paths"]
+
+
+def test_health_shows_what_is_loading_and_draining():
+    eng = VocabEngine(ready=False)
+    eng.loading_stage = "measuring the cost table"
+    c = client(eng)
+    err = assert_error(c.get("/health"), 503)
+    assert "measuring the cost table" in err["message"]
+    eng._ready, eng.draining = True, True
+    assert assert_error(c.get("/health"), 503)["code"] == "draining"
+    assert_error(chat(c), 503)
+
+
+def test_api_key_from_environment_or_file(tmp_path):
+    from server.cli import resolve_api_key
+
+    cfg = ServerConfig()
+    assert resolve_api_key(cfg, {}).api_key is None
+    assert resolve_api_key(cfg, {"DSPARK_API_KEY": "from-env"}).api_key == "from-env"
+    f = tmp_path / "key"
+    f.write_text("from-file\n")
+    assert resolve_api_key(ServerConfig(api_key_file=str(f)), {"DSPARK_API_KEY": "x"}).api_key == "from-file"
+    with pytest.raises(ValueError, match="nope"):
+        resolve_api_key(ServerConfig(api_key_file=str(tmp_path / "nope")), {})
+    with pytest.raises(ValueError, match="30000"):
+        ServerConfig(shutdown_timeout=30000)
+    with pytest.raises(ValueError, match="12"):
+        ServerConfig(max_body_bytes=12)

@@ -3,6 +3,7 @@ client: chat (plain and streamed), stop strings, usage, every error, disconnects
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import threading
 import time
@@ -34,7 +35,8 @@ def free_port() -> int:
 
 class LiveServer:
     def __init__(self, drafter="ngram", api_key=None, max_num_seqs=8, max_waiting=64,
-                 verify_policy="static:4"):
+                 verify_policy="static:4", build=None, max_len=MAX_LEN, server_config=None):
+        """build(metrics) -> EngineBundle replaces the embedded model (e.g. a tiny one)."""
         registry = CollectorRegistry()
         metrics = EngineMetrics(registry, MODEL)
         cfgs = (ModelConfig(max_model_len=MAX_LEN, kv_cache_tokens=16384, dtype="float32"),
@@ -44,12 +46,14 @@ class LiveServer:
                 # the random draws) depend on earlier requests.
                 SchedulerConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting,
                                 verify_policy=verify_policy))
-        self.engine = AsyncEngine(lambda: build_engine(*cfgs, metrics=metrics, profile=False),
-                                  MODEL, MAX_LEN)
+        make = (lambda: build(metrics)) if build else (lambda: build_engine(*cfgs, metrics=metrics,
+                                                                              profile=False))
+        self.engine = AsyncEngine(make, MODEL, max_len)
         self.engine.start()
         assert self.engine.wait_ready(timeout=300), self.engine.load_error
         self.port = free_port()
-        app = build_app(self.engine, ServerConfig(port=self.port, api_key=api_key), registry)
+        cfg = server_config or ServerConfig()
+        app = build_app(self.engine, dataclasses.replace(cfg, port=self.port, api_key=api_key), registry)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                     log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -1,0 +1,135 @@
+"""No request can hurt another inside the engine: everything a request brings is checked when it
+is added; a request found bad before a step changes any state is failed alone; a step that fails
+later fails only its batch, cleanly (KV freed), and everyone else's output is unchanged."""
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from drafter.ngram import NgramConfig, NgramDrafter
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine, RequestRejected
+from scheduler.metrics import EngineMetrics
+from scheduler.request import Request
+from tests.helpers import ByteTokenizer, runner_for, tiny_model
+from verifier.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def make_engine(model=None, metrics=None, drafter=None):
+    return Engine(runner_for(model or tiny_model("llama"), num_blocks=256), ByteTokenizer(),
+                  SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                  verify_policy="static:3" if drafter else "none"),
+                  max_model_len=512, drafter=drafter, metrics=metrics)
+
+
+def prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 23, 41)]
+
+
+def run(engine, reqs, inject=None):
+    """Add reqs, step to the end; inject(step) may tamper before a step. Returns outputs by id."""
+    for r in reqs:
+        engine.add_request(r)
+    outs: dict[str, list] = {}
+    step = 0
+    while engine.has_work():
+        if inject is not None:
+            inject(step)
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        step += 1
+        assert step < 1000
+    return outs
+
+
+def fresh(ps, n=16):
+    return [Request(f"r{i}", list(p), GREEDY, n, ignore_eos=True) for i, p in enumerate(ps)]
+
+
+def assert_all_blocks_free(engine):
+    b = engine.runner.blocks
+    assert b.num_free_blocks == b.num_blocks and engine.reserved_blocks == 0
+    assert not engine.running and not engine.waiting and not engine.requests
+
+
+@pytest.mark.parametrize("bad,param", [([-1], "prompt"), ([257], "prompt"), ([1, 10**12], "prompt"),
+                                       ([1, 2.0], "prompt"), ([True], "prompt")])
+def test_add_request_rejects_out_of_range_or_odd_token_ids(bad, param):
+    engine = make_engine()
+    with pytest.raises(RequestRejected) as e:
+        engine.add_request(Request("x", bad, GREEDY, 4))
+    assert e.value.status == 400 and e.value.param == param
+    assert not engine.waiting and not engine.requests
+
+
+def test_add_request_rejects_duplicates_and_bad_lengths():
+    engine = make_engine()
+    engine.add_request(Request("x", [1, 2], GREEDY, 4))
+    with pytest.raises(RequestRejected):
+        engine.add_request(Request("x", [1, 2], GREEDY, 4))
+    with pytest.raises(RequestRejected) as e:
+        engine.add_request(Request("y", [1, 2], GREEDY, 0))
+    assert e.value.param == "max_tokens"
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_a_request_gone_bad_fails_alone(speculate):
+    ps = prompts()
+    model = tiny_model("llama")
+    alone = run(make_engine(model, drafter=NgramDrafter(NgramConfig(block_size=3)) if speculate else None), fresh(ps))
+    engine = make_engine(model, drafter=NgramDrafter(NgramConfig(block_size=3)) if speculate else None)
+    evil = Request("evil", [5] * 30, GREEDY, 16, ignore_eos=True)
+
+    def tamper(step):  # corrupt a queued prompt after admission checks: caught before the step
+        if step == 0:
+            evil.prompt_ids[-1] = 10**9
+    outs = run(engine, fresh(ps) + [evil], tamper)
+    assert outs["evil"][-1].error and outs["evil"][-1].finish_reason == "error"
+    for rid, o in alone.items():
+        assert [t for x in outs[rid] for t in x.token_ids] == [t for x in o for t in x.token_ids], rid
+        assert outs[rid][-1].finish_reason == "length" and outs[rid][-1].error is None
+    assert_all_blocks_free(engine)
+
+
+def test_a_failing_step_fails_its_batch_cleanly_and_the_engine_goes_on():
+    ps = prompts()
+    model = tiny_model("llama")
+    alone = run(make_engine(model), fresh(ps[:1]))
+    engine = make_engine(model)
+    real = engine.runner.forward
+    calls = {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated device fault")
+        return real(*a, **k)
+
+    engine.runner.forward = flaky
+    outs = run(engine, fresh(ps[1:]))
+    assert all(o[-1].finish_reason == "error" and o[-1].error for o in outs.values())
+    assert_all_blocks_free(engine)
+    after = run(engine, fresh(ps[:1]))      # the engine still serves, with identical output
+    assert [t for x in after["r0"] for t in x.token_ids] == [t for x in alone["r0"] for t in x.token_ids]
+    assert_all_blocks_free(engine)
+
+
+def test_metrics_drop_aborted_requests_and_export_spec_counters_from_the_start():
+    reg = CollectorRegistry()
+    metrics = EngineMetrics(reg, "m")
+    labels = {"model_name": "m"}
+    assert reg.get_sample_value("dspark:spec_decode_num_drafts_total", labels) == 0.0
+    assert reg.get_sample_value("dspark:spec_decode_num_accepted_tokens_total", labels) == 0.0
+    engine = make_engine(metrics=metrics)
+    engine.add_request(Request("a", [1, 2, 3], GREEDY, 50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert reg.get_sample_value("dspark:num_requests_running", labels) == 1.0
+    assert reg.get_sample_value("dspark:kv_cache_usage_perc", labels) > 0
+    engine.abort("a")                       # the last request: no step follows
+    assert reg.get_sample_value("dspark:num_requests_running", labels) == 0.0
+    assert reg.get_sample_value("dspark:kv_cache_usage_perc", labels) == 0.0
