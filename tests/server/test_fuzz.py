@@ -27,13 +27,15 @@ TINY_LEN = 96
 
 
 def tiny_bundle(metrics) -> EngineBundle:
-    from verifier.loader import load_target
+    import torch
+
+    from verifier.loader import DtypeChoice, load_target
 
     tok = load_target(None).tokenizer           # the embedded model's tokenizer (chat template)
     engine = Engine(runner_for(tiny_model("llama", vocab=len(tok)), num_blocks=512, block_size=16),
                     tok, SchedulerConfig(max_num_seqs=8, max_waiting=64), max_model_len=TINY_LEN,
                     metrics=metrics)
-    return EngineBundle(engine, tok, "tiny", None, "none")
+    return EngineBundle(engine, tok, "tiny", None, "none", DtypeChoice(torch.float32, "test: tiny model"))
 
 
 @pytest.fixture(scope="module")
