@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scheduler.client import TokenRecord
 from scheduler.detokenizer import IncrementalDetokenizer
 from verifier.sampling_params import SamplingParams
 
@@ -87,3 +88,4 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     spec: SpecStats | None = None
+    tokens: list[TokenRecord] = field(default_factory=list)  # one per token_ids entry
