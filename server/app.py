@@ -167,8 +167,12 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         except StopAsyncIteration:
             return None
 
+    def token_records(d: StreamDelta | None) -> list[dict]:
+        return [] if d is None else [{"id": t.token_id, "text": t.text, "kind": t.kind,
+                                      "position": t.draft_position} for t in d.tokens]
+
     async def run(request: Request, kind: str, prompt_ids: list[int], params: GenerationParams,
-                  stream: bool, include_usage: bool):
+                  stream: bool, include_usage: bool, provenance: bool = False):
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
@@ -185,12 +189,13 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
 
         if not stream:
             watcher = asyncio.create_task(watch_disconnect(request, rid))
-            parts, last = [], first
+            parts, last, records = [], first, token_records(first)
             try:
                 if first is not None:
                     parts.append(first.text)
                     async for d in gen:
                         parts.append(d.text)
+                        records += token_records(d)
                         last = d
             except EngineError as exc:
                 raise ApiError(exc.status, str(exc), exc.param)
@@ -198,19 +203,24 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                 watcher.cancel()
                 await gen.aclose()
             completion = last.completion_tokens if last else 0
-            return {"id": rid, "object": obj, "created": created, "model": name,
+            body = {"id": rid, "object": obj, "created": created, "model": name,
                     "choices": [choice("".join(parts), last.finish_reason if last else "stop", False)],
                     "usage": usage(last, len(prompt_ids), completion)}
+            if provenance:
+                body["dspark"] = {"tokens": records}
+            return body
 
         chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def sse(payload: dict) -> str:
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-        def chunk(choices: list, u: dict | None = None) -> str:
+        def chunk(choices: list, u: dict | None = None, tokens: list[dict] | None = None) -> str:
             p = {"id": rid, "object": chunk_obj, "created": created, "model": name, "choices": choices}
             if include_usage:
                 p["usage"] = u
+            if tokens:
+                p["dspark"] = {"tokens": tokens}
             return sse(p)
 
         async def events():
@@ -223,8 +233,9 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                 while True:
                     for d in pending:
                         last = d
-                        if d.text:
-                            yield chunk([choice(d.text, None, True)])
+                        tokens = token_records(d) if provenance else None
+                        if d.text or tokens:
+                            yield chunk([choice(d.text, None, True)], tokens=tokens)
                         if d.finished:
                             yield chunk([{**choice("", d.finish_reason, True),
                                           **({"delta": {}} if kind == "chat" else {})}])
@@ -256,7 +267,8 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = gen_params(req, len(prompt_ids), max_tokens)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(request, "chat", prompt_ids, params, req.stream, include_usage)
+        return await run(request, "chat", prompt_ids, params, req.stream, include_usage,
+                         bool(req.dspark and req.dspark.provenance))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -274,6 +286,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             raise ApiError(400, "prompt must not be empty", "prompt")
         params = gen_params(req, len(prompt_ids), req.max_tokens)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(request, "completion", prompt_ids, params, req.stream, include_usage)
+        return await run(request, "completion", prompt_ids, params, req.stream, include_usage,
+                         bool(req.dspark and req.dspark.provenance))
 
     return app

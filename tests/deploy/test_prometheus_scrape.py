@@ -63,7 +63,7 @@ def test_prometheus_scrapes_spec_decode_series(tmp_path):
     try:
         client = server.client()
         client.chat.completions.create(
-            model=MODEL, max_tokens=40, temperature=0,
+            model=MODEL, max_tokens=40, temperature=0, seed=0,  # seeded: drafts whatever the draft gate says
             messages=[{"role": "user", "content": "Repeat this line four times: the cat sat on the mat."}])
         assert server.idle()
         drafted = server_value(server.url, "dspark:spec_decode_num_draft_tokens_total")

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from scheduler.client import EngineError, GenerationParams, RuntimeInfo, StreamDelta
+from scheduler.client import EngineError, GenerationParams, RuntimeInfo, StreamDelta, TokenRecord
 from server.app import build_app
 from server.config import ServerConfig
 
@@ -43,9 +43,11 @@ class FakeEngine:
         if params.max_tokens == 13:
             raise EngineError("the server is at capacity; retry later", 429)
         words = ["Hel", "lo", " wor", "ld"]
+        kinds = [("plain", None), ("draft", 0), ("draft", 1), ("bonus", None)]
         for i, w in enumerate(words):
             last = i == len(words) - 1
-            yield StreamDelta(w, [i], last, "stop" if last else None, len(prompt_ids), i + 1)
+            yield StreamDelta(w, [i], last, "stop" if last else None, len(prompt_ids), i + 1,
+                              tokens=[TokenRecord(i, w, *kinds[i])])
 
     def abort(self, request_id):
         self.aborted.append(request_id)
@@ -146,3 +148,31 @@ def test_server_package_never_imports_torch():
     code = ("import sys, server.app, server.cli, server.protocol, server.config; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+PROVENANCE = [{"id": 0, "text": "Hel", "kind": "plain", "position": None},
+              {"id": 1, "text": "lo", "kind": "draft", "position": 0},
+              {"id": 2, "text": " wor", "kind": "draft", "position": 1},
+              {"id": 3, "text": "ld", "kind": "bonus", "position": None}]
+
+
+def test_provenance_is_opt_in_and_namespaced():
+    import json
+    c = client()
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    assert "dspark" not in chat(c, **{k: v for k, v in body.items() if k != "messages"}).json()
+    r = c.post("/v1/chat/completions", json={**body, "dspark": {"provenance": True}})
+    assert r.json()["dspark"] == {"tokens": PROVENANCE}
+    assert r.json()["choices"][0]["message"]["content"] == "Hello world"
+    for opt, want in (({}, []), ({"dspark": {"provenance": True}}, PROVENANCE)):
+        with c.stream("POST", "/v1/chat/completions", json={**body, **opt, "stream": True}) as s:
+            chunks = [json.loads(l[6:]) for l in s.iter_lines() if l and l != "data: [DONE]"]
+        got = [t for ch in chunks for t in ch.get("dspark", {}).get("tokens", [])]
+        assert got == want
+        for ch in chunks:  # each chunk's tokens carry exactly that chunk's text
+            if "dspark" in ch:
+                assert "".join(t["text"] for t in ch["dspark"]["tokens"]) == ch["choices"][0]["delta"]["content"]
+    r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "dspark": {"provenance": True}})
+    assert r.json()["dspark"]["tokens"] == PROVENANCE
+    assert_error(c.post("/v1/chat/completions", json={**body, "dspark": {"provenence": True}}), 400,
+                 "dspark.provenence")
