@@ -7,11 +7,12 @@ import logging
 import time
 import uuid
 from dataclasses import asdict
+from importlib import resources
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -81,6 +82,13 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             if header != f"Bearer {config.api_key}":
                 return error_response(401, "invalid or missing API key", code="invalid_api_key")
         return await call_next(request)
+
+    @app.get("/", include_in_schema=False)
+    async def live_page():
+        """The live page: a chat box streaming token provenance and gauges from /metrics
+        (server/static/index.html; everything it needs is in that one file)."""
+        page = resources.files("server").joinpath("static", "index.html").read_text(encoding="utf-8")
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
     @app.get("/health")
     async def health():

@@ -176,3 +176,17 @@ def test_provenance_is_opt_in_and_namespaced():
     assert r.json()["dspark"]["tokens"] == PROVENANCE
     assert_error(c.post("/v1/chat/completions", json={**body, "dspark": {"provenence": True}}), 400,
                  "dspark.provenence")
+
+
+def test_live_page_is_served_self_contained():
+    c = client(api_key="k3y")  # the page itself needs no key; it asks for one
+    r = c.get("/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    page = r.text
+    for needle in ('id="prompt"', 'id="output"', 'id="g-running"', 'id="g-kv"', 'id="cost-chart"',
+                   "dspark: {provenance: true}", "/metrics", "sessionStorage"):
+        assert needle in page, needle
+    # no build step, no CDN: nothing is loaded from another origin
+    import re
+    assert not re.search(r'(src|href)\s*=\s*"(https?:)?//', page)
+    assert "<script src" not in page and "@import" not in page
