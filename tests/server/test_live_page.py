@@ -69,13 +69,17 @@ class DevTools:
         return res["result"].get("value")
 
     def wait(self, expr: str, timeout: float = 120.0):
-        t0 = time.monotonic()
+        """Poll until `expr` is truthy (errors count as not yet: the page may still be loading)."""
+        t0, last = time.monotonic(), None
         while time.monotonic() - t0 < timeout:
-            v = self.js(expr)
+            try:
+                v = self.js(expr)
+            except RuntimeError as exc:
+                v, last = None, exc
             if v:
                 return v
             time.sleep(0.25)
-        raise AssertionError(f"timed out waiting for {expr}")
+        raise AssertionError(f"timed out waiting for {expr} (last error: {last})")
 
     def close(self) -> None:
         try:
@@ -158,3 +162,52 @@ if __name__ == "__main__":
             print(drive(s.url + "/", d, Path(sys.argv[1])))
     finally:
         s.close()
+
+
+def test_live_page_asks_for_the_api_key_and_keeps_it_in_the_tab(tmp_path):
+    """Over the fake engine (no model): the page shows the key box on 401, then works with
+    the key, which lives in sessionStorage, never in localStorage or a cookie."""
+    if browser_binary() is None:
+        pytest.skip("no Chromium: install the OS package `chromium` (apt-get install chromium)")
+    pytest.importorskip("websocket", reason="websocket-client is in the test extra")
+    import threading
+
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    from server.app import build_app
+    from server.config import ServerConfig
+    from tests.server.test_app import FakeEngine
+    from tests.server.test_e2e import free_port
+
+    port = free_port()
+    app = build_app(FakeEngine(), ServerConfig(port=port, api_key="k3y"), CollectorRegistry())
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    while not srv.started:
+        time.sleep(0.05)
+    b = DevTools(browser_binary(), str(tmp_path / "profile"))
+    try:
+        b.call("Page.enable")
+        b.call("Page.navigate", url=f"http://127.0.0.1:{port}/")
+        b.wait("getComputedStyle(document.getElementById('keybox')).display !== 'none' && "
+               "document.getElementById('model').textContent === 'API key required'")
+        b.js("document.getElementById('apikey').value = 'k3y'; document.getElementById('keysave').click(); true")
+        b.wait("document.getElementById('model').textContent.startsWith('fake-model')")
+        assert b.js("getComputedStyle(document.getElementById('keybox')).display") == "none"
+        # the fake engine's context is 64 "tokens" (one per character)
+        b.js("document.getElementById('prompt').value = 'hi'; document.getElementById('maxtok').value = '5';"
+             "document.getElementById('send').click(); true")
+        b.wait("document.getElementById('status').textContent !== 'streaming...' && "
+               "document.getElementById('status').textContent !== ''")
+        assert b.js("document.getElementById('status').textContent") == "done"
+        kinds = b.js("Array.from(document.querySelectorAll('#output .tok')).map(s => s.dataset.kind)")
+        assert kinds == ["plain", "draft", "draft", "bonus"]
+        assert b.js("document.getElementById('output').textContent") == "Hello world"
+        assert b.js("sessionStorage.getItem('dspark-api-key')") == "k3y"
+        assert b.js("localStorage.length") == 0 and b.js("document.cookie") == ""
+    finally:
+        b.close()
+        srv.should_exit = True
+        th.join(timeout=10)
