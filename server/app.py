@@ -197,13 +197,15 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
 
         if not stream:
             watcher = asyncio.create_task(watch_disconnect(request, rid))
-            parts, last, records = [], first, token_records(first)
+            parts, last = [], first
+            records = token_records(first) if provenance else []
             try:
                 if first is not None:
                     parts.append(first.text)
                     async for d in gen:
                         parts.append(d.text)
-                        records += token_records(d)
+                        if provenance:
+                            records += token_records(d)
                         last = d
             except EngineError as exc:
                 raise ApiError(exc.status, str(exc), exc.param)
