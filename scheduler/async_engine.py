@@ -30,7 +30,7 @@ def _delta(out: RequestOutput) -> StreamDelta:
         spec = {"rounds": s.rounds, "draft_tokens": s.drafted, "accepted_tokens": s.accepted,
                 "mean_acceptance_length": round(s.mean_acceptance_length, 4)}
     return StreamDelta(out.text, out.token_ids, out.finished, out.finish_reason,
-                       out.prompt_tokens, out.completion_tokens, spec)
+                       out.prompt_tokens, out.completion_tokens, spec, list(out.tokens))
 
 
 DRAIN_MESSAGE = "the server is shutting down; this request was cut off"

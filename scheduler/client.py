@@ -30,6 +30,44 @@ class GenerationParams:
     ignore_eos: bool = False
 
 
+# How a generated token came to be (TokenRecord.kind).
+PROVENANCE_KINDS = ("draft", "correction", "bonus", "plain")
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    """One generated token as it travels from the engine to the HTTP layer (the per-token
+    record any further per-token data, such as a logprob, joins)."""
+
+    token_id: int
+    text: str
+    """Characters this token added to the decoded text ("" while a multi-byte character is
+    incomplete; it then arrives with a later token). Before any stop string is cut."""
+    kind: str
+    """"draft": a drafted token the target accepted; "correction": the target's own token at
+    the first rejected draft position; "bonus": the target's token after every verified draft
+    was accepted; "plain": no draft was verified for it (prefill's first token, or a step that
+    verified none)."""
+    draft_position: int | None = None
+    """For "draft": its 0-based position in the drafted block; else None."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in PROVENANCE_KINDS:
+            raise ValueError(f"kind must be one of {PROVENANCE_KINDS}, got {self.kind!r}")
+        if (self.kind == "draft") != (self.draft_position is not None):
+            raise ValueError(f"draft_position {self.draft_position!r} must be set exactly for drafts "
+                             f"(kind {self.kind!r})")
+
+
+def round_provenance(accepted: int, verified: int) -> list[tuple[str, int | None]]:
+    """(kind, draft_position) for the accepted + 1 tokens of one verification round in which
+    `verified` drafts were checked and the first `accepted` of them survived."""
+    if not 0 <= accepted <= verified:
+        raise ValueError(f"accepted {accepted!r} must be within 0..verified ({verified!r})")
+    last = "plain" if verified == 0 else ("bonus" if accepted == verified else "correction")
+    return [("draft", k) for k in range(accepted)] + [(last, None)]
+
+
 @dataclass
 class StreamDelta:
     """New output of one request since the previous delta."""
@@ -41,6 +79,8 @@ class StreamDelta:
     prompt_tokens: int
     completion_tokens: int
     spec: dict | None = field(default=None)
+    tokens: list[TokenRecord] = field(default_factory=list)
+    """One record per token of token_ids, in order."""
     error: str | None = None  # set on a final delta when the server cut the request (drain)
 
 

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from drafter.base import AcceptedContext, DraftProposal, DraftRequest, Drafter
-from scheduler.client import EngineError
+from scheduler.client import EngineError, TokenRecord, round_provenance
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.gate import DraftGate
@@ -414,6 +414,7 @@ class Engine:
         now = time.monotonic()
         contexts: list[AcceptedContext] = []
         new_tokens: dict[str, list[int]] = {}
+        provenance: dict[str, list[tuple[str, int | None]]] = {}
         row_of = {r.request_id: i for i, r in enumerate(v.sampled_rows)}
         hidden = v.forward.hidden
         keep_context = self.speculating or self.capture is not None
@@ -439,6 +440,7 @@ class Engine:
                         self.metrics.record_round(l, a)
             r.spec.steps += 1
             new_tokens[r.request_id] = toks
+            provenance[r.request_id] = round_provenance(a, l if self.speculating else 0)
         nd = len(batch.decodes)
         for si, (r, n) in enumerate(batch.prefills):
             if keep_context:
@@ -451,6 +453,7 @@ class Engine:
                 r.status = Status.DECODE
                 i = row_of[r.request_id]
                 new_tokens[r.request_id] = v.result.output_tokens[i, :1].tolist()
+                provenance[r.request_id] = round_provenance(0, 0)
         if contexts and self.speculating:
             self.drafter.observe(contexts)
         if contexts and self.capture is not None:
@@ -459,7 +462,10 @@ class Engine:
         decode_ids = {r.request_id for r in batch.decodes}
         for rid, toks in new_tokens.items():
             r = self.requests[rid]
-            appended = self._append_tokens(r, toks)
+            pieces: list[str] = []
+            appended = self._append_tokens(r, toks, pieces)
+            records = [TokenRecord(t, text, kind, pos)
+                       for t, text, (kind, pos) in zip(appended, pieces, provenance[rid])]
             if self.metrics is not None:
                 self.metrics.record_tokens(len(appended))
                 if rid in decode_ids:
@@ -471,14 +477,15 @@ class Engine:
             elif self.metrics is not None:
                 self.metrics.record_inter_token(now - r.last_token_time, len(appended))
             r.last_token_time = now
-            outputs.append(self._output(r, appended, final=r.finished))
+            outputs.append(self._output(r, appended, final=r.finished, tokens=records))
         if self.metrics is not None:
             self.metrics.record_step(self)
         return outputs
 
-    def _append_tokens(self, r: Request, toks: list[int]) -> list[int]:
+    def _append_tokens(self, r: Request, toks: list[int], pieces: list[str] | None = None) -> list[int]:
         """Append a round's tokens one by one, honouring EOS, stop strings and max_tokens
-        exactly: nothing after the stop point is kept or returned."""
+        exactly: nothing after the stop point is kept or returned. `pieces`, when given,
+        receives the text each appended token added."""
         appended = []
         for t in toks:
             if (t in self.eos_ids and not r.ignore_eos) or t in r.stop_token_ids:
@@ -486,7 +493,11 @@ class Engine:
                 break
             r.output_ids.append(t)
             appended.append(t)
-            if r.detok.add(t):
+            before = len(r.detok.text)
+            stopped = r.detok.add(t)
+            if pieces is not None:
+                pieces.append(r.detok.text[before:])
+            if stopped:
                 self._finish(r, "stop")
                 break
             if len(r.output_ids) >= r.max_tokens:
@@ -506,7 +517,8 @@ class Engine:
         if self.metrics is not None:
             self.metrics.record_finished(r)
 
-    def _output(self, r: Request, appended: list[int], final: bool) -> RequestOutput:
+    def _output(self, r: Request, appended: list[int], final: bool,
+                tokens: list[TokenRecord] | None = None) -> RequestOutput:
         text = r.detok.flush(final) if r.detok is not None else ""
         if final:
             self.requests.pop(r.request_id, None)
@@ -514,7 +526,7 @@ class Engine:
             request_id=r.request_id, text=text, token_ids=appended, finished=final,
             finish_reason=r.finish_reason, prompt_tokens=len(r.prompt_ids),
             completion_tokens=len(r.output_ids),
-            spec=r.spec if self.drafter is not None else None)
+            spec=r.spec if self.drafter is not None else None, tokens=tokens or [])
 
 
 def _rows(st: SamplingTensors, repeats: torch.Tensor):

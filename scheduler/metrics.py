@@ -1,10 +1,14 @@
 """Engine metrics in Prometheus form. Names follow vLLM's (`vllm:` becomes `dspark:`) where the
-meaning is the same, so existing dashboards carry over."""
+meaning is the same, so existing dashboards carry over. The gauges and spec-decode counters that
+routers and autoscalers read are also exported under vLLM's own names (always on): each alias is
+declared where its `dspark:` metric is defined and re-exposes that metric's samples at scrape
+time, so the value is stored and updated once."""
 from __future__ import annotations
 
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 # Steps between exports of the online calibration state (its ECE scans a few thousand
 # outcomes per position: too much work for every step).
@@ -13,14 +17,58 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5
                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
+class AliasCollector:
+    """Re-exports registered metrics under a second name (e.g. `vllm:num_requests_waiting` for
+    `dspark:num_requests_waiting`): same type, help, labels and values, read at collect time."""
+
+    def __init__(self) -> None:
+        self._aliases: list[tuple[object, str, str]] = []  # (metric, its name, alias name)
+
+    def alias(self, metric, name: str):
+        """Expose `metric` under `name` as well; returns `metric` so it wraps a definition."""
+        own = metric._name  # prometheus_client strips a counter's `_total` here
+        if name.endswith("_total") and metric._type == "counter":
+            name = name[: -len("_total")]
+        if not name or name == own:
+            raise ValueError(f"alias {name!r} must differ from the metric name {own!r}")
+        self._aliases.append((metric, own, name))
+        return metric
+
+    @property
+    def names(self) -> dict[str, str]:
+        """Alias name -> the metric name it mirrors."""
+        return {alias: own for _, own, alias in self._aliases}
+
+    def _renamed(self, families):
+        for fam in families:
+            for metric, own, alias in self._aliases:
+                if fam.name == own:
+                    out = Metric(alias, fam.documentation, fam.type, fam.unit)
+                    out.samples = [s._replace(name=alias + s.name[len(own):]) for s in fam.samples]
+                    yield out
+
+    def collect(self):
+        for metric, _, _ in self._aliases:
+            yield from self._renamed(metric.collect())
+
+    def describe(self):
+        for metric, _, _ in self._aliases:
+            yield from self._renamed(metric.describe())
+
+
 class EngineMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str, max_block: int = 16) -> None:
         L = ["model_name"]
         self.labels = {"model_name": model_name}
         r = registry
-        self.running = Gauge("dspark:num_requests_running", "Requests decoding or prefilling.", L, registry=r)
-        self.waiting = Gauge("dspark:num_requests_waiting", "Requests queued for admission.", L, registry=r)
-        self.kv_usage = Gauge("dspark:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", L, registry=r)
+        self.aliases = AliasCollector()
+        vllm = self.aliases.alias
+        self.running = vllm(Gauge("dspark:num_requests_running", "Requests decoding or prefilling.", L, registry=r),
+                            "vllm:num_requests_running")
+        self.waiting = vllm(Gauge("dspark:num_requests_waiting", "Requests queued for admission.", L, registry=r),
+                            "vllm:num_requests_waiting")
+        self.kv_usage = vllm(Gauge("dspark:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", L, registry=r),
+                             "vllm:kv_cache_usage_perc")
         self.prompt_tokens = Counter("dspark:prompt_tokens", "Prefilled prompt tokens.", L, registry=r)
         self.gen_tokens = Counter("dspark:generation_tokens", "Generated tokens returned.", L, registry=r)
         self.finished = Counter("dspark:request_success", "Finished requests.", L + ["finished_reason"], registry=r)
@@ -36,11 +84,15 @@ class EngineMetrics:
         self.forward_seconds = Histogram("dspark:forward_seconds", "Duration of a target forward.", L,
                                          buckets=LATENCY_BUCKETS, registry=r)
         # speculative decoding
-        self.drafts = Counter("dspark:spec_decode_num_drafts", "Verification rounds with at least one draft.", L, registry=r)
-        self.draft_tokens = Counter("dspark:spec_decode_num_draft_tokens", "Draft tokens verified.", L, registry=r)
-        self.accepted = Counter("dspark:spec_decode_num_accepted_tokens", "Draft tokens accepted.", L, registry=r)
-        self.accepted_pos = Counter("dspark:spec_decode_num_accepted_tokens_per_pos",
-                                    "Accepted draft tokens by position (0-based).", L + ["position"], registry=r)
+        self.drafts = vllm(Counter("dspark:spec_decode_num_drafts", "Verification rounds with at least one draft.", L, registry=r),
+                           "vllm:spec_decode_num_drafts")
+        self.draft_tokens = vllm(Counter("dspark:spec_decode_num_draft_tokens", "Draft tokens verified.", L, registry=r),
+                                 "vllm:spec_decode_num_draft_tokens")
+        self.accepted = vllm(Counter("dspark:spec_decode_num_accepted_tokens", "Draft tokens accepted.", L, registry=r),
+                             "vllm:spec_decode_num_accepted_tokens")
+        self.accepted_pos = vllm(Counter("dspark:spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted draft tokens by position (0-based).", L + ["position"], registry=r),
+                                 "vllm:spec_decode_num_accepted_tokens_per_pos")
         self.accept_len = Histogram("dspark:spec_decode_acceptance_length",
                                     "Tokens per round, the target's own token included.", L,
                                     buckets=tuple(range(1, max_block + 3)), registry=r)
@@ -71,6 +123,7 @@ class EngineMetrics:
         self._steps = 0
         self.cost = Gauge("dspark:cost_table_steps_per_second",
                           "Profiled target steps per second at a batch of B tokens.", L + ["batch_tokens"], registry=r)
+        registry.register(self.aliases)
 
         # Export every series at zero from the start (spec-decode counters included), so a
         # dashboard sees them before the first draft round.

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scheduler.client import TokenRecord
 from scheduler.detokenizer import IncrementalDetokenizer
 from verifier.sampling_params import SamplingParams
 
@@ -88,3 +89,4 @@ class RequestOutput:
     completion_tokens: int
     spec: SpecStats | None = None
     error: str | None = None       # set when the engine failed this request (finish_reason "error")
+    tokens: list[TokenRecord] = field(default_factory=list)  # one per token_ids entry

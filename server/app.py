@@ -8,12 +8,13 @@ import logging
 import time
 import uuid
 from dataclasses import asdict
+from importlib import resources
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -229,6 +230,13 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         (413, "Request body over the limit"), (429, "Waiting queue full (see Retry-After)"),
         (503, "Model loading or server draining"))}
 
+    @app.get("/", include_in_schema=False)
+    async def live_page():
+        """The live page: a chat box streaming token provenance and gauges from /metrics
+        (server/static/index.html; everything it needs is in that one file)."""
+        page = resources.files("server").joinpath("static", "index.html").read_text(encoding="utf-8")
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
     @app.get("/health", responses={503: errs[503]})
     async def health():
         if draining():
@@ -346,8 +354,12 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         except StopAsyncIteration:
             return None
 
+    def token_records(d: StreamDelta | None) -> list[dict]:
+        return [] if d is None else [{"id": t.token_id, "text": t.text, "kind": t.kind,
+                                      "position": t.draft_position} for t in d.tokens]
+
     async def run(request: Request, kind: str, prompt_ids: list[int], params: GenerationParams,
-                  stream: bool, include_usage: bool):
+                  stream: bool, include_usage: bool, provenance: bool = False):
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
@@ -370,11 +382,14 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
 
         if not stream:
             parts, last = [], first
+            records = token_records(first) if provenance else []
             try:
                 if first is not None and not first.finished:
                     parts.append(first.text)
                     async for d in gen:
                         parts.append(d.text)
+                        if provenance:
+                            records += token_records(d)
                         last = d
                 elif first is not None:
                     parts.append(first.text)
@@ -386,9 +401,12 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             if last is not None and last.error:
                 raise ApiError(503, last.error, code="draining")
             completion = last.completion_tokens if last else 0
-            return {"id": rid, "object": obj, "created": created, "model": name,
+            body = {"id": rid, "object": obj, "created": created, "model": name,
                     "choices": [choice("".join(parts), last.finish_reason if last else "stop", False)],
                     "usage": usage(last, len(prompt_ids), completion)}
+            if provenance:
+                body["dspark"] = {"tokens": records}
+            return body
 
         # From here the streaming response notices a disconnect itself (and closes `gen`).
         watcher.cancel()
@@ -397,10 +415,12 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         def sse(payload: dict) -> str:
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-        def chunk(choices: list, u: dict | None = None) -> str:
+        def chunk(choices: list, u: dict | None = None, tokens: list[dict] | None = None) -> str:
             p = {"id": rid, "object": chunk_obj, "created": created, "model": name, "choices": choices}
             if include_usage:
                 p["usage"] = u
+            if tokens:
+                p["dspark"] = {"tokens": tokens}
             return sse(p)
 
         async def events():
@@ -413,8 +433,9 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                 while True:
                     for d in pending:
                         last = d
-                        if d.text:
-                            yield chunk([choice(d.text, None, True)])
+                        tokens = token_records(d) if provenance else None
+                        if d.text or tokens:
+                            yield chunk([choice(d.text, None, True)], tokens=tokens)
                         if d.finished:
                             yield chunk([{**choice("", d.finish_reason, True),
                                           **({"delta": {}} if kind == "chat" else {})}])
@@ -459,7 +480,8 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = gen_params(req, len(prompt_ids), max_tokens)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(request, "chat", prompt_ids, params, req.stream, include_usage)
+        return await run(request, "chat", prompt_ids, params, req.stream, include_usage,
+                         bool(req.dspark and req.dspark.provenance))
 
     @app.post("/v1/completions", responses=gen_responses,
               openapi_extra=body_doc(CompletionRequest))
@@ -483,7 +505,8 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             raise ApiError(400, "prompt must not be empty", "prompt")
         params = gen_params(req, len(prompt_ids), 16 if req.max_tokens is None else req.max_tokens)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(request, "completion", prompt_ids, params, req.stream, include_usage)
+        return await run(request, "completion", prompt_ids, params, req.stream, include_usage,
+                         bool(req.dspark and req.dspark.provenance))
 
     def openapi() -> dict:
         if app.openapi_schema is None:

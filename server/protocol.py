@@ -53,6 +53,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class DsparkOptions(BaseModel):
+    """This server's own request extension (`"dspark": {...}` in the body; `extra_body` with
+    the official client)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    provenance: bool = False
+    """Add to every response / streamed chunk `"dspark": {"tokens": [...]}`: for each new token
+    its id, text, kind (draft / correction / bonus / plain) and draft position."""
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -71,6 +82,7 @@ class _Sampling(BaseModel):
     logprobs: bool | int | None = None
     ignore_eos: bool = False
     user: str | None = None
+    dspark: DsparkOptions | None = None
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from scheduler.client import EngineError, GenerationParams, RuntimeInfo, StreamDelta
+from scheduler.client import EngineError, GenerationParams, RuntimeInfo, StreamDelta, TokenRecord
 from server.app import build_app
 from server.config import ServerConfig
 
@@ -43,9 +43,11 @@ class FakeEngine:
         if params.max_tokens == 13:
             raise EngineError("the server is at capacity; retry later", 429)
         words = ["Hel", "lo", " wor", "ld"]
+        kinds = [("plain", None), ("draft", 0), ("draft", 1), ("bonus", None)]
         for i, w in enumerate(words):
             last = i == len(words) - 1
-            yield StreamDelta(w, [i], last, "stop" if last else None, len(prompt_ids), i + 1)
+            yield StreamDelta(w, [i], last, "stop" if last else None, len(prompt_ids), i + 1,
+                              tokens=[TokenRecord(i, w, *kinds[i])])
 
     def abort(self, request_id):
         self.aborted.append(request_id)
@@ -309,3 +311,43 @@ def test_api_key_from_environment_or_file(tmp_path):
         ServerConfig(shutdown_timeout=30000)
     with pytest.raises(ValueError, match="12"):
         ServerConfig(max_body_bytes=12)
+PROVENANCE = [{"id": 0, "text": "Hel", "kind": "plain", "position": None},
+              {"id": 1, "text": "lo", "kind": "draft", "position": 0},
+              {"id": 2, "text": " wor", "kind": "draft", "position": 1},
+              {"id": 3, "text": "ld", "kind": "bonus", "position": None}]
+
+
+def test_provenance_is_opt_in_and_namespaced():
+    import json
+    c = client()
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    assert "dspark" not in chat(c, **{k: v for k, v in body.items() if k != "messages"}).json()
+    r = c.post("/v1/chat/completions", json={**body, "dspark": {"provenance": True}})
+    assert r.json()["dspark"] == {"tokens": PROVENANCE}
+    assert r.json()["choices"][0]["message"]["content"] == "Hello world"
+    for opt, want in (({}, []), ({"dspark": {"provenance": True}}, PROVENANCE)):
+        with c.stream("POST", "/v1/chat/completions", json={**body, **opt, "stream": True}) as s:
+            chunks = [json.loads(l[6:]) for l in s.iter_lines() if l and l != "data: [DONE]"]
+        got = [t for ch in chunks for t in ch.get("dspark", {}).get("tokens", [])]
+        assert got == want
+        for ch in chunks:  # each chunk's tokens carry exactly that chunk's text
+            if "dspark" in ch:
+                assert "".join(t["text"] for t in ch["dspark"]["tokens"]) == ch["choices"][0]["delta"]["content"]
+    r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "dspark": {"provenance": True}})
+    assert r.json()["dspark"]["tokens"] == PROVENANCE
+    assert_error(c.post("/v1/chat/completions", json={**body, "dspark": {"provenence": True}}), 400,
+                 "dspark.provenence")
+
+
+def test_live_page_is_served_self_contained():
+    c = client(api_key="k3y")  # the page itself needs no key; it asks for one
+    r = c.get("/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    page = r.text
+    for needle in ('id="prompt"', 'id="output"', 'id="g-running"', 'id="g-kv"', 'id="cost-chart"',
+                   "dspark: {provenance: true}", "/metrics", "sessionStorage"):
+        assert needle in page, needle
+    # no build step, no CDN: nothing is loaded from another origin
+    import re
+    assert not re.search(r'(src|href)\s*=\s*"(https?:)?//', page)
+    assert "<script src" not in page and "@import" not in page

@@ -208,3 +208,29 @@ def test_api_key_and_queue_full():
         assert s.idle()
     finally:
         s.close()
+
+
+def test_streamed_provenance_with_the_official_client(live):
+    msgs = [{"role": "user", "content": "Repeat this line four times: the cat sat on the mat."}]
+    stream = live.client().chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=40, temperature=0, seed=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"dspark": {"provenance": True}})
+    records, text, usage = [], "", None
+    for ch in stream:
+        ext = (ch.model_extra or {}).get("dspark")
+        if ch.choices:
+            content = ch.choices[0].delta.content or ""
+            text += content
+            if ext is not None:
+                assert "".join(t["text"] for t in ext["tokens"]) == content
+        if ext is not None:
+            records += ext["tokens"]
+        usage = ch.usage or usage
+    assert len(records) == usage.completion_tokens
+    kinds = {t["kind"] for t in records}
+    assert records[0]["kind"] == "plain" and "draft" in kinds and len(kinds) >= 2, kinds
+    for t in records:
+        assert (t["position"] is not None) == (t["kind"] == "draft")
+    assert "".join(t["text"] for t in records) == text
+    plain = live.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, stream=True)
+    assert all("dspark" not in (ch.model_extra or {}) for ch in plain)

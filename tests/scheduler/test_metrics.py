@@ -1,0 +1,72 @@
+"""The vLLM-named aliases mirror the dspark: metrics (same values, one storage)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from scheduler.metrics import AliasCollector, EngineMetrics
+
+VLLM = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
+
+
+def samples(registry) -> dict[tuple, float]:
+    text = generate_latest(registry).decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def fake_engine(running: int, waiting: int, usage: float):
+    return SimpleNamespace(running=[object()] * running, waiting=[object()] * waiting,
+                           runner=SimpleNamespace(blocks=SimpleNamespace(usage=usage)), drafter=None)
+
+
+def test_vllm_aliases_mirror_dspark_metrics():
+    reg = CollectorRegistry()
+    m = EngineMetrics(reg, "tiny")
+    assert set(m.aliases.names) == set(VLLM)
+    m.record_step(fake_engine(3, 5, 0.25))
+    m.record_round(drafted=4, accepted=2)
+    m.record_round(drafted=3, accepted=3)
+    got = samples(reg)
+    lab = (("model_name", "tiny"),)
+    assert got[("vllm:num_requests_running", lab)] == 3
+    assert got[("vllm:num_requests_waiting", lab)] == 5
+    assert got[("vllm:kv_cache_usage_perc", lab)] == 0.25
+    assert got[("vllm:spec_decode_num_drafts_total", lab)] == 2
+    assert got[("vllm:spec_decode_num_draft_tokens_total", lab)] == 7
+    assert got[("vllm:spec_decode_num_accepted_tokens_total", lab)] == 5
+    per_pos = {dict(k[1])["position"]: v for k, v in got.items()
+               if k[0] == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos == {"0": 2, "1": 2, "2": 1}
+    # every alias sample equals its dspark: sample (created timestamps included)
+    for (name, labels), v in got.items():
+        if name.startswith("vllm:"):
+            assert got[("dspark:" + name[len("vllm:"):], labels)] == v, name
+    # one storage: a later update shows under both names
+    m.record_step(fake_engine(1, 0, 0.5))
+    got = samples(reg)
+    assert got[("vllm:num_requests_waiting", lab)] == got[("dspark:num_requests_waiting", lab)] == 0
+    assert got[("vllm:num_requests_running", lab)] == 1
+    text = generate_latest(reg).decode()
+    assert "# TYPE vllm:spec_decode_num_drafts_total counter" in text
+    assert "# TYPE vllm:num_requests_waiting gauge" in text
+
+
+def test_alias_rejects_its_own_name_and_duplicates():
+    reg = CollectorRegistry()
+    g = Gauge("dspark:x", "x", registry=reg)
+    col = AliasCollector()
+    with pytest.raises(ValueError, match="dspark:x"):
+        col.alias(g, "dspark:x")
+    col.alias(g, "vllm:x")
+    reg.register(col)
+    with pytest.raises(ValueError):  # the registry sees the alias name as taken
+        Gauge("vllm:x", "clash", registry=reg)
