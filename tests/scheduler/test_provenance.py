@@ -9,7 +9,8 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.request import Request
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
-from tests.scheduler.test_speculative import GREEDY, OracleDrafter
+from bench.replay import ReplayDrafter
+from tests.scheduler.test_speculative import GREEDY
 
 
 def test_round_provenance():
@@ -29,7 +30,9 @@ def generate(noise: float, drafter=True):
     model = tiny_model("qwen3")
     prompts = {f"r{i}": list(range(40 + i, 40 + i + n)) for i, n in enumerate((5, 17))}
     refs = {k: hf_greedy(model, p, 30) for k, p in prompts.items()}
-    dr = OracleDrafter(refs, {k: len(p) for k, p in prompts.items()}, noise=noise) if drafter else None
+    # the true greedy continuation, each position corrupted with probability `noise`
+    dr = ReplayDrafter({tuple(p): refs[k] for k, p in prompts.items()}, vocab_size=257,
+                       block_size=4, accept_rate=1.0 - noise) if drafter else None
     engine = Engine(runner_for(model), ByteTokenizer(), SchedulerConfig(verify_policy="static:4"),
                     max_model_len=512, drafter=dr)
     reqs = [Request(k, p, GREEDY, max_tokens=24, ignore_eos=True) for k, p in prompts.items()]
