@@ -18,6 +18,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.request import Request
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
+from tests.scheduler.test_speculative import run
 from verifier.sampling_params import SamplingParams
 
 KEPT = torch.tensor(sorted({*range(30, 120), 255, 7, 200}))
@@ -94,10 +95,7 @@ def test_greedy_with_truncated_vocabulary_equals_plain(tmp_path, policy):
     prompts = [list(range(40, 40 + n)) for n in (3, 25, 11)]
     reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0), max_tokens=20, ignore_eos=True)
             for i, p in enumerate(prompts)]
-    for r in reqs:
-        engine.add_request(r)
-    while engine.has_work():
-        engine.step()
+    run(engine, reqs)
     for r, p in zip(reqs, prompts):
         assert r.output_ids == hf_greedy(target, p, 20)
     assert sum(r.spec.drafted for r in reqs) > 0

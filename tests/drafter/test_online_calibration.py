@@ -18,7 +18,7 @@ from scheduler.engine import Engine
 from scheduler.metrics import EngineMetrics
 from scheduler.request import Request
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
-from tests.scheduler.test_speculative import random_dspark
+from tests.scheduler.test_speculative import random_dspark, run
 from verifier.sampling_params import SamplingParams
 
 
@@ -77,10 +77,7 @@ def test_engine_recalibrates_an_overconfident_drafter_and_greedy_is_unchanged(tm
     prompts = [list(range(40 + i, 52 + i)) for i in range(4)]
     reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0), max_tokens=40, ignore_eos=True)
             for i, p in enumerate(prompts)]
-    for r in reqs:
-        engine.add_request(r)
-    while engine.has_work():
-        engine.step()
+    run(engine, reqs)
     for r, p in zip(reqs, prompts):
         assert r.output_ids == hf_greedy(target, p, 40)
     cal = dr.calibrator
