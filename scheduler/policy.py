@@ -16,54 +16,88 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import torch
 
 
+def _check_points(bs: tuple[int, ...], sps: tuple[float, ...], what: str) -> None:
+    if not bs:
+        raise ValueError(f"a cost table needs at least one point, got {what} batch sizes ()")
+    if len(bs) != len(sps):
+        raise ValueError(f"{what} batch sizes {bs!r} and steps per second {sps!r} differ in length")
+    if bs[0] < 1 or any(b2 <= b1 for b1, b2 in zip(bs, bs[1:])):
+        raise ValueError(f"{what} batch sizes must be strictly increasing and >= 1, got {bs!r}")
+    if any(not (math.isfinite(s) and s > 0) for s in sps):
+        raise ValueError(f"{what} steps per second must be finite and > 0, got {sps!r}")
+
+
+def _interp(bs: tuple[int, ...], sps: tuple[float, ...], b: float) -> float:
+    """Linear between profiled points, flat below the first; beyond the last the time per
+    step grows linearly along the last segment's slope (never shrinks)."""
+    if b <= bs[0]:
+        return sps[0]
+    if b >= bs[-1]:
+        if len(bs) == 1 or b == bs[-1]:
+            return sps[-1]
+        slope = (1.0 / sps[-1] - 1.0 / sps[-2]) / (bs[-1] - bs[-2])
+        return 1.0 / (1.0 / sps[-1] + max(slope, 0.0) * (b - bs[-1]))
+    i = bisect.bisect_right(bs, b)  # bs[i-1] <= b < bs[i]
+    w = (b - bs[i - 1]) / (bs[i] - bs[i - 1])
+    return sps[i - 1] + w * (sps[i] - sps[i - 1])
+
+
 @dataclass(frozen=True)
 class CostTable:
     """Profiled speed of one target forward as a function of its batch size in tokens.
 
-    batch_sizes: strictly increasing token counts B (>= 1) at which the target was timed.
+    batch_sizes: strictly increasing token counts B (>= 1) at which the target was timed,
+        decode-shaped (B requests of one token each, up to the profile's request count).
     steps_per_second: measured forward steps per second SPS(B) at each (> 0, finite).
+    block_sizes / block_steps_per_second: optional, the same for ONE request carrying B
+        tokens (anchor + drafts): what verifying a block costs beyond the decode itself.
+        A step of R requests and B tokens then costs the decode of R requests plus the
+        in-request price of the B - R extra tokens; without them, B alone prices the step.
     """
 
     batch_sizes: tuple[int, ...]
     steps_per_second: tuple[float, ...]
+    block_sizes: tuple[int, ...] | None = None
+    block_steps_per_second: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
         object.__setattr__(self, "steps_per_second", tuple(float(s) for s in self.steps_per_second))
-        bs, sps = self.batch_sizes, self.steps_per_second
-        if not bs:
-            raise ValueError("a cost table needs at least one point, got batch_sizes=()")
-        if len(bs) != len(sps):
-            raise ValueError(f"batch_sizes {bs!r} and steps_per_second {sps!r} differ in length")
-        if bs[0] < 1 or any(b2 <= b1 for b1, b2 in zip(bs, bs[1:])):
-            raise ValueError(f"batch_sizes must be strictly increasing and >= 1, got {bs!r}")
-        if any(not (math.isfinite(s) and s > 0) for s in sps):
-            raise ValueError(f"steps_per_second must be finite and > 0, got {sps!r}")
+        _check_points(self.batch_sizes, self.steps_per_second, "decode")
+        if (self.block_sizes is None) != (self.block_steps_per_second is None):
+            raise ValueError("block_sizes and block_steps_per_second come together, got one of them")
+        if self.block_sizes is not None:
+            object.__setattr__(self, "block_sizes", tuple(int(b) for b in self.block_sizes))
+            object.__setattr__(self, "block_steps_per_second",
+                               tuple(float(s) for s in self.block_steps_per_second))
+            _check_points(self.block_sizes, self.block_steps_per_second, "block")
 
-    def sps(self, b: float) -> float:
-        """SPS(b): linear between profiled points, flat below the first; beyond the last the
-        time per step grows linearly along the last segment's slope (never shrinks)."""
-        bs, sps = self.batch_sizes, self.steps_per_second
-        if b <= bs[0]:
-            return sps[0]
-        if b >= bs[-1]:
-            if len(bs) == 1 or b == bs[-1]:
-                return sps[-1]
-            slope = (1.0 / sps[-1] - 1.0 / sps[-2]) / (bs[-1] - bs[-2])
-            return 1.0 / (1.0 / sps[-1] + max(slope, 0.0) * (b - bs[-1]))
-        i = bisect.bisect_right(bs, b)  # bs[i-1] <= b < bs[i]
-        w = (b - bs[i - 1]) / (bs[i] - bs[i - 1])
-        return sps[i - 1] + w * (sps[i] - sps[i - 1])
+    def sps(self, b: float, requests: int | None = None) -> float:
+        """Steps per second of a forward of b tokens (from `requests` requests, when known)."""
+        decode = _interp(self.batch_sizes, self.steps_per_second,
+                         b if requests is None or self.block_sizes is None else requests)
+        if requests is None or self.block_sizes is None or b <= requests:
+            return decode
+        bb, bs = self.block_sizes, self.block_steps_per_second
+        extra = 1.0 / _interp(bb, bs, 1 + b - requests) - 1.0 / _interp(bb, bs, 1)
+        return 1.0 / (1.0 / decode + max(extra, 0.0))
 
     def to_dict(self) -> dict[str, list]:
-        return {"batch_sizes": list(self.batch_sizes), "steps_per_second": list(self.steps_per_second)}
+        d = {"batch_sizes": list(self.batch_sizes), "steps_per_second": list(self.steps_per_second)}
+        if self.block_sizes is not None:
+            d["block_sizes"] = list(self.block_sizes)
+            d["block_steps_per_second"] = list(self.block_steps_per_second or ())
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CostTable":
         missing = [k for k in ("batch_sizes", "steps_per_second") if k not in d]
         if missing:
             raise ValueError(f"cost table dict lacks {missing}, got keys {sorted(d)!r}")
-        return cls(batch_sizes=tuple(d["batch_sizes"]), steps_per_second=tuple(d["steps_per_second"]))
+        block = d.get("block_sizes"), d.get("block_steps_per_second")
+        return cls(batch_sizes=tuple(d["batch_sizes"]), steps_per_second=tuple(d["steps_per_second"]),
+                   block_sizes=None if block[0] is None else tuple(block[0]),
+                   block_steps_per_second=None if block[1] is None else tuple(block[1]))
 
 
 @dataclass(frozen=True)
@@ -250,11 +284,12 @@ class DSparkPolicy:
         )
         batch = r_count + load.prefill_tokens
         tau = float(r_count)
-        best_theta, best_n = tau * table.sps(batch), 0
+        # R decoding requests; drafts and prefill tokens are priced as extra tokens on top.
+        best_theta, best_n = tau * table.sps(batch, r_count), 0
         for n, (neg_a, _, _) in enumerate(order, start=1):
             batch += 1
             tau -= neg_a
-            theta = tau * table.sps(batch)
+            theta = tau * table.sps(batch, r_count)
             if theta > best_theta:
                 best_theta, best_n = theta, n
             elif self.early_stop:

@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Bumped whenever the measurement method or the cache format changes, so stale cached tables
 # are not reused.
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
+# Tokens one request carries in the block-shaped part of the profile (anchor + drafts).
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32)
 # What the cost depends on. Only these config fields enter the cache key: the whole config also
 # carries the path it was loaded from, its dtype and library versions, which differ between a
 # freshly converted model and its cached copy (and would make every start re-measure).
@@ -36,9 +38,11 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(runner: ModelRunner, batch_sizes=BATCH_SIZES, context_lens=CONTEXT_LENS,
-            repeats: int = 3) -> dict:
+            repeats: int = 3, block_sizes=BLOCK_SIZES) -> dict:
     """Time decode-shaped forwards of B tokens spread over up to 32 requests of a given context
-    length. Returns {"batch_sizes", "steps_per_second", "by_context": {ctx: [sps...]}}."""
+    length, and block-shaped ones (one request carrying B tokens). Returns {"batch_sizes",
+    "steps_per_second", "block_sizes", "block_steps_per_second", "by_context",
+    "block_by_context"}."""
     blocks = runner.blocks
     usable = blocks.num_blocks * blocks.block_size
     by_ctx: dict[int, list[float]] = {}
@@ -73,13 +77,42 @@ def measure(runner: ModelRunner, batch_sizes=BATCH_SIZES, context_lens=CONTEXT_L
         for rid in ids:
             blocks.free(rid)
         by_ctx[ctx] = sps
-    # SPS(B) for the scheduler: the median over context lengths at each B, made non-increasing
-    # (a bigger batch is never faster; noise must not tell the scheduler otherwise).
-    merged = [statistics.median(v[i] for v in by_ctx.values()) for i in range(len(batch_sizes))]
+    # Block-shaped: ONE request carrying B tokens (anchor + drafts), what verification adds
+    # on top of a decode. At low load this, not B decode requests, is what a block costs.
+    by_ctx_block: dict[int, list[float]] = {}
+    for ctx in context_lens:
+        ctx = min(ctx, max(1, usable - max(block_sizes)))
+        rid = "__profile_block"
+        blocks.append(rid, ctx)
+        sps = []
+        for B in block_sizes:
+            blocks.append(rid, B)
+            seg = [Segment(rid, [0] * B, ctx, 0)]
+            times = []
+            for _ in range(repeats + 1):
+                _sync(runner.device)
+                t0 = time.perf_counter()
+                runner.forward(seg)
+                _sync(runner.device)
+                times.append(time.perf_counter() - t0)
+            blocks.truncate(rid, ctx)
+            sps.append(1.0 / min(times[1:]))
+        blocks.free(rid)
+        by_ctx_block[ctx] = sps
+    return {"batch_sizes": list(batch_sizes), "steps_per_second": _merge(by_ctx, len(batch_sizes)),
+            "block_sizes": list(block_sizes),
+            "block_steps_per_second": _merge(by_ctx_block, len(block_sizes)),
+            "by_context": {str(k): v for k, v in by_ctx.items()},
+            "block_by_context": {str(k): v for k, v in by_ctx_block.items()}}
+
+
+def _merge(by_ctx: dict[int, list[float]], n: int) -> list[float]:
+    """The median over context lengths at each B, made non-increasing (a bigger batch is
+    never faster; noise must not tell the scheduler otherwise)."""
+    merged = [statistics.median(v[i] for v in by_ctx.values()) for i in range(n)]
     for i in range(1, len(merged)):
         merged[i] = min(merged[i], merged[i - 1])
-    return {"batch_sizes": list(batch_sizes), "steps_per_second": merged,
-            "by_context": {str(k): v for k, v in by_ctx.items()}}
+    return merged
 
 
 def cache_key(model_name: str, config, device: torch.device, dtype: torch.dtype) -> str:
@@ -147,7 +180,11 @@ def load_or_profile(runner: ModelRunner, model_name: str, cache_dir: Path | None
 
 
 def format_table(raw: dict) -> str:
-    lines = ["  B(tokens)  steps/s  tokens/s"]
+    lines = ["  B(tokens)  steps/s  tokens/s   (B decode requests)"]
     for b, s in zip(raw["batch_sizes"], raw["steps_per_second"]):
         lines.append(f"  {b:9d}  {s:7.1f}  {b * s:8.0f}")
+    if raw.get("block_sizes"):
+        lines.append("  B(tokens)  steps/s             (one request, B tokens)")
+        for b, s in zip(raw["block_sizes"], raw["block_steps_per_second"]):
+            lines.append(f"  {b:9d}  {s:7.1f}")
     return "\n".join(lines)

@@ -220,3 +220,39 @@ def test_policy_objects_are_frozen_and_validated():
     p = DSparkPolicy()
     with pytest.raises(Exception):
         p.early_stop = False  # type: ignore[misc]
+
+
+# ---- block-shaped pricing: requests and tokens -------------------------------------------
+
+# A step of R decode requests is dear (each request adds its own attention and bookkeeping),
+# while extra tokens inside one request are nearly free (a CPU or GPU with flat small-batch matmuls).
+STEEP_DECODE = (1, 2, 4, 8, 16, 32), (35.0, 31.0, 26.0, 16.0, 10.0, 4.7)
+FLAT_BLOCK = (1, 2, 4, 8, 16, 32), (35.0, 34.0, 32.0, 26.0, 18.0, 10.0)
+
+
+def test_cost_table_prices_extra_tokens_inside_requests():
+    t = CostTable(*STEEP_DECODE, *FLAT_BLOCK)
+    assert t.sps(8) == 16.0                      # without the request count: decode-shaped
+    assert t.sps(8, requests=8) == 16.0          # 8 requests x 1 token
+    # 1 request x 8 tokens: the decode of one request plus 7 extra tokens priced in-request
+    assert math.isclose(t.sps(8, requests=1), 1.0 / (1 / 35.0 + (1 / 26.0 - 1 / 35.0)))
+    assert math.isclose(t.sps(8, requests=1), 26.0)
+    # 4 requests x 2 tokens: decode of 4 plus 4 extra tokens (in-request block of 1 + 4 = 5,
+    # between the measured 4 and 8: 32 - 6/4)
+    assert math.isclose(t.sps(8, requests=4), 1.0 / (1 / 26.0 + 1 / 30.5 - 1 / 35.0))
+    again = CostTable.from_dict(t.to_dict())
+    assert again == t and CostTable.from_dict(CostTable(*STEEP_DECODE).to_dict()).block_sizes is None
+    with pytest.raises(ValueError, match="come together"):
+        CostTable(*STEEP_DECODE, block_sizes=(1, 2))
+    with pytest.raises(ValueError, match="block"):
+        CostTable(*STEEP_DECODE, (1, 1), (2.0, 1.0))
+
+
+def test_dspark_policy_verifies_blocks_where_they_are_cheap_in_request():
+    curves = [[0.7, 0.6, 0.6, 0.5, 0.5, 0.4, 0.4]]
+    inp = PolicyInput(confidences=[torch.tensor(curves[0])], max_lengths=[7])
+    steep_only = DSparkPolicy()(inp, CostTable(*STEEP_DECODE), load(1))
+    shaped = DSparkPolicy()(inp, CostTable(*STEEP_DECODE, *FLAT_BLOCK), load(1))
+    # priced as 1 + k decode requests, drafts look dear; priced in-request they pay
+    assert shaped.lengths[0] > steep_only.lengths[0]
+    assert shaped.lengths[0] >= 4
