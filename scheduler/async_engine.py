@@ -69,6 +69,11 @@ class AsyncEngine:
         return self.bundle is not None
 
     @property
+    def alive(self) -> bool:
+        """The engine thread is running (False before start, after stop, or if it died)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def loading_stage(self) -> str | None:
         """What is loading now (None once ready)."""
         return None if self.ready else self._stage

@@ -140,6 +140,27 @@ def resolve_api_key(cfg: ServerConfig, environ) -> ServerConfig:
     return cfg
 
 
+def start_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: SchedulerConfig,
+                 server_cfg: ServerConfig):
+    """Start loading the engine in its background thread; returns (AsyncEngine, the metrics'
+    CollectorRegistry). Shared by `dspark-serve` and each Ray Serve replica."""
+    from prometheus_client import CollectorRegistry
+
+    # The engine side (torch) is imported only here, at run time: server/ modules never need it.
+    from scheduler.async_engine import AsyncEngine
+    from scheduler.builder import build_engine
+    from scheduler.metrics import EngineMetrics
+
+    registry = CollectorRegistry()
+    name = server_cfg.served_model_name or (Path(model_cfg.model).stem if model_cfg.model else "SmolLM2-135M-Instruct")
+    metrics = EngineMetrics(registry, name)
+    engine = AsyncEngine(lambda on_stage=None: build_engine(model_cfg, drafter_cfg, sched_cfg, metrics,
+                                                            on_stage=on_stage),
+                         model_name=name, max_model_len=model_cfg.max_model_len)
+    engine.start()
+    return engine, registry
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         model_cfg, drafter_cfg, sched_cfg, server_cfg = resolve(argv)
@@ -149,22 +170,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     logging.basicConfig(level=server_cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from prometheus_client import CollectorRegistry
-
-    # The engine side (torch) is imported only here, at run time: server/ modules never need it.
-    from scheduler.async_engine import AsyncEngine
-    from scheduler.builder import build_engine
-    from scheduler.metrics import EngineMetrics
     from server.app import build_app
     from server.serve import serve
 
-    registry = CollectorRegistry()
-    name = server_cfg.served_model_name or (Path(model_cfg.model).stem if model_cfg.model else "SmolLM2-135M-Instruct")
-    metrics = EngineMetrics(registry, name)
-    engine = AsyncEngine(lambda on_stage=None: build_engine(model_cfg, drafter_cfg, sched_cfg, metrics,
-                                                            on_stage=on_stage),
-                         model_name=name, max_model_len=model_cfg.max_model_len)
-    engine.start()
+    engine, registry = start_engine(model_cfg, drafter_cfg, sched_cfg, server_cfg)
     app = build_app(engine, server_cfg, registry)
     serve(app, engine, server_cfg.host, server_cfg.port, server_cfg.log_level,
           server_cfg.shutdown_timeout)

@@ -1,0 +1,200 @@
+"""Scale-out on Ray Serve: the config, the metrics bridge, and a real local Ray cluster with two
+replicas of the embedded model (requests spread over both; a killed replica's in-flight stream
+ends with an error, not a hang, and the replica is replaced; stopping the application drains
+each replica's engine: a long stream ends with finish_reason "abort" and an error event)."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from server.ray_serve import RayMetricsBridge, RayServeConfig, prometheus_samples, ray_metric_name
+from tests.server.test_e2e import free_port
+
+
+def test_config_validates_and_builds_deployment_options():
+    fixed = RayServeConfig(num_replicas=3).deployment_options(shutdown_timeout=10)
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["graceful_shutdown_timeout_s"] > 10   # Ray's kill comes after the engine's own drain
+    auto = RayServeConfig(min_replicas=1, max_replicas=4, target_ongoing_requests=6).deployment_options(5)
+    assert auto["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 1,
+                                          "target_ongoing_requests": 6}
+    assert "num_replicas" not in auto
+    for bad in ({"num_replicas": 0}, {"min_replicas": 3, "max_replicas": 2}, {"max_replicas": 0},
+                {"target_ongoing_requests": 0.0}, {"health_check_period_s": float("nan")}):
+        with pytest.raises(ValueError, match=repr(next(iter(bad.values())))[:3]):
+            RayServeConfig(**bad)
+
+
+def test_metrics_bridge_tags_every_sample_with_the_replica():
+    reg = CollectorRegistry()
+    g = Gauge("dspark:num_requests_running", "r", ["model_name"], registry=reg)
+    g.labels(model_name="m").set(3)
+    c = Counter("dspark:generation_tokens", "t", ["model_name"], registry=reg)
+    c.labels(model_name="m").inc(7)
+    h = Histogram("dspark:e2e", "e", registry=reg, buckets=(1.0, 2.0))
+    h.observe(1.5)
+    Gauge("vllm:num_requests_running", "alias", registry=reg).set(3)
+    names = {n for n, _, _ in prometheus_samples(reg)}
+    assert "dspark:generation_tokens_total" in names and "dspark:e2e_sum" in names
+    assert not any(n.startswith("vllm:") or n.endswith(("_bucket", "_created")) for n in names)
+
+    made: dict[str, FakeGauge] = {}
+
+    def factory(name, description, tag_keys):
+        made[name] = FakeGauge(tag_keys)
+        return made[name]
+
+    bridge = RayMetricsBridge(reg, {"deployment": "D", "replica": "r1"}, 1.0, gauge_factory=factory)
+    assert bridge.export_once() == len(list(prometheus_samples(reg)))
+    run = made[ray_metric_name("dspark:num_requests_running")]
+    assert run.values == [(3.0, {"model_name": "m", "deployment": "D", "replica": "r1"})]
+    assert set(run.tag_keys) == {"model_name", "deployment", "replica"}
+    assert made["dspark_generation_tokens_total"].values[-1][0] == 7.0
+    c.labels(model_name="m").inc(2)
+    bridge.export_once()
+    assert made["dspark_generation_tokens_total"].values[-1][0] == 9.0
+    assert ray_metric_name("dspark:x-y") == "dspark_x_y"
+
+
+class FakeGauge:
+    def __init__(self, tag_keys):
+        self.tag_keys, self.values = tag_keys, []
+
+    def set(self, value, tags):
+        assert set(tags) == set(self.tag_keys)
+        self.values.append((value, tags))
+
+
+# -- a real local Ray cluster ---------------------------------------------------------------
+
+def _stream(url: str, body: dict, out: dict, started: threading.Event) -> None:
+    lines: list[str] = []
+    out["lines"] = lines
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            out["status"], out["replica"] = r.status_code, r.headers.get("x-dspark-replica")
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    started.set()
+    except httpx.HTTPError as exc:  # the connection was cut: an error, not a hang
+        out["exception"] = repr(exc)
+    finally:
+        out["ended"] = time.monotonic()
+        started.set()
+
+
+def _long_stream(url: str) -> tuple[threading.Thread, dict, threading.Event]:
+    out: dict = {}
+    started = threading.Event()
+    t = threading.Thread(target=_stream, args=(url, {"prompt": "Once upon a time", "max_tokens": 1500,
+                                                     "ignore_eos": True}, out, started), daemon=True)
+    t.start()
+    assert started.wait(120)
+    return t, out, started
+
+
+def _running_replicas(serve, app: str) -> int:
+    status = serve.status().applications.get(app)
+    if status is None:
+        return 0
+    return sum(d.replica_states.get("RUNNING", 0) for d in status.deployments.values())
+
+
+def _wait(pred, timeout: float, what: str):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_two_replicas_on_a_local_ray_cluster():
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from scheduler.config import SchedulerConfig
+    from server.config import ServerConfig
+    from server.ray_serve import deployment
+    from drafter.config import DrafterConfig
+    from verifier.config import ModelConfig
+
+    http_port, metrics_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{http_port}"
+    app = "dspark-test"
+    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port,
+             logging_level="error", log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        model = ModelConfig(max_model_len=2048, kv_cache_tokens=8192)
+        server = ServerConfig(shutdown_timeout=3.0, log_level="warning")
+        rcfg = RayServeConfig(num_replicas=2, num_cpus=0.5, health_check_period_s=1.0,
+                              metrics_interval_s=0.5, app_name=app)
+        serve.run(deployment(model, DrafterConfig(drafter="none"), SchedulerConfig(), server, rcfg),
+                  name=app, route_prefix="/")
+        assert _running_replicas(serve, app) == 2
+
+        # Requests spread over both replicas, each answering through the same OpenAI app.
+        seen = set()
+        for i in range(16):
+            r = httpx.post(url + "/v1/completions", json={"prompt": f"Count {i}", "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
+            seen.add(r.headers["x-dspark-replica"])
+        assert len(seen) == 2, seen
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+
+        # Each replica's engine metrics reach Ray's metrics endpoint, tagged with the replica.
+        def tagged():
+            text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+            rows = [l for l in text.splitlines() if l.startswith("ray_dspark_generation_tokens_total")]
+            return {rid for rid in seen if any(f'replica="{rid}"' in l for l in rows)} == seen
+        _wait(tagged, 60, "per-replica metrics on Ray's endpoint")
+
+        # Kill the replica serving a long stream: the stream ends (error, not a hang), Ray
+        # replaces the replica, and later requests succeed.
+        t, out, _ = _long_stream(url)
+        victim = out["replica"]
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].endswith(victim)]
+        assert names, ray.util.list_named_actors(all_namespaces=True)
+        t_kill = time.monotonic()
+        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+        t.join(timeout=60)
+        assert not t.is_alive(), "the stream on the killed replica hung"
+        assert out["ended"] - t_kill < 30
+        finished_normally = any('"finish_reason": "length"' in l or '"finish_reason":"length"' in l
+                                for l in out["lines"])
+        assert not finished_normally and ("exception" in out or any("error" in l for l in out["lines"])
+                                          or out["lines"][-1:] != ["[DONE]"]), out
+        _wait(lambda: _running_replicas(serve, app) == 2, 180, "the killed replica's replacement")
+        after: set[str] = set()
+
+        def both_serve():
+            r = httpx.post(url + "/v1/completions", json={"prompt": "Again", "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200
+            after.add(r.headers["x-dspark-replica"])
+            return len(after) == 2
+        _wait(both_serve, 90, "requests on both replicas after the replacement")
+        assert victim not in after
+
+        # Ray stopping the application drains each replica's engine like SIGTERM does.
+        t, out, _ = _long_stream(url)
+        t_stop = time.monotonic()
+        serve.delete(app)
+        t.join(timeout=60)
+        assert not t.is_alive()
+        assert out["ended"] - t_stop < server.shutdown_timeout + 10, out["ended"] - t_stop
+        lines = out["lines"]
+        assert lines[-1] == "[DONE]", lines[-3:]
+        assert json.loads(lines[-2])["error"]["code"] == "draining"
+        assert json.loads(lines[-3])["choices"][0]["finish_reason"] == "abort"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
