@@ -38,6 +38,8 @@ class RayServeConfig:
     num_replicas: replicas when not autoscaling (min_replicas/max_replicas unset).
     min_replicas / max_replicas: autoscaling bounds; giving either turns autoscaling on.
     target_ongoing_requests: the autoscaler aims at this many requests in flight per replica.
+    upscale_delay_s / downscale_delay_s: how long the autoscaler must see a need before it adds
+        / removes a replica.
     num_cpus: CPUs Ray reserves for each replica.
     health_check_period_s / health_check_timeout_s: how often Ray asks a replica whether its
         engine is alive, and how long an answer may take.
@@ -50,6 +52,8 @@ class RayServeConfig:
     min_replicas: int | None = None
     max_replicas: int | None = None
     target_ongoing_requests: float = 8.0
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
     num_cpus: float = 1.0
     health_check_period_s: float = 5.0
     health_check_timeout_s: float = 30.0
@@ -67,6 +71,9 @@ class RayServeConfig:
             raise ValueError(f"max_replicas must be >= 1, got {hi!r}")
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"min_replicas {lo!r} exceeds max_replicas {hi!r}")
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("target_ongoing_requests", "num_cpus", "health_check_period_s",
                      "health_check_timeout_s", "metrics_interval_s"):
             v = getattr(self, name)
@@ -93,7 +100,9 @@ class RayServeConfig:
             hi = self.max_replicas if self.max_replicas is not None else max(lo, 1)
             opts["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi,
                                           "initial_replicas": max(lo, 1),
-                                          "target_ongoing_requests": self.target_ongoing_requests}
+                                          "target_ongoing_requests": self.target_ongoing_requests,
+                                          "upscale_delay_s": self.upscale_delay_s,
+                                          "downscale_delay_s": self.downscale_delay_s}
         else:
             opts["num_replicas"] = self.num_replicas
         return opts

@@ -22,10 +22,12 @@ def test_config_validates_and_builds_deployment_options():
     assert fixed["graceful_shutdown_timeout_s"] > 10   # Ray's kill comes after the engine's own drain
     auto = RayServeConfig(min_replicas=1, max_replicas=4, target_ongoing_requests=6).deployment_options(5)
     assert auto["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 1,
-                                          "target_ongoing_requests": 6}
+                                          "target_ongoing_requests": 6, "upscale_delay_s": 30.0,
+                                          "downscale_delay_s": 600.0}
     assert "num_replicas" not in auto
     for bad in ({"num_replicas": 0}, {"min_replicas": 3, "max_replicas": 2}, {"max_replicas": 0},
-                {"target_ongoing_requests": 0.0}, {"health_check_period_s": float("nan")}):
+                {"target_ongoing_requests": 0.0}, {"health_check_period_s": float("nan")},
+                {"upscale_delay_s": -1.0}):
         with pytest.raises(ValueError, match=repr(next(iter(bad.values())))[:3]):
             RayServeConfig(**bad)
 
@@ -89,10 +91,10 @@ def _stream(url: str, body: dict, out: dict, started: threading.Event) -> None:
         started.set()
 
 
-def _long_stream(url: str) -> tuple[threading.Thread, dict, threading.Event]:
+def _long_stream(url: str, max_tokens: int = 1500) -> tuple[threading.Thread, dict, threading.Event]:
     out: dict = {}
     started = threading.Event()
-    t = threading.Thread(target=_stream, args=(url, {"prompt": "Once upon a time", "max_tokens": 1500,
+    t = threading.Thread(target=_stream, args=(url, {"prompt": "Once upon a time", "max_tokens": max_tokens,
                                                      "ignore_eos": True}, out, started), daemon=True)
     t.start()
     assert started.wait(120)
@@ -116,85 +118,119 @@ def _wait(pred, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_two_replicas_on_a_local_ray_cluster():
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster with Serve's proxy on a free port: (serve module, url, metrics port)."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
-    from scheduler.config import SchedulerConfig
-    from server.config import ServerConfig
-    from server.ray_serve import deployment
-    from drafter.config import DrafterConfig
-    from verifier.config import ModelConfig
-
     http_port, metrics_port = free_port(), free_port()
-    url = f"http://127.0.0.1:{http_port}"
-    app = "dspark-test"
     ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port,
              logging_level="error", log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        model = ModelConfig(max_model_len=2048, kv_cache_tokens=8192)
-        server = ServerConfig(shutdown_timeout=3.0, log_level="warning")
-        rcfg = RayServeConfig(num_replicas=2, num_cpus=0.5, health_check_period_s=1.0,
-                              metrics_interval_s=0.5, app_name=app)
-        serve.run(deployment(model, DrafterConfig(drafter="none"), SchedulerConfig(), server, rcfg),
-                  name=app, route_prefix="/")
-        assert _running_replicas(serve, app) == 2
-
-        # Requests spread over both replicas, each answering through the same OpenAI app.
-        seen = set()
-        for i in range(16):
-            r = httpx.post(url + "/v1/completions", json={"prompt": f"Count {i}", "max_tokens": 2}, timeout=60)
-            assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
-            seen.add(r.headers["x-dspark-replica"])
-        assert len(seen) == 2, seen
-        assert httpx.get(url + "/health", timeout=30).status_code == 200
-
-        # Each replica's engine metrics reach Ray's metrics endpoint, tagged with the replica.
-        def tagged():
-            text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
-            rows = [l for l in text.splitlines() if l.startswith("ray_dspark_generation_tokens_total")]
-            return {rid for rid in seen if any(f'replica="{rid}"' in l for l in rows)} == seen
-        _wait(tagged, 60, "per-replica metrics on Ray's endpoint")
-
-        # Kill the replica serving a long stream: the stream ends (error, not a hang), Ray
-        # replaces the replica, and later requests succeed.
-        t, out, _ = _long_stream(url)
-        victim = out["replica"]
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].endswith(victim)]
-        assert names, ray.util.list_named_actors(all_namespaces=True)
-        t_kill = time.monotonic()
-        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
-        t.join(timeout=60)
-        assert not t.is_alive(), "the stream on the killed replica hung"
-        assert out["ended"] - t_kill < 30
-        finished_normally = any('"finish_reason": "length"' in l or '"finish_reason":"length"' in l
-                                for l in out["lines"])
-        assert not finished_normally and ("exception" in out or any("error" in l for l in out["lines"])
-                                          or out["lines"][-1:] != ["[DONE]"]), out
-        _wait(lambda: _running_replicas(serve, app) == 2, 180, "the killed replica's replacement")
-        after: set[str] = set()
-
-        def both_serve():
-            r = httpx.post(url + "/v1/completions", json={"prompt": "Again", "max_tokens": 2}, timeout=60)
-            assert r.status_code == 200
-            after.add(r.headers["x-dspark-replica"])
-            return len(after) == 2
-        _wait(both_serve, 90, "requests on both replicas after the replacement")
-        assert victim not in after
-
-        # Ray stopping the application drains each replica's engine like SIGTERM does.
-        t, out, _ = _long_stream(url)
-        t_stop = time.monotonic()
-        serve.delete(app)
-        t.join(timeout=60)
-        assert not t.is_alive()
-        assert out["ended"] - t_stop < server.shutdown_timeout + 10, out["ended"] - t_stop
-        lines = out["lines"]
-        assert lines[-1] == "[DONE]", lines[-3:]
-        assert json.loads(lines[-2])["error"]["code"] == "draining"
-        assert json.loads(lines[-3])["choices"][0]["finish_reason"] == "abort"
+        yield serve, f"http://127.0.0.1:{http_port}", metrics_port
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _configs():
+    from drafter.config import DrafterConfig
+    from scheduler.config import SchedulerConfig
+    from server.config import ServerConfig
+    from verifier.config import ModelConfig
+
+    return (ModelConfig(max_model_len=2048, kv_cache_tokens=8192), DrafterConfig(drafter="none"),
+            SchedulerConfig(), ServerConfig(shutdown_timeout=3.0, log_level="warning"))
+
+
+def test_two_replicas_on_a_local_ray_cluster(ray_cluster):
+    import ray
+
+    from server.ray_serve import deployment
+
+    serve, url, metrics_port = ray_cluster
+    app = "dspark-test"
+    model, drafter, sched, server = _configs()
+    rcfg = RayServeConfig(num_replicas=2, num_cpus=0.5, health_check_period_s=1.0,
+                          metrics_interval_s=0.5, app_name=app)
+    serve.run(deployment(model, drafter, sched, server, rcfg),
+              name=app, route_prefix="/")
+    assert _running_replicas(serve, app) == 2
+
+    # Requests spread over both replicas, each answering through the same OpenAI app.
+    seen = set()
+    for i in range(16):
+        r = httpx.post(url + "/v1/completions", json={"prompt": f"Count {i}", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
+        seen.add(r.headers["x-dspark-replica"])
+    assert len(seen) == 2, seen
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+
+    # Each replica's engine metrics reach Ray's metrics endpoint, tagged with the replica.
+    def tagged():
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        rows = [l for l in text.splitlines() if l.startswith("ray_dspark_generation_tokens_total")]
+        return {rid for rid in seen if any(f'replica="{rid}"' in l for l in rows)} == seen
+    _wait(tagged, 60, "per-replica metrics on Ray's endpoint")
+
+    # Kill the replica serving a long stream: the stream ends (error, not a hang), Ray
+    # replaces the replica, and later requests succeed.
+    t, out, _ = _long_stream(url)
+    victim = out["replica"]
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].endswith(victim)]
+    assert names, ray.util.list_named_actors(all_namespaces=True)
+    t_kill = time.monotonic()
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    t.join(timeout=60)
+    assert not t.is_alive(), "the stream on the killed replica hung"
+    assert out["ended"] - t_kill < 30
+    finished_normally = any('"finish_reason": "length"' in l or '"finish_reason":"length"' in l
+                            for l in out["lines"])
+    assert not finished_normally and ("exception" in out or any("error" in l for l in out["lines"])
+                                      or out["lines"][-1:] != ["[DONE]"]), out
+    _wait(lambda: _running_replicas(serve, app) == 2, 180, "the killed replica's replacement")
+    after: set[str] = set()
+
+    def both_serve():
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Again", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+        after.add(r.headers["x-dspark-replica"])
+        return len(after) == 2
+    _wait(both_serve, 90, "requests on both replicas after the replacement")
+    assert victim not in after
+
+    # Ray stopping the application drains each replica's engine like SIGTERM does.
+    t, out, _ = _long_stream(url)
+    t_stop = time.monotonic()
+    serve.delete(app)
+    t.join(timeout=60)
+    assert not t.is_alive()
+    assert out["ended"] - t_stop < server.shutdown_timeout + 10, out["ended"] - t_stop
+    lines = out["lines"]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    assert json.loads(lines[-2])["error"]["code"] == "draining"
+    assert json.loads(lines[-3])["choices"][0]["finish_reason"] == "abort"
+
+
+def test_autoscaling_on_ongoing_requests(ray_cluster):
+    from server.ray_serve import deployment
+
+    serve, url, _ = ray_cluster
+    app = "dspark-autoscale"
+    model, drafter, sched, server = _configs()
+    rcfg = RayServeConfig(min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=1,
+                          downscale_delay_s=2, num_cpus=0.5, app_name=app)
+    serve.run(deployment(model, drafter, sched, server, rcfg), name=app, route_prefix="/")
+    try:
+        assert _running_replicas(serve, app) == 1
+        streams = [_long_stream(url, 300) for _ in range(3)]   # 3 in flight against a target of 1
+        _wait(lambda: _running_replicas(serve, app) == 2, 180, "the scale-up to 2 replicas")
+        assert _running_replicas(serve, app) <= 2          # never past max_replicas
+        for t, _, _ in streams:
+            t.join(timeout=300)
+        _wait(lambda: _running_replicas(serve, app) == 1, 180, "the scale-down to 1 replica")
+    finally:
+        serve.delete(app)
