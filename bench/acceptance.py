@@ -35,6 +35,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafters", nargs="+", default=["dspark", "dflash", "ngram"])
     ap.add_argument("--policy", default="static:7")
+    ap.add_argument("--drafter-path", action="append", default=[], metavar="NAME=PATH",
+                    help="checkpoint for drafter NAME (repeatable; default: the embedded one)")
     ap.add_argument("--prompts", type=int, default=16, help="per dev set")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-prompt", type=int, default=512)
@@ -45,11 +47,12 @@ def main() -> None:
     from bench.bench_engine import chat_ids
     from scheduler.llm import LLM
 
-    result = {"machine": machine(), "policy": args.policy, "prompts_per_set": args.prompts,
+    result = {"machine": machine(), "policy": args.policy, "drafter_paths": args.drafter_path, "prompts_per_set": args.prompts,
               "max_tokens": args.max_tokens, "drafters": {}}
     for name in args.drafters:
         t0 = time.perf_counter()
-        llm = LLM(drafter=name, verify_policy=args.policy, dtype=args.dtype,
+        paths = dict(spec.split("=", 1) for spec in args.drafter_path)
+        llm = LLM(drafter=name, drafter_path=paths.get(name), verify_policy=args.policy, dtype=args.dtype,
                   max_num_seqs=args.concurrency, max_model_len=1024, kv_cache_tokens=65536)
         rows, rounds_all, acc_all = {}, 0, 0
         for d in DOMAINS:
