@@ -1,13 +1,11 @@
 """The vLLM-named aliases mirror the dspark: metrics (same values, one storage)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.metrics import AliasCollector, EngineMetrics
+from scheduler.metrics import AliasCollector, EngineMetrics, EngineSnapshot
 
 VLLM = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
         "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
@@ -23,9 +21,8 @@ def samples(registry) -> dict[tuple, float]:
     return out
 
 
-def fake_engine(running: int, waiting: int, usage: float):
-    return SimpleNamespace(running=[object()] * running, waiting=[object()] * waiting,
-                           runner=SimpleNamespace(blocks=SimpleNamespace(usage=usage)), drafter=None)
+def fake_engine(running: int, waiting: int, usage: float) -> EngineSnapshot:
+    return EngineSnapshot(num_running=running, num_waiting=waiting, kv_usage=usage)
 
 
 def test_vllm_aliases_mirror_dspark_metrics():
