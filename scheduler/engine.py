@@ -28,7 +28,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.gate import DraftGate
 from scheduler.load import LoadMonitor
-from scheduler.metrics import EngineMetricsSink, EngineSnapshot, NullMetrics
+from scheduler.metrics_sink import EngineMetricsSink, EngineSnapshot, NullMetrics
 from scheduler.policy import CostTable, Policy
 from scheduler.request import Request, RequestOutput, Status
 from scheduler.scheduler import ScheduledBatch, Scheduler

@@ -5,13 +5,13 @@ declared where its `dspark:` metric is defined and re-exposes that metric's samp
 time, so the value is stored and updated once."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
 from scheduler.load import LoadState
+from scheduler.metrics_sink import EngineMetricsSink, EngineSnapshot, NullMetrics  # noqa: F401
 
 if TYPE_CHECKING:
     from drafter.online_calibration import OnlineCalibrator
@@ -22,51 +22,6 @@ if TYPE_CHECKING:
 CALIBRATION_EVERY = 32
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """What the engine carries after a step (or an admission / abort), for the gauges.
-
-    num_running: admitted requests (prefilling or decoding).
-    num_waiting: requests queued for admission.
-    kv_usage: fraction of KV cache blocks in use, 0..1.
-    calibrator: the drafter's online confidence calibration, or None.
-    """
-
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    calibrator: "OnlineCalibrator | None" = None
-
-
-class EngineMetricsSink(Protocol):
-    """What the engine reports, one call per event. `EngineMetrics` exports it to Prometheus;
-    `NullMetrics` (metrics disabled) drops it."""
-
-    def record_forward(self, tokens: int, seconds: float) -> None: ...
-    def record_policy(self, decision: "PolicyDecision", load: LoadState | None = None) -> None: ...
-    def record_round(self, drafted: int, accepted: int) -> None: ...
-    def record_first_token(self, seconds: float, prompt_tokens: int) -> None: ...
-    def record_inter_token(self, seconds: float, n: int) -> None: ...
-    def record_tokens(self, n: int) -> None: ...
-    def record_realized(self, n: int) -> None: ...
-    def record_finished(self, reason: str | None, seconds: float) -> None: ...
-    def record_step(self, snap: EngineSnapshot) -> None: ...
-
-
-class NullMetrics:
-    """Metrics disabled: every report is dropped."""
-
-    def record_forward(self, tokens: int, seconds: float) -> None: pass
-    def record_policy(self, decision: "PolicyDecision", load: LoadState | None = None) -> None: pass
-    def record_round(self, drafted: int, accepted: int) -> None: pass
-    def record_first_token(self, seconds: float, prompt_tokens: int) -> None: pass
-    def record_inter_token(self, seconds: float, n: int) -> None: pass
-    def record_tokens(self, n: int) -> None: pass
-    def record_realized(self, n: int) -> None: pass
-    def record_finished(self, reason: str | None, seconds: float) -> None: pass
-    def record_step(self, snap: EngineSnapshot) -> None: pass
 
 
 class AliasCollector:

@@ -74,7 +74,7 @@ def test_null_metrics_is_the_disabled_sink_and_the_engine_uses_it():
 
     from scheduler.engine import Engine
     from scheduler.config import SchedulerConfig
-    from scheduler.metrics import EngineMetricsSink, NullMetrics
+    from scheduler.metrics_sink import EngineMetricsSink, NullMetrics
     from tests.helpers import ByteTokenizer, runner_for, tiny_model
 
     report = {n for n, _ in inspect.getmembers(EngineMetricsSink, inspect.isfunction)
