@@ -32,7 +32,7 @@ from scheduler.metrics_sink import EngineMetricsSink, EngineSnapshot, NullMetric
 from scheduler.policy import CostTable, Policy
 from scheduler.request import Request, RequestOutput, Status
 from scheduler.scheduler import ScheduledBatch, Scheduler
-from scheduler.speculation import DEFAULT_COST, Speculation, StepProposal  # noqa: F401 (DEFAULT_COST re-exported)
+from scheduler.speculation import Speculation, StepProposal
 from verifier.model_runner import ForwardOutput, ModelRunner, Segment
 from verifier.rejection import RejectionResult
 from verifier.sampling import SamplingTensors
@@ -50,14 +50,12 @@ class Verification:
     """The target's verdict for one step.
 
     forward: the flat forward's logits and hidden states.
-    result: rejection sampling's verdict, rows = decodes then completing prefills (None when
-        no row samples: only partial prefill chunks ran).
-    sampled_rows: the requests in result row order.
+    result: rejection sampling's verdict; its requests are the decodes, then the prefills that
+        completed their prompt (None when only partial prefill chunks ran).
     """
 
     forward: ForwardOutput
     result: RejectionResult | None
-    sampled_rows: list[Request]
 
 
 @dataclass
@@ -296,22 +294,19 @@ class Engine:
             blocks.append(r.request_id, len(toks))
             segments.append(Segment(r.request_id, toks, r.num_computed, 0))
             checks.append(VerifyRequest(r.sampling, r.generator, drafts, proposal.draft_probs(i)))
-        completing: list[Request] = []
         for r, n in batch.prefills:
             blocks.append(r.request_id, n)
             done = r.num_computed + n == len(r.prompt_ids)
             segments.append(Segment(r.request_id, r.prompt_ids[r.num_computed:r.num_computed + n],
                                     r.num_computed, n - 1 if done else n))
-            if done:
-                completing.append(r)
+            if done:   # its last prompt row samples the first token
                 checks.append(VerifyRequest(r.sampling, r.generator, torch.empty(0, dtype=torch.long)))
         t0 = time.perf_counter()
         fwd = self.runner.forward(segments, self.tap_layers)
         self.metrics.record_forward(sum(len(s.token_ids) for s in segments), time.perf_counter() - t0)
-        rows = batch.decodes + completing
-        if not rows:
-            return Verification(fwd, None, [])
-        return Verification(fwd, verify(fwd.logits, checks), rows)
+        if not checks:
+            return Verification(fwd, None)
+        return Verification(fwd, verify(fwd.logits, checks))
 
     # -- commit ------------------------------------------------------------------------------
     def _commit(self, batch: ScheduledBatch, proposal: StepProposal,
