@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from drafter.base import AcceptedContext, Drafter
-from scheduler.client import EngineError, round_provenance
+from scheduler.client import EngineError, TokenRecord, round_provenance
 from scheduler.commit import append_tokens, eos_token_ids, request_output, token_records
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import IncrementalDetokenizer
@@ -387,7 +387,8 @@ class Engine:
         self.speculation.free(r.request_id)
         self.metrics.record_finished(reason, time.monotonic() - r.arrival_time)
 
-    def _output(self, r: Request, appended: list[int], final: bool, tokens=None) -> RequestOutput:
+    def _output(self, r: Request, appended: list[int], final: bool,
+                tokens: list[TokenRecord] | None = None) -> RequestOutput:
         if final:
             self.requests.pop(r.request_id, None)
         return request_output(r, appended, final, self.drafter is not None, tokens)
