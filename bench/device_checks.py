@@ -96,10 +96,12 @@ def _joint_first_two(p1, P2, q1, Q2, n: int, broken: bool) -> torch.Tensor:
     x2 = torch.multinomial(Q2[x1], 1).squeeze(1)
     target = torch.stack([p1.expand(n, V), P2[x1], torch.full((n, V), 1.0 / V, device=dev)], 1)
     draft_probs = target[:, :2].clone() if broken else torch.stack([q1.expand(n, V), Q2[x1]], 1)
-    res = rejection_sample(target, torch.stack([x1, x2], 1), draft_probs,
-                           torch.full((n,), 2, dtype=torch.long))
-    t1 = res.output_tokens[:, 0]
-    t2 = res.output_tokens[:, 1].clone()
+    # every row verifies both drafts, so the flat layout is the [n, 3] / [n, 2] blocks row-major
+    res = rejection_sample(target.reshape(n * 3, V), torch.stack([x1, x2], 1).reshape(-1),
+                           draft_probs.reshape(n * 2, V), torch.full((n,), 2, dtype=torch.long))
+    out = res.output_tokens.view(n, 3)
+    t1 = out[:, 0]
+    t2 = out[:, 1].clone()
     short = res.num_output < 2
     t2[short] = torch.multinomial(P2[t1[short]], 1).squeeze(1)
     counts = torch.bincount(t1 * V + t2, minlength=V * V).double()

@@ -46,6 +46,7 @@ class ReplayDrafter:
     name = "replay"
     tap_layers: tuple[int, ...] = ()
     calibrator = None  # its confidences are exact by construction
+    online_confidence = False
 
     def __init__(self, references: dict[tuple[int, ...], list[int]], vocab_size: int,
                  block_size: int = 7, accept_rate: float = 0.8, seed: int = 0) -> None:

@@ -230,9 +230,9 @@ def main() -> None:
     for name in ("_attention", "_attention_reference"):   # fast / reference forward
         if hasattr(runner, name):
             wrap(runner, name, "attention", timers)
-    import scheduler.engine as engmod
-    wrap(engmod, "probs_from_logits", "sampling", timers)
-    wrap(engmod, "rejection_sample", "sampling", timers)
+    import verifier.verify as verifymod
+    wrap(verifymod, "probs_from_logits", "sampling", timers)
+    wrap(verifymod, "rejection_sample", "sampling", timers)
     if eng.drafter is not None:
         wrap(eng.drafter, "propose", "drafter", timers)
         wrap(eng.drafter, "observe", "drafter", timers)

@@ -85,9 +85,9 @@ class Drafter(Protocol):
     # Target layers whose hidden states the drafter needs (DeepSpec semantics: layer i is
     # the output of decoder layer i, -1 the embeddings). Empty: no taps needed.
     tap_layers: tuple[int, ...]
-    # Optional (default False): True when confidences are learned online from verification
-    # outcomes (n-gram); the engine then keeps verifying a little so they can recover.
-    # online_confidence: bool
+    # True when confidences are learned online from verification outcomes (n-gram); the
+    # engine then keeps verifying a little so they can recover.
+    online_confidence: bool
     # The online recalibration of a confidence head (drafter/online_calibration.py), or None;
     # /metrics exports its live ECE and per-position temperatures.
     calibrator: "OnlineCalibrator | None"

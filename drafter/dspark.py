@@ -135,6 +135,8 @@ class ContextKVCache:
 class DSparkDrafter:
     """DSpark (Markov + confidence heads) or DFlash (parallel only) behind the Drafter API."""
 
+    online_confidence = False  # its confidences come from its heads (recalibrated by `calibrator`)
+
     def __init__(self, model: DSparkModel, config: DSparkDrafterConfig, name: str):
         trained = model.config.block_size
         bs = config.block_size or trained

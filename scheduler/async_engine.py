@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from scheduler.builder import EngineBundle
@@ -36,6 +37,28 @@ def _delta(out: RequestOutput) -> StreamDelta:
 DRAIN_MESSAGE = "the server is shutting down; this request was cut off"
 
 
+@dataclass(frozen=True)
+class AddRequest:
+    """To the engine thread: queue this request (its deltas go to the queue registered for it)."""
+
+    request: Request
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """To the engine thread: end this request now and free its KV."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class StopEngine:
+    """To the engine thread: leave the loop."""
+
+
+EngineMessage = AddRequest | AbortRequest | StopEngine
+
+
 class AsyncEngine:
     def __init__(self, build: Callable[..., EngineBundle], model_name: str, max_model_len: int) -> None:
         """build: makes the engine bundle on the engine thread; when it takes an `on_stage`
@@ -45,7 +68,8 @@ class AsyncEngine:
         self.max_model_len = max_model_len
         self.bundle: EngineBundle | None = None
         self._error: str | None = None
-        self._inbox: queue.Queue = queue.Queue()
+        self._inbox: queue.Queue[EngineMessage] = queue.Queue()
+        self._settled = threading.Event()   # set once the engine loaded, or failed to
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -60,7 +84,7 @@ class AsyncEngine:
 
     def stop(self) -> None:
         self._stopping = True
-        self._inbox.put(("stop",))
+        self._inbox.put(StopEngine())
         if self._thread is not None:
             self._thread.join(timeout=10)
 
@@ -129,12 +153,8 @@ class AsyncEngine:
                            verify_policy=e.policy.name)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        import time
-        t0 = time.monotonic()
-        while not self.ready and self._error is None:
-            if timeout is not None and time.monotonic() - t0 > timeout:
-                return False
-            time.sleep(0.05)
+        """Block until the engine has loaded (True) or failed to load, or `timeout` passed (False)."""
+        self._settled.wait(timeout)
         return self.ready
 
     # -- tokenization (thread-safe on HF fast tokenizers) ----------------------------------------
@@ -166,7 +186,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, q)
-        self._inbox.put(("add", req))
+        self._inbox.put(AddRequest(req))
         finished = False
         try:
             while True:
@@ -183,7 +203,7 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(AbortRequest(request_id))
 
     # -- the engine thread -----------------------------------------------------------------------
     def _send(self, request_id: str, item) -> None:
@@ -192,10 +212,10 @@ class AsyncEngine:
             loop, q = entry
             loop.call_soon_threadsafe(q.put_nowait, item)
 
-    def _handle(self, msg) -> None:
+    def _handle(self, msg: AddRequest | AbortRequest) -> None:
         engine = self.bundle.engine
-        if msg[0] == "add":
-            req = msg[1]
+        if isinstance(msg, AddRequest):
+            req = msg.request
             try:
                 engine.add_request(req)
             except RequestRejected as exc:
@@ -203,8 +223,8 @@ class AsyncEngine:
             except Exception as exc:  # never let one request stop the engine thread
                 log.exception("add_request failed for %s", req.request_id)
                 self._send(req.request_id, EngineError(f"the request could not be queued: {exc}", 500))
-        elif msg[0] == "abort":
-            out = engine.abort(msg[1])
+        elif isinstance(msg, AbortRequest):
+            out = engine.abort(msg.request_id)
             if out is not None:  # whoever still waits on it (a non-streaming handler) is told
                 self._send(out.request_id, _delta(out))
 
@@ -218,8 +238,10 @@ class AsyncEngine:
         except Exception as exc:  # reported by /health and logged; the server stays up
             self._error = f"{type(exc).__name__}: {exc}"
             log.error("engine failed to load:\n%s", traceback.format_exc())
+            self._settled.set()
             return
         self.bundle = bundle
+        self._settled.set()
         log.info("ready: the engine loaded in %.1fs and accepts requests", time.monotonic() - t0)
         engine = self.bundle.engine
         while not self._stopping:
@@ -228,7 +250,7 @@ class AsyncEngine:
             except queue.Empty:
                 msg = None
             while msg is not None:
-                if msg[0] == "stop":
+                if isinstance(msg, StopEngine):
                     return
                 self._handle(msg)
                 try:

@@ -5,10 +5,17 @@ declared where its `dspark:` metric is defined and re-exposes that metric's samp
 time, so the value is stored and updated once."""
 from __future__ import annotations
 
-import time
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
+
+from scheduler.load import LoadState
+from scheduler.metrics_sink import EngineMetricsSink, EngineSnapshot, NullMetrics  # noqa: F401
+
+if TYPE_CHECKING:
+    from drafter.online_calibration import OnlineCalibrator
+    from scheduler.policy import CostTable, PolicyDecision
 
 # Steps between exports of the online calibration state (its ECE scans a few thousand
 # outcomes per position: too much work for every step).
@@ -57,6 +64,8 @@ class AliasCollector:
 
 
 class EngineMetrics:
+    """The engine's reports (`EngineMetricsSink`) as Prometheus metrics in `registry`."""
+
     def __init__(self, registry: CollectorRegistry, model_name: str, max_block: int = 16) -> None:
         L = ["model_name"]
         self.labels = {"model_name": model_name}
@@ -135,7 +144,7 @@ class EngineMetrics:
         for reason in ("stop", "length", "abort", "error"):
             self.finished.labels(**self.labels, finished_reason=reason)
 
-    def set_cost_table(self, table) -> None:
+    def set_cost_table(self, table: "CostTable") -> None:
         for b, s in zip(table.batch_sizes, table.steps_per_second):
             self.cost.labels(**self.labels, batch_tokens=str(b)).set(s)
 
@@ -143,7 +152,7 @@ class EngineMetrics:
         self.forward_tokens.labels(**self.labels).observe(tokens)
         self.forward_seconds.labels(**self.labels).observe(seconds)
 
-    def record_policy(self, decision, load=None) -> None:
+    def record_policy(self, decision: "PolicyDecision", load: LoadState | None = None) -> None:
         if load is not None and load.accel_mem_used is not None:
             self.accel_mem.labels(**self.labels).set(load.accel_mem_used)
         ls = list(decision.lengths)
@@ -162,9 +171,10 @@ class EngineMetrics:
             self.accepted_pos.labels(**lab, position=str(k)).inc()
         self.accept_len.labels(**lab).observe(accepted + 1)
 
-    def record_first_token(self, req, now: float) -> None:
-        self.ttft.labels(**self.labels).observe(now - req.arrival_time)
-        self.prompt_tokens.labels(**self.labels).inc(len(req.prompt_ids))
+    def record_first_token(self, seconds: float, prompt_tokens: int) -> None:
+        """seconds: arrival to first token; prompt_tokens: the request's prompt length."""
+        self.ttft.labels(**self.labels).observe(seconds)
+        self.prompt_tokens.labels(**self.labels).inc(prompt_tokens)
 
     def record_inter_token(self, seconds: float, n: int) -> None:
         for _ in range(max(n, 0)):
@@ -173,20 +183,25 @@ class EngineMetrics:
     def record_tokens(self, n: int) -> None:
         self.gen_tokens.labels(**self.labels).inc(n)
 
-    def record_finished(self, req) -> None:
-        self.finished.labels(**self.labels, finished_reason=req.finish_reason or "unknown").inc()
-        self.e2e.labels(**self.labels).observe(time.monotonic() - req.arrival_time)
+    def record_realized(self, n: int) -> None:
+        """Tokens a decoding request produced this step (before stop conditions cut them)."""
+        self.realized.labels(**self.labels).inc(n)
 
-    def record_step(self, engine) -> None:
-        self.running.labels(**self.labels).set(len(engine.running))
-        self.waiting.labels(**self.labels).set(len(engine.waiting))
-        self.kv_usage.labels(**self.labels).set(engine.runner.blocks.usage)
+    def record_finished(self, reason: str | None, seconds: float) -> None:
+        """reason: the finish reason; seconds: arrival to finish."""
+        self.finished.labels(**self.labels, finished_reason=reason or "unknown").inc()
+        self.e2e.labels(**self.labels).observe(seconds)
+
+    def record_step(self, snap: EngineSnapshot) -> None:
+        self.running.labels(**self.labels).set(snap.num_running)
+        self.waiting.labels(**self.labels).set(snap.num_waiting)
+        self.kv_usage.labels(**self.labels).set(snap.kv_usage)
         self._steps += 1
-        cal = engine.drafter.calibrator if engine.drafter is not None else None
+        cal = snap.calibrator
         if cal is not None and self._steps % CALIBRATION_EVERY == 1:
             self.record_calibration(cal)
 
-    def record_calibration(self, cal) -> None:
+    def record_calibration(self, cal: "OnlineCalibrator") -> None:
         """Export an online calibrator's state (drafter/online_calibration.py)."""
         for k, (ece, t, b) in enumerate(zip(cal.survival_ece(), cal.temperatures, cal.biases)):
             pos = {**self.labels, "position": str(k)}

@@ -15,6 +15,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
+from scheduler.load import LoadState  # the one load type (scheduler/load.py)
+
 
 def _check_points(bs: tuple[int, ...], sps: tuple[float, ...], what: str) -> None:
     if not bs:
@@ -98,29 +100,6 @@ class CostTable:
         return cls(batch_sizes=tuple(d["batch_sizes"]), steps_per_second=tuple(d["steps_per_second"]),
                    block_sizes=None if block[0] is None else tuple(block[0]),
                    block_steps_per_second=None if block[1] is None else tuple(block[1]))
-
-
-@dataclass(frozen=True)
-class LoadState:
-    """The engine's load at scheduling time.
-
-    num_running: requests decoding this step.
-    num_waiting: requests queued, not yet admitted.
-    prefill_tokens: prompt-chunk tokens already in this step's target batch (they count in B).
-    kv_usage: fraction of KV cache blocks in use, 0..1.
-    """
-
-    num_running: int = 0
-    num_waiting: int = 0
-    prefill_tokens: int = 0
-    kv_usage: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("num_running", "num_waiting", "prefill_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not (0.0 <= self.kv_usage <= 1.0):
-            raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage!r}")
 
 
 Confidences = torch.Tensor | Sequence[float] | None

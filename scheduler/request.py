@@ -43,7 +43,6 @@ class Request:
     sampling: SamplingParams
     max_tokens: int
     stop: tuple[str, ...] = ()
-    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
 

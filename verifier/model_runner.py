@@ -50,9 +50,6 @@ class ForwardOutput:
     hidden: torch.Tensor | None
     token_offsets: list[int]
 
-    def segment_logits(self, i: int, n: int) -> torch.Tensor:
-        return self.logits[self.logits_offsets[i]: self.logits_offsets[i] + n]
-
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)

@@ -1,8 +1,11 @@
 """Lossless speculative verification: accept / reject draft tokens against the target.
 
-One pure, batched function. The output of every row is distributed exactly as tokens
-sampled one by one from the target (Leviathan et al. 2023, Chen et al. 2023), provided the
-number of drafts a row verifies was decided without looking at those drafts' own values.
+One pure, batched function over a flat layout: rows are verified tokens, request after
+request (each request's draft positions then its bonus position), located by per-request
+offsets as in the target's varlen forward; nothing is padded to the longest draft block.
+The output of every request is distributed exactly as tokens sampled one by one from the
+target (Leviathan et al. 2023, Chen et al. 2023), provided the number of drafts a request
+verifies was decided without looking at those drafts' own values.
 """
 from __future__ import annotations
 
@@ -17,12 +20,20 @@ from verifier.sampling import sample_from_uniforms
 RESIDUAL_EPS = 1e-6
 
 
+def verify_offsets(num_draft: torch.Tensor) -> torch.Tensor:  # [B+1] int64
+    """cu_seqlens of the flat verify rows: request b owns rows [out[b], out[b+1]), which are
+    its num_draft[b] draft positions and then its bonus position (num_draft[b] + 1 rows)."""
+    n = num_draft.to(dtype=torch.long)
+    return torch.cat([n.new_zeros(1), (n + 1).cumsum(0)])
+
+
 @dataclass
 class RejectionResult:
-    """What verification produced for each row.
+    """What verification produced for each request, in the flat verify layout.
 
-    output_tokens: [B, K+1] int64, the row's new tokens left-aligned, padded with -1:
-        the num_accepted accepted drafts, then one recovered or bonus token.
+    offsets:       [B+1] int64, request b's rows are [offsets[b], offsets[b+1]) (num_draft[b] + 1).
+    output_tokens: [T] int64, T = offsets[B]; request b's rows hold its new tokens first
+        (the num_accepted[b] accepted drafts, then one recovered or bonus token), -1 after.
     num_accepted:  [B] int64, accepted draft tokens (0..num_draft).
     num_output:    [B] int64, = num_accepted + 1 (every round yields at least one token).
     """
@@ -30,118 +41,141 @@ class RejectionResult:
     output_tokens: torch.Tensor
     num_accepted: torch.Tensor
     num_output: torch.Tensor
+    offsets: torch.Tensor
+
+    def tokens(self, b: int) -> list[int]:
+        """Request b's new tokens (accepted drafts, then the recovered or bonus token)."""
+        start = int(self.offsets[b])
+        return self.output_tokens[start:start + int(self.num_output[b])].tolist()
+
+    def cpu(self) -> "RejectionResult":
+        return RejectionResult(self.output_tokens.cpu(), self.num_accepted.cpu(),
+                               self.num_output.cpu(), self.offsets.cpu())
 
 
 def rejection_sample(
-    target_probs: torch.Tensor,  # [B, K+1, V] float, processed target p at each draft position + bonus
-    draft_tokens: torch.Tensor,  # [B, K] int64, padded (any value) beyond num_draft
-    draft_probs: torch.Tensor | None,  # [B, K, V] float, draft q each token was sampled from; None = one-hot
-    num_draft: torch.Tensor,  # [B] int64, drafts row b really verifies, 0..K
+    target_probs: torch.Tensor,  # [T, V] float, T = sum(num_draft + 1): processed target p per verify row
+    draft_tokens: torch.Tensor,  # [D] int64, D = sum(num_draft): request b's drafts at rows offsets[b] - b ..
+    draft_probs: torch.Tensor | None,  # [D, V] float, draft q each token was sampled from; None = one-hot
+    num_draft: torch.Tensor,  # [B] int64 >= 0, drafts request b verifies
     generators: Sequence[torch.Generator | None] | None = None,  # B entries
-    draft_deterministic: torch.Tensor | None = None,  # [B] bool, rows whose q is one-hot on the draft
+    draft_deterministic: torch.Tensor | None = None,  # [B] bool, requests whose q is one-hot on the draft
 ) -> RejectionResult:
-    """Verify a padded batch of draft blocks.
+    """Verify a flat batch of draft blocks.
 
-    For row b and draft position k < num_draft[b] (p = target_probs[b, k], q = draft q_k):
+    Request b owns verify rows offsets[b] .. offsets[b] + num_draft[b] (offsets =
+    `verify_offsets(num_draft)`): row offsets[b] + k holds the target p that judges its draft
+    k (draft row offsets[b] - b + k), the last row its bonus position. For k < num_draft[b]
+    (p = that target row, q = the draft's q):
 
     - accepted token: draft x_k is kept with probability min(1, p(x_k) / q(x_k)), in order,
       while every earlier draft was kept;
     - recovered token: at the first rejection k, one token is sampled from
-      norm(max(0, p - q)) and the row stops (if that residual has ~no mass, p == q up to
+      norm(max(0, p - q)) and the request stops (if that residual has ~no mass, p == q up to
       rounding and p is used);
-    - bonus token: if all num_draft[b] drafts are accepted, one token is sampled from
-      target_probs[b, num_draft[b]].
+    - bonus token: if all num_draft[b] drafts are accepted, one token is sampled from the
+      request's last row (position num_draft[b]).
 
-    q is one-hot on the draft token when draft_probs is None or the row is flagged
+    q is one-hot on the draft token when draft_probs is None or the request is flagged
     deterministic (n-gram lookup, greedy drafting); then acceptance is with probability
     p(x_k) and the residual is p with x_k removed. With a greedy (one-hot) target this is
     exactly "accept while draft == argmax, then emit the argmax".
 
-    Randomness: row b draws num_draft[b] + 1 uniforms from generators[b] (or the global RNG
-    when None), so a seeded row does not depend on what else is in the batch.
+    Randomness: request b draws num_draft[b] + 1 uniforms from generators[b] (or the global RNG
+    when None), so a seeded request does not depend on what else is in the batch.
     """
-    if target_probs.dim() != 3:
-        raise ValueError(f"target_probs must be [B, K+1, V], got shape {tuple(target_probs.shape)}")
-    b, k1, vocab = target_probs.shape
-    k = k1 - 1
+    if target_probs.dim() != 2:
+        raise ValueError(f"target_probs must be [T, V], got shape {tuple(target_probs.shape)}")
+    if num_draft.dim() != 1:
+        raise ValueError(f"num_draft must be [B], got shape {tuple(num_draft.shape)}")
+    t, vocab = target_probs.shape
+    b = int(num_draft.shape[0])
     device = target_probs.device
-    if k < 0:
-        raise ValueError("target_probs needs at least the bonus position (K+1 >= 1)")
-    if tuple(draft_tokens.shape) != (b, k):
-        raise ValueError(f"draft_tokens must be [{b}, {k}], got shape {tuple(draft_tokens.shape)}")
-    if draft_probs is not None and tuple(draft_probs.shape) != (b, k, vocab):
-        raise ValueError(f"draft_probs must be [{b}, {k}, {vocab}], got shape {tuple(draft_probs.shape)}")
-    if tuple(num_draft.shape) != (b,):
-        raise ValueError(f"num_draft must be [{b}], got shape {tuple(num_draft.shape)}")
-    if generators is not None and len(generators) != b:
-        raise ValueError(f"{b} rows but {len(generators)} generators")
     n_list = [int(n) for n in num_draft.tolist()]
-    bad = [n for n in n_list if n < 0 or n > k]
+    bad = [n for n in n_list if n < 0]
     if bad:
-        raise ValueError(f"num_draft values must be in [0, {k}], got {bad}")
+        raise ValueError(f"num_draft values must be >= 0, got {bad}")
+    d = sum(n_list)
+    if t != d + b:
+        raise ValueError(f"target_probs must have sum(num_draft + 1) = [{d + b}] rows, got {t}")
+    if tuple(draft_tokens.shape) != (d,):
+        raise ValueError(f"draft_tokens must be [{d}] (sum of num_draft), got shape {tuple(draft_tokens.shape)}")
+    if draft_probs is not None and tuple(draft_probs.shape) != (d, vocab):
+        raise ValueError(f"draft_probs must be [{d}, {vocab}], got shape {tuple(draft_probs.shape)}")
+    if generators is not None and len(generators) != b:
+        raise ValueError(f"{b} requests but {len(generators)} generators")
+    if draft_deterministic is not None and tuple(draft_deterministic.shape) != (b,):
+        raise ValueError(f"draft_deterministic must be [{b}], got shape {tuple(draft_deterministic.shape)}")
 
-    nd = num_draft.to(device=device, dtype=torch.long)
-    rows = torch.arange(b, device=device)
-    u = _uniforms(n_list, k, generators, device)  # [B, K+1]; column K drives the final draw
-    positions = torch.arange(k, device=device).unsqueeze(0)  # [1, K]
-    valid = positions < nd.unsqueeze(1)  # [B, K]
-    tokens = draft_tokens.to(device=device, dtype=torch.long).clamp(0, vocab - 1)  # padding -> any id
+    nd = num_draft.to(device=device, dtype=torch.long)  # [B]
+    offsets = verify_offsets(nd)  # [B+1]
+    starts = offsets[:-1]  # [B] first verify row of each request
+    u = _uniforms(n_list, generators, device)  # [T]: a request's draft rows, then its final draw
+    req = torch.repeat_interleave(torch.arange(b, device=device), nd)  # [D] request of each draft
+    vrow = torch.arange(d, device=device) + req  # [D] verify row judging each draft
+    pos = vrow - starts[req]  # [D] position of each draft in its block
+    tokens = draft_tokens.to(device=device, dtype=torch.long).clamp(0, vocab - 1)  # [D]
     det = None if draft_deterministic is None else draft_deterministic.to(device=device, dtype=torch.bool)
 
     # Acceptance: u < p/q  <=>  u * q < p (no division, q = 0 cannot blow up).
-    p_tok = target_probs[:, :k].gather(2, tokens.unsqueeze(2)).squeeze(2).float()  # [B, K]
+    p_tok = target_probs[vrow, tokens].float()  # [D]
     if draft_probs is None:
         q_tok = torch.ones_like(p_tok)
     else:
-        q_tok = draft_probs.gather(2, tokens.unsqueeze(2)).squeeze(2).float()
+        q_tok = draft_probs[torch.arange(d, device=device), tokens].float()
         if det is not None:
-            q_tok = torch.where(det.unsqueeze(1), torch.ones_like(q_tok), q_tok)
-    accept = valid & (u[:, :k] * q_tok < p_tok)
-    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]: length of the accepted prefix
+            q_tok = torch.where(det[req], torch.ones_like(q_tok), q_tok)
+    accept = u[vrow] * q_tok < p_tok  # [D]
+    # Length of each request's accepted prefix: its first rejected position, or num_draft.
+    first_reject = nd.clone()
+    if d > 0:
+        first_reject.scatter_reduce_(0, req[~accept], pos[~accept], reduce="amin")
+    num_accepted = first_reject  # [B]
     rejected = num_accepted < nd
 
-    # Recovered and bonus tokens both sit at position num_accepted: sample from the residual
-    # where the row was rejected there, from p itself where it ran out of drafts.
-    p_final = target_probs[rows, num_accepted].float()  # [B, V]
+    # Recovered and bonus tokens both sit at row starts + num_accepted: sample from the residual
+    # where the request was rejected there, from p itself where it ran out of drafts.
+    final_rows = starts + num_accepted  # [B]
+    p_final = target_probs[final_rows].float()  # [B, V]
     final_dist = p_final
-    if k > 0 and bool(rejected.any()):
-        pos = num_accepted.clamp(max=k - 1)
-        onehot = torch.zeros_like(p_final).scatter_(1, tokens[rows, pos].unsqueeze(1), 1.0)
+    if d > 0 and bool(rejected.any()):
+        drow = (final_rows - torch.arange(b, device=device)).clamp(max=d - 1)  # [B] draft row at the rejection
+        onehot = torch.zeros_like(p_final).scatter_(1, tokens[drow].unsqueeze(1), 1.0)
         if draft_probs is None:
             q_final = onehot
         else:
-            q_final = draft_probs[rows, pos].float()
+            q_final = draft_probs[drow].float()
             if det is not None:
                 q_final = torch.where(det.unsqueeze(1), onehot, q_final)
         residual = (p_final - q_final).clamp_min(0.0)
         use_residual = rejected & (residual.sum(dim=1) > RESIDUAL_EPS)
         final_dist = torch.where(use_residual.unsqueeze(1), residual, p_final)
-    final_tokens = sample_from_uniforms(final_dist, u[:, k])  # [B]
+    final_tokens = sample_from_uniforms(final_dist, u[offsets[1:] - 1])  # [B]: each request's last uniform
 
-    output = torch.where(positions < num_accepted.unsqueeze(1), tokens, torch.full_like(tokens, -1))
-    output = torch.cat([output, torch.full((b, 1), -1, dtype=torch.long, device=device)], dim=1)
-    output.scatter_(1, num_accepted.unsqueeze(1), final_tokens.unsqueeze(1))
-    return RejectionResult(output_tokens=output, num_accepted=num_accepted, num_output=num_accepted + 1)
+    output = torch.full((t,), -1, dtype=torch.long, device=device)
+    kept = pos < num_accepted[req]  # [D]
+    output[vrow[kept]] = tokens[kept]
+    output[final_rows] = final_tokens
+    return RejectionResult(output_tokens=output, num_accepted=num_accepted,
+                           num_output=num_accepted + 1, offsets=offsets)
 
 
 def _uniforms(
     n_list: list[int],
-    k: int,
     generators: Sequence[torch.Generator | None] | None,
     device: torch.device,
-) -> torch.Tensor:  # [B, K+1]
-    """Acceptance uniforms in columns [0, n), the final draw's uniform in column K."""
-    b = len(n_list)
-    if generators is None:
-        return torch.rand(b, k + 1, device=device)
+) -> torch.Tensor:  # [T]
+    """Per request, num_draft acceptance uniforms then the final draw's, in its verify rows."""
+    t = sum(n_list) + len(n_list)
+    if generators is None or all(g is None for g in generators):
+        return torch.rand(t, device=device)
     if any(g is None for g in generators):
-        u = torch.rand(b, k + 1, device=device)  # global RNG for rows without a generator
+        u = torch.rand(t, device=device)  # global RNG for requests without a generator
     else:
-        u = torch.zeros(b, k + 1, device=device)
-    for r, (n, g) in enumerate(zip(n_list, generators)):
-        if g is None:
-            continue
-        draws = torch.rand(n + 1, generator=g, device=g.device).to(device)
-        u[r, :n] = draws[:n]
-        u[r, k] = draws[n]
+        u = torch.zeros(t, device=device)
+    start = 0
+    for n, g in zip(n_list, generators):
+        if g is not None:
+            u[start:start + n + 1] = torch.rand(n + 1, generator=g, device=g.device).to(device)
+        start += n + 1
     return u

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from scheduler.policy import CostTable, LoadState, PolicyInput, parse_policy
-from verifier.rejection import rejection_sample
+from tests.verifier._padded import padded_rejection_sample
 
 A, B = 0, 1
 P = torch.tensor([0.7, 0.3])  # target at every position
@@ -32,7 +32,7 @@ def first_token_distribution(policy_name, first_confidence, table=TABLE, seed=0)
         inp = PolicyInput(confidences=[[first_confidence, c2]], max_lengths=[2])
         lengths.append(policy(inp, table, LOAD).lengths[0])
     num_draft = torch.tensor(lengths)
-    res = rejection_sample(
+    res = padded_rejection_sample(
         P.expand(ROUNDS, 3, 2).contiguous(),
         drafts,
         Q.expand(ROUNDS, 2, 2).contiguous(),

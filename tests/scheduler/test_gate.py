@@ -30,6 +30,7 @@ class SlowWrongDrafter:
     """Drafts a constant token (almost always rejected) and takes 30 ms: drafting loses."""
 
     name, tap_layers, block_size, calibrator = "slow-wrong", (), 4, None
+    online_confidence = False
 
     def propose(self, requests):
         time.sleep(0.03)

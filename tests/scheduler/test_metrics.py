@@ -1,13 +1,11 @@
 """The vLLM-named aliases mirror the dspark: metrics (same values, one storage)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.metrics import AliasCollector, EngineMetrics
+from scheduler.metrics import AliasCollector, EngineMetrics, EngineSnapshot
 
 VLLM = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
         "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
@@ -23,9 +21,8 @@ def samples(registry) -> dict[tuple, float]:
     return out
 
 
-def fake_engine(running: int, waiting: int, usage: float):
-    return SimpleNamespace(running=[object()] * running, waiting=[object()] * waiting,
-                           runner=SimpleNamespace(blocks=SimpleNamespace(usage=usage)), drafter=None)
+def fake_engine(running: int, waiting: int, usage: float) -> EngineSnapshot:
+    return EngineSnapshot(num_running=running, num_waiting=waiting, kv_usage=usage)
 
 
 def test_vllm_aliases_mirror_dspark_metrics():
@@ -70,3 +67,39 @@ def test_alias_rejects_its_own_name_and_duplicates():
     reg.register(col)
     with pytest.raises(ValueError):  # the registry sees the alias name as taken
         Gauge("vllm:x", "clash", registry=reg)
+
+
+def test_null_metrics_is_the_disabled_sink_and_the_engine_uses_it():
+    import inspect
+
+    from scheduler.engine import Engine
+    from scheduler.config import SchedulerConfig
+    from scheduler.metrics_sink import EngineMetricsSink, NullMetrics
+    from tests.helpers import ByteTokenizer, runner_for, tiny_model
+
+    report = {n for n, _ in inspect.getmembers(EngineMetricsSink, inspect.isfunction)
+              if n.startswith("record_")}
+    assert "record_step" in report and "record_realized" in report
+    for sink in (NullMetrics, EngineMetrics):   # both implement every report, same signature
+        for n in report:
+            assert (inspect.signature(getattr(sink, n)).parameters.keys()
+                    == inspect.signature(getattr(EngineMetricsSink, n)).parameters.keys()), (sink, n)
+    engine = Engine(runner_for(tiny_model("llama")), ByteTokenizer(), SchedulerConfig(), max_model_len=64)
+    assert isinstance(engine.metrics, NullMetrics)
+
+
+def test_engine_snapshot_feeds_the_gauges_and_the_calibration_export():
+    class Cal:
+        temperatures, biases = [1.5], [0.25]
+
+        def survival_ece(self): return [0.125]
+        def samples(self, k): return 9
+
+    reg = CollectorRegistry()
+    m = EngineMetrics(reg, "tiny")
+    m.record_step(EngineSnapshot(num_running=2, num_waiting=1, kv_usage=0.5, calibrator=Cal()))
+    got = samples(reg)
+    pos = (("model_name", "tiny"), ("position", "0"))
+    assert got[("dspark:num_requests_running", (("model_name", "tiny"),))] == 2
+    assert got[("dspark:spec_decode_confidence_temperature", pos)] == 1.5
+    assert got[("dspark:spec_decode_confidence_samples", pos)] == 9

@@ -44,6 +44,7 @@ class ConstantConfidenceDrafter:
     """Drafts token 0 with confidence 0.9 at every position."""
 
     name, tap_layers, block_size, calibrator = "const", (), 6, None
+    online_confidence = False
 
     def propose(self, requests):
         import torch

@@ -10,6 +10,7 @@ import torch
 
 import drafter  # noqa: F401  (registers drafters)
 import scheduler.engine as engine_mod
+import verifier.verify as verify_mod
 from bench.replay import ReplayDrafter
 from drafter.base import DraftProposal, build_drafter
 from drafter.combined import CombinedDrafter
@@ -116,6 +117,7 @@ class FixedQDrafter:
     """Drafts from a fixed distribution q that differs from the target's p."""
 
     name, tap_layers, block_size, calibrator = "fixed-q", (), 2, None
+    online_confidence = False
 
     def __init__(self, q: torch.Tensor):
         self.q = q
@@ -178,9 +180,10 @@ def sampled_marginals(model, prompt, n, seed, q=FULL_Q, combined=False):
 def broken_rejection_sample(target_probs, draft_tokens, draft_probs, num_draft, generators=None,
                             draft_deterministic=None):
     """Ignores q: pretends the draft distribution equals the target's, so every draft passes."""
-    K = draft_tokens.shape[1]
-    return rejection_sample(target_probs, draft_tokens, target_probs[:, :K].clone(), num_draft,
-                            generators, torch.zeros_like(num_draft, dtype=torch.bool))
+    req = torch.repeat_interleave(torch.arange(len(num_draft)), num_draft.cpu())
+    judged = torch.arange(draft_tokens.numel()) + req      # the verify row of each draft
+    return rejection_sample(target_probs, draft_tokens, target_probs[judged.to(target_probs.device)].clone(),
+                            num_draft, generators, torch.zeros_like(num_draft, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("q,combined", [(FULL_Q, False), (TRUNCATED_Q, False), (FULL_Q, True)],
@@ -196,7 +199,7 @@ def test_sampled_distribution_matches_plain_and_catches_a_broken_sampler(monkeyp
     tv = lambda a, b: 0.5 * (a - b).abs().sum().item()
     # sampling noise of an 8-outcome TV at n=3000 is ~0.02; 0.05 leaves a wide margin
     assert tv(s2, m2) < 0.05 and tv(s3, m3) < 0.05, (tv(s2, m2), tv(s3, m3))
-    monkeypatch.setattr(engine_mod, "rejection_sample", broken_rejection_sample)
+    monkeypatch.setattr(verify_mod, "rejection_sample", broken_rejection_sample)
     b2, b3 = sampled_marginals(model, prompt, n, seed=2, q=q, combined=combined)
     assert max(tv(b2, m2), tv(b3, m3)) > 0.1, (tv(b2, m2), tv(b3, m3))
 
@@ -244,3 +247,35 @@ def test_drafts_no_positions_the_policy_cannot_admit():
         assert r.output_ids == refs[r.request_id]
     asked = [m for ms in dr.asked.values() for m in ms[1:]]
     assert asked and max(asked) <= 2 < 6, dr.asked     # budget 0-1 here, +1 headroom
+
+
+def test_engine_verifies_flat_rows_without_padding_to_the_longest_block(monkeypatch):
+    """Requests verifying different numbers of drafts in one step: the sampler gets exactly
+    sum(K_i + 1) target rows and sum(K_i) draft rows, never requests x (max K + 1)."""
+    model = tiny_model("qwen3")
+    prompts = {"a": list(range(30, 38)), "b": list(range(40, 45)), "c": list(range(50, 60))}
+    refs = {k: hf_greedy(model, p, 12) for k, p in prompts.items()}
+    # max_tokens differ, so near their ends the requests' blocks are cut to different lengths
+    limits = {"a": 12, "b": 5, "c": 9}
+    dr = ReplayDrafter({tuple(p): refs[k] for k, p in prompts.items()}, vocab_size=257, block_size=6,
+                       accept_rate=1.0)
+    seen = []
+
+    def recording(target_probs, draft_tokens, draft_probs, num_draft, generators=None,
+                  draft_deterministic=None):
+        seen.append((tuple(target_probs.shape), tuple(draft_tokens.shape), num_draft.tolist()))
+        return rejection_sample(target_probs, draft_tokens, draft_probs, num_draft, generators,
+                                draft_deterministic)
+
+    monkeypatch.setattr(verify_mod, "rejection_sample", recording)
+    engine = Engine(runner_for(model), ByteTokenizer(), SchedulerConfig(verify_policy="static:6"),
+                    max_model_len=512, drafter=dr)
+    reqs = [Request(k, p, GREEDY, max_tokens=limits[k], ignore_eos=True) for k, p in prompts.items()]
+    run(engine, reqs)
+    for r in reqs:
+        assert r.output_ids == refs[r.request_id][:limits[r.request_id]]
+    uneven = [s for s in seen if len(set(s[2])) > 1]
+    assert uneven, seen
+    for (rows, vocab), (drafts,), ks in seen:
+        assert rows == sum(k + 1 for k in ks) and drafts == sum(ks)
+    assert any(rows < len(ks) * (max(ks) + 1) for (rows, _), _, ks in uneven)

@@ -8,7 +8,8 @@ classic bugs, which shows its threshold can fail.
 import pytest
 import torch
 
-from verifier.rejection import rejection_sample
+from tests.verifier._padded import padded_rejection_sample
+from verifier.rejection import rejection_sample, verify_offsets
 from verifier.sampling import probs_from_logits, sample
 
 V = 5  # vocabulary
@@ -98,12 +99,12 @@ def _accepts_ignoring_q(tp, dt, dp, nd, gens):
     (Treating q as one-hot in both places would be lossless, only slower.)
     """
     dp = dp.scatter(2, dt.unsqueeze(2), 1.0)
-    return rejection_sample(tp, dt, dp, nd, gens)
+    return padded_rejection_sample(tp, dt, dp, nd, gens)
 
 
 def _resamples_from_p(tp, dt, dp, nd, gens):
     """Bug: after a rejection, samples from p instead of the residual max(0, p - q)."""
-    res = rejection_sample(tp, dt, dp, nd, gens)
+    res = padded_rejection_sample(tp, dt, dp, nd, gens)
     rows = (res.num_accepted < nd).nonzero(as_tuple=True)[0]
     pos = res.num_accepted[rows]
     res.output_tokens[rows, pos] = sample(tp[rows, pos])
@@ -112,12 +113,12 @@ def _resamples_from_p(tp, dt, dp, nd, gens):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sampled_output_matches_target(seed):
-    first, joint = _errors(rejection_sample, seed)
+    first, joint = _errors(padded_rejection_sample, seed)
     assert first < TV_FIRST and joint < TV_JOINT, (first, joint)
 
 
 def test_deterministic_drafts_match_target():
-    first, joint = _errors(rejection_sample, 2, deterministic_drafts=True)
+    first, joint = _errors(padded_rejection_sample, 2, deterministic_drafts=True)
     assert first < TV_FIRST and joint < TV_JOINT, (first, joint)
 
 
@@ -128,20 +129,38 @@ def test_harness_detects_broken_samplers(broken):
 
 
 def test_greedy_hand_made():
-    # Target argmax per position: row-wise [2, 0, 1, 3]
+    # Target argmax per position: [2, 0, 1, 3]; four requests verify 3, 3, 3 and 0 drafts.
     argmax = torch.tensor([2, 0, 1, 3])
-    target = torch.zeros(4, 4, 4).scatter_(2, argmax.view(1, 4, 1).expand(4, 4, 1), 1.0)
-    drafts = torch.tensor([[2, 0, 1], [2, 3, 1], [1, 0, 1], [9, 9, 9]])
     num_draft = torch.tensor([3, 3, 3, 0])
+    offsets = verify_offsets(num_draft)
+    assert offsets.tolist() == [0, 4, 8, 12, 13]
+    rows = torch.cat([argmax[: n + 1] for n in num_draft.tolist()])   # [13] argmax per verify row
+    target = torch.zeros(13, 4).scatter_(1, rows.unsqueeze(1), 1.0)
+    drafts = torch.tensor([2, 0, 1, 2, 3, 1, 1, 0, 1])                # [9] = sum(num_draft)
     res = rejection_sample(target, drafts, None, num_draft, None)
     assert res.output_tokens.tolist() == [
-        [2, 0, 1, 3],  # all accepted + bonus
-        [2, 0, -1, -1],  # rejected at 1, recovered = argmax
-        [2, -1, -1, -1],  # rejected at 0
-        [2, -1, -1, -1],  # nothing to verify: plain decoding
+        2, 0, 1, 3,  # all accepted + bonus
+        2, 0, -1, -1,  # rejected at 1, recovered = argmax
+        2, -1, -1, -1,  # rejected at 0
+        2,  # nothing to verify: plain decoding
     ]
+    assert [res.tokens(b) for b in range(4)] == [[2, 0, 1, 3], [2, 0], [2], [2]]
     assert res.num_accepted.tolist() == [3, 1, 0, 0]
     assert res.num_output.tolist() == [4, 2, 1, 1]
+
+
+def test_flat_rows_follow_each_request_length_without_padding():
+    # Requests with 5, 0 and 2 drafts: 6 + 1 + 3 verify rows, 7 draft rows, never 3 x 6.
+    num_draft = torch.tensor([5, 0, 2])
+    target = torch.full((10, 3), 1.0 / 3)
+    res = rejection_sample(target, torch.zeros(7, dtype=torch.long), torch.full((7, 3), 1.0 / 3),
+                           num_draft, None)
+    assert res.output_tokens.shape == (10,) and res.offsets.tolist() == [0, 6, 7, 10]
+    assert res.num_accepted.tolist() == [5, 0, 2]      # q == p: every draft passes
+    assert [len(res.tokens(b)) for b in range(3)] == [6, 1, 3]
+    with pytest.raises(ValueError, match=r"sum\(num_draft \+ 1\)"):
+        rejection_sample(torch.full((3 * 6, 3), 1.0 / 3), torch.zeros(7, dtype=torch.long), None,
+                         num_draft, None)
 
 
 def test_greedy_equals_argmax_decoding_with_stochastic_draft_probs():
@@ -157,7 +176,7 @@ def test_greedy_equals_argmax_decoding_with_stochastic_draft_probs():
     # Drafts agree with the argmax often, so every acceptance length occurs.
     drafts = torch.where(torch.rand(b, K) < 0.7, argmax[:, :K], torch.randint(0, vocab, (b, K)))
     num_draft = torch.randint(0, K + 1, (b,))
-    res = rejection_sample(target, drafts, draft_probs, num_draft, [torch.Generator()] * b)
+    res = padded_rejection_sample(target, drafts, draft_probs, num_draft, [torch.Generator()] * b)
     for r in range(b):
         expected = []
         for k in range(int(num_draft[r])):
@@ -178,7 +197,7 @@ def test_deterministic_flag_per_row():
     draft_probs = torch.tensor([[0.6, 0.4]]).expand(m, 1, 2).contiguous()
     flagged = torch.arange(m) % 2 == 0
     torch.manual_seed(0)
-    res = rejection_sample(
+    res = padded_rejection_sample(
         target, torch.zeros(m, 1, dtype=torch.long), draft_probs, torch.ones(m, dtype=torch.long), None, flagged
     )
     assert bool((res.num_accepted[~flagged] == 1).all())
@@ -195,7 +214,7 @@ def test_residual_without_mass_falls_back_to_p():
     drafts = torch.full((m, 1), 2)
     draft_probs = (p * 1.05).expand(m, 1, 3).contiguous()
     torch.manual_seed(0)
-    res = rejection_sample(target, drafts, draft_probs, torch.ones(m, dtype=torch.long), None)
+    res = padded_rejection_sample(target, drafts, draft_probs, torch.ones(m, dtype=torch.long), None)
     rejected = res.num_accepted == 0
     assert int(rejected.sum()) > 50  # accept prob 1/1.05
     recovered = res.output_tokens[rejected, 0]
@@ -211,14 +230,14 @@ def test_seeded_rows_reproducible_independent_of_batch():
 
     def run_alone():
         g = torch.Generator().manual_seed(11)
-        return rejection_sample(
+        return padded_rejection_sample(
             target[1:2, :3], drafts[1:2, :2], draft_probs[1:2, :2], torch.tensor([2]), [g]
         ).output_tokens[0, :3].tolist()
 
     def run_batched():
         # Row 1 inside a wider (K = 3) batch with neighbours using other generators.
         gens = [None, torch.Generator().manual_seed(11), torch.Generator().manual_seed(99)]
-        return rejection_sample(target, drafts, draft_probs, torch.tensor([3, 2, 1]), gens).output_tokens[1, :3].tolist()
+        return padded_rejection_sample(target, drafts, draft_probs, torch.tensor([3, 2, 1]), gens).output_tokens[1, :3].tolist()
 
     alone = [run_alone() for _ in range(20)]
     assert alone == [run_batched() for _ in range(20)]
@@ -228,17 +247,21 @@ def test_seeded_rows_reproducible_independent_of_batch():
 def test_zero_drafts_is_plain_sampling():
     target = torch.tensor([[[0.25, 0.75]]]).repeat(8000, 1, 1)
     torch.manual_seed(1)
-    res = rejection_sample(target, torch.zeros(8000, 0, dtype=torch.long), None, torch.zeros(8000, dtype=torch.long))
+    res = padded_rejection_sample(target, torch.zeros(8000, 0, dtype=torch.long), None, torch.zeros(8000, dtype=torch.long))
     assert res.output_tokens.shape == (8000, 1)
     assert abs(float(res.output_tokens.float().mean()) - 0.75) < 0.02
 
 
 def test_bad_inputs_raise():
-    target = torch.full((2, 3, 4), 0.25)
-    drafts = torch.zeros(2, 2, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"\[3\]"):
+    target = torch.full((5, 4), 0.25)           # two requests verifying 1 and 2 drafts
+    drafts = torch.zeros(3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"\[6\] rows"):
         rejection_sample(target, drafts, None, torch.tensor([1, 3]))
     with pytest.raises(ValueError, match="draft_tokens"):
-        rejection_sample(target, drafts[:, :1], None, torch.tensor([1, 1]))
+        rejection_sample(target, drafts[:1], None, torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="draft_probs"):
-        rejection_sample(target, drafts, torch.full((2, 2, 5), 0.2), torch.tensor([1, 1]))
+        rejection_sample(target, drafts, torch.full((3, 5), 0.2), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=">= 0"):
+        rejection_sample(target, drafts, None, torch.tensor([4, -1]))
+    with pytest.raises(ValueError, match=r"\[T, V\]"):
+        rejection_sample(target.view(5, 2, 2), drafts, None, torch.tensor([1, 2]))

@@ -1,0 +1,76 @@
+"""Commit: a verified step's tokens become output. Stop conditions cut exactly (EOS, stop
+strings and max_tokens, even inside an accepted block), the incremental detokenizer turns
+tokens into text, and each token gets a `TokenRecord` with its provenance."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.client import TokenRecord
+from scheduler.request import Request, RequestOutput
+
+
+def eos_token_ids(model, tokenizer) -> frozenset[int]:
+    """Every EOS id the target's generation config, model config or tokenizer declares."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        e = getattr(src, "eos_token_id", None)
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, (list, tuple)):
+            ids.update(int(x) for x in e)
+    return frozenset(ids)
+
+
+@dataclass
+class Appended:
+    """What appending one step's tokens to a request kept.
+
+    token_ids: the tokens appended (nothing after the stop point).
+    pieces: the text each appended token added (held-back text shows up in a later piece).
+    finish_reason: "stop" or "length" when the request ended here, else None.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def append_tokens(r: Request, toks: list[int], eos_ids: frozenset[int]) -> Appended:
+    """Append a round's tokens to `r` one by one, honouring EOS (not appended), stop strings
+    and max_tokens exactly: nothing after the stop point is kept or returned. The caller
+    finishes the request when `finish_reason` is set."""
+    out = Appended()
+    for t in toks:
+        if t in eos_ids and not r.ignore_eos:
+            out.finish_reason = "stop"
+            break
+        r.output_ids.append(t)
+        out.token_ids.append(t)
+        before = len(r.detok.text)
+        stopped = r.detok.add(t)
+        out.pieces.append(r.detok.text[before:])
+        if stopped:
+            out.finish_reason = "stop"
+            break
+        if len(r.output_ids) >= r.max_tokens:
+            out.finish_reason = "length"
+            break
+    return out
+
+
+def token_records(appended: Appended, provenance: list[tuple[str, int | None]]) -> list[TokenRecord]:
+    """One TokenRecord per appended token: id, text, and where it came from."""
+    return [TokenRecord(t, text, kind, pos)
+            for t, text, (kind, pos) in zip(appended.token_ids, appended.pieces, provenance)]
+
+
+def request_output(r: Request, appended: list[int], final: bool, with_spec: bool,
+                   tokens: list[TokenRecord] | None = None) -> RequestOutput:
+    """The delta for `r`: its new tokens and the text the detokenizer releases now (all of
+    it when final)."""
+    text = r.detok.flush(final) if r.detok is not None else ""
+    return RequestOutput(
+        request_id=r.request_id, text=text, token_ids=appended, finished=final,
+        finish_reason=r.finish_reason, prompt_tokens=len(r.prompt_ids),
+        completion_tokens=len(r.output_ids), spec=r.spec if with_spec else None,
+        tokens=tokens or [])

@@ -1,0 +1,58 @@
+"""What the engine reports to its metrics: one typed call per event, and the snapshot the
+gauges read. `scheduler/metrics.py` exports the reports to Prometheus; `NullMetrics` drops them
+when metrics are off. No prometheus import here: the engine runs without the server stack."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from scheduler.load import LoadState
+
+if TYPE_CHECKING:
+    from drafter.online_calibration import OnlineCalibrator
+    from scheduler.policy import PolicyDecision
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the engine carries after a step (or an admission / abort), for the gauges.
+
+    num_running: admitted requests (prefilling or decoding).
+    num_waiting: requests queued for admission.
+    kv_usage: fraction of KV cache blocks in use, 0..1.
+    calibrator: the drafter's online confidence calibration, or None.
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    calibrator: "OnlineCalibrator | None" = None
+
+
+class EngineMetricsSink(Protocol):
+    """What the engine reports, one call per event. `EngineMetrics` exports it to Prometheus;
+    `NullMetrics` (metrics disabled) drops it."""
+
+    def record_forward(self, tokens: int, seconds: float) -> None: ...
+    def record_policy(self, decision: "PolicyDecision", load: LoadState | None = None) -> None: ...
+    def record_round(self, drafted: int, accepted: int) -> None: ...
+    def record_first_token(self, seconds: float, prompt_tokens: int) -> None: ...
+    def record_inter_token(self, seconds: float, n: int) -> None: ...
+    def record_tokens(self, n: int) -> None: ...
+    def record_realized(self, n: int) -> None: ...
+    def record_finished(self, reason: str | None, seconds: float) -> None: ...
+    def record_step(self, snap: EngineSnapshot) -> None: ...
+
+
+class NullMetrics:
+    """Metrics disabled: every report is dropped."""
+
+    def record_forward(self, tokens: int, seconds: float) -> None: pass
+    def record_policy(self, decision: "PolicyDecision", load: LoadState | None = None) -> None: pass
+    def record_round(self, drafted: int, accepted: int) -> None: pass
+    def record_first_token(self, seconds: float, prompt_tokens: int) -> None: pass
+    def record_inter_token(self, seconds: float, n: int) -> None: pass
+    def record_tokens(self, n: int) -> None: pass
+    def record_realized(self, n: int) -> None: pass
+    def record_finished(self, reason: str | None, seconds: float) -> None: pass
+    def record_step(self, snap: EngineSnapshot) -> None: pass

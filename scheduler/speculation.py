@@ -1,0 +1,190 @@
+"""Propose: what each decoding request sends to verification this step.
+
+One component owns the drafter, the draft gate (does drafting pay at this load?), the
+verification-length policy, the draft headroom, and their special cases (seeded requests keep
+drafting whatever the gate says; online-confidence drafters explore on a fixed schedule). Each
+step it returns one `StepProposal`: a draft block per decoding request and how many of its
+drafts the target verifies. Everything it decides is fixed before, or independent of, the
+drafted tokens' values, so verification stays lossless.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from drafter.base import AcceptedContext, DraftProposal, DraftRequest, Drafter
+from scheduler.config import SchedulerConfig
+from scheduler.gate import DraftGate
+from scheduler.load import LoadState
+from scheduler.policy import CostTable, Policy, PolicyDecision, PolicyInput, parse_policy
+from scheduler.request import Request
+
+# Used only when no profile was measured (tests, policies that ignore cost): SPS flat to 8
+# tokens, then falling as on a compute-bound machine.
+DEFAULT_COST = CostTable((1, 8, 64, 512), (100.0, 100.0, 40.0, 6.0))
+
+
+@dataclass
+class StepProposal:
+    """The speculation side of one step, for the decoding requests in batch order.
+
+    proposals: one DraftProposal per decoding request (possibly empty blocks).
+    lengths: drafts each request verifies (<= len(proposals[i])).
+    drafting: the draft gate let this step draft (seeded requests draft regardless).
+    decision: what the policy decided (None when no request decodes).
+    """
+
+    proposals: list[DraftProposal]
+    lengths: list[int]
+    drafting: bool = True
+    decision: PolicyDecision | None = None
+
+    def drafts(self, i: int) -> torch.Tensor:  # [lengths[i]] int64
+        """The draft tokens request i sends to verification."""
+        return self.proposals[i].tokens[:self.lengths[i]]
+
+    def draft_probs(self, i: int) -> torch.Tensor | None:  # [lengths[i], V] or None
+        p = self.proposals[i].probs
+        return None if p is None else p[:self.lengths[i]]
+
+    @property
+    def mixed(self) -> bool:
+        """The gate closed drafting, but seeded requests drafted anyway."""
+        return not self.drafting and any(len(p) for p in self.proposals)
+
+
+def no_drafts(n: int) -> list[DraftProposal]:
+    return [DraftProposal(tokens=torch.empty(0, dtype=torch.long)) for _ in range(n)]
+
+
+class Speculation:
+    """Drafter + draft gate + verification-length policy, behind one `propose` call."""
+
+    def __init__(self, drafter: Drafter | None, cfg: SchedulerConfig, max_model_len: int,
+                 cost_table: CostTable | None = None) -> None:
+        self.drafter = drafter
+        self.cfg = cfg
+        self.max_model_len = max_model_len
+        self.cost_table = cost_table
+        policy = cfg.verify_policy
+        if policy == "auto":
+            policy = "dspark" if drafter is not None else "none"
+        self.use_policy(policy)
+
+    def use_policy(self, spec: str) -> None:
+        self.policy: Policy = parse_policy(spec)
+        # The load-aware policy also decides whether drafting pays at all (scheduler/gate.py).
+        self.gate = DraftGate() if (self.drafter is not None and self.cfg.draft_gate
+                                    and self.policy.name == "dspark") else None
+
+    @property
+    def speculating(self) -> bool:
+        """A drafter is loaded and the policy may verify drafts (policy `none` = plain decoding)."""
+        return self.drafter is not None and self.policy.name != "none"
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        """Target layers whose hidden states the drafter absorbs (empty when not speculating)."""
+        return tuple(self.drafter.tap_layers) if self.speculating else ()
+
+    @property
+    def draft_reserve(self) -> int:
+        """Tokens per decoding request the scheduler leaves free for drafts the policy may admit."""
+        return min(2, self.drafter.block_size) if self.speculating else 0
+
+    # -- propose -------------------------------------------------------------------------------
+    def propose(self, decodes: list[Request], room: int, load: LoadState | None) -> StepProposal:
+        """Draft for every decoding request and choose its verification length.
+
+        room: tokens the forward can still take beyond one anchor per decode (the step's token
+            budget minus prefill chunks and anchors): a hard cap on the drafts verified.
+        load: the engine's load this step (the policy reads it)."""
+        if not decodes:
+            return StepProposal([], [])
+        drafting = self.gate is None or self.gate.should_draft(len(decodes))
+        if drafting:
+            proposals = self._draft(decodes)
+        else:
+            # Seeded requests keep drafting: the gate follows timings, and a seeded request's
+            # output must not depend on them.
+            proposals = no_drafts(len(decodes))
+            seeded = [i for i, r in enumerate(decodes) if r.sampling.seed is not None]
+            if seeded:
+                for i, p in zip(seeded, self._draft([decodes[i] for i in seeded])):
+                    proposals[i] = p
+        lengths, decision = self._choose_lengths(decodes, proposals, room, load)
+        return StepProposal(proposals, lengths, drafting, decision)
+
+    def _max_draft(self, r: Request) -> int:
+        cap = min(self.drafter.block_size, r.max_tokens - len(r.output_ids) - 1,
+                  self.max_model_len - r.num_tokens - 1)
+        if self.policy.name == "dspark" and self.cfg.draft_headroom and r.last_budget is not None:
+            # Skip positions the policy will not admit: it gave this request `last_budget`
+            # drafts a step ago, and load moves slowly. Fixed before any draft of this step
+            # is sampled, so it cannot bias the output.
+            cap = min(cap, r.last_budget + self.cfg.draft_headroom)
+        return max(0, cap)
+
+    def _draft(self, decodes: list[Request]) -> list[DraftProposal]:
+        proposals = no_drafts(len(decodes))
+        if not self.speculating or not decodes:
+            return proposals
+        views = [DraftRequest(r.request_id, r.token_ids, len(r.prompt_ids), r.sampling,
+                              r.generator, self._max_draft(r)) for r in decodes]
+        todo = [i for i, v in enumerate(views) if v.max_draft > 0]
+        if todo:
+            for i, p in zip(todo, self.drafter.propose([views[i] for i in todo])):
+                proposals[i] = p
+        return proposals
+
+    def _choose_lengths(self, decodes: list[Request], proposals: list[DraftProposal], room: int,
+                        load: LoadState | None) -> tuple[list[int], PolicyDecision]:
+        # The forward's token budget is a hard cap. It is applied to the per-request maxima
+        # *before* the policy, from quantities that do not depend on the drafted tokens, so
+        # which drafts get verified stays causal (no bias).
+        caps = [len(p) for p in proposals]
+        if sum(caps) > room:
+            share, extra = divmod(max(room, 0), len(caps))
+            caps = [min(c, share + (i < extra)) for i, c in enumerate(caps)]
+        inp = PolicyInput(confidences=[p.confidences for p in proposals], max_lengths=caps)
+        decision = self.policy(inp, self.cost_table or DEFAULT_COST, load or LoadState(len(decodes)))
+        lengths = list(decision.lengths)
+        for r, n in zip(decodes, lengths):
+            r.last_budget = n
+        if self.drafter is not None and self.drafter.online_confidence and self.policy.name != "none":
+            # Exploration on a fixed schedule: it depends on the step count only, never on the
+            # drafted tokens, so it cannot bias the output.
+            for i, r in enumerate(decodes):
+                if caps[i] > 0 and r.spec.steps % self.cfg.explore_every == 0:
+                    lengths[i] = max(lengths[i], 1)
+        return lengths, decision
+
+    # -- after verification ----------------------------------------------------------------------
+    def settle(self, r: Request, verified: int, accepted: int) -> bool:
+        """Book one decode step of `r` that verified `verified` drafts and kept `accepted`;
+        True when it was a speculative round (at least one draft verified)."""
+        r.spec.steps += 1
+        if not self.speculating or verified <= 0:
+            return False
+        self.drafter.observe_acceptance(r.request_id, verified, accepted)
+        r.spec.rounds += 1
+        r.spec.drafted += verified
+        r.spec.accepted += accepted
+        return True
+
+    def observe(self, contexts: list[AcceptedContext]) -> None:
+        """The drafter absorbs what the target kept (only when it drafts)."""
+        if contexts and self.speculating:
+            self.drafter.observe(contexts)
+
+    def record_step(self, proposal: StepProposal, num_decodes: int, has_prefills: bool,
+                    decode_tokens: int, seconds: float) -> None:
+        """Teach the gate how fast this step was (pure decode steps only: a prefill chunk would
+        dominate the time, and a gate-closed step where seeded requests drafted is neither mode)."""
+        if self.gate is not None and num_decodes and not has_prefills and not proposal.mixed:
+            self.gate.record(num_decodes, proposal.drafting, decode_tokens, seconds)
+
+    def free(self, request_id: str) -> None:
+        if self.drafter is not None:
+            self.drafter.free(request_id)

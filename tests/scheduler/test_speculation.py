@@ -1,0 +1,118 @@
+"""The speculation component alone: drafter, gate and policy behind one `propose` call, with
+the seeded-request, token-room, headroom and exploration rules."""
+import torch
+
+from drafter.base import DraftProposal
+from scheduler.config import SchedulerConfig
+from scheduler.load import LoadState
+from scheduler.request import Request, Status
+from scheduler.speculation import Speculation
+from verifier.sampling_params import SamplingParams
+
+
+class FakeDrafter:
+    name, tap_layers, calibrator = "fake", (), None
+
+    def __init__(self, block_size=4, confidence=0.9, online=False):
+        self.block_size, self.confidence, self.online_confidence = block_size, confidence, online
+        self.asked, self.feedback = [], []
+
+    def propose(self, requests):
+        self.asked.append({r.request_id: r.max_draft for r in requests})
+        return [DraftProposal(torch.full((min(self.block_size, r.max_draft),), 7, dtype=torch.long), None,
+                              torch.full((min(self.block_size, r.max_draft),), self.confidence))
+                for r in requests]
+
+    def observe(self, contexts): pass
+    def observe_acceptance(self, rid, proposed, accepted): self.feedback.append((rid, proposed, accepted))
+    def free(self, rid): pass
+
+
+class ClosedGate:
+    def should_draft(self, n): return False
+    def record(self, *a): raise AssertionError("a mixed step must not teach the gate")
+
+
+def decoding(rid: str, seed=None) -> Request:
+    r = Request(rid, [1, 2, 3], SamplingParams(temperature=1.0 if seed is not None else 0.0, seed=seed), 50)
+    r.status, r.output_ids, r.num_computed = Status.DECODE, [4], 3
+    return r
+
+
+LOAD = LoadState(num_running=2)
+
+
+def test_without_a_drafter_nothing_is_drafted():
+    spec = Speculation(None, SchedulerConfig(), max_model_len=512)
+    assert spec.policy.name == "none" and not spec.speculating and spec.draft_reserve == 0
+    p = spec.propose([decoding("a"), decoding("b")], room=100, load=LOAD)
+    assert p.lengths == [0, 0] and [len(x) for x in p.proposals] == [0, 0]
+    assert p.decision is not None and p.decision.lengths == [0, 0]
+
+
+def test_seeded_requests_draft_even_when_the_gate_closes():
+    dr = FakeDrafter()
+    spec = Speculation(dr, SchedulerConfig(verify_policy="dspark"), max_model_len=512)
+    spec.gate = ClosedGate()
+    reqs = [decoding("plain"), decoding("seeded", seed=3)]
+    p = spec.propose(reqs, room=100, load=LOAD)
+    assert not p.drafting and p.mixed
+    assert [len(x) for x in p.proposals] == [0, 4]
+    assert dr.asked == [{"seeded": 4}]
+    spec.record_step(p, num_decodes=2, has_prefills=False, decode_tokens=3, seconds=0.1)  # ignored
+
+
+def test_the_token_room_caps_lengths_before_the_policy():
+    dr = FakeDrafter(block_size=4)
+    spec = Speculation(dr, SchedulerConfig(verify_policy="static:4"), max_model_len=512)
+    reqs = [decoding(f"r{i}") for i in range(3)]
+    p = spec.propose(reqs, room=5, load=LOAD)
+    assert p.lengths == [2, 2, 1] and [len(x) for x in p.proposals] == [4, 4, 4]
+    assert [len(p.drafts(i)) for i in range(3)] == [2, 2, 1]
+    assert [r.last_budget for r in reqs] == [2, 2, 1]
+
+
+def test_headroom_limits_what_is_drafted_past_last_budget():
+    dr = FakeDrafter(block_size=6)
+    spec = Speculation(dr, SchedulerConfig(verify_policy="dspark", draft_gate=False, draft_headroom=1),
+                       max_model_len=512)
+    r = decoding("a")
+    r.last_budget = 0
+    spec.propose([r], room=100, load=LoadState(num_running=1))
+    assert dr.asked[-1] == {"a": 1}
+    r.last_budget, r.max_tokens = None, 3      # no budget yet: the remaining max_tokens caps it
+    spec.propose([r], room=100, load=LoadState(num_running=1))
+    assert dr.asked[-1] == {"a": 1}             # 3 - 1 output - 1 for the target's own token
+
+
+def test_online_confidence_drafters_explore_on_a_fixed_schedule():
+    dr = FakeDrafter(confidence=0.0, online=True)
+    spec = Speculation(dr, SchedulerConfig(verify_policy="dspark", draft_gate=False, explore_every=4),
+                       max_model_len=512)
+    r = decoding("a")
+    lengths = []
+    for step in range(8):
+        r.spec.steps = step
+        lengths.append(spec.propose([r], room=100, load=LoadState(num_running=1)).lengths[0])
+    assert lengths == [1, 0, 0, 0, 1, 0, 0, 0]
+    assert r.last_budget == 0                   # the policy's own answer is what is remembered
+
+
+def test_settle_books_rounds_and_feeds_the_drafter():
+    dr = FakeDrafter()
+    spec = Speculation(dr, SchedulerConfig(verify_policy="static:4"), max_model_len=512)
+    r = decoding("a")
+    assert spec.settle(r, verified=3, accepted=2)
+    assert not spec.settle(r, verified=0, accepted=0)
+    assert (r.spec.steps, r.spec.rounds, r.spec.drafted, r.spec.accepted) == (2, 1, 3, 2)
+    assert dr.feedback == [("a", 3, 2)]
+
+
+def test_pure_decode_steps_teach_the_gate():
+    spec = Speculation(FakeDrafter(), SchedulerConfig(verify_policy="dspark"), max_model_len=512)
+    assert spec.gate is not None
+    p = spec.propose([decoding("a")], room=100, load=LoadState(num_running=1))
+    spec.record_step(p, num_decodes=1, has_prefills=True, decode_tokens=5, seconds=0.1)
+    assert spec.gate.rate(1, p.drafting) == 0.0            # a prefill chunk was in the step
+    spec.record_step(p, num_decodes=1, has_prefills=False, decode_tokens=5, seconds=0.1)
+    assert abs(spec.gate.rate(1, p.drafting) - 50.0) < 1e-9

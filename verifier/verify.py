@@ -1,0 +1,103 @@
+"""Verification assembly: one step's target logits and draft blocks -> the flat inputs of
+`rejection_sample` -> the verdict.
+
+Rows are verified tokens: request after request, its drafts' positions then its bonus
+position, exactly the rows the target's flat forward returned logits for. Request b owns
+rows offsets[b] .. offsets[b+1] - 1 (cu_seqlens style, `verify_offsets`); nothing is padded
+to the longest block, so the buffers hold sum(K_i + 1) rows of the vocabulary, not R x (K+1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from verifier.rejection import RejectionResult, rejection_sample, verify_offsets
+from verifier.sampling import SamplingTensors, probs_from_logits
+from verifier.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    """One request's part of a verification step.
+
+    sampling: the request's sampling parameters (shape the target distribution p).
+    generator: its torch.Generator (seeded requests) or None (global RNG).
+    draft_tokens: [K] int64, the drafts it verifies (K may be 0: plain decoding / first token).
+    draft_probs: [K, V] float, the draft q each was sampled from, or None (one-hot q).
+    """
+
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    draft_tokens: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def num_draft(self) -> int:
+        return int(self.draft_tokens.numel())
+
+
+@dataclass
+class VerifyInputs:
+    """The flat arguments of `rejection_sample` for one step (B requests, D = sum K_i drafts).
+
+    target_probs: [T, V] float32, T = sum(K_i + 1): processed target p per verify row.
+    draft_tokens: [D] int64, the drafts, request after request.
+    draft_probs: [D, V] float or None (every request one-hot).
+    num_draft: [B] int64, K_i.
+    generators: B entries.
+    draft_deterministic: [B] bool, requests whose q is one-hot on the draft.
+    """
+
+    target_probs: torch.Tensor
+    draft_tokens: torch.Tensor
+    draft_probs: torch.Tensor | None
+    num_draft: torch.Tensor
+    generators: list[torch.Generator | None]
+    draft_deterministic: torch.Tensor
+
+    @property
+    def offsets(self) -> torch.Tensor:  # [B+1] int64
+        return verify_offsets(self.num_draft)
+
+
+def build_verify_inputs(
+    logits: torch.Tensor,  # [T, V] float, the target's logits at the verify rows, requests in order
+    requests: Sequence[VerifyRequest],  # B entries, in row order
+) -> VerifyInputs:
+    """Target p for every verify row at once (each request's parameters repeated over its
+    K_i + 1 rows) and the drafts concatenated in the same order."""
+    counts = [r.num_draft for r in requests]
+    rows = sum(counts) + len(counts)
+    if logits.dim() != 2 or logits.shape[0] != rows:
+        raise ValueError(f"logits must be [sum(K_i + 1) = {rows}, V], got shape {tuple(logits.shape)}")
+    device, vocab = logits.device, logits.shape[1]
+    num_draft = torch.tensor(counts, dtype=torch.long)
+    st = SamplingTensors.from_params([r.sampling for r in requests], device)
+    e = st.repeat_interleave(torch.tensor([n + 1 for n in counts], device=device))
+    target = probs_from_logits(logits, e.temperature, e.top_p, e.top_k)
+    drafted = [r for r in requests if r.num_draft > 0]
+    tokens = (torch.cat([r.draft_tokens.reshape(-1).to(torch.long).cpu() for r in drafted])
+              if drafted else torch.zeros(0, dtype=torch.long))
+    deterministic = torch.tensor([r.draft_probs is None or r.num_draft == 0 for r in requests],
+                                 dtype=torch.bool)
+    draft_probs = None
+    if any(r.draft_probs is not None for r in drafted):
+        draft_probs = torch.cat([
+            r.draft_probs[:r.num_draft].to(device=device, dtype=target.dtype)
+            if r.draft_probs is not None else target.new_zeros(r.num_draft, vocab)
+            for r in drafted])
+    return VerifyInputs(target, tokens, draft_probs, num_draft,
+                        [r.generator for r in requests], deterministic)
+
+
+def verify(
+    logits: torch.Tensor,  # [T, V] float, T = sum(K_i + 1)
+    requests: Sequence[VerifyRequest],  # B entries, in row order
+) -> RejectionResult:
+    """Accept / reject every request's drafts; the result comes back on the host (one
+    device-to-host copy per step: the engine reads it request by request)."""
+    inp = build_verify_inputs(logits, requests)
+    return rejection_sample(inp.target_probs, inp.draft_tokens, inp.draft_probs, inp.num_draft,
+                            inp.generators, draft_deterministic=inp.draft_deterministic).cpu()
