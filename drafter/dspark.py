@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter.base import AcceptedContext, DraftProposal, DraftRequest, register_drafter
+from drafter.base import AcceptedContext, DraftProposal, DraftRequest
 from drafter.dspark_model import DSparkModel, load_dspark
 from drafter.online_calibration import OnlineCalibrator
 
@@ -294,7 +294,6 @@ def _build(name: str, use_markov: bool, path: str, target_model=None, block_size
     return DSparkDrafter(model, cfg, name)
 
 
-@register_drafter("dspark")
 def build_dspark(path: str, target_model=None, block_size: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  online_calibration: bool = True) -> DSparkDrafter:
@@ -302,7 +301,6 @@ def build_dspark(path: str, target_model=None, block_size: int | None = None,
     return _build("dspark", True, path, target_model, block_size, device, dtype, online_calibration)
 
 
-@register_drafter("dflash")
 def build_dflash(path: str, target_model=None, block_size: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  online_calibration: bool = True) -> DSparkDrafter:

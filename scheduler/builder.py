@@ -4,13 +4,13 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from drafter.config import DrafterConfig
+from drafter.config import NO_DRAFTER, DrafterConfig
+from drafter.registry import build_drafter, drafter_spec
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine, HiddenCapture
 from scheduler.policy import CostTable
@@ -20,11 +20,10 @@ from verifier.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
-SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafter" / "checkpoints"
-# The embedded model ships one drafter checkpoint. `dflash` serves it without its Markov head
-# (and without the confidence head that reads it): the DFlash ablation of the same weights.
-EMBEDDED_DRAFTER = {"dspark": "smollm2-135m-dspark", "dflash": "smollm2-135m-dspark",
-                    "dspark+ngram": "smollm2-135m-dspark"}
+# The embedded model ships one drafter checkpoint, used by every drafter built from one
+# (`dflash` serves it without its Markov head and the confidence head that reads it: the
+# DFlash ablation of the same weights).
+EMBEDDED_DRAFTER = Path(__file__).resolve().parent.parent / "drafter" / "checkpoints" / "smollm2-135m-dspark"
 
 
 @dataclass
@@ -50,18 +49,15 @@ def kv_cache_tokens(cfg: ModelConfig, hf_config, device: torch.device, dtype: to
 
 
 def build_drafter_for(cfg: DrafterConfig, target, device, dtype, model_is_embedded: bool):
-    if cfg.drafter == "none":
+    if cfg.drafter == NO_DRAFTER:
         return None
-    import drafter  # noqa: F401  (registers the drafters)
-    from drafter.base import build_drafter
-
     path = cfg.drafter_path
-    if path is None and cfg.drafter in EMBEDDED_DRAFTER:
+    if path is None and drafter_spec(cfg.drafter).uses_checkpoint:
         if not model_is_embedded:
             raise ValueError(f"drafter {cfg.drafter!r} needs --drafter-path for a non-embedded model")
-        path = str(SHIPPED_DRAFTERS / EMBEDDED_DRAFTER[cfg.drafter])
-        if not Path(path).is_dir():
-            raise ValueError(f"the shipped {cfg.drafter} drafter is missing ({Path(path).name})")
+        path = str(EMBEDDED_DRAFTER)
+        if not EMBEDDED_DRAFTER.is_dir():
+            raise ValueError(f"the shipped {cfg.drafter} drafter is missing ({EMBEDDED_DRAFTER.name})")
     return build_drafter(cfg.drafter, path=path, target_model=target.model,
                          block_size=cfg.block_size, device=device, dtype=dtype,
                          online_calibration=cfg.online_calibration)

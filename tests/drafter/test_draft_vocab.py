@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-import drafter  # noqa: F401  (registers drafters)
-from drafter.base import DraftRequest, build_drafter
+from drafter.base import DraftRequest
+from drafter.registry import build_drafter
 from drafter.dspark_model import DSparkConfig, DSparkModel, load_dspark, save_dspark
 from drafter.training.cache import CachedSequence
 from drafter.training.loss import LossConfig, dspark_loss

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import drafter  # noqa: F401  (registers the drafters)
-from drafter.base import AcceptedContext, DraftRequest, build_drafter
+from drafter.base import AcceptedContext, DraftRequest
+from drafter.registry import build_drafter
 from drafter.dspark import DSparkDrafter, DSparkDrafterConfig
 from drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
 from verifier.sampling import probs_from_logits
