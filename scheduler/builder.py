@@ -13,7 +13,6 @@ from drafter.config import NO_DRAFTER, DrafterConfig
 from drafter.registry import build_drafter, drafter_spec
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine, HiddenCapture
-from scheduler.policy import CostTable
 from verifier.config import ModelConfig
 from verifier.loader import DtypeChoice, choose_dtype, default_cache_dir, load_target, resolve_device
 from verifier.model_runner import ModelRunner
@@ -28,11 +27,10 @@ EMBEDDED_DRAFTER = Path(__file__).resolve().parent.parent / "drafter" / "checkpo
 
 @dataclass
 class EngineBundle:
+    """A built engine, the tokenizer of its target, and the dtype chosen for it (and why)."""
+
     engine: Engine
     tokenizer: object
-    model_name: str
-    cost_table: CostTable | None
-    cost_source: str
     dtype: DtypeChoice
 
 
@@ -105,4 +103,4 @@ def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: 
     if drafter is not None:
         log.info("drafter %s (block %d), verify policy %s", drafter.name, drafter.block_size,
                  engine.policy.name)
-    return EngineBundle(engine, target.tokenizer, target.name, table, source, choice)
+    return EngineBundle(engine, target.tokenizer, choice)

@@ -53,7 +53,6 @@ class LLM:
         bundle = build_engine(*offline_configs(**options), capture=capture)
         self.engine = bundle.engine
         self.tokenizer = bundle.tokenizer
-        self.model_name = bundle.model_name
         self._ids = itertools.count()
 
     def generate(self, prompt_token_ids: list[list[int]], sampling_params: SamplingParams,

@@ -17,7 +17,8 @@ from drafter.dspark_model.ops import rope_inv_freq
 CALIBRATION_FILE = "calibration.json"
 # Keys a training framework may put in front of the parameter names.
 _KEY_PREFIXES = ("_orig_mod.", "module.", "model.", "draft_model.")
-_SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
+# The target's modules the drafter shares (not saved unless asked, never read when shared).
+SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
 
 
 def _weight_files(path: str) -> list[str]:
@@ -106,7 +107,7 @@ def load_dspark(
     with torch.device("meta"):  # no throwaway random init of ~0.5B parameters
         model = DSparkModel(cfg, embed, head)
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    skip = _SHARED_PREFIXES if shared else ()
+    skip = SHARED_PREFIXES if shared else ()
     state = _read_state_dict(path, set(own), skip)
     if drop_markov_head:
         state = {k: v for k, v in state.items()
@@ -119,7 +120,7 @@ def load_dspark(
     missing = sorted(k for k in set(own) - set(state) if not (shared and k.startswith(skip)))
     if missing:
         hint = (" (embed_tokens / lm_head are not in the checkpoint: pass the target's)"
-                if any(k.startswith(_SHARED_PREFIXES) for k in missing) else "")
+                if any(k.startswith(SHARED_PREFIXES) for k in missing) else "")
         raise ValueError(f"missing weights in {path!r}: {missing[:8]}{hint}")
     for key, value in state.items():
         if tuple(value.shape) != own[key]:
@@ -169,7 +170,7 @@ def save_dspark(model: DSparkModel, path: str, include_shared: bool = False) -> 
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(model.config.to_json_dict(), f, indent=2)
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()
-             if include_shared or not k.startswith(_SHARED_PREFIXES)}
+             if include_shared or not k.startswith(SHARED_PREFIXES)}
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     if model.calibration is not None:
         save_calibration(model.calibration, path)

@@ -52,14 +52,6 @@ class DSparkModel(nn.Module):
         if tuple(self.lm_head.weight.shape) != (o, d):
             raise ValueError(f"lm_head must be [{o}, {d}], got {tuple(self.lm_head.weight.shape)}")
 
-    def attach_shared(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
-        """Use the target's embedding and LM head (by reference; caller decides freezing).
-        With a truncated vocabulary (d2t set), a full-vocabulary head is cut to the kept rows."""
-        if self.config.truncated and lm_head.weight.shape[0] == self.config.vocab_size:
-            lm_head = draft_head(lm_head, self.d2t)
-        self.embed_tokens, self.lm_head = embed_tokens, lm_head
-        self._check_shared()
-
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target ids (identity without a truncated vocabulary)."""
         return draft_ids if self.d2t is None else self.d2t[draft_ids]

@@ -99,7 +99,7 @@ def cmd_train(a: argparse.Namespace) -> None:
     from drafter.training.loss import LossConfig
     from dataclasses import replace
 
-    from drafter.training.train import (TrainConfig, build_drafter, draft_vocabulary, load_step_weights,
+    from drafter.training.train import (TrainConfig, build_draft_model, draft_vocabulary, load_step_weights,
                                         load_train_data, run_train, save_final, vocabulary_coverage)
 
     _set_threads(a.threads)
@@ -123,7 +123,7 @@ def cmd_train(a: argparse.Namespace) -> None:
         cfg = cfg.replace(draft_vocab_size=int(d2t.numel()))
         print(f"train {a.name}: draft vocabulary of {d2t.numel()} ids covers "
               f"{vocabulary_coverage(data, d2t):.2%} of the response tokens")
-    model = build_drafter(cfg, target.model, tcfg.init_from_target, d2t).to(a.device)
+    model = build_draft_model(cfg, target.model, tcfg.init_from_target, d2t).to(a.device)
     if a.finalize_at:
         load_step_weights(model, work, a.finalize_at)
         tcfg = replace(tcfg, steps=a.finalize_at)

@@ -33,7 +33,7 @@ def tiny_model(head_type="vanilla", seed=0) -> DSparkModel:
 
 
 def make_drafter(model, capacity=4) -> DSparkDrafter:
-    return DSparkDrafter(model, DSparkDrafterConfig(path="unused", initial_capacity=capacity), "dspark")
+    return DSparkDrafter(model, DSparkDrafterConfig(initial_capacity=capacity), "dspark")
 
 
 def test_batched_serving_equals_training_forward():
