@@ -20,7 +20,8 @@ class DrafterConfig:
     drafter: str = NO_DRAFTER
     """none (plain decoding) or the name of a registered drafter (drafter/registry.py)."""
     drafter_path: str | None = None
-    """Checkpoint directory for dflash/dspark (DeepSpec format); None = the shipped one."""
+    """Checkpoint directory (DeepSpec format) of a drafter built from one (dflash, dspark, ...);
+    None = the one shipped for the embedded model."""
     block_size: int | None = None
     """Most draft tokens per round; None = the checkpoint's block size (ngram: 5)."""
     online_calibration: bool = True
