@@ -97,23 +97,24 @@ def load_config_file(spec: str) -> dict:
     key outside any section, or a key in the wrong section is a ValueError naming the file,
     the section and the key."""
     path = _config_path(spec)
+    name = path.name if path.parent == CONFIG_DIR else str(path)
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"config {path.name}: {exc}") from exc
+        raise ValueError(f"config {name}: {exc}") from exc
     owner = {f.name: sec for sec, comp in SECTIONS.items() for f in dataclasses.fields(comp)}
     flat: dict = {}
     for section, table in data.items():
-        if section not in SECTIONS:
-            where = f" (it belongs in [{owner[section]}])" if section in owner else ""
-            raise ValueError(f"config {path.name}: unknown section [{section}]{where}; "
-                             f"sections are {[f'[{s}]' for s in SECTIONS]}")
         if not isinstance(table, dict):
-            raise ValueError(f"config {path.name}: [{section}] must be a table, got {table!r}")
+            where = f"; it belongs in [{owner[section]}]" if section in owner else ""
+            raise ValueError(f"config {name}: key {section!r} outside any section{where}")
+        if section not in SECTIONS:
+            raise ValueError(f"config {name}: unknown section [{section}]; the sections are "
+                             + ", ".join(f"[{s}]" for s in SECTIONS))
         for key, value in table.items():
             if owner.get(key) != section:
                 where = f"; it belongs in [{owner[key]}]" if key in owner else ""
-                raise ValueError(f"config {path.name}: unknown key {key!r} in section [{section}]{where}")
+                raise ValueError(f"config {name}: unknown key {key!r} in section [{section}]{where}")
             flat[key] = value
     return flat
 

@@ -86,7 +86,7 @@ def test_every_shipped_config_loads():
     ('[model]\ndrafter = "ngram"\n', ["bad.toml", "[model]", "'drafter'", "[drafter]"]),
     ('[scheduler]\nport = 9000\n', ["bad.toml", "[scheduler]", "'port'", "[server]"]),
     ('[model]\nmax_model_len = 512\n[sampler]\ntemperature = 0.5\n', ["bad.toml", "[sampler]"]),
-    ('max_num_seqs = 4\n', ["bad.toml", "[max_num_seqs]", "[scheduler]"]),
+    ('max_num_seqs = 4\n', ["bad.toml", "'max_num_seqs'", "outside any section", "[scheduler]"]),
     ('[drafter]\nblock_sise = 4\n', ["bad.toml", "[drafter]", "'block_sise'"]),
     ('[server\nport = 1\n', ["bad.toml"]),
 ])
