@@ -13,6 +13,7 @@ from drafter.config import NO_DRAFTER, DrafterConfig
 from drafter.registry import build_drafter, drafter_spec
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine, HiddenCapture
+from scheduler.policy import DSparkPolicy, parse_policy
 from verifier.config import ModelConfig
 from verifier.loader import DtypeChoice, choose_dtype, default_cache_dir, load_target, resolve_device
 from verifier.model_runner import ModelRunner
@@ -88,7 +89,8 @@ def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: 
     drafter = build_drafter_for(drafter_cfg, target, device, dtype, model_cfg.model is None)
     table, source = None, "none (no drafter)"
     if profile is None:   # only the load-aware policy reads the cost table
-        profile = drafter is not None and sched_cfg.verify_policy in ("auto", "dspark", "dspark_global")
+        profile = drafter is not None and isinstance(
+            parse_policy(sched_cfg.policy_spec(drafting=True)), DSparkPolicy)
     if profile:
         from scheduler.profile import format_table, load_or_profile
 

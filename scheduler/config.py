@@ -38,6 +38,12 @@ class SchedulerConfig:
     """For drafters whose confidences are learned online (n-gram): every n-th decode step of a
     request verifies at least one draft, so a pessimistic estimate can recover."""
 
+    def policy_spec(self, drafting: bool) -> str:
+        """The policy verify_policy names: auto is dspark when a drafter is on, else none."""
+        if self.verify_policy == AUTO_POLICY:
+            return "dspark" if drafting else "none"
+        return self.verify_policy
+
     def __post_init__(self) -> None:
         if not (1 <= self.max_num_seqs <= 4096):
             raise ValueError(f"max_num_seqs must be in [1, 4096], got {self.max_num_seqs!r}")

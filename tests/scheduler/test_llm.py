@@ -32,3 +32,12 @@ def test_unknown_keywords_and_bad_values_are_refused():
         offline_configs(max_num_seq=3)
     with pytest.raises(ValueError, match="magic"):
         offline_configs(drafter="magic")
+
+
+def test_auto_names_the_load_aware_policy_only_with_a_drafter():
+    from scheduler.policy import DSparkPolicy, parse_policy
+
+    assert SchedulerConfig().policy_spec(drafting=True) == "dspark"
+    assert SchedulerConfig().policy_spec(drafting=False) == "none"
+    assert SchedulerConfig(verify_policy="static:3").policy_spec(drafting=True) == "static:3"
+    assert isinstance(parse_policy(SchedulerConfig().policy_spec(True)), DSparkPolicy)
