@@ -49,7 +49,7 @@ class LLM:
     Keyword arguments: any field of ModelConfig, DrafterConfig or SchedulerConfig (see
     `offline_configs`); capture(num_layers) builds a hidden-state capture for training data."""
 
-    def __init__(self, capture: Callable[[int], HiddenCapture] | None = None, **options) -> None:
+    def __init__(self, *, capture: Callable[[int], HiddenCapture] | None = None, **options) -> None:
         bundle = build_engine(*offline_configs(**options), capture=capture)
         self.engine = bundle.engine
         self.tokenizer = bundle.tokenizer
