@@ -44,7 +44,8 @@ import torch  # noqa: E402
 from bench.common import machine, median, run_engine_closed_loop  # noqa: E402
 from bench.models import SHAPES, CharTokenizer, TargetShape, random_dspark, random_qwen3  # noqa: E402
 from bench.replay import ReplayDrafter  # noqa: E402  (registers the "replay" drafter)
-from drafter.base import AcceptedContext, DraftRequest, build_drafter  # noqa: E402
+from drafter.base import AcceptedContext, DraftRequest  # noqa: E402
+from drafter.registry import build_drafter  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.policy import CostTable  # noqa: E402

@@ -201,4 +201,4 @@ def random_dspark(target, shape: TargetShape, block_size: int = 7, seed: int = 0
     model = model.to(p.dtype)
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(p.device)
     model.requires_grad_(False)
-    return DSparkDrafter(model, DSparkDrafterConfig(path="<random>"), "dspark")
+    return DSparkDrafter(model, DSparkDrafterConfig(), "dspark")

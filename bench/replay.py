@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter.base import AcceptedContext, DraftProposal, DraftRequest, register_drafter
+from drafter.base import AcceptedContext, DraftProposal, DraftRequest
+from drafter.registry import register_drafter
 
 
 @dataclass

@@ -1,3 +1,3 @@
-"""Drafters behind one interface (drafter.base). The built-in ones (ngram, dflash, dspark)
-register themselves when `drafter.base.build_drafter` first needs them, so importing this
-package (or drafter.config) stays light."""
+"""Drafters behind one interface (drafter.base), picked by name from drafter.registry, which
+imports an implementation only when it is built, so importing this package (or drafter.config)
+stays light."""

@@ -1,4 +1,5 @@
-"""The one interface every drafter implements, and the registry that picks one by name.
+"""The one interface every drafter implements (the registry that picks one by name is
+drafter/registry.py).
 
 A drafter sees the running requests through `DraftRequest` (a read-only view the engine
 builds each step) and answers with one `DraftProposal` per request.
@@ -6,7 +7,7 @@ builds each step) and answers with one `DraftProposal` per request.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -107,34 +108,3 @@ class Drafter(Protocol):
     def free(self, request_id: str) -> None:
         """Drop all state for a finished or aborted request."""
         ...
-
-
-DrafterFactory = Callable[..., Drafter]
-_REGISTRY: dict[str, DrafterFactory] = {}
-
-
-def register_drafter(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
-    def deco(factory: DrafterFactory) -> DrafterFactory:
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
-
-
-def _load_builtins() -> None:
-    import drafter.combined  # noqa: F401  (registers dspark+ngram)
-    import drafter.dspark  # noqa: F401  (registers dspark, dflash)
-    import drafter.ngram  # noqa: F401  (registers ngram)
-
-
-def drafter_names() -> list[str]:
-    _load_builtins()
-    return sorted(_REGISTRY)
-
-
-def build_drafter(name: str, **kwargs) -> Drafter:
-    """Build a drafter by registry name ("ngram", "dflash", "dspark")."""
-    _load_builtins()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown drafter {name!r}; choose one of {drafter_names()}")
-    return _REGISTRY[name](**kwargs)

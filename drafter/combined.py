@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter.base import AcceptedContext, DraftProposal, DraftRequest, Drafter, register_drafter
+from drafter.base import AcceptedContext, DraftProposal, DraftRequest, Drafter
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,6 @@ class CombinedDrafter:
             d.free(request_id)
 
 
-@register_drafter("dspark+ngram")
 def build_dspark_ngram(path: str, target_model=None, block_size: int | None = None,
                        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                        online_calibration: bool = True) -> CombinedDrafter:

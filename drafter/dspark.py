@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter.base import AcceptedContext, DraftProposal, DraftRequest, register_drafter
+from drafter.base import AcceptedContext, DraftProposal, DraftRequest
 from drafter.dspark_model import DSparkModel, load_dspark
 from drafter.online_calibration import OnlineCalibrator
 
@@ -20,23 +20,17 @@ from drafter.online_calibration import OnlineCalibrator
 class DSparkDrafterConfig:
     """How a DSpark-family drafter is served.
 
-    path: checkpoint directory (DeepSpec format: config.json + *.safetensors).
     block_size: tokens drafted per block; None = the checkpoint's. At most the checkpoint's.
-    use_markov: apply the Markov head (False = DFlash: plain parallel drafting).
     initial_capacity: context slots preallocated per request before the first doubling.
     online_calibration: refit the confidence head's per-position temperatures from
         verification outcomes while serving (drafter/online_calibration.py).
     """
 
-    path: str
     block_size: int | None = None
-    use_markov: bool = True
     initial_capacity: int = 256
     online_calibration: bool = True
 
     def __post_init__(self) -> None:
-        if not self.path:
-            raise ValueError(f"path must name a drafter checkpoint, got {self.path!r}")
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {self.block_size!r}")
         if self.initial_capacity <= 0:
@@ -289,14 +283,12 @@ def _build(name: str, use_markov: bool, path: str, target_model=None, block_size
         ref = embed.weight
         device = device if device is not None else ref.device
         dtype = dtype if dtype is not None else ref.dtype
-    cfg = DSparkDrafterConfig(path=path, block_size=block_size, use_markov=use_markov,
-                              online_calibration=online_calibration)
+    cfg = DSparkDrafterConfig(block_size=block_size, online_calibration=online_calibration)
     model = load_dspark(path, embed, head, device=device or "cpu", dtype=dtype or torch.float32,
                         drop_markov_head=not use_markov)
     return DSparkDrafter(model, cfg, name)
 
 
-@register_drafter("dspark")
 def build_dspark(path: str, target_model=None, block_size: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  online_calibration: bool = True) -> DSparkDrafter:
@@ -304,7 +296,6 @@ def build_dspark(path: str, target_model=None, block_size: int | None = None,
     return _build("dspark", True, path, target_model, block_size, device, dtype, online_calibration)
 
 
-@register_drafter("dflash")
 def build_dflash(path: str, target_model=None, block_size: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  online_calibration: bool = True) -> DSparkDrafter:

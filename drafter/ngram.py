@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from drafter.base import AcceptedContext, DraftProposal, DraftRequest, register_drafter
+from drafter.base import AcceptedContext, DraftProposal, DraftRequest
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,6 @@ class NgramDrafter:
         """No per-request state."""
 
 
-@register_drafter("ngram")
 def build_ngram(block_size: int | None = None, max_ngram: int = 4, min_ngram: int = 1,
                 prior_accept: float = 3.0, prior_reject: float = 1.0,
                 path: str | None = None, target_model=None, device=None, dtype=None,

@@ -103,9 +103,8 @@ class OnlineCalibrator:
         # conditional samples (fit): raw logit z_k, outcome of draft k given k-1 accepted
         self._z = [deque(maxlen=w) for _ in range(block_size)]
         self._y = [deque(maxlen=w) for _ in range(block_size)]
-        # live calibration (report): the probability used vs the outcome, per position, both
-        # conditional (c_k) and cumulative survival (a_k = prod c_i, all of 1..k accepted)
-        self._c_used = [deque(maxlen=w) for _ in range(block_size)]
+        # live calibration (report): the cumulative survival probability used (a_k = prod c_i)
+        # vs the outcome (all of 1..k accepted), per position
         self._a_used = [deque(maxlen=w) for _ in range(block_size)]
         self._a_out = [deque(maxlen=w) for _ in range(block_size)]
         self._since_fit = [0] * block_size
@@ -137,7 +136,6 @@ class OnlineCalibrator:
             outcome = 1.0 if k < accepted else 0.0
             self._z[k].append(raw[k])
             self._y[k].append(outcome)
-            self._c_used[k].append(used[k])
             self._since_fit[k] += 1
             if len(self._z[k]) >= self.config.min_samples and self._since_fit[k] >= self.config.refit_every:
                 self._refit(k)
@@ -158,11 +156,4 @@ class OnlineCalibrator:
         bins = self.config.ece_bins
         return [expected_calibration_error(np.fromiter(self._a_used[k], dtype=np.float64),
                                            np.fromiter(self._a_out[k], dtype=np.float64), bins)
-                for k in range(self.block_size)]
-
-    def conditional_ece(self) -> list[float]:
-        """Live ECE of the conditional confidence c_k the policy used, per position."""
-        bins = self.config.ece_bins
-        return [expected_calibration_error(np.fromiter(self._c_used[k], dtype=np.float64),
-                                           np.fromiter(self._y[k], dtype=np.float64), bins)
                 for k in range(self.block_size)]

@@ -4,36 +4,34 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from drafter.config import DrafterConfig
+from drafter.config import NO_DRAFTER, DrafterConfig
+from drafter.registry import build_drafter, drafter_spec
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine, HiddenCapture
-from scheduler.policy import CostTable
+from scheduler.policy import DSparkPolicy, parse_policy
 from verifier.config import ModelConfig
 from verifier.loader import DtypeChoice, choose_dtype, default_cache_dir, load_target, resolve_device
 from verifier.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
-SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafter" / "checkpoints"
-# The embedded model ships one drafter checkpoint. `dflash` serves it without its Markov head
-# (and without the confidence head that reads it): the DFlash ablation of the same weights.
-EMBEDDED_DRAFTER = {"dspark": "smollm2-135m-dspark", "dflash": "smollm2-135m-dspark",
-                    "dspark+ngram": "smollm2-135m-dspark"}
+# The embedded model ships one drafter checkpoint, used by every drafter built from one
+# (`dflash` serves it without its Markov head and the confidence head that reads it: the
+# DFlash ablation of the same weights).
+EMBEDDED_DRAFTER = Path(__file__).resolve().parent.parent / "drafter" / "checkpoints" / "smollm2-135m-dspark"
 
 
 @dataclass
 class EngineBundle:
+    """A built engine, the tokenizer of its target, and the dtype chosen for it (and why)."""
+
     engine: Engine
     tokenizer: object
-    model_name: str
-    cost_table: CostTable | None
-    cost_source: str
     dtype: DtypeChoice
 
 
@@ -50,18 +48,15 @@ def kv_cache_tokens(cfg: ModelConfig, hf_config, device: torch.device, dtype: to
 
 
 def build_drafter_for(cfg: DrafterConfig, target, device, dtype, model_is_embedded: bool):
-    if cfg.drafter == "none":
+    if cfg.drafter == NO_DRAFTER:
         return None
-    import drafter  # noqa: F401  (registers the drafters)
-    from drafter.base import build_drafter
-
     path = cfg.drafter_path
-    if path is None and cfg.drafter in EMBEDDED_DRAFTER:
+    if path is None and drafter_spec(cfg.drafter).uses_checkpoint:
         if not model_is_embedded:
             raise ValueError(f"drafter {cfg.drafter!r} needs --drafter-path for a non-embedded model")
-        path = str(SHIPPED_DRAFTERS / EMBEDDED_DRAFTER[cfg.drafter])
-        if not Path(path).is_dir():
-            raise ValueError(f"the shipped {cfg.drafter} drafter is missing ({Path(path).name})")
+        path = str(EMBEDDED_DRAFTER)
+        if not EMBEDDED_DRAFTER.is_dir():
+            raise ValueError(f"the shipped {cfg.drafter} drafter is missing ({EMBEDDED_DRAFTER.name})")
     return build_drafter(cfg.drafter, path=path, target_model=target.model,
                          block_size=cfg.block_size, device=device, dtype=dtype,
                          online_calibration=cfg.online_calibration)
@@ -94,7 +89,8 @@ def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: 
     drafter = build_drafter_for(drafter_cfg, target, device, dtype, model_cfg.model is None)
     table, source = None, "none (no drafter)"
     if profile is None:   # only the load-aware policy reads the cost table
-        profile = drafter is not None and sched_cfg.verify_policy in ("auto", "dspark", "dspark_global")
+        profile = drafter is not None and isinstance(
+            parse_policy(sched_cfg.policy_spec(drafting=True)), DSparkPolicy)
     if profile:
         from scheduler.profile import format_table, load_or_profile
 
@@ -109,4 +105,4 @@ def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: 
     if drafter is not None:
         log.info("drafter %s (block %d), verify policy %s", drafter.name, drafter.block_size,
                  engine.policy.name)
-    return EngineBundle(engine, target.tokenizer, target.name, table, source, choice)
+    return EngineBundle(engine, target.tokenizer, choice)

@@ -3,6 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.policy import policy_names, policy_usages
+
+AUTO_POLICY = "auto"
+
+
+def policy_choices() -> list[str]:
+    """Every valid `verify_policy` spec: auto and each registered policy (with its argument)."""
+    return [AUTO_POLICY, *policy_usages()]
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -14,8 +23,8 @@ class SchedulerConfig:
     """Token budget of one target forward (decodes + drafts + prefill chunks)."""
     max_waiting: int = 256
     """Waiting-queue capacity; a request beyond it is answered 429."""
-    verify_policy: str = "auto"
-    """none, static:K, threshold:T, dspark, or auto (dspark when a drafter is on, else none)."""
+    verify_policy: str = AUTO_POLICY
+    """auto (dspark when a drafter is on, else none) or a registered policy (scheduler/policy.py)."""
     reprofile: bool = False
     """Re-measure the target cost table even when a cached one exists."""
     draft_gate: bool = True
@@ -28,6 +37,12 @@ class SchedulerConfig:
     explore_every: int = 8
     """For drafters whose confidences are learned online (n-gram): every n-th decode step of a
     request verifies at least one draft, so a pessimistic estimate can recover."""
+
+    def policy_spec(self, drafting: bool) -> str:
+        """The policy verify_policy names: auto is dspark when a drafter is on, else none."""
+        if self.verify_policy == AUTO_POLICY:
+            return "dspark" if drafting else "none"
+        return self.verify_policy
 
     def __post_init__(self) -> None:
         if not (1 <= self.max_num_seqs <= 4096):
@@ -42,5 +57,5 @@ class SchedulerConfig:
         if self.explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {self.explore_every!r}")
         name = self.verify_policy.split(":", 1)[0]
-        if name not in ("auto", "none", "static", "threshold", "dspark", "dspark_global"):
-            raise ValueError(f"unknown verify_policy {self.verify_policy!r}")
+        if name != AUTO_POLICY and name not in policy_names():
+            raise ValueError(f"unknown verify_policy {self.verify_policy!r}; choose one of {policy_choices()}")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 from drafter.config import DrafterConfig
@@ -22,27 +22,37 @@ class GenerationOutput:
     spec: SpecStats | None
 
 
-class LLM:
-    """`LLM(model=None, drafter="none").generate(prompt_token_ids, SamplingParams(...), 128)`."""
+# Where the offline defaults differ from the serving ones: the CPU, and a waiting queue that
+# never refuses (the caller submits its whole batch at once).
+OFFLINE_DEFAULTS = {"device": "cpu", "max_waiting": 1 << 30}
+OFFLINE_CONFIGS = (ModelConfig, DrafterConfig, SchedulerConfig)
 
-    def __init__(self, model: str | None = None, drafter: str = "none", drafter_path: str | None = None,
-                 block_size: int | None = None, verify_policy: str = "auto", max_num_seqs: int = 32,
-                 max_model_len: int = 2048, device: str = "cpu", dtype: str = "auto",
-                 kv_cache_tokens: int = 0, max_num_batched_tokens: int = 512,
-                 cache_dir: str | None = None, forward: str = "fast", linear: str = "auto",
-                 quantize: str = "none",
-                 capture: Callable[[int], HiddenCapture] | None = None) -> None:
-        bundle = build_engine(
-            ModelConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
-                        kv_cache_tokens=kv_cache_tokens, cache_dir=cache_dir, forward=forward,
-                        linear=linear, quantize=quantize),
-            DrafterConfig(drafter=drafter, drafter_path=drafter_path, block_size=block_size),
-            SchedulerConfig(max_num_seqs=max_num_seqs, verify_policy=verify_policy,
-                            max_num_batched_tokens=max_num_batched_tokens, max_waiting=1 << 30),
-            capture=capture)
+
+def offline_configs(**options) -> tuple[ModelConfig, DrafterConfig, SchedulerConfig]:
+    """The component configs from keyword arguments named like their fields (any field of
+    ModelConfig, DrafterConfig or SchedulerConfig), over OFFLINE_DEFAULTS and then the
+    configs' own defaults."""
+    known = {f.name for c in OFFLINE_CONFIGS for f in fields(c)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {unknown}; LLM takes the fields of "
+                        f"{', '.join(c.__name__ for c in OFFLINE_CONFIGS)}")
+    values = {**OFFLINE_DEFAULTS, **options}
+    model, drafter, sched = (c(**{f.name: values[f.name] for f in fields(c) if f.name in values})
+                             for c in OFFLINE_CONFIGS)
+    return model, drafter, sched
+
+
+class LLM:
+    """`LLM(model=None, drafter="none").generate(prompt_token_ids, SamplingParams(...), 128)`.
+
+    Keyword arguments: any field of ModelConfig, DrafterConfig or SchedulerConfig (see
+    `offline_configs`); capture(num_layers) builds a hidden-state capture for training data."""
+
+    def __init__(self, *, capture: Callable[[int], HiddenCapture] | None = None, **options) -> None:
+        bundle = build_engine(*offline_configs(**options), capture=capture)
         self.engine = bundle.engine
         self.tokenizer = bundle.tokenizer
-        self.model_name = bundle.model_name
         self._ids = itertools.count()
 
     def generate(self, prompt_token_ids: list[list[int]], sampling_params: SamplingParams,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass(frozen=True)
 class LoadState:
@@ -43,6 +41,8 @@ class LoadMonitor:
     def snapshot(self, num_running: int, num_waiting: int, prefill_tokens: int = 0) -> LoadState:
         used = total = None
         if self.runner.device.type == "cuda":
+            import torch  # here only: the policies (and the server's config checks) import LoadState
+
             used = torch.cuda.memory_allocated(self.runner.device)
             total = torch.cuda.get_device_properties(self.runner.device).total_memory
         return LoadState(num_running, num_waiting, prefill_tokens,

@@ -11,9 +11,12 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
-import torch
+if TYPE_CHECKING:  # torch-free at run time: the configuration (and server/) reads the registry
+    import torch
+
+    Confidences = torch.Tensor | Sequence[float] | None
 
 from scheduler.load import LoadState  # the one load type (scheduler/load.py)
 
@@ -102,7 +105,6 @@ class CostTable:
                    block_steps_per_second=None if block[1] is None else tuple(block[1]))
 
 
-Confidences = torch.Tensor | Sequence[float] | None
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ class PolicyInput:
             if conf is None:
                 c = [self.fallback_confidence] * m
             else:
-                c = conf.detach().float().cpu().tolist() if isinstance(conf, torch.Tensor) else list(conf)
+                c = conf.detach().float().cpu().tolist() if hasattr(conf, "detach") else list(conf)
                 if len(c) < m:
                     raise ValueError(f"request {r}: {len(c)} confidences for max_length {m}")
                 c = [float(x) for x in c[:m]]
@@ -281,13 +283,16 @@ class DSparkPolicy:
 
 PolicyFactory = Callable[[str | None], Policy]
 _REGISTRY: dict[str, PolicyFactory] = {}
+_USAGE: dict[str, str] = {}
 
 
-def register_policy(name: str) -> Callable[[PolicyFactory], PolicyFactory]:
-    """Register a factory that builds the policy from the text after ':' (None if absent)."""
+def register_policy(name: str, usage: str | None = None) -> Callable[[PolicyFactory], PolicyFactory]:
+    """Register a factory that builds the policy from the text after ':' (None if absent).
+    usage: how the name is written with its argument (e.g. "static:K"); default the name."""
 
     def deco(factory: PolicyFactory) -> PolicyFactory:
         _REGISTRY[name] = factory
+        _USAGE[name] = usage or name
         return factory
 
     return deco
@@ -297,8 +302,13 @@ def policy_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def policy_usages() -> list[str]:
+    """Every policy as written in a spec, e.g. ["dspark", "dspark_global", "none", "static:K", ...]."""
+    return [_USAGE[n] for n in policy_names()]
+
+
 def parse_policy(spec: str) -> Policy:
-    """Build a policy from its name: "none", "static:K", "threshold:T", "dspark", "dspark_global"."""
+    """Build a policy from its spec (`policy_usages()`: "none", "static:K", "dspark", ...)."""
     name, sep, arg = spec.strip().partition(":")
     if name not in _REGISTRY:
         raise ValueError(f"unknown policy {spec!r}; choose one of {policy_names()}")
@@ -325,12 +335,12 @@ def _make_none(arg: str | None) -> Policy:
     return NoSpeculation()
 
 
-@register_policy("static")
+@register_policy("static", usage="static:K")
 def _make_static(arg: str | None) -> Policy:
     return StaticPolicy(k=int(_required("static", arg)))
 
 
-@register_policy("threshold")
+@register_policy("threshold", usage="threshold:T")
 def _make_threshold(arg: str | None) -> Policy:
     return ThresholdPolicy(threshold=float(_required("threshold", arg)))
 

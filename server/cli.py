@@ -3,62 +3,63 @@ command line), start the HTTP server at once, and load the engine in the backgro
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
 import logging
 import os
 import sys
+import textwrap
 import tomllib
 from pathlib import Path
 
-from drafter.config import DRAFTER_CHOICES, DrafterConfig
-from scheduler.config import SchedulerConfig
+from drafter.config import NO_DRAFTER, DrafterConfig
+from drafter.registry import drafter_names, drafter_spec
+from scheduler.config import SchedulerConfig, policy_choices
 from server.config import ServerConfig
 from verifier.config import ModelConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "embedded"
-COMPONENTS = (ModelConfig, DrafterConfig, SchedulerConfig, ServerConfig)
+# A config file's sections: one per component config; every key lives in its component's section.
+SECTIONS = {"model": ModelConfig, "drafter": DrafterConfig, "scheduler": SchedulerConfig,
+            "server": ServerConfig}
+COMPONENTS = tuple(SECTIONS.values())
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a config dataclass, whitespace collapsed."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _choices_help(name: str) -> str:
+    """What a field that names a registry entry can be, read from the registry."""
+    if name == "drafter":
+        return "Choices: " + ", ".join([NO_DRAFTER] + [f"{n} ({drafter_spec(n).summary})"
+                                                       for n in drafter_names()]) + "."
+    if name == "verify_policy":
+        return "Choices: " + ", ".join(policy_choices()) + "."
+    return ""
 
 
 def _flags() -> list[tuple[str, type, str, type]]:
-    """(dest, component, help, argparse type) for every flag."""
-    h = {
-        "model": "embedded SmolLM2-135M-Instruct when omitted; or a directory (config + safetensors + tokenizer) or a .gguf file",
-        "device": "auto, cpu or cuda", "dtype": "auto, float32, float16 or bfloat16",
-        "max_model_len": "longest prompt + completion in tokens",
-        "kv_cache_tokens": "token slots in the paged KV cache (0 = use --kv-cache-memory-fraction)",
-        "kv_cache_memory_fraction": "with --kv-cache-tokens 0: fraction of free accelerator memory (CPU: RAM) for KV",
-        "kv_block_size": "tokens per KV block",
-        "forward": "fast | reference (the original per-module forward)",
-        "linear": "auto | torch | mkldnn (oneDNN prepacked weights, CPU only)",
-        "quantize": "none | int8 (weight-only, per channel; changes the target's outputs)",
-        "cache_dir": "where GGUF conversions and cost tables are cached",
-        "drafter": "|".join(DRAFTER_CHOICES), "drafter_path": "DeepSpec-format drafter checkpoint directory",
-        "block_size": "most draft tokens per round (default: the drafter's)",
-        "online_calibration": "refit the confidence head's per-position calibration from verification outcomes",
-        "max_num_seqs": "most requests decoding at once",
-        "max_num_batched_tokens": "token budget of one target forward",
-        "max_waiting": "waiting-queue capacity (beyond it: HTTP 429)",
-        "verify_policy": "none | static:K | threshold:T | dspark | auto (dspark when a drafter is on)",
-        "reprofile": "re-measure the target cost table",
-        "draft_gate": "with the dspark policy, skip drafting where it has not paid for itself",
-        "explore_every": "online-confidence drafters (ngram) verify >= 1 draft every n-th step",
-        "draft_headroom": "dspark policy: draft at most this many positions past last step's budget (0 = full block)",
-        "host": "interface to listen on", "port": "TCP port",
-        "api_key": "require this bearer token on /v1/* (visible in the process list: prefer the "
-                   "DSPARK_API_KEY environment variable or --api-key-file)",
-        "api_key_file": "read the API key from this file at start-up",
-        "served_model_name": "model name in the API",
-        "max_body_bytes": "largest request body (bigger: HTTP 413)",
-        "max_json_depth": "deepest JSON nesting accepted in a request body",
-        "shutdown_timeout": "on SIGTERM: seconds in-flight requests may finish before their streams are cut",
-        "log_level": "debug, info, warning or error",
-    }
+    """(dest, component, help, argparse type) for every flag: one per config field, its help the
+    field's docstring (plus the registry's choices for drafter and verify_policy)."""
     out = []
     for comp in COMPONENTS:
+        docs = field_docs(comp)
         for f in dataclasses.fields(comp):
             t = {int: int, float: float, bool: bool}.get(type(f.default), str)
-            out.append((f.name, comp, h.get(f.name, ""), t))
+            help_ = " ".join(filter(None, [docs.get(f.name, ""), _choices_help(f.name)]))
+            out.append((f.name, comp, help_.replace("%", "%%"), t))
     return out
 
 
@@ -81,23 +82,40 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     return p
 
 
-def load_config_file(spec: str) -> dict:
+def _config_path(spec: str) -> Path:
     path = Path(spec)
     if not path.suffix:
         path = CONFIG_DIR / f"{spec}.toml"
     if not path.is_file():
         raise ValueError(f"config {spec!r} not found (looked for {path.name} in configs/)")
-    data = tomllib.loads(path.read_text())
+    return path
+
+
+def load_config_file(spec: str) -> dict:
+    """The values a config file sets, by field name. Each section ([model], [drafter],
+    [scheduler], [server]) is checked against its own component config: an unknown section, a
+    key outside any section, or a key in the wrong section is a ValueError naming the file,
+    the section and the key."""
+    path = _config_path(spec)
+    name = path.name if path.parent == CONFIG_DIR else str(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config {name}: {exc}") from exc
+    owner = {f.name: sec for sec, comp in SECTIONS.items() for f in dataclasses.fields(comp)}
     flat: dict = {}
-    for k, v in data.items():  # sections are optional: [model] device = "cpu" == device = "cpu"
-        if isinstance(v, dict):
-            flat.update(v)
-        else:
-            flat[k] = v
-    known = {n for n, *_ in _flags()}
-    unknown = sorted(set(flat) - known)
-    if unknown:
-        raise ValueError(f"unknown keys in config {path.name}: {unknown}")
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            where = f"; it belongs in [{owner[section]}]" if section in owner else ""
+            raise ValueError(f"config {name}: key {section!r} outside any section{where}")
+        if section not in SECTIONS:
+            raise ValueError(f"config {name}: unknown section [{section}]; the sections are "
+                             + ", ".join(f"[{s}]" for s in SECTIONS))
+        for key, value in table.items():
+            if owner.get(key) != section:
+                where = f"; it belongs in [{owner[key]}]" if key in owner else ""
+                raise ValueError(f"config {name}: unknown key {key!r} in section [{section}]{where}")
+            flat[key] = value
     return flat
 
 
@@ -108,16 +126,18 @@ def resolve(argv: list[str] | None = None) -> tuple[ModelConfig, DrafterConfig, 
     values = vars(parser.parse_args([]))           # the component configs' defaults
     values.update(load_config_file(args.config))    # then the config file
     values.update(given)                            # then the flags actually given
-    for k in ("model", "drafter_path", "cache_dir", "api_key", "api_key_file", "served_model_name"):
-        if values.get(k) in ("", "none", "None"):
-            values[k] = None
-    if values.get("block_size") in ("", "none", "None"):
-        values["block_size"] = None
-    elif values.get("block_size") is not None:
-        values["block_size"] = int(values["block_size"])
     out = []
     for comp in COMPONENTS:
-        out.append(comp(**{f.name: values[f.name] for f in dataclasses.fields(comp)}))
+        kwargs = {}
+        for f in dataclasses.fields(comp):
+            v = values[f.name]
+            if f.default is None:   # optional fields: "", "none" or "None" from a flag mean None
+                if v in ("", "none", "None"):
+                    v = None
+                elif v is not None and str(f.type).startswith("int"):
+                    v = int(v)
+            kwargs[f.name] = v
+        out.append(comp(**kwargs))
     return tuple(out)
 
 

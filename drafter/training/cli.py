@@ -16,38 +16,15 @@ import argparse
 import json
 import logging
 import sys
-import time
 from pathlib import Path
+
+from drafter.training.progress import Progress
 
 # The embedded target: 30 decoder layers; five taps spread over them (never the last layer,
 # whose output is the target's own prediction).
 DEFAULT_TAPS = "1,7,14,21,27"
 # <empty_output>: a special token of the SmolLM2 vocabulary that chat text never contains.
 DEFAULT_MASK_TOKEN = 16
-
-
-class Progress:
-    """A tqdm bar plus a JSON file others can poll (`<out>/progress/<stage>.json`)."""
-
-    def __init__(self, out: str, stage: str, total: int, unit: str):
-        from tqdm import tqdm
-
-        self.path = Path(out) / "progress" / f"{stage}.json"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.bar = tqdm(total=total, desc=stage, unit=unit, dynamic_ncols=True, mininterval=2.0)
-        self.stage, self.t0 = stage, time.time()
-
-    def update(self, done: int, total: int, **info) -> None:
-        self.bar.total = total
-        self.bar.n = done
-        if info:
-            self.bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in info.items()})
-        self.bar.refresh()
-        self.path.write_text(json.dumps({"stage": self.stage, "done": done, "total": total,
-                                         "elapsed_s": round(time.time() - self.t0, 1), **info}))
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def _taps(text: str) -> tuple[int, ...]:
@@ -122,7 +99,7 @@ def cmd_train(a: argparse.Namespace) -> None:
     from drafter.training.loss import LossConfig
     from dataclasses import replace
 
-    from drafter.training.train import (TrainConfig, build_drafter, draft_vocabulary, load_step_weights,
+    from drafter.training.train import (TrainConfig, build_draft_model, draft_vocabulary, load_step_weights,
                                         load_train_data, run_train, save_final, vocabulary_coverage)
 
     _set_threads(a.threads)
@@ -146,7 +123,7 @@ def cmd_train(a: argparse.Namespace) -> None:
         cfg = cfg.replace(draft_vocab_size=int(d2t.numel()))
         print(f"train {a.name}: draft vocabulary of {d2t.numel()} ids covers "
               f"{vocabulary_coverage(data, d2t):.2%} of the response tokens")
-    model = build_drafter(cfg, target.model, tcfg.init_from_target, d2t).to(a.device)
+    model = build_draft_model(cfg, target.model, tcfg.init_from_target, d2t).to(a.device)
     if a.finalize_at:
         load_step_weights(model, work, a.finalize_at)
         tcfg = replace(tcfg, steps=a.finalize_at)

@@ -145,16 +145,6 @@ def save_atomic(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def cut_response(ids: Sequence[int], eos_ids: set[int]) -> list[int]:
-    """Response tokens up to and including the first end-of-turn token."""
-    out = []
-    for t in ids:
-        out.append(int(t))
-        if int(t) in eos_ids:
-            break
-    return out
-
-
 class TapCapture:
     """The engine's `HiddenCapture` for data generation: per request, the target's tap states
     and final-norm hidden of every token it fed, in position order (fp16 on the CPU).

@@ -304,7 +304,7 @@ def run_evaluation(target, drafters: dict[str, str], datasets: Sequence[str] | N
     jobs = [(f, t, n) for f in files for t in temperatures for n in evals]
     bar = None
     if progress_out is not None:
-        from drafter.training.cli import Progress
+        from drafter.training.progress import Progress
 
         bar = Progress(progress_out, "evaluate", len(jobs), "run")
     table: dict[str, dict] = {}

@@ -17,11 +17,9 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from drafter.dspark_model import DSparkConfig, DSparkModel, draft_head, save_dspark
+from drafter.dspark_model import SHARED_PREFIXES, DSparkConfig, DSparkModel, draft_head, save_dspark
 from drafter.training.cache import CachedSequence, TrainBatch, load_cache, make_batch
 from drafter.training.loss import LossConfig, LossOutput, dspark_loss
-
-SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
 
 
 @dataclass(frozen=True)
@@ -78,8 +76,8 @@ def trainable_state(model: DSparkModel) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
 
 
-def build_drafter(cfg: DSparkConfig, target: nn.Module, init_from_target: bool,
-                  d2t: torch.Tensor | None = None) -> DSparkModel:
+def build_draft_model(cfg: DSparkConfig, target: nn.Module, init_from_target: bool,
+                      d2t: torch.Tensor | None = None) -> DSparkModel:
     """A drafter sharing the target's (frozen) embedding and LM head (its kept rows, for a
     truncated vocabulary: `d2t` lists them, cfg.draft_vocab_size = len(d2t)).
 

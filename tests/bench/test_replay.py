@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from bench.replay import ReplayDrafter
-from drafter.base import AcceptedContext, DraftRequest, build_drafter
+from drafter.base import AcceptedContext, DraftRequest
+from drafter.registry import build_drafter
 from verifier.sampling_params import SamplingParams
 
 PROMPT = [5, 6, 7]

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-import drafter  # noqa: F401  (registers drafters)
-from drafter.base import DraftRequest, build_drafter
+from drafter.base import DraftRequest
+from drafter.registry import build_drafter
 from drafter.dspark_model import DSparkConfig, DSparkModel, load_dspark, save_dspark
 from drafter.training.cache import CachedSequence
 from drafter.training.loss import LossConfig, dspark_loss
-from drafter.training.train import build_drafter as build_for_training
+from drafter.training.train import build_draft_model
 from drafter.training.train import draft_vocabulary, vocabulary_coverage
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
@@ -32,7 +32,7 @@ def truncated_dspark(target, path, markov_rank=8):
                                   confidence_head_with_markov=markov_rank > 0)
     cfg = cfg.replace(draft_vocab_size=KEPT.numel())
     torch.manual_seed(3)
-    m = build_for_training(cfg, target, init_from_target=True, d2t=KEPT)
+    m = build_draft_model(cfg, target, init_from_target=True, d2t=KEPT)
     with torch.no_grad():
         if m.markov_head is not None:
             m.markov_head.markov_w2.weight.normal_(0, 0.5)

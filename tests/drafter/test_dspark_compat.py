@@ -49,7 +49,7 @@ def test_serving_block_matches_reference(tmp_path, head_type):
     path, cfg, w = make_ckpt(tmp_path, head_type=head_type)
     embed, head = tiny_target()
     model = load_dspark(path, embed, head, dtype=torch.float64)
-    drafter = DSparkDrafter(model, DSparkDrafterConfig(path=path), "dspark")
+    drafter = DSparkDrafter(model, DSparkDrafterConfig(), "dspark")
     s = 9
     ctx, tokens = ctx_and_tokens(s)
     drafter.observe([AcceptedContext("a", tokens[:s], 0, ctx)])
@@ -93,7 +93,7 @@ def test_dflash_ignores_markov_head(tmp_path):
     embed, head = tiny_target()
     model = load_dspark(path, embed, head, dtype=torch.float64, drop_markov_head=True)
     assert model.markov_head is None and model.confidence_head is None  # conf read W1[x_prev]
-    drafter = DSparkDrafter(model, DSparkDrafterConfig(path=path, use_markov=False), "dflash")
+    drafter = DSparkDrafter(model, DSparkDrafterConfig(), "dflash")
     s = 6
     ctx, tokens = ctx_and_tokens(s, seed=4)
     drafter.observe([AcceptedContext("a", tokens[:s], 0, ctx)])
@@ -230,7 +230,7 @@ def test_save_load_roundtrip_and_calibration(tmp_path):
     torch.testing.assert_close(calibrated.confidence_probs(h, prev), expect)
     assert not torch.allclose(expect, torch.sigmoid(raw))
     # Served confidences carry the calibration.
-    drafter = DSparkDrafter(calibrated, DSparkDrafterConfig(path=path), "dspark")
+    drafter = DSparkDrafter(calibrated, DSparkDrafterConfig(), "dspark")
     s = 5
     ctx, tokens = ctx_and_tokens(s, seed=7)
     drafter.observe([AcceptedContext("r", tokens[:s], 0, ctx)])

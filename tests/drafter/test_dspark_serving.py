@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import drafter  # noqa: F401  (registers the drafters)
-from drafter.base import AcceptedContext, DraftRequest, build_drafter
+from drafter.base import AcceptedContext, DraftRequest
+from drafter.registry import build_drafter
 from drafter.dspark import DSparkDrafter, DSparkDrafterConfig
 from drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
 from verifier.sampling import probs_from_logits
@@ -33,7 +33,7 @@ def tiny_model(head_type="vanilla", seed=0) -> DSparkModel:
 
 
 def make_drafter(model, capacity=4) -> DSparkDrafter:
-    return DSparkDrafter(model, DSparkDrafterConfig(path="unused", initial_capacity=capacity), "dspark")
+    return DSparkDrafter(model, DSparkDrafterConfig(initial_capacity=capacity), "dspark")
 
 
 def test_batched_serving_equals_training_forward():

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-import drafter  # noqa: F401  (registers the drafters)
-from drafter.base import DraftRequest, build_drafter
+from drafter.base import DraftRequest
+from drafter.registry import build_drafter
 from drafter.ngram import NgramConfig, lookup_continuation
 from verifier.sampling_params import SamplingParams
 

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import drafter  # noqa: F401
-from drafter.base import build_drafter
+from drafter.registry import build_drafter
 from drafter.online_calibration import (OnlineCalibrationConfig, OnlineCalibrator,
                                         expected_calibration_error, fit_platt)
 from scheduler.config import SchedulerConfig

@@ -11,7 +11,7 @@ from drafter.training.cache import CachedSequence, block_targets, make_batch, sa
 from drafter.training.evaluate import NeuralDrafter, NgramEvalDrafter, speculative_generate
 from drafter.training.export import export_drafter
 from drafter.training.loss import LossConfig, dspark_loss, position_weights
-from drafter.training.train import TrainConfig, build_drafter, forward_loss, run_train, trainable_state
+from drafter.training.train import TrainConfig, build_draft_model, forward_loss, run_train, trainable_state
 
 NEG_INF = float("-inf")
 
@@ -148,7 +148,7 @@ def test_tiny_train_reduces_loss(tmp_path):
     target = _tiny_target()
     seqs = _cached_sequences(target, 8, 24, 4)
     cfg = _tiny_drafter_config(target)
-    model = build_drafter(cfg, target, init_from_target=True)
+    model = build_draft_model(cfg, target, init_from_target=True)
     tcfg = TrainConfig(steps=40, batch_seqs=4, num_anchors=6, lr=3e-3, checkpoint_every=20, bf16=False)
     fixed = make_batch(seqs[:4], 6, 4, torch.Generator().manual_seed(9))
     with torch.no_grad():
@@ -168,7 +168,7 @@ def test_tiny_train_reduces_loss(tmp_path):
 def test_export_then_load_gives_identical_logits(tmp_path):
     target = _tiny_target()
     cfg = _tiny_drafter_config(target)
-    model = build_drafter(cfg, target, init_from_target=False)
+    model = build_draft_model(cfg, target, init_from_target=False)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
@@ -211,7 +211,7 @@ def test_eval_loop_is_lossless_greedy(kind):
         ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
                               pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
     if kind == "dspark":
-        drafter = NeuralDrafter(build_drafter(_tiny_drafter_config(target), target, True).eval())
+        drafter = NeuralDrafter(build_draft_model(_tiny_drafter_config(target), target, True).eval())
     else:
         drafter = NgramEvalDrafter(4)
     stats = speculative_generate(target, drafter, prompt, 20, 0.0, eos_id=-1, seed=0)

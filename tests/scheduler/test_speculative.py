@@ -8,11 +8,11 @@ import itertools
 import pytest
 import torch
 
-import drafter  # noqa: F401  (registers drafters)
 import scheduler.engine as engine_mod
 import verifier.verify as verify_mod
 from bench.replay import ReplayDrafter
-from drafter.base import DraftProposal, build_drafter
+from drafter.base import DraftProposal
+from drafter.registry import build_drafter
 from drafter.combined import CombinedDrafter
 from drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
 from scheduler.config import SchedulerConfig

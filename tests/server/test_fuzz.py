@@ -35,7 +35,7 @@ def tiny_bundle(metrics) -> EngineBundle:
     engine = Engine(runner_for(tiny_model("llama", vocab=len(tok)), num_blocks=512, block_size=16),
                     tok, SchedulerConfig(max_num_seqs=8, max_waiting=64), max_model_len=TINY_LEN,
                     metrics=metrics)
-    return EngineBundle(engine, tok, "tiny", None, "none", DtypeChoice(torch.float32, "test: tiny model"))
+    return EngineBundle(engine, tok, DtypeChoice(torch.float32, "test: tiny model"))
 
 
 @pytest.fixture(scope="module")

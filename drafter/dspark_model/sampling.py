@@ -1,0 +1,76 @@
+"""Drawing a draft block left to right from the drafter's logits and its Markov head."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from drafter.dspark_model.modules import MarkovHead
+from verifier.sampling import SamplingTensors, probs_from_logits, sample
+from verifier.sampling_params import SamplingParams
+
+
+@dataclass
+class SampledBlock:
+    """Draft tokens of a batch of blocks.
+
+    tokens: [B, K] int64 target ids, sampled left to right from the Markov-corrected distribution.
+    probs:  [B, K, V'] float32, the distribution q_k each token was drawn from (one-hot for
+            greedy rows), or None when every row is greedy. V' is the draft vocabulary
+            (`to_target_probs` spreads it over the target's).
+    prev_tokens: [B, K] int64, the token preceding each draft (anchor, tokens[:, :-1]).
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None
+    prev_tokens: torch.Tensor
+
+
+@torch.no_grad()
+def sample_block(base_logits: torch.Tensor, anchor: torch.Tensor,
+                 sampling: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+                 head: MarkovHead | None, to_target_ids: Callable[[torch.Tensor], torch.Tensor],
+                 hidden: torch.Tensor | None = None) -> SampledBlock:
+    """Left-to-right sampling with the Markov head.
+
+    base_logits: [B, K, V] (lm_head output); anchor: [B]; sampling/generators: one per
+    row; head: the Markov head (None: no correction); to_target_ids: draft ids -> target ids;
+    hidden: [B, K, d] (needed by gated / rnn heads) -> SampledBlock.
+    q_k = probs_from_logits(corrected logits_k) with the row's temperature/top-p/top-k,
+    the same function the verifier shapes p with. Greedy rows take the argmax (q one-hot)
+    and skip the vocabulary-wide work."""
+    b, steps, vocab = base_logits.shape  # vocab: the draft vocabulary (output_size)
+    dev = base_logits.device
+    if head is not None and head.kind != "vanilla" and hidden is None:
+        raise ValueError(f"markov_head_type {head.kind!r} needs the block hidden states")
+    rows = [i for i, s in enumerate(sampling) if not s.greedy]
+    if rows:
+        row_idx = torch.tensor(rows, dtype=torch.long, device=dev)
+        st = SamplingTensors.from_params([sampling[i] for i in rows], dev)
+        row_gens = [generators[i] for i in rows]
+    state = head.init_state((b,), head.markov_w1.weight) if head is not None else None
+    prev = anchor.long().to(dev)
+    tokens, probs, prevs = [], [], []
+    for k in range(steps):
+        logits = base_logits[:, k].float()
+        if head is not None:
+            state, bias = head.step(state, prev, hidden[:, k] if hidden is not None else None)
+            logits = logits + bias.float()
+        tok = logits.argmax(-1)
+        if rows:
+            q = probs_from_logits(logits[row_idx], st.temperature, st.top_p, st.top_k)
+            tok[row_idx] = sample(q, row_gens)
+            full = torch.zeros(b, vocab, dtype=torch.float32, device=dev)
+            full.scatter_(1, tok.unsqueeze(1), 1.0)
+            full[row_idx] = q
+            probs.append(full)
+        prevs.append(prev)
+        tok = to_target_ids(tok)
+        tokens.append(tok)
+        prev = tok
+    if steps == 0:
+        empty = torch.empty(b, 0, dtype=torch.long, device=dev)
+        return SampledBlock(empty, None, empty)
+    return SampledBlock(torch.stack(tokens, 1), torch.stack(probs, 1) if rows else None,
+                        torch.stack(prevs, 1))
