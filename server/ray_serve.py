@@ -43,7 +43,8 @@ class RayServeConfig:
     num_cpus: CPUs Ray reserves for each replica.
     health_check_period_s / health_check_timeout_s: how often Ray asks a replica whether its
         engine is alive, and how long an answer may take.
-    address: Ray cluster to join ("auto" = the local running cluster); None starts one here.
+    address: Ray cluster to join ("auto" = the one running on this machine, "local" = always a
+        new one here); None = Ray's default (a running local cluster if any, else a new one).
     app_name: the Ray Serve application's name.
     metrics_interval_s: seconds between copies of a replica's engine metrics to Ray's.
     """

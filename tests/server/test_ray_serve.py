@@ -125,7 +125,8 @@ def ray_cluster():
     from ray import serve
 
     http_port, metrics_port = free_port(), free_port()
-    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port,
+    # address="local": a cluster of this test's own, never one another process started
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port,
              logging_level="error", log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
