@@ -42,6 +42,7 @@ def _flags() -> list[tuple[str, type, str, type]]:
         "verify_policy": "none | static:K | threshold:T | dspark | auto (dspark when a drafter is on)",
         "reprofile": "re-measure the target cost table",
         "draft_gate": "with the dspark policy, skip drafting where it has not paid for itself",
+        "enable_prefix_caching": "share the KV (and the drafter's context) of cached prompt prefixes across requests",
         "explore_every": "online-confidence drafters (ngram) verify >= 1 draft every n-th step",
         "draft_headroom": "dspark policy: draft at most this many positions past last step's budget (0 = full block)",
         "host": "interface to listen on", "port": "TCP port",
