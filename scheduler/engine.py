@@ -154,6 +154,15 @@ class Engine:
         self.runner.blocks.reset_prefix_cache()
         self.taps.reset()
 
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Turn prefix caching on or off (only between requests; benchmarks compare both);
+        the cache starts empty either way."""
+        if self.scheduler.has_work():
+            raise RuntimeError("set_prefix_caching needs an idle engine")
+        self.runner.blocks.enable_caching = bool(enabled)
+        self.runner.blocks.reset_prefix_cache()
+        self.taps.reset()
+
     def snapshot(self) -> EngineSnapshot:
         """What the engine carries now, for the gauges."""
         d = self.drafter
