@@ -16,8 +16,8 @@ from verifier.block_manager import BlockManager
 
 
 class TapCache:
-    """[num_slots, width] hidden rows, allocated on the first write (engines with no tap
-    layers, or with prefix caching off, never allocate it)."""
+    """[slots, width] hidden rows, allocated on the first write (engines with no tap layers, or
+    with prefix caching off, never allocate it) and grown with the highest KV slot used."""
 
     def __init__(self, blocks: BlockManager, device: torch.device) -> None:
         self.blocks = blocks
@@ -40,9 +40,18 @@ class TapCache:
         if not rows:
             return
         h = torch.cat(rows)
-        if self.rows is None or self.rows.shape[1] != h.shape[1] or self.rows.dtype != h.dtype:
-            n = self.blocks.num_blocks * self.blocks.block_size
-            self.rows = torch.zeros(n, h.shape[1], device=h.device, dtype=h.dtype)
+        if self.rows is not None and (self.rows.shape[1] != h.shape[1] or self.rows.dtype != h.dtype):
+            self.rows = None
+        # Grown by doubling up to the highest slot written (low blocks are handed out first),
+        # so the memory follows the KV actually used, not the pool's size.
+        need = max(slots) + 1
+        have = 0 if self.rows is None else self.rows.shape[0]
+        if need > have:
+            cap = min(max(need, 2 * have, 1024), self.blocks.num_blocks * self.blocks.block_size)
+            grown = torch.zeros(cap, h.shape[1], device=h.device, dtype=h.dtype)
+            if self.rows is not None:
+                grown[:have] = self.rows
+            self.rows = grown
         self.rows[torch.tensor(slots, device=h.device)] = h
 
     def context(self, request_id: str, token_ids: list[int], num_cached: int) -> AcceptedContext:
