@@ -191,3 +191,46 @@ def test_seeded_sampling_output_is_unchanged_by_preemption(name):
         assert all_free(eng)
     assert outs[20] == outs[256]
     assert all(len(o) == 22 for o in outs[20])
+
+
+def test_prefix_caching_flag_and_config_validation():
+    from server.cli import resolve
+    assert resolve([])[2].enable_prefix_caching is True           # on by default
+    assert resolve(["--no-enable-prefix-caching"])[2].enable_prefix_caching is False
+    with pytest.raises(ValueError, match="'yes'"):
+        SchedulerConfig(enable_prefix_caching="yes")
+    model = tiny_model("llama")
+    eng = make(model, "none", None, False)
+    assert not eng.runner.blocks.enable_caching
+    eng.set_prefix_caching(True)
+    assert eng.runner.blocks.enable_caching
+
+
+def test_aborts_of_requests_sharing_blocks_return_every_reference(tmp_path):
+    model = tiny_model("qwen3")
+    path = random_dspark(model, tmp_path)
+    eng = make(model, "dspark", path, True, budget=16)
+    g = torch.Generator().manual_seed(9)
+    system = torch.randint(0, 256, (24,), generator=g).tolist()
+    first = Request("first", system + [1, 2], GREEDY, max_tokens=30, ignore_eos=True)
+    eng.add_request(first)
+    while first.status is not Status.DECODE:
+        eng.step()
+    others = [Request(f"o{i}", system + [3 + i] * (6 + 5 * i), GREEDY, max_tokens=30, ignore_eos=True)
+              for i in range(3)]
+    for r in others:
+        eng.add_request(r)
+    eng.step()
+    blocks = eng.runner.blocks
+    shared = blocks.table("first").blocks[:6]
+    assert all(blocks.refcount(b) >= 2 for b in shared)     # the others hold them too
+    eng.abort("o2")                                          # still prefilling
+    eng.step()
+    eng.step()
+    eng.abort("first")                                       # decoding; its blocks stay shared
+    assert all(blocks.refcount(b) >= 1 for b in shared)
+    eng.abort("o0")
+    while eng.has_work():
+        eng.step()
+    assert others[1].finish_reason == "length" and len(others[1].output_ids) == 30
+    assert all_free(eng) and blocks.stats().cached_free_blocks > 0
