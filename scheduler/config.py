@@ -34,6 +34,11 @@ class SchedulerConfig:
     """With the dspark policy: a request drafts at most this many positions past the budget
     the policy gave it last step (0 = always a full block). Positions the policy cannot
     admit are not worth drafting; the cap follows load within a few steps."""
+    enable_prefix_caching: bool = True
+    """Share the KV of full blocks of committed tokens across requests by a hash of their
+    content and position (automatic prefix caching): a prompt whose leading blocks are cached
+    skips their prefill, and the drafter's context for them is restored from the target's
+    tap hidden states cached beside the blocks."""
     explore_every: int = 8
     """For drafters whose confidences are learned online (n-gram): every n-th decode step of a
     request verifies at least one draft, so a pessimistic estimate can recover."""
@@ -56,6 +61,9 @@ class SchedulerConfig:
             raise ValueError(f"draft_headroom must be >= 0, got {self.draft_headroom!r}")
         if self.explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {self.explore_every!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         name = self.verify_policy.split(":", 1)[0]
         if name != AUTO_POLICY and name not in policy_names():
             raise ValueError(f"unknown verify_policy {self.verify_policy!r}; choose one of {policy_choices()}")

@@ -30,6 +30,7 @@ from scheduler.gate import DraftGate
 from scheduler.load import LoadMonitor
 from scheduler.metrics_sink import EngineMetricsSink, EngineSnapshot, NullMetrics
 from scheduler.policy import CostTable, Policy
+from scheduler.prefix import TapCache
 from scheduler.request import Request, RequestOutput, Status
 from scheduler.scheduler import ScheduledBatch, Scheduler
 from scheduler.speculation import Speculation, StepProposal
@@ -96,7 +97,9 @@ class Engine:
         self.speculation = Speculation(drafter, sched, max_model_len, cost_table)
         if capture is not None and self.speculating:
             raise ValueError("hidden-state capture runs with plain decoding (drafter none)")
+        runner.blocks.enable_caching = sched.enable_prefix_caching
         self.scheduler = Scheduler(sched, runner.blocks)
+        self.taps = TapCache(runner.blocks, runner.device)
         self.load = LoadMonitor(runner)
         self.requests: dict[str, Request] = {}
         self.eos_ids = eos_token_ids(runner.model, tokenizer)
@@ -147,12 +150,26 @@ class Engine:
         if self.scheduler.has_work():
             raise RuntimeError("set_policy needs an idle engine")
         self.speculation.use_policy(spec)
+        # Cached blocks carry the tap states of the old setting (or none): start afresh.
+        self.runner.blocks.reset_prefix_cache()
+        self.taps.reset()
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Turn prefix caching on or off (only between requests; benchmarks compare both);
+        the cache starts empty either way."""
+        if self.scheduler.has_work():
+            raise RuntimeError("set_prefix_caching needs an idle engine")
+        self.runner.blocks.enable_caching = bool(enabled)
+        self.runner.blocks.reset_prefix_cache()
+        self.taps.reset()
 
     def snapshot(self) -> EngineSnapshot:
         """What the engine carries now, for the gauges."""
         d = self.drafter
-        return EngineSnapshot(len(self.running), len(self.waiting), self.runner.blocks.usage,
-                              d.calibrator if d is not None else None)
+        b = self.runner.blocks
+        return EngineSnapshot(len(self.running), len(self.waiting), b.usage,
+                              d.calibrator if d is not None else None, b.cached_free_usage,
+                              b.stats(), self.scheduler.num_preemptions)
 
     # -- requests in and out -----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -213,8 +230,12 @@ class Engine:
         """One step. Never raises because of one request: a request found invalid before any
         state changed is failed alone; an error later in the step fails the step's batch
         (their KV and drafter state freed, finish_reason "error"), and everyone else goes on."""
-        batch = self.scheduler.schedule(self.speculation.draft_reserve)
+        batch = self.scheduler.schedule(self.speculation.draft_reserve, self.speculation.lookahead)
+        for r in batch.preempted:   # it recomputes its context when it runs again
+            self.speculation.free(r.request_id)
         if not batch:
+            if batch.preempted:
+                self.metrics.record_step(self.snapshot())
             return []
         failed = []
         for r in batch.requests:
@@ -238,6 +259,7 @@ class Engine:
 
     def _step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self._restore_contexts(batch)
         proposal = self._propose(batch)
         verification = self._verify(batch, proposal)
         outputs = self._commit(batch, proposal, verification)
@@ -258,7 +280,7 @@ class Engine:
             if type(t) is not int or not (0 <= t < V):
                 return f"last token {t!r} out of range"
         else:
-            for t in r.prompt_ids[r.num_computed:]:
+            for t in r.prefill_ids[r.num_computed:]:
                 if type(t) is not int or not (0 <= t < V):
                     return f"prompt token id {t!r} out of range [0, {V})"
         return None
@@ -272,6 +294,18 @@ class Engine:
         out = self._output(r, [], final=True)
         out.error = message
         return out
+
+    def _restore_contexts(self, batch: ScheduledBatch) -> None:
+        """Requests admitted with a cached prefix skip its forward: the drafter (and the hidden
+        capture) get that prefix's context from the tap states cached beside its blocks."""
+        if not (self.speculating or self.capture is not None):
+            return
+        contexts = [self.taps.context(r.request_id, r.prefill_ids, n)
+                    for r, n in batch.admitted if n > 0]
+        if contexts:
+            self.speculation.observe(contexts)
+            if self.capture is not None:
+                self.capture.observe(contexts)
 
     # -- propose -----------------------------------------------------------------------------
     def _propose(self, batch: ScheduledBatch) -> StepProposal:
@@ -296,8 +330,10 @@ class Engine:
             checks.append(VerifyRequest(r.sampling, r.generator, drafts, proposal.draft_probs(i)))
         for r, n in batch.prefills:
             blocks.append(r.request_id, n)
-            done = r.num_computed + n == len(r.prompt_ids)
-            segments.append(Segment(r.request_id, r.prompt_ids[r.num_computed:r.num_computed + n],
+            # A resumed (preempted) request recomputes its prompt and output but the last
+            # token, which it already has: it samples nothing.
+            done = r.num_computed + n == r.num_prefill_tokens and not r.output_ids
+            segments.append(Segment(r.request_id, r.prefill_ids[r.num_computed:r.num_computed + n],
                                     r.num_computed, n - 1 if done else n))
             if done:   # its last prompt row samples the first token
                 checks.append(VerifyRequest(r.sampling, r.generator, torch.empty(0, dtype=torch.long)))
@@ -312,6 +348,8 @@ class Engine:
     def _commit(self, batch: ScheduledBatch, proposal: StepProposal,
                 v: Verification) -> list[RequestOutput]:
         kept, contexts = self._settle(batch, proposal, v)
+        if self.runner.blocks.enable_caching and self.tap_layers:
+            self.taps.write(contexts)
         self.speculation.observe(contexts)
         if contexts and self.capture is not None:
             self.capture.observe(contexts)
@@ -336,6 +374,9 @@ class Engine:
             start = r.num_computed
             r.num_computed += 1 + a
             self.runner.blocks.truncate(r.request_id, r.num_computed)   # roll back rejected drafts
+            # only now are these tokens committed: their full blocks may enter the prefix cache
+            self.runner.blocks.commit(r.request_id, r.token_ids + proposal.drafts(i)[:a].tolist(),
+                                      r.num_computed)
             if keep_context:
                 off = v.forward.token_offsets[i]
                 contexts.append(AcceptedContext(
@@ -348,16 +389,19 @@ class Engine:
         nd = len(batch.decodes)
         row = nd
         for si, (r, n) in enumerate(batch.prefills):
+            ids = r.prefill_ids
             if keep_context:
                 off = v.forward.token_offsets[nd + si]
                 contexts.append(AcceptedContext(
-                    r.request_id, r.prompt_ids[r.num_computed:r.num_computed + n], r.num_computed,
+                    r.request_id, ids[r.num_computed:r.num_computed + n], r.num_computed,
                     None if hidden is None else hidden[off:off + n]))
             r.num_computed += n
-            if r.num_computed == len(r.prompt_ids):   # completed: its first token was sampled
+            self.runner.blocks.commit(r.request_id, ids, r.num_computed)
+            if r.num_computed == len(ids):
                 r.status = Status.DECODE
-                kept.append(Committed(r, res.tokens(row)[:1], round_provenance(0, 0), False))
-                row += 1
+                if not r.output_ids:   # completed a prompt: its first token was sampled
+                    kept.append(Committed(r, res.tokens(row)[:1], round_provenance(0, 0), False))
+                    row += 1
         return kept, contexts
 
     def _emit(self, c: Committed, now: float) -> RequestOutput:

@@ -78,6 +78,27 @@ class EngineMetrics:
                             "vllm:num_requests_waiting")
         self.kv_usage = vllm(Gauge("dspark:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", L, registry=r),
                              "vllm:kv_cache_usage_perc")
+        self.kv_cached_free = Gauge("dspark:kv_cache_cached_free_perc",
+                                    "Fraction of KV cache blocks holding cached prefixes no request "
+                                    "holds (0-1); they count as free, so they are not in kv_cache_usage_perc.",
+                                    L, registry=r)
+        self.prefix_queries = vllm(Counter("dspark:prefix_cache_queries",
+                                           "Prompt tokens looked up in the prefix cache at admission.",
+                                           L, registry=r), "vllm:prefix_cache_queries")
+        self.prefix_hits = vllm(Counter("dspark:prefix_cache_hits",
+                                        "Prompt tokens found in the prefix cache (their prefill skipped).",
+                                        L, registry=r), "vllm:prefix_cache_hits")
+        self.prefix_hit_rate = Gauge("dspark:prefix_cache_hit_rate",
+                                     "Prefix cache hits / queries in tokens, since start (0-1).", L, registry=r)
+        self.prefix_blocks = Gauge("dspark:prefix_cache_blocks",
+                                   "KV blocks holding cached content (held by requests or not).", L, registry=r)
+        self.prefix_evictions = Counter("dspark:prefix_cache_evictions",
+                                        "Cached KV blocks evicted to make room.", L, registry=r)
+        self.preemptions = vllm(Counter("dspark:num_preemptions",
+                                        "Requests preempted (KV freed; they resume by recomputing).",
+                                        L, registry=r), "vllm:num_preemptions")
+        self._last_prefix = (0, 0, 0)
+        self._last_preemptions = 0
         self.prompt_tokens = Counter("dspark:prompt_tokens", "Prefilled prompt tokens.", L, registry=r)
         self.gen_tokens = Counter("dspark:generation_tokens", "Generated tokens returned.", L, registry=r)
         self.finished = Counter("dspark:request_success", "Finished requests.", L + ["finished_reason"], registry=r)
@@ -136,7 +157,9 @@ class EngineMetrics:
 
         # Export every series at zero from the start (spec-decode counters included), so a
         # dashboard sees them before the first draft round.
-        for m in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.gen_tokens,
+        for m in (self.running, self.waiting, self.kv_usage, self.kv_cached_free,
+                  self.prefix_queries, self.prefix_hits, self.prefix_hit_rate, self.prefix_blocks,
+                  self.prefix_evictions, self.preemptions, self.prompt_tokens, self.gen_tokens,
                   self.ttft, self.itl, self.e2e, self.forward_tokens, self.forward_seconds,
                   self.drafts, self.draft_tokens, self.accepted, self.accept_len, self.budget,
                   self.budget_mean, self.expected, self.realized):
@@ -196,6 +219,19 @@ class EngineMetrics:
         self.running.labels(**self.labels).set(snap.num_running)
         self.waiting.labels(**self.labels).set(snap.num_waiting)
         self.kv_usage.labels(**self.labels).set(snap.kv_usage)
+        self.kv_cached_free.labels(**self.labels).set(snap.kv_cached_free)
+        pc = snap.prefix_cache
+        if pc is not None:   # cumulative in the snapshot; the counters take the increase
+            q0, h0, e0 = self._last_prefix
+            self.prefix_queries.labels(**self.labels).inc(max(pc.queries - q0, 0))
+            self.prefix_hits.labels(**self.labels).inc(max(pc.hits - h0, 0))
+            self.prefix_evictions.labels(**self.labels).inc(max(pc.evictions - e0, 0))
+            self._last_prefix = (pc.queries, pc.hits, pc.evictions)
+            if pc.queries:
+                self.prefix_hit_rate.labels(**self.labels).set(pc.hits / pc.queries)
+            self.prefix_blocks.labels(**self.labels).set(pc.cached_blocks)
+        self.preemptions.labels(**self.labels).inc(max(snap.preemptions - self._last_preemptions, 0))
+        self._last_preemptions = snap.preemptions
         self._steps += 1
         cal = snap.calibrator
         if cal is not None and self._steps % CALIBRATION_EVERY == 1:

@@ -11,6 +11,7 @@ from scheduler.load import LoadState
 if TYPE_CHECKING:
     from drafter.online_calibration import OnlineCalibrator
     from scheduler.policy import PolicyDecision
+    from verifier.block_manager import PrefixCacheStats
 
 
 @dataclass(frozen=True)
@@ -19,14 +20,21 @@ class EngineSnapshot:
 
     num_running: admitted requests (prefilling or decoding).
     num_waiting: requests queued for admission.
-    kv_usage: fraction of KV cache blocks in use, 0..1.
+    kv_usage: fraction of KV cache blocks held by requests, 0..1.
     calibrator: the drafter's online confidence calibration, or None.
+    kv_cached_free: fraction of KV cache blocks holding cached prefixes nobody holds (they
+        count as free, so they are not in kv_usage), 0..1.
+    prefix_cache: cumulative prefix-cache counters and occupancy, or None.
+    preemptions: requests preempted so far (cumulative).
     """
 
     num_running: int
     num_waiting: int
     kv_usage: float
     calibrator: "OnlineCalibrator | None" = None
+    kv_cached_free: float = 0.0
+    prefix_cache: "PrefixCacheStats | None" = None
+    preemptions: int = 0
 
 
 class EngineMetricsSink(Protocol):

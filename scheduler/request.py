@@ -49,7 +49,7 @@ class Request:
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0             # tokens whose KV is in the cache
-    reserved_blocks: int = 0          # KV blocks set aside at admission
+    num_preemptions: int = 0          # times its KV was freed to make room (it recomputes)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None
@@ -69,6 +69,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens to prefill before it decodes: its prompt, or after a preemption everything
+        but its last generated token (the next anchor, whose KV a decode step writes)."""
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        return self.prompt_ids if not self.output_ids else self.token_ids[:-1]
 
     @property
     def finished(self) -> bool:

@@ -1,13 +1,19 @@
 """Admission and batching: which requests run in the next step, and with how many tokens.
 
-A request is admitted only when its worst-case KV (prompt + max_tokens) fits the blocks not yet
-reserved, so a running request can never run out of KV (nothing is ever preempted). Prompts
+KV blocks are taken as tokens arrive, not reserved for a request's worst case. Each step the
+running requests, oldest first, get the blocks for their decode (anchor + the drafts they may
+verify) or their next prefill chunk; when the pool runs short, the most recently admitted
+request is preempted: its blocks are freed and it goes back to the front of the queue, to
+resume later by recomputing its prompt and the tokens it already generated (its output is
+unchanged). A waiting request is admitted when the rest of its prompt fits the free blocks
+after its cached prefix (prefix caching: those blocks are shared, not recomputed). Prompts
 prefill in chunks under the per-step token budget, next to the running decodes.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request, Status
@@ -16,10 +22,16 @@ from verifier.block_manager import BlockManager
 
 @dataclass
 class ScheduledBatch:
-    """The requests that run in one step: decodes (anchor + drafts) and prefill chunks."""
+    """The requests that run in one step: decodes (anchor + drafts) and prefill chunks.
+
+    admitted: requests admitted this step, with the prompt tokens their cached prefix covers.
+    preempted: requests preempted this step (their KV is freed; their drafter state must be).
+    """
 
     decodes: list[Request] = field(default_factory=list)
     prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk tokens)
+    admitted: list[tuple[Request, int]] = field(default_factory=list)  # (request, cached tokens)
+    preempted: list[Request] = field(default_factory=list)
 
     @property
     def prefill_tokens(self) -> int:
@@ -31,21 +43,27 @@ class ScheduledBatch:
 
     def without_finished(self) -> "ScheduledBatch":
         return ScheduledBatch([r for r in self.decodes if not r.finished],
-                              [(r, n) for r, n in self.prefills if not r.finished])
+                              [(r, n) for r, n in self.prefills if not r.finished],
+                              [(r, n) for r, n in self.admitted if not r.finished], self.preempted)
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills)
 
 
 class Scheduler:
-    """The waiting queue, the running set and the KV blocks reserved for it."""
+    """The waiting queue, the running set (in admission order) and their KV blocks."""
 
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager) -> None:
         self.cfg = cfg
         self.blocks = blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.reserved_blocks = 0
+        self.num_preemptions = 0
+
+    @property
+    def reserved_blocks(self) -> int:
+        """KV blocks requests hold now (cached blocks nobody holds count as free)."""
+        return self.blocks.num_blocks - self.blocks.num_free_blocks
 
     @property
     def queue_full(self) -> bool:
@@ -58,36 +76,90 @@ class Scheduler:
         self.waiting.append(req)
 
     def remove(self, req: Request) -> None:
-        """Forget a finished or aborted request and release its reservation."""
+        """Forget a finished or aborted request (the engine frees its blocks)."""
         if req in self.waiting:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
-            self.reserved_blocks -= req.reserved_blocks
 
-    def schedule(self, draft_reserve: int = 0) -> ScheduledBatch:
-        """Admit what fits, then batch every decode and as many prefill tokens as the budget
-        leaves; `draft_reserve` tokens per decode are kept free for the drafts it may verify."""
-        self._admit()
-        batch = ScheduledBatch(decodes=[r for r in self.running if r.status is Status.DECODE])
-        budget = self.cfg.max_num_batched_tokens - len(batch.decodes) * (1 + draft_reserve)
-        for r in self.running:
-            if r.status is Status.PREFILL and budget > 0:
-                chunk = min(len(r.prompt_ids) - r.num_computed, budget)
+    def _preempt(self, r: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(r)
+        self.blocks.free(r.request_id)
+        r.status = Status.WAITING
+        r.num_computed = 0
+        r.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(r)
+        batch.preempted.append(r)
+
+    def schedule(self, draft_reserve: int = 0,
+                 lookahead: Callable[[Request], int] | None = None) -> ScheduledBatch:
+        """Batch every decode and as many prefill tokens as the budget leaves, then admit what
+        fits. `draft_reserve` tokens per decode are kept out of the prefill budget for drafts;
+        `lookahead(r)`: the most drafts decode `r` may verify this step (its KV is ensured)."""
+        bm = self.blocks
+        batch = ScheduledBatch()
+        pending = 0     # blocks this step's appends will take from the pool
+        debt = 0        # blocks the scheduled prompts still need after this step's chunks
+        n_dec = sum(1 for r in self.running if r.status is Status.DECODE)
+        budget = self.cfg.max_num_batched_tokens - n_dec * (1 + draft_reserve)
+        i = 0
+        while i < len(self.running):
+            r = self.running[i]
+            chunk = None
+            if r.status is Status.DECODE:
+                need = bm.extra_blocks_for(r.request_id, 1 + (lookahead(r) if lookahead else 0))
+            else:
+                chunk = min(r.num_prefill_tokens - r.num_computed, budget)
+                if chunk <= 0:
+                    i += 1
+                    continue
+                need = bm.extra_blocks_for(r.request_id, chunk)
+            # Short of KV: the most recently admitted request gives its blocks back.
+            while need > bm.num_free_blocks - pending and self.running[-1] is not r:
+                self._preempt(self.running[-1], batch)
+            if need > bm.num_free_blocks - pending:
+                if chunk is None:      # the newest decode itself cannot grow: it waits
+                    self._preempt(r, batch)
+                    break
+                room = (len(bm.table(r.request_id).blocks) if bm.has(r.request_id) else 0) \
+                    + bm.num_free_blocks - pending
+                chunk = min(chunk, room * bm.block_size - bm.num_tokens(r.request_id))
+                if chunk <= 0:
+                    break
+                need = bm.extra_blocks_for(r.request_id, chunk)
+            pending += need
+            if chunk is None:
+                batch.decodes.append(r)
+            else:
                 batch.prefills.append((r, chunk))
                 budget -= chunk
+                debt += bm.extra_blocks_for(r.request_id, r.num_prefill_tokens - r.num_computed) - need
+            i += 1
+        if not batch.preempted:
+            self._admit(batch, budget, pending, debt)
         return batch
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
-            need = self.blocks.blocks_needed(len(req.prompt_ids) + req.max_tokens)
-            # Reserve the request's whole worst case up front: it can then never run out of
-            # KV mid-way, so nothing is ever preempted and the process never over-commits.
-            if self.reserved_blocks + need > self.blocks.num_blocks:
+    def _admit(self, batch: ScheduledBatch, budget: int, pending: int, debt: int) -> None:
+        bm = self.blocks
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
+            r = self.waiting[0]
+            ids = r.prefill_ids
+            hit = bm.match_prefix(ids, len(ids) - 1)   # the last token is computed for logits
+            # The rest of its prompt must fit what is free, after what the running prompts
+            # still need; its output takes blocks as it comes (no worst-case reservation).
+            need = bm.blocks_needed(len(ids)) - len(hit) + bm.free_blocks_taken_by(hit)
+            if need > bm.num_free_blocks - pending - debt:
                 break
             self.waiting.popleft()
-            req.reserved_blocks = need
-            self.reserved_blocks += need
-            req.status = Status.PREFILL
-            self.running.append(req)
+            cached = bm.allocate_prefix(r.request_id, ids, len(ids) - 1)
+            r.num_computed = cached
+            r.status = Status.PREFILL
+            self.running.append(r)
+            batch.admitted.append((r, cached))
+            chunk = min(len(ids) - cached, budget)
+            take = bm.extra_blocks_for(r.request_id, chunk)
+            pending += take
+            debt += bm.extra_blocks_for(r.request_id, len(ids) - cached) - take
+            batch.prefills.append((r, chunk))
+            budget -= chunk

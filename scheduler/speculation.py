@@ -116,6 +116,11 @@ class Speculation:
         lengths, decision = self._choose_lengths(decodes, proposals, room, load)
         return StepProposal(proposals, lengths, drafting, decision)
 
+    def lookahead(self, r: Request) -> int:
+        """The most drafts `r` may verify this step (fixed before drafting; the scheduler makes
+        sure their KV fits)."""
+        return self._max_draft(r) if self.speculating else 0
+
     def _max_draft(self, r: Request) -> int:
         cap = min(self.drafter.block_size, r.max_tokens - len(r.output_ids) - 1,
                   self.max_model_len - r.num_tokens - 1)

@@ -119,19 +119,28 @@ def test_too_long_and_full_queue_are_rejected():
     assert e.value.status == 429
 
 
-def test_admission_waits_for_kv_instead_of_overcommitting():
+@pytest.mark.parametrize("caching", [False, True])
+def test_admission_does_not_reserve_the_worst_case_and_preemption_keeps_outputs(caching):
     model = tiny_model("llama")
-    # 16 blocks x 4 tokens = 64 slots; each request needs up to 40 -> only one fits at a time
-    engine = make_engine(model, num_blocks=16)
-    reqs = [Request(f"r{i}", list(range(20)), GREEDY, max_tokens=20, ignore_eos=True) for i in range(3)]
+    # 16 blocks x 4 tokens = 64 slots; each request grows to 40 tokens: all three are admitted
+    # (their prompts fit), and the pool running out preempts the newest, which later resumes
+    # by recomputing its prompt and output
+    engine = Engine(runner_for(model, num_blocks=16), ByteTokenizer(),
+                    SchedulerConfig(max_num_batched_tokens=64, enable_prefix_caching=caching),
+                    max_model_len=512)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (20,), generator=g).tolist() for _ in range(3)]
+    reqs = [Request(f"r{i}", p, GREEDY, max_tokens=20, ignore_eos=True) for i, p in enumerate(prompts)]
     for r in reqs:
         engine.add_request(r)
     peak = 0
     while engine.has_work():
         engine.step()
         peak = max(peak, len(engine.running))
-    assert peak == 1
-    assert all(r.finish_reason == "length" and len(r.output_ids) == 20 for r in reqs)
+    assert peak == 3
+    assert engine.scheduler.num_preemptions > 0 and sum(r.num_preemptions for r in reqs) > 0
+    for r in reqs:
+        assert r.finish_reason == "length" and r.output_ids == hf_greedy(model, r.prompt_ids, 20)
     assert engine.runner.blocks.num_free_blocks == 16
 
 

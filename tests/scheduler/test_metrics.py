@@ -9,7 +9,8 @@ from scheduler.metrics import AliasCollector, EngineMetrics, EngineSnapshot
 
 VLLM = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
         "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
+        "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")
 
 
 def samples(registry) -> dict[tuple, float]:
@@ -55,6 +56,26 @@ def test_vllm_aliases_mirror_dspark_metrics():
     text = generate_latest(reg).decode()
     assert "# TYPE vllm:spec_decode_num_drafts_total counter" in text
     assert "# TYPE vllm:num_requests_waiting gauge" in text
+
+
+def test_prefix_cache_and_preemption_metrics_follow_the_cumulative_snapshot():
+    from verifier.block_manager import PrefixCacheStats
+    reg = CollectorRegistry()
+    m = EngineMetrics(reg, "tiny")
+    lab = (("model_name", "tiny"),)
+    got = samples(reg)
+    assert got[("vllm:prefix_cache_queries_total", lab)] == 0 == got[("dspark:num_preemptions_total", lab)]
+    m.record_step(EngineSnapshot(2, 0, 0.25, None, 0.5, PrefixCacheStats(100, 40, 3, 9, 4), 1))
+    m.record_step(EngineSnapshot(2, 0, 0.25, None, 0.125, PrefixCacheStats(150, 90, 5, 7, 2), 3))
+    got = samples(reg)
+    assert got[("vllm:prefix_cache_queries_total", lab)] == 150
+    assert got[("dspark:prefix_cache_hits_total", lab)] == got[("vllm:prefix_cache_hits_total", lab)] == 90
+    assert got[("dspark:prefix_cache_hit_rate", lab)] == pytest.approx(0.6)
+    assert got[("dspark:prefix_cache_evictions_total", lab)] == 5
+    assert got[("dspark:prefix_cache_blocks", lab)] == 7
+    assert got[("dspark:kv_cache_cached_free_perc", lab)] == 0.125
+    assert got[("dspark:kv_cache_usage_perc", lab)] == 0.25
+    assert got[("vllm:num_preemptions_total", lab)] == 3
 
 
 def test_alias_rejects_its_own_name_and_duplicates():

@@ -155,7 +155,7 @@ FULL_Q = torch.softmax(torch.linspace(2.0, -2.0, VOCAB), -1)   # far from p on p
 TRUNCATED_Q = torch.cat([torch.softmax(torch.linspace(2.0, -2.0, 5), -1), torch.zeros(3)])
 
 
-def sampled_marginals(model, prompt, n, seed, q=FULL_Q, combined=False):
+def sampled_marginals(model, prompt, n, seed, q=FULL_Q, combined=False, cached=False):
     dr = FixedQDrafter(q)
     if combined:   # prompt lookup where it matches, the fixed-q drafter elsewhere
         dr = CombinedDrafter(dr, build_drafter("ngram", block_size=2))
@@ -165,7 +165,14 @@ def sampled_marginals(model, prompt, n, seed, q=FULL_Q, combined=False):
                     max_model_len=64, drafter=dr)
     reqs = [Request(f"s{i}", prompt, SamplingParams(temperature=1.0, seed=seed * 100000 + i),
                     max_tokens=4, ignore_eos=True) for i in range(n)]
-    run(engine, reqs)
+    if cached:   # the first request runs a step alone: every later one hits its cached blocks
+        engine.add_request(reqs[0])
+        engine.step()
+        run(engine, reqs[1:])
+        hit = engine.runner.blocks.block_size * ((len(prompt) - 1) // engine.runner.blocks.block_size)
+        assert hit > 0 and engine.runner.blocks.stats().hits == (n - 1) * hit
+    else:
+        run(engine, reqs)
     c2, c3 = torch.zeros(VOCAB, dtype=torch.float64), torch.zeros(VOCAB, dtype=torch.float64)
     for r in reqs:
         c2[r.output_ids[1]] += 1
@@ -186,21 +193,22 @@ def broken_rejection_sample(target_probs, draft_tokens, draft_probs, num_draft, 
                             num_draft, generators, torch.zeros_like(num_draft, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("q,combined", [(FULL_Q, False), (TRUNCATED_Q, False), (FULL_Q, True)],
-                         ids=["full-vocab", "truncated-vocab", "combined-drafters"])
-def test_sampled_distribution_matches_plain_and_catches_a_broken_sampler(monkeypatch, q, combined):
+@pytest.mark.parametrize("q,combined,cached", [(FULL_Q, False, False), (TRUNCATED_Q, False, False),
+                                               (FULL_Q, True, False), (FULL_Q, False, True)],
+                         ids=["full-vocab", "truncated-vocab", "combined-drafters", "prefix-cache-hits"])
+def test_sampled_distribution_matches_plain_and_catches_a_broken_sampler(monkeypatch, q, combined, cached):
     model = tiny_model("llama", vocab=VOCAB, seed=2)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.25)     # p neither flat nor one-hot
-    prompt = [1, 2, 3]
+    prompt = [1, 2, 3, 4, 5, 6] if cached else [1, 2, 3]
     m2, m3 = exact_marginals(model, prompt)
     n = 3000
-    s2, s3 = sampled_marginals(model, prompt, n, seed=1, q=q, combined=combined)
+    s2, s3 = sampled_marginals(model, prompt, n, seed=1, q=q, combined=combined, cached=cached)
     tv = lambda a, b: 0.5 * (a - b).abs().sum().item()
     # sampling noise of an 8-outcome TV at n=3000 is ~0.02; 0.05 leaves a wide margin
     assert tv(s2, m2) < 0.05 and tv(s3, m3) < 0.05, (tv(s2, m2), tv(s3, m3))
     monkeypatch.setattr(verify_mod, "rejection_sample", broken_rejection_sample)
-    b2, b3 = sampled_marginals(model, prompt, n, seed=2, q=q, combined=combined)
+    b2, b3 = sampled_marginals(model, prompt, n, seed=2, q=q, combined=combined, cached=cached)
     assert max(tv(b2, m2), tv(b3, m3)) > 0.1, (tv(b2, m2), tv(b3, m3))
 
 

@@ -1,0 +1,67 @@
+"""The drafter's context for a cached prefix: the target's tap hidden states of every token whose
+KV sits in the paged cache, stored beside it (one row per KV slot).
+
+When a prompt's leading blocks come from the prefix cache their forward is skipped, so the
+hidden states the drafter (DSpark/DFlash: `drafter.observe`) or the hidden-state capture needs
+for those tokens are read from here instead. A row is written in the step whose verdict kept
+its token (prefill chunks and accepted drafts only), exactly when the block manager may hash
+its block, so every cached block has its rows. Rolled-back drafts never get a row.
+"""
+from __future__ import annotations
+
+import torch
+
+from drafter.base import AcceptedContext
+from verifier.block_manager import BlockManager
+
+
+class TapCache:
+    """[slots, width] hidden rows, allocated on the first write (engines with no tap layers, or
+    with prefix caching off, never allocate it) and grown with the highest KV slot used."""
+
+    def __init__(self, blocks: BlockManager, device: torch.device) -> None:
+        self.blocks = blocks
+        self.device = device
+        self.rows: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.rows is None else self.rows.numel() * self.rows.element_size()
+
+    def write(self, contexts: list[AcceptedContext]) -> None:
+        """Store the hidden rows of the kept tokens at their KV slots."""
+        slots: list[int] = []
+        rows: list[torch.Tensor] = []
+        for c in contexts:
+            if c.hidden is None or not c.token_ids or not self.blocks.has(c.request_id):
+                continue
+            slots += self.blocks.slots(c.request_id, c.start_pos, c.start_pos + len(c.token_ids))
+            rows.append(c.hidden)
+        if not rows:
+            return
+        h = torch.cat(rows)
+        if self.rows is not None and (self.rows.shape[1] != h.shape[1] or self.rows.dtype != h.dtype):
+            self.rows = None
+        # Grown by doubling up to the highest slot written (low blocks are handed out first),
+        # so the memory follows the KV actually used, not the pool's size.
+        need = max(slots) + 1
+        have = 0 if self.rows is None else self.rows.shape[0]
+        if need > have:
+            cap = min(max(need, 2 * have, 1024), self.blocks.num_blocks * self.blocks.block_size)
+            grown = torch.zeros(cap, h.shape[1], device=h.device, dtype=h.dtype)
+            if self.rows is not None:
+                grown[:have] = self.rows
+            self.rows = grown
+        self.rows[torch.tensor(slots, device=h.device)] = h
+
+    def context(self, request_id: str, token_ids: list[int], num_cached: int) -> AcceptedContext:
+        """The context of a request's first `num_cached` tokens (shared cached blocks): their
+        hidden rows, or None when nothing was ever stored (no tap layers)."""
+        hidden = None
+        if self.rows is not None:
+            idx = torch.tensor(self.blocks.slots(request_id, 0, num_cached), device=self.rows.device)
+            hidden = self.rows[idx]
+        return AcceptedContext(request_id, list(token_ids[:num_cached]), 0, hidden)
+
+    def reset(self) -> None:
+        self.rows = None
