@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import drafter  # noqa: F401  (registers drafters)
-from drafter.base import DraftRequest, build_drafter
+from drafter.base import DraftRequest
+from drafter.registry import build_drafter
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.request import Request, Status
