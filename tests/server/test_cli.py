@@ -6,7 +6,7 @@ from server.cli import build_parser, resolve
 
 def test_defaults_file_and_flags_layer():
     model, drafter, sched, server = resolve([])
-    assert model.model is None and drafter.drafter == "dspark" and server.port == 8000
+    assert model.model is None and drafter.drafter == "dspark+ngram" and server.port == 8000
     _, drafter, sched, _ = resolve(["--config", "embedded-ngram", "--max-num-seqs", "3"])
     assert drafter.drafter == "ngram" and drafter.block_size == 5 and sched.max_num_seqs == 3
     _, drafter, _, _ = resolve(["--drafter", "none"])
