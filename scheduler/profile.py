@@ -37,6 +37,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _steps_per_second(runner: ModelRunner, segs: list[Segment], repeats: int) -> float:
+    """Forward `segs` repeats + 1 times. The first call warms up; the fastest of the rest is the
+    machine's cost without the interference of whatever else shares it at that moment."""
+    times = []
+    for _ in range(repeats + 1):
+        _sync(runner.device)
+        t0 = time.perf_counter()
+        runner.forward(segs)
+        _sync(runner.device)
+        times.append(time.perf_counter() - t0)
+    return 1.0 / min(times[1:])
+
+
 def measure(runner: ModelRunner, batch_sizes=BATCH_SIZES, context_lens=CONTEXT_LENS,
             repeats: int = 3, block_sizes=BLOCK_SIZES) -> dict:
     """Time decode-shaped forwards of B tokens spread over up to 32 requests of a given context
@@ -62,18 +75,9 @@ def measure(runner: ModelRunner, batch_sizes=BATCH_SIZES, context_lens=CONTEXT_L
             for rid, n in zip(ids, per):
                 blocks.append(rid, n)
                 segs.append(Segment(rid, [0] * n, ctx, 0))
-            times = []
-            for _ in range(repeats + 1):
-                _sync(runner.device)
-                t0 = time.perf_counter()
-                runner.forward(segs)
-                _sync(runner.device)
-                times.append(time.perf_counter() - t0)
+            sps.append(_steps_per_second(runner, segs, repeats))
             for rid in ids[:r]:
                 blocks.truncate(rid, ctx)
-            # First call warms up; the fastest of the rest is the machine's cost without the
-            # interference of whatever else shares it at that moment.
-            sps.append(1.0 / min(times[1:]))
         for rid in ids:
             blocks.free(rid)
         by_ctx[ctx] = sps
@@ -87,16 +91,8 @@ def measure(runner: ModelRunner, batch_sizes=BATCH_SIZES, context_lens=CONTEXT_L
         sps = []
         for B in block_sizes:
             blocks.append(rid, B)
-            seg = [Segment(rid, [0] * B, ctx, 0)]
-            times = []
-            for _ in range(repeats + 1):
-                _sync(runner.device)
-                t0 = time.perf_counter()
-                runner.forward(seg)
-                _sync(runner.device)
-                times.append(time.perf_counter() - t0)
+            sps.append(_steps_per_second(runner, [Segment(rid, [0] * B, ctx, 0)], repeats))
             blocks.truncate(rid, ctx)
-            sps.append(1.0 / min(times[1:]))
         blocks.free(rid)
         by_ctx_block[ctx] = sps
     return {"batch_sizes": list(batch_sizes), "steps_per_second": _merge(by_ctx, len(batch_sizes)),
