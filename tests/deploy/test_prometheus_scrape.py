@@ -14,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.test_e2e import MODEL, LiveServer, free_port
 
+pytestmark = pytest.mark.slow  # a real server, cluster, browser or the embedded model: -m "not slow" skips it
+
 ROOT = Path(__file__).resolve().parents[2]
 # `.ci/run` unpacks the Debian package here when `prometheus` is not installed system-wide.
 LOCAL = ROOT / ".ci" / "cache" / "prometheus" / "usr" / "bin" / "prometheus"

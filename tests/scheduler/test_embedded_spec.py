@@ -7,6 +7,8 @@ from scheduler.llm import LLM
 from scheduler.policy import CostTable
 from verifier.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # a real server, cluster, browser or the embedded model: -m "not slow" skips it
+
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether?",

@@ -3,6 +3,7 @@ a short request finish, ends a long stream with finish_reason "abort" and an err
 --shutdown-timeout, and the process exits cleanly."""
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import signal
@@ -15,6 +16,8 @@ from pathlib import Path
 import httpx
 
 from tests.server.test_e2e import free_port
+
+pytestmark = pytest.mark.slow  # a real server, cluster, browser or the embedded model: -m "not slow" skips it
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 8.0

@@ -23,6 +23,8 @@ from server.app import build_app
 from server.config import ServerConfig
 from verifier.config import ModelConfig
 
+pytestmark = pytest.mark.slow  # a real server, cluster, browser or the embedded model: -m "not slow" skips it
+
 MODEL = "SmolLM2-135M-Instruct"
 MAX_LEN = 1024
 

@@ -22,6 +22,8 @@ from scheduler.engine import Engine  # noqa: E402
 from tests.helpers import runner_for, tiny_model  # noqa: E402
 from tests.server.test_e2e import LiveServer  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a real server, cluster, browser or the embedded model: -m "not slow" skips it
+
 FUZZ_SECONDS = 120
 TINY_LEN = 96
 

@@ -19,6 +19,8 @@ import pytest
 
 from tests.server.test_e2e import MODEL, LiveServer
 
+pytestmark = pytest.mark.slow  # a real server, cluster, browser or the embedded model: -m "not slow" skips it
+
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
 

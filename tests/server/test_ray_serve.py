@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from server.ray_serve import RayMetricsBridge, RayServeConfig, prometheus_samples, ray_metric_name
 from tests.server.test_e2e import free_port
 
+pytestmark = pytest.mark.slow  # a real server, cluster, browser or the embedded model: -m "not slow" skips it
+
 
 def test_config_validates_and_builds_deployment_options():
     fixed = RayServeConfig(num_replicas=3).deployment_options(shutdown_timeout=10)
