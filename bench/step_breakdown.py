@@ -259,7 +259,7 @@ def main() -> None:
                 _print(row)
     result = dict(machine=machine(), dtype=args.dtype, bandwidth_Bps=bw, matmul_peak_flops=peak,
                   weight_bytes=weight_bytes, matmul_params=matmul_params, rows=rows,
-                  args={k: str(v) for k, v in vars(args).items()}, seconds=time.time() - t0,
+                  args={k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}, seconds=time.time() - t0,
                   runner=getattr(runner, "describe", lambda: "reference (pre-change)")())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
