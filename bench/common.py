@@ -33,8 +33,20 @@ def median(xs) -> float:
 def machine() -> str:
     import os
     import torch
+    from verifier.loader import cpu_flags
+
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {dev}, threads={torch.get_num_threads()}"
+    # The CPU model and the flags that change speed (vector width, native bf16, AMX) go with
+    # every figure: results from machines with other flags are not comparable.
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), model)
+    except OSError:
+        pass
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))
+    return (f"{model}, {os.cpu_count()} cores, flags {' '.join(flags) or 'n/a'}, torch {torch.__version__}, "
+            f"{dev}, threads={torch.get_num_threads()}")
 
 
 @dataclass
