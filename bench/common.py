@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drafter.training.data import PROMPTS_DIR as DATA, dev_sets, read_prompts  # noqa: E402
+from dspark_serve.drafter.training.data import PROMPTS_DIR as DATA, dev_sets, read_prompts  # noqa: E402
 DOMAINS = ("gsm8k", "math500", "humaneval", "livecodebench", "mt-bench", "arena-hard")
 
 
@@ -33,7 +33,7 @@ def median(xs) -> float:
 def machine() -> str:
     import os
     import torch
-    from verifier.loader import cpu_flags
+    from dspark_serve.verifier.loader import cpu_flags
 
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     # The CPU model and the flags that change speed (vector width, native bf16, AMX) go with
@@ -70,8 +70,8 @@ def run_engine_closed_loop(engine, prompt_ids: list[list[int]], concurrency: int
                            finished: list | None = None) -> PointResult:
     """Keep `concurrency` requests in flight on an in-process engine until all prompts are done.
     Finished requests are appended to `finished` when given."""
-    from scheduler.request import Request
-    from verifier.sampling_params import SamplingParams
+    from dspark_serve.scheduler.request import Request
+    from dspark_serve.verifier.sampling_params import SamplingParams
 
     sp = lambda i: SamplingParams(temperature=temperature, seed=None if temperature == 0 else seed + i)
     queue = list(enumerate(prompt_ids))

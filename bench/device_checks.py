@@ -13,12 +13,12 @@ import torch
 
 from bench.models import ByteTokenizer, hf_greedy, runner_for, tiny_model
 from bench.replay import ReplayDrafter
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.request import Request
-from verifier.model_runner import ModelRunner, Segment
-from verifier.rejection import rejection_sample
-from verifier.sampling_params import SamplingParams
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.engine import Engine
+from dspark_serve.scheduler.request import Request
+from dspark_serve.verifier.model_runner import ModelRunner, Segment
+from dspark_serve.verifier.rejection import rejection_sample
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -25,7 +25,7 @@ from bench.common import DATA, load_prompts, machine  # noqa: E402
 
 
 def generate(llm, prompts: list[list[int]], max_tokens: int, together: bool) -> list[list[int]]:
-    from verifier.sampling_params import SamplingParams
+    from dspark_serve.verifier.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     if together:
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=384)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/dtype_divergence.json")
     args = ap.parse_args()
-    from scheduler.llm import LLM
+    from dspark_serve.scheduler.llm import LLM
     from bench.bench_engine import chat_ids
 
     texts = [t for _, t in load_prompts(DATA, args.prompts, domains=(args.domain,))]

@@ -44,15 +44,15 @@ import torch  # noqa: E402
 from bench.common import machine, median, run_engine_closed_loop  # noqa: E402
 from bench.models import SHAPES, CharTokenizer, TargetShape, random_dspark, random_qwen3  # noqa: E402
 from bench.replay import ReplayDrafter  # noqa: E402  (registers the "replay" drafter)
-from drafter.base import AcceptedContext, DraftRequest  # noqa: E402
-from drafter.registry import build_drafter  # noqa: E402
-from scheduler.config import SchedulerConfig  # noqa: E402
-from scheduler.engine import Engine  # noqa: E402
-from scheduler.policy import CostTable  # noqa: E402
-from scheduler.profile import measure  # noqa: E402
-from scheduler.request import Request, Status  # noqa: E402
-from verifier.model_runner import ModelRunner  # noqa: E402
-from verifier.sampling_params import SamplingParams  # noqa: E402
+from dspark_serve.drafter.base import AcceptedContext, DraftRequest  # noqa: E402
+from dspark_serve.drafter.registry import build_drafter  # noqa: E402
+from dspark_serve.scheduler.config import SchedulerConfig  # noqa: E402
+from dspark_serve.scheduler.engine import Engine  # noqa: E402
+from dspark_serve.scheduler.policy import CostTable  # noqa: E402
+from dspark_serve.scheduler.profile import measure  # noqa: E402
+from dspark_serve.scheduler.request import Request, Status  # noqa: E402
+from dspark_serve.verifier.model_runner import ModelRunner  # noqa: E402
+from dspark_serve.verifier.sampling_params import SamplingParams  # noqa: E402
 
 JSON_NAME = "gpu_suite.json"
 DEFAULT_CPU_TABLE = ROOT / "bench" / "results" / "sweep-dspark-gate.json"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier.model_runner import ModelRunner
+from dspark_serve.verifier.model_runner import ModelRunner
 
 
 class ByteTokenizer:
@@ -186,8 +186,8 @@ def random_dspark(target, shape: TargetShape, block_size: int = 7, seed: int = 0
     """A randomly initialised DSpark drafter (Markov + confidence heads) of the DeepSpec shape
     matching `shape`, sharing the target's embedding and LM head, on the target's device/dtype,
     served through `DSparkDrafter` (the drafter registered as "dspark")."""
-    from drafter.dspark import DSparkDrafter, DSparkDrafterConfig
-    from drafter.dspark_model import DSparkConfig, DSparkModel, rope_inv_freq
+    from dspark_serve.drafter.dspark import DSparkDrafter, DSparkDrafterConfig
+    from dspark_serve.drafter.dspark_model import DSparkConfig, DSparkModel, rope_inv_freq
 
     p = next(target.parameters())
     cfg = DSparkConfig.for_target(target.config, num_draft_layers=shape.draft_layers,

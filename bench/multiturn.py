@@ -30,10 +30,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.common import DATA, load_prompts, machine  # noqa: E402
-from drafter.base import AcceptedContext  # noqa: E402
-from scheduler.request import Request  # noqa: E402
-from verifier.model_runner import Segment  # noqa: E402
-from verifier.sampling_params import SamplingParams  # noqa: E402
+from dspark_serve.drafter.base import AcceptedContext  # noqa: E402
+from dspark_serve.scheduler.request import Request  # noqa: E402
+from dspark_serve.verifier.model_runner import Segment  # noqa: E402
+from dspark_serve.verifier.sampling_params import SamplingParams  # noqa: E402
 
 SYSTEM = (
     "You are a careful, friendly assistant for a team of engineers and students. Answer in "
@@ -161,7 +161,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
-    from scheduler.llm import LLM
+    from dspark_serve.scheduler.llm import LLM
     llm = LLM(drafter=args.drafter, drafter_path=args.drafter_path, max_num_seqs=args.conversations,
               max_model_len=2048, kv_cache_tokens=args.kv_cache_tokens)
     eng, tok = llm.engine, llm.tokenizer

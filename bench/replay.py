@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter.base import AcceptedContext, DraftProposal, DraftRequest
-from drafter.registry import register_drafter
+from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftRequest
+from dspark_serve.drafter.registry import register_drafter
 
 
 @dataclass

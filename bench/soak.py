@@ -185,7 +185,7 @@ def main() -> None:
     url = args.url
     if url is None:
         port = 18000 + os.getpid() % 1000
-        cmd = [sys.executable, "-m", "server.cli", "--port", str(port), "--max-num-seqs", "4",
+        cmd = [sys.executable, "-m", "dspark_serve.server.cli", "--port", str(port), "--max-num-seqs", "4",
                "--max-waiting", "8", "--max-model-len", "1024", "--kv-cache-tokens",
                str(args.kv_cache_tokens), "--kv-block-size", str(args.kv_block_size),
                "--log-level", "warning", *args.server_args]

@@ -109,7 +109,7 @@ def wrap(obj, name: str, label: str, timers: dict) -> None:
 
 # -- shapes -----------------------------------------------------------------------------------
 def forward_shape(runner, batch: int, tokens: int, context: int, repeats: int, timers: dict) -> dict:
-    from verifier.model_runner import Segment
+    from dspark_serve.verifier.model_runner import Segment
 
     ids = [f"bd{i}" for i in range(batch)]
     for rid in ids:
@@ -138,8 +138,8 @@ def forward_shape(runner, batch: int, tokens: int, context: int, repeats: int, t
 
 def engine_shape(llm, prompts, concurrency: int, steps: int, timers: dict) -> dict:
     """Engine steps with `concurrency` requests decoding (prefill finished first)."""
-    from scheduler.request import Request, Status
-    from verifier.sampling_params import SamplingParams
+    from dspark_serve.scheduler.request import Request, Status
+    from dspark_serve.verifier.sampling_params import SamplingParams
 
     eng = llm.engine
     reqs = [Request(f"sp{concurrency}-{i}", p, SamplingParams(temperature=0.0), 1024, ignore_eos=True)
@@ -202,7 +202,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from scheduler.llm import LLM
+    from dspark_serve.scheduler.llm import LLM
 
     extra = dict(kv.split("=", 1) for kv in args.extra.split(",") if kv)
     t0 = time.time()
@@ -230,7 +230,7 @@ def main() -> None:
     for name in ("_attention", "_attention_reference"):   # fast / reference forward
         if hasattr(runner, name):
             wrap(runner, name, "attention", timers)
-    import verifier.verify as verifymod
+    import dspark_serve.verifier.verify as verifymod
     wrap(verifymod, "probs_from_logits", "sampling", timers)
     wrap(verifymod, "rejection_sample", "sampling", timers)
     if eng.drafter is not None:

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from drafter.online_calibration import OnlineCalibrator
+    from dspark_serve.drafter.online_calibration import OnlineCalibrator
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter.base import AcceptedContext, DraftProposal, DraftRequest, Drafter
+from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftRequest, Drafter
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,8 @@ def build_dspark_ngram(path: str, target_model=None, block_size: int | None = No
                        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                        online_calibration: bool = True) -> CombinedDrafter:
     """The DSpark drafter at `path` and prompt lookup, chosen per request and step."""
-    from drafter.dspark import build_dspark
-    from drafter.ngram import build_ngram
+    from dspark_serve.drafter.dspark import build_dspark
+    from dspark_serve.drafter.ngram import build_ngram
 
     primary = build_dspark(path, target_model, block_size, device, dtype, online_calibration)
     return CombinedDrafter(primary, build_ngram(block_size=primary.block_size))

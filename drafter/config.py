@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from drafter.registry import drafter_names
+from dspark_serve.drafter.registry import drafter_names
 
 NO_DRAFTER = "none"
 

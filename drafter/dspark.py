@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter.base import AcceptedContext, DraftProposal, DraftRequest
-from drafter.dspark_model import DSparkModel, load_dspark
-from drafter.online_calibration import OnlineCalibrator
+from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftRequest
+from dspark_serve.drafter.dspark_model import DSparkModel, load_dspark
+from dspark_serve.drafter.online_calibration import OnlineCalibrator
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from drafter.base import AcceptedContext, DraftProposal, DraftRequest
+from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftRequest
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from drafter.base import Drafter
+    from dspark_serve.drafter.base import Drafter
 
 DrafterFactory = Callable[..., "Drafter"]
 
@@ -41,13 +41,13 @@ class DrafterSpec:
 
 _REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
     DrafterSpec("ngram", "prompt lookup (continues a repeated n-gram of the context; no weights)",
-                False, "drafter.ngram:build_ngram"),
+                False, "dspark_serve.drafter.ngram:build_ngram"),
     DrafterSpec("dflash", "the DSpark checkpoint without its Markov and confidence heads (the "
-                "DFlash ablation)", True, "drafter.dspark:build_dflash"),
+                "DFlash ablation)", True, "dspark_serve.drafter.dspark:build_dflash"),
     DrafterSpec("dspark", "parallel block drafter with a Markov head and per-position "
-                "confidences", True, "drafter.dspark:build_dspark"),
+                "confidences", True, "dspark_serve.drafter.dspark:build_dspark"),
     DrafterSpec("dspark+ngram", "dspark and ngram, chosen per request and step by their "
-                "recent acceptance", True, "drafter.combined:build_dspark_ngram"),
+                "recent acceptance", True, "dspark_serve.drafter.combined:build_dspark_ngram"),
 )}
 
 

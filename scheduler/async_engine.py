@@ -15,11 +15,11 @@ import traceback
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from scheduler.builder import EngineBundle
-from scheduler.client import DrainReport, EngineError, GenerationParams, RuntimeInfo, StreamDelta
-from scheduler.engine import RequestRejected
-from scheduler.request import Request, RequestOutput
-from verifier.sampling_params import SamplingParams
+from dspark_serve.scheduler.builder import EngineBundle
+from dspark_serve.scheduler.client import DrainReport, EngineError, GenerationParams, RuntimeInfo, StreamDelta
+from dspark_serve.scheduler.engine import RequestRejected
+from dspark_serve.scheduler.request import Request, RequestOutput
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -9,14 +9,14 @@ from typing import Callable
 
 import torch
 
-from drafter.config import NO_DRAFTER, DrafterConfig
-from drafter.registry import build_drafter, drafter_spec
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine, HiddenCapture
-from scheduler.policy import DSparkPolicy, parse_policy
-from verifier.config import ModelConfig
-from verifier.loader import DtypeChoice, choose_dtype, default_cache_dir, load_target, resolve_device
-from verifier.model_runner import ModelRunner
+from dspark_serve.drafter.config import NO_DRAFTER, DrafterConfig
+from dspark_serve.drafter.registry import build_drafter, drafter_spec
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.engine import Engine, HiddenCapture
+from dspark_serve.scheduler.policy import DSparkPolicy, parse_policy
+from dspark_serve.verifier.config import ModelConfig
+from dspark_serve.verifier.loader import DtypeChoice, choose_dtype, default_cache_dir, load_target, resolve_device
+from dspark_serve.verifier.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: 
         profile = drafter is not None and isinstance(
             parse_policy(sched_cfg.policy_spec(drafting=True)), DSparkPolicy)
     if profile:
-        from scheduler.profile import format_table, load_or_profile
+        from dspark_serve.scheduler.profile import format_table, load_or_profile
 
         stage("loading or measuring the cost table")
         table, raw, source = load_or_profile(runner, target.name, cache_dir, sched_cfg.reprofile)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.client import TokenRecord
-from scheduler.request import Request, RequestOutput
+from dspark_serve.scheduler.client import TokenRecord
+from dspark_serve.scheduler.request import Request, RequestOutput
 
 
 def eos_token_ids(model, tokenizer) -> frozenset[int]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.policy import policy_names, policy_usages
+from dspark_serve.scheduler.policy import policy_names, policy_usages
 
 AUTO_POLICY = "auto"
 

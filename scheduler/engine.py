@@ -21,23 +21,23 @@ from typing import Protocol
 
 import torch
 
-from drafter.base import AcceptedContext, Drafter
-from scheduler.client import EngineError, TokenRecord, round_provenance
-from scheduler.commit import append_tokens, eos_token_ids, request_output, token_records
-from scheduler.config import SchedulerConfig
-from scheduler.detokenizer import IncrementalDetokenizer
-from scheduler.gate import DraftGate
-from scheduler.load import LoadMonitor
-from scheduler.metrics_sink import EngineMetricsSink, EngineSnapshot, NullMetrics
-from scheduler.policy import CostTable, Policy
-from scheduler.prefix import TapCache
-from scheduler.request import Request, RequestOutput, Status
-from scheduler.scheduler import ScheduledBatch, Scheduler
-from scheduler.speculation import Speculation, StepProposal
-from verifier.model_runner import ForwardOutput, ModelRunner, Segment
-from verifier.rejection import RejectionResult
-from verifier.sampling import SamplingTensors
-from verifier.verify import VerifyRequest, verify
+from dspark_serve.drafter.base import AcceptedContext, Drafter
+from dspark_serve.scheduler.client import EngineError, TokenRecord, round_provenance
+from dspark_serve.scheduler.commit import append_tokens, eos_token_ids, request_output, token_records
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.detokenizer import IncrementalDetokenizer
+from dspark_serve.scheduler.gate import DraftGate
+from dspark_serve.scheduler.load import LoadMonitor
+from dspark_serve.scheduler.metrics_sink import EngineMetricsSink, EngineSnapshot, NullMetrics
+from dspark_serve.scheduler.policy import CostTable, Policy
+from dspark_serve.scheduler.prefix import TapCache
+from dspark_serve.scheduler.request import Request, RequestOutput, Status
+from dspark_serve.scheduler.scheduler import ScheduledBatch, Scheduler
+from dspark_serve.scheduler.speculation import Speculation, StepProposal
+from dspark_serve.verifier.model_runner import ForwardOutput, ModelRunner, Segment
+from dspark_serve.verifier.rejection import RejectionResult
+from dspark_serve.verifier.sampling import SamplingTensors
+from dspark_serve.verifier.verify import VerifyRequest, verify
 
 log = logging.getLogger(__name__)
 

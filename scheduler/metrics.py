@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
-from scheduler.load import LoadState
-from scheduler.metrics_sink import EngineMetricsSink, EngineSnapshot, NullMetrics  # noqa: F401
+from dspark_serve.scheduler.load import LoadState
+from dspark_serve.scheduler.metrics_sink import EngineMetricsSink, EngineSnapshot, NullMetrics  # noqa: F401
 
 if TYPE_CHECKING:
-    from drafter.online_calibration import OnlineCalibrator
-    from scheduler.policy import CostTable, PolicyDecision
+    from dspark_serve.drafter.online_calibration import OnlineCalibrator
+    from dspark_serve.scheduler.policy import CostTable, PolicyDecision
 
 # Steps between exports of the online calibration state (its ECE scans a few thousand
 # outcomes per position: too much work for every step).

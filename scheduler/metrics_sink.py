@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from scheduler.load import LoadState
+from dspark_serve.scheduler.load import LoadState
 
 if TYPE_CHECKING:
-    from drafter.online_calibration import OnlineCalibrator
-    from scheduler.policy import PolicyDecision
-    from verifier.block_manager import PrefixCacheStats
+    from dspark_serve.drafter.online_calibration import OnlineCalibrator
+    from dspark_serve.scheduler.policy import PolicyDecision
+    from dspark_serve.verifier.block_manager import PrefixCacheStats
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # torch-free at run time: the configuration (and server/) rea
 
     Confidences = torch.Tensor | Sequence[float] | None
 
-from scheduler.load import LoadState  # the one load type (scheduler/load.py)
+from dspark_serve.scheduler.load import LoadState  # the one load type (scheduler/load.py)
 
 
 def _check_points(bs: tuple[int, ...], sps: tuple[float, ...], what: str) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from drafter.base import AcceptedContext
-from verifier.block_manager import BlockManager
+from dspark_serve.drafter.base import AcceptedContext
+from dspark_serve.verifier.block_manager import BlockManager
 
 
 class TapCache:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from scheduler.policy import CostTable
-from verifier.model_runner import ModelRunner, Segment
+from dspark_serve.scheduler.policy import CostTable
+from dspark_serve.verifier.model_runner import ModelRunner, Segment
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler.client import TokenRecord
-from scheduler.detokenizer import IncrementalDetokenizer
-from verifier.sampling_params import SamplingParams
+from dspark_serve.scheduler.client import TokenRecord
+from dspark_serve.scheduler.detokenizer import IncrementalDetokenizer
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -15,9 +15,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from scheduler.config import SchedulerConfig
-from scheduler.request import Request, Status
-from verifier.block_manager import BlockManager
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.request import Request, Status
+from dspark_serve.verifier.block_manager import BlockManager
 
 
 @dataclass

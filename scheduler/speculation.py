@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter.base import AcceptedContext, DraftProposal, DraftRequest, Drafter
-from scheduler.config import SchedulerConfig
-from scheduler.gate import DraftGate
-from scheduler.load import LoadState
-from scheduler.policy import CostTable, Policy, PolicyDecision, PolicyInput, parse_policy
-from scheduler.request import Request
+from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftRequest, Drafter
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.gate import DraftGate
+from dspark_serve.scheduler.load import LoadState
+from dspark_serve.scheduler.policy import CostTable, Policy, PolicyDecision, PolicyInput, parse_policy
+from dspark_serve.scheduler.request import Request
 
 # Used only when no profile was measured (tests, policies that ignore cost): SPS flat to 8
 # tokens, then falling as on a compute-bound machine.

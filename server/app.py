@@ -20,9 +20,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from scheduler.client import EngineClient, EngineError, GenerationParams, StreamDelta
-from server.config import ServerConfig
-from server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
+from dspark_serve.scheduler.client import EngineClient, EngineError, GenerationParams, StreamDelta
+from dspark_serve.server.config import ServerConfig
+from dspark_serve.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
                              check_content_parts, check_extras)
 
 log = logging.getLogger(__name__)

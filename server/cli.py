@@ -13,11 +13,11 @@ import textwrap
 import tomllib
 from pathlib import Path
 
-from drafter.config import NO_DRAFTER, DrafterConfig
-from drafter.registry import drafter_names, drafter_spec
-from scheduler.config import SchedulerConfig, policy_choices
-from server.config import ServerConfig
-from verifier.config import ModelConfig
+from dspark_serve.drafter.config import NO_DRAFTER, DrafterConfig
+from dspark_serve.drafter.registry import drafter_names, drafter_spec
+from dspark_serve.scheduler.config import SchedulerConfig, policy_choices
+from dspark_serve.server.config import ServerConfig
+from dspark_serve.verifier.config import ModelConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "embedded"
@@ -167,9 +167,9 @@ def start_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: 
     from prometheus_client import CollectorRegistry
 
     # The engine side (torch) is imported only here, at run time: server/ modules never need it.
-    from scheduler.async_engine import AsyncEngine
-    from scheduler.builder import build_engine
-    from scheduler.metrics import EngineMetrics
+    from dspark_serve.scheduler.async_engine import AsyncEngine
+    from dspark_serve.scheduler.builder import build_engine
+    from dspark_serve.scheduler.metrics import EngineMetrics
 
     registry = CollectorRegistry()
     name = server_cfg.served_model_name or (Path(model_cfg.model).stem if model_cfg.model else "SmolLM2-135M-Instruct")
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     logging.basicConfig(level=server_cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from server.app import build_app
-    from server.serve import serve
+    from dspark_serve.server.app import build_app
+    from dspark_serve.server.serve import serve
 
     engine, registry = start_engine(model_cfg, drafter_cfg, sched_cfg, server_cfg)
     app = build_app(engine, server_cfg, registry)

@@ -204,7 +204,7 @@ class EngineReplica:
                  ready_timeout: float = 900.0) -> None:
         from ray import serve
 
-        from server.cli import start_engine
+        from dspark_serve.server.cli import start_engine
 
         logging.basicConfig(level=server_cfg.log_level.upper())
         self.server_cfg, self.ray_cfg = server_cfg, ray_cfg
@@ -224,7 +224,7 @@ class EngineReplica:
                              daemon=True).start()
 
     def __serve_build_asgi_app__(self):
-        from server.app import build_app
+        from dspark_serve.server.app import build_app
 
         app = build_app(self.engine, self.server_cfg, self.registry)
 
@@ -291,7 +291,7 @@ def _ray_parser() -> argparse.ArgumentParser:
 def resolve(argv: list[str] | None = None):
     """(ModelConfig, DrafterConfig, SchedulerConfig, ServerConfig, RayServeConfig) from flags:
     the RayServeConfig fields here, everything else as `dspark-serve` reads it."""
-    from server import cli
+    from dspark_serve.server import cli
 
     args, rest = _ray_parser().parse_known_args(argv)
     ray_cfg = RayServeConfig(**vars(args))

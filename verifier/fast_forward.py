@@ -325,7 +325,7 @@ class FastForwardMixin:
 
     @torch.inference_mode()
     def forward_fast(self, segments, tap_layers: tuple[int, ...] = ()):
-        from verifier.model_runner import ForwardOutput
+        from dspark_serve.verifier.model_runner import ForwardOutput
 
         plan = self._plan_fast(segments)
         T = plan.ids.numel()

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from verifier.block_manager import BlockManager
-from verifier.fast_forward import FastForwardMixin
+from dspark_serve.verifier.block_manager import BlockManager
+from dspark_serve.verifier.fast_forward import FastForwardMixin
 
 # Segments this short (decode/verify rounds) are attended together in one padded call per layer;
 # longer ones (prefill chunks) get a call each, so one long prompt never pads the whole batch.

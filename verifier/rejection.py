@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from verifier.sampling import sample_from_uniforms
+from dspark_serve.verifier.sampling import sample_from_uniforms
 
 # Below this residual mass p and q are equal up to rounding; sample from p instead.
 RESIDUAL_EPS = 1e-6

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 # Temperatures below this are greedy; matches SamplingParams.greedy.
 GREEDY_EPS = 1e-5

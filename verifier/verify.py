@@ -13,9 +13,9 @@ from typing import Sequence
 
 import torch
 
-from verifier.rejection import RejectionResult, rejection_sample, verify_offsets
-from verifier.sampling import SamplingTensors, probs_from_logits
-from verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.rejection import RejectionResult, rejection_sample, verify_offsets
+from dspark_serve.verifier.sampling import SamplingTensors, probs_from_logits
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

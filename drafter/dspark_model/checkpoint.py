@@ -10,9 +10,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from drafter.dspark_model.config import Calibration, DSparkConfig
-from drafter.dspark_model.model import DSparkModel
-from drafter.dspark_model.ops import rope_inv_freq
+from dspark_serve.drafter.dspark_model.config import Calibration, DSparkConfig
+from dspark_serve.drafter.dspark_model.model import DSparkModel
+from dspark_serve.drafter.dspark_model.ops import rope_inv_freq
 
 CALIBRATION_FILE = "calibration.json"
 # Keys a training framework may put in front of the parameter names.

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from drafter.dspark_model.ops import ACTIVATIONS, SUPPORTED_ROPE, rope_type
+from dspark_serve.drafter.dspark_model.ops import ACTIVATIONS, SUPPORTED_ROPE, rope_type
 
 ARCHITECTURE = "Qwen3DSparkModel"
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")

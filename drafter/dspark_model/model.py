@@ -6,11 +6,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from drafter.dspark_model.config import Calibration, DSparkConfig
-from drafter.dspark_model.modules import ConfidenceHead, DecoderLayer, MarkovHead, RMSNorm
-from drafter.dspark_model.ops import rope_cos_sin, rope_inv_freq
-from drafter.dspark_model.sampling import SampledBlock, sample_block
-from verifier.sampling_params import SamplingParams
+from dspark_serve.drafter.dspark_model.config import Calibration, DSparkConfig
+from dspark_serve.drafter.dspark_model.modules import ConfidenceHead, DecoderLayer, MarkovHead, RMSNorm
+from dspark_serve.drafter.dspark_model.ops import rope_cos_sin, rope_inv_freq
+from dspark_serve.drafter.dspark_model.sampling import SampledBlock, sample_block
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 
 class DSparkModel(nn.Module):

@@ -6,8 +6,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from drafter.dspark_model.config import DSparkConfig
-from drafter.dspark_model.ops import ACTIVATIONS, apply_rope, attend, rms_norm
+from dspark_serve.drafter.dspark_model.config import DSparkConfig
+from dspark_serve.drafter.dspark_model.ops import ACTIVATIONS, apply_rope, attend, rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -6,9 +6,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from drafter.dspark_model.modules import MarkovHead
-from verifier.sampling import SamplingTensors, probs_from_logits, sample
-from verifier.sampling_params import SamplingParams
+from dspark_serve.drafter.dspark_model.modules import MarkovHead
+from dspark_serve.verifier.sampling import SamplingTensors, probs_from_logits, sample
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from drafter.training.data import (SHARD_PATTERN, Sample, is_holdout, save_atomic, shard_index,
+from dspark_serve.drafter.training.data import (SHARD_PATTERN, Sample, is_holdout, save_atomic, shard_index,
                                    shard_paths)
 
 

@@ -195,8 +195,8 @@ def collect_confidences(model, seqs, num_anchors: int, seed: int = 0, bf16: bool
                         target_head=None) -> ConfidenceSamples:
     """Run the drafter teacher-forced over held-out cached sequences (one at a time).
     `target_head`: the target's full LM head (default the drafter's, when not truncated)."""
-    from drafter.training.cache import make_batch
-    from drafter.training.loss import acceptance_rate
+    from dspark_serve.drafter.training.cache import make_batch
+    from dspark_serve.drafter.training.loss import acceptance_rate
 
     gen = torch.Generator().manual_seed(seed)
     bs = model.config.block_size

@@ -18,7 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-from drafter.training.progress import Progress
+from dspark_serve.drafter.training.progress import Progress
 
 # The embedded target: 30 decoder layers; five taps spread over them (never the last layer,
 # whose output is the target's own prediction).
@@ -42,11 +42,11 @@ def _set_threads(n: int) -> None:
 
 
 def cmd_gen_data(a: argparse.Namespace) -> None:
-    from drafter.training.data import GenDataConfig, TapCapture, run_gen_data
-    from scheduler.llm import LLM
+    from dspark_serve.drafter.training.data import GenDataConfig, TapCapture, run_gen_data
+    from dspark_serve.scheduler.llm import LLM
 
     _set_threads(a.threads)
-    from drafter.training.data import TRAIN_PROMPTS
+    from dspark_serve.drafter.training.data import TRAIN_PROMPTS
 
     cfg = GenDataConfig(prompts=a.prompts or str(TRAIN_PROMPTS), out_dir=a.out, max_prompt_tokens=a.max_prompt_tokens,
                         max_new_tokens=a.max_new_tokens, max_prompts=a.max_prompts,
@@ -67,13 +67,13 @@ def cmd_gen_data(a: argparse.Namespace) -> None:
 
 
 def _load_target(a: argparse.Namespace):
-    from verifier.loader import load_target
+    from dspark_serve.verifier.loader import load_target
 
     return load_target(a.model, device=a.device)
 
 
 def cmd_cache_target(a: argparse.Namespace) -> None:
-    from drafter.training.cache import run_cache_target
+    from dspark_serve.drafter.training.cache import run_cache_target
 
     _set_threads(a.threads)
     target = _load_target(a)
@@ -84,7 +84,7 @@ def cmd_cache_target(a: argparse.Namespace) -> None:
 
 
 def _drafter_config(a: argparse.Namespace, target):
-    from drafter.dspark_model import DSparkConfig
+    from dspark_serve.drafter.dspark_model import DSparkConfig
 
     return DSparkConfig.for_target(
         target.model.config, num_draft_layers=a.layers, block_size=a.block_size,
@@ -96,10 +96,10 @@ def _drafter_config(a: argparse.Namespace, target):
 def cmd_train(a: argparse.Namespace) -> None:
     import torch
 
-    from drafter.training.loss import LossConfig
+    from dspark_serve.drafter.training.loss import LossConfig
     from dataclasses import replace
 
-    from drafter.training.train import (TrainConfig, build_draft_model, draft_vocabulary, load_step_weights,
+    from dspark_serve.drafter.training.train import (TrainConfig, build_draft_model, draft_vocabulary, load_step_weights,
                                         load_train_data, run_train, save_final, vocabulary_coverage)
 
     _set_threads(a.threads)
@@ -141,18 +141,18 @@ def cmd_train(a: argparse.Namespace) -> None:
 
 
 def _load_drafter(path: str, target, device: str):
-    from drafter.dspark_model import load_dspark
+    from dspark_serve.drafter.dspark_model import load_dspark
 
     return load_dspark(path, target_embed=target.model.get_input_embeddings(),
                        target_lm_head=target.model.get_output_embeddings(), device=device)
 
 
 def cmd_calibrate(a: argparse.Namespace) -> None:
-    from drafter.dspark_model import Calibration, save_calibration
-    from drafter.training.cache import load_cache
-    from drafter.training.calibrate import (STSConfig, collect_confidences, cumulative_survival, fit_sts,
+    from dspark_serve.drafter.dspark_model import Calibration, save_calibration
+    from dspark_serve.drafter.training.cache import load_cache
+    from dspark_serve.drafter.training.calibrate import (STSConfig, collect_confidences, cumulative_survival, fit_sts,
                                             plot_reliability, pooled_ece, position_metrics)
-    from drafter.training.evaluate import summarize_positions, write_json
+    from dspark_serve.drafter.training.evaluate import summarize_positions, write_json
 
     import torch
 
@@ -188,7 +188,7 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
 
 
 def cmd_export(a: argparse.Namespace) -> None:
-    from drafter.training.export import directory_size, export_drafter
+    from dspark_serve.drafter.training.export import directory_size, export_drafter
 
     src = a.drafter or str(Path(a.out) / "train" / a.name / "final")
     target = _load_target(a)
@@ -205,7 +205,7 @@ def cmd_export(a: argparse.Namespace) -> None:
 
 
 def cmd_evaluate(a: argparse.Namespace) -> None:
-    from drafter.training.evaluate import run_evaluation
+    from dspark_serve.drafter.training.evaluate import run_evaluation
 
     _set_threads(a.threads)
     target = _load_target(a)

@@ -189,8 +189,8 @@ def run_gen_data(cfg: GenDataConfig, engine, tokenizer, tap_ids: Sequence[int] |
 
     Shards are fed back to back: the next shard's prompts join as soon as the engine has free
     sequence slots, so the batch never drains between shards. Returns the number of shards."""
-    from scheduler.request import Request
-    from verifier.sampling_params import SamplingParams
+    from dspark_serve.scheduler.request import Request
+    from dspark_serve.verifier.sampling_params import SamplingParams
 
     data_dir = Path(cfg.out_dir) / "data"
     cache_dir = Path(cfg.out_dir) / "cache"

@@ -19,8 +19,8 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
-from drafter.dspark_model import DSparkModel
-from drafter.ngram import lookup_continuation
+from dspark_serve.drafter.dspark_model import DSparkModel
+from dspark_serve.drafter.ngram import lookup_continuation
 
 
 @dataclass
@@ -67,7 +67,7 @@ class NeuralDrafter:
     @torch.no_grad()
     def propose(self, history: list[int], pos: int, k: int, temperature: float,
                 gen: torch.Generator) -> Proposal:
-        from verifier.sampling_params import SamplingParams
+        from dspark_serve.verifier.sampling_params import SamplingParams
 
         m = self.model
         anchor = torch.tensor([history[-1]])
@@ -283,10 +283,10 @@ def run_evaluation(target, drafters: dict[str, str], datasets: Sequence[str] | N
     """Evaluate every drafter on every dev set at every temperature; writes
     `<results_dir>/summary.json` and reliability diagrams. Finished (dataset, temperature,
     drafter) runs are kept under `<results_dir>/runs/` and skipped when resuming."""
-    from drafter.training.calibrate import (cumulative_survival, plot_reliability, pooled_ece,
+    from dspark_serve.drafter.training.calibrate import (cumulative_survival, plot_reliability, pooled_ece,
                                             position_metrics)
-    from drafter.training.data import dev_sets, encode_chat, read_prompts
-    from drafter.dspark_model import load_dspark
+    from dspark_serve.drafter.training.data import dev_sets, encode_chat, read_prompts
+    from dspark_serve.drafter.dspark_model import load_dspark
 
     results = Path(results_dir)
     (results / "runs").mkdir(parents=True, exist_ok=True)
@@ -304,7 +304,7 @@ def run_evaluation(target, drafters: dict[str, str], datasets: Sequence[str] | N
     jobs = [(f, t, n) for f in files for t in temperatures for n in evals]
     bar = None
     if progress_out is not None:
-        from drafter.training.progress import Progress
+        from dspark_serve.drafter.training.progress import Progress
 
         bar = Progress(progress_out, "evaluate", len(jobs), "run")
     table: dict[str, dict] = {}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.dspark_model import DSparkModel, save_dspark
+from dspark_serve.drafter.dspark_model import DSparkModel, save_dspark
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

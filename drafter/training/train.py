@@ -17,9 +17,9 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from drafter.dspark_model import SHARED_PREFIXES, DSparkConfig, DSparkModel, draft_head, save_dspark
-from drafter.training.cache import CachedSequence, TrainBatch, load_cache, make_batch
-from drafter.training.loss import LossConfig, LossOutput, dspark_loss
+from dspark_serve.drafter.dspark_model import SHARED_PREFIXES, DSparkConfig, DSparkModel, draft_head, save_dspark
+from dspark_serve.drafter.training.cache import CachedSequence, TrainBatch, load_cache, make_batch
+from dspark_serve.drafter.training.loss import LossConfig, LossOutput, dspark_loss
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ try:
 except SystemExit as exc:
     if exc.code:
         raise
-print("ENGINE_FILE", sys.modules["scheduler.engine"].__file__)
+print("ENGINE_FILE", sys.modules["dspark_serve.scheduler.engine"].__file__)
 print("LEAKED", sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))
 """
 

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from bench.replay import ReplayDrafter
-from drafter.base import AcceptedContext, DraftRequest
-from drafter.registry import build_drafter
-from verifier.sampling_params import SamplingParams
+from dspark_serve.drafter.base import AcceptedContext, DraftRequest
+from dspark_serve.drafter.registry import build_drafter
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 PROMPT = [5, 6, 7]
 REF = list(range(20, 60))

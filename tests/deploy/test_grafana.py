@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from scheduler.metrics import EngineMetrics
+from dspark_serve.scheduler.metrics import EngineMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "dspark.json"

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from server.cli import build_parser
+from dspark_serve.server.cli import build_parser
 from tests.deploy.test_grafana import exported_names, promql_metric_names
 
 ROOT = Path(__file__).resolve().parents[2]

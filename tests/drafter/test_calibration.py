@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from drafter.training.calibrate import (STSConfig, auc, cumulative_survival, ece, fit_sts, pooled_ece,
+from dspark_serve.drafter.training.calibrate import (STSConfig, auc, cumulative_survival, ece, fit_sts, pooled_ece,
                                         position_metrics)
 
 

@@ -7,19 +7,19 @@ import math
 import pytest
 import torch
 
-from drafter.base import DraftRequest
-from drafter.registry import build_drafter
-from drafter.dspark_model import DSparkConfig, DSparkModel, load_dspark, save_dspark
-from drafter.training.cache import CachedSequence
-from drafter.training.loss import LossConfig, dspark_loss
-from drafter.training.train import build_draft_model
-from drafter.training.train import draft_vocabulary, vocabulary_coverage
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.request import Request
+from dspark_serve.drafter.base import DraftRequest
+from dspark_serve.drafter.registry import build_drafter
+from dspark_serve.drafter.dspark_model import DSparkConfig, DSparkModel, load_dspark, save_dspark
+from dspark_serve.drafter.training.cache import CachedSequence
+from dspark_serve.drafter.training.loss import LossConfig, dspark_loss
+from dspark_serve.drafter.training.train import build_draft_model
+from dspark_serve.drafter.training.train import draft_vocabulary, vocabulary_coverage
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.engine import Engine
+from dspark_serve.scheduler.request import Request
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
 from tests.scheduler.test_speculative import run
-from verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 KEPT = torch.tensor(sorted({*range(30, 120), 255, 7, 200}))
 
@@ -63,8 +63,8 @@ def test_sampled_drafts_lie_in_the_kept_ids_and_q_is_a_distribution_over_them(tm
     target = tiny_model("qwen3")
     truncated_dspark(target, tmp_path)
     dr = build_drafter("dspark", path=str(tmp_path), target_model=target)
-    from drafter.base import AcceptedContext
-    from verifier.model_runner import Segment
+    from dspark_serve.drafter.base import AcceptedContext
+    from dspark_serve.verifier.model_runner import Segment
     runner = runner_for(target)
     prompt = list(range(40, 52))
     runner.blocks.append("a", len(prompt))

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from drafter.base import AcceptedContext, DraftRequest
-from drafter.dspark import DSparkDrafter, DSparkDrafterConfig
-from drafter.dspark_model import Calibration, DSparkConfig, load_dspark, rope_inv_freq, save_dspark
+from dspark_serve.drafter.base import AcceptedContext, DraftRequest
+from dspark_serve.drafter.dspark import DSparkDrafter, DSparkDrafterConfig
+from dspark_serve.drafter.dspark_model import Calibration, DSparkConfig, load_dspark, rope_inv_freq, save_dspark
 from tests.drafter._ref import (TINY, deepspec_config, deepspec_weights, ref_block_hidden,
                                 ref_greedy_draft, write_checkpoint)
-from verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

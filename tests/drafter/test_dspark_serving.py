@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.base import AcceptedContext, DraftRequest
-from drafter.registry import build_drafter
-from drafter.dspark import DSparkDrafter, DSparkDrafterConfig
-from drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
-from verifier.sampling import probs_from_logits
-from verifier.sampling_params import SamplingParams
+from dspark_serve.drafter.base import AcceptedContext, DraftRequest
+from dspark_serve.drafter.registry import build_drafter
+from dspark_serve.drafter.dspark import DSparkDrafter, DSparkDrafterConfig
+from dspark_serve.drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
+from dspark_serve.verifier.sampling import probs_from_logits
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 V, D, BS = 120, 48, 4

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from drafter.training.cache import load_cache, target_states
-from drafter.training.data import GenDataConfig, TapCapture, load_samples, run_gen_data
-from scheduler.llm import LLM
+from dspark_serve.drafter.training.cache import load_cache, target_states
+from dspark_serve.drafter.training.data import GenDataConfig, TapCapture, load_samples, run_gen_data
+from dspark_serve.scheduler.llm import LLM
 
 TAPS = (1, 7, 14)
 PROMPTS = ["What is 7 times 8?", "Name a prime number.", "Write a haiku about rain.",

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from drafter.base import DraftRequest
-from drafter.registry import build_drafter
-from drafter.ngram import NgramConfig, lookup_continuation
-from verifier.sampling_params import SamplingParams
+from dspark_serve.drafter.base import DraftRequest
+from dspark_serve.drafter.registry import build_drafter
+from dspark_serve.drafter.ngram import NgramConfig, lookup_continuation
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 
 def req(tokens, max_draft=100, rid="r"):

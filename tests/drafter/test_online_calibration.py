@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from drafter.registry import build_drafter
-from drafter.online_calibration import (OnlineCalibrationConfig, OnlineCalibrator,
+from dspark_serve.drafter.registry import build_drafter
+from dspark_serve.drafter.online_calibration import (OnlineCalibrationConfig, OnlineCalibrator,
                                         expected_calibration_error, fit_platt)
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.metrics import EngineMetrics
-from scheduler.request import Request
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.engine import Engine
+from dspark_serve.scheduler.metrics import EngineMetrics
+from dspark_serve.scheduler.request import Request
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
 from tests.scheduler.test_speculative import random_dspark, run
-from verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 
 def overconfident_rounds(n, seed):

@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from drafter.dspark_model import Calibration, DSparkConfig, load_dspark
-from drafter.training.cache import CachedSequence, block_targets, make_batch, sample_anchors, target_states
-from drafter.training.evaluate import NeuralDrafter, NgramEvalDrafter, speculative_generate
-from drafter.training.export import export_drafter
-from drafter.training.loss import LossConfig, dspark_loss, position_weights
-from drafter.training.train import TrainConfig, build_draft_model, forward_loss, run_train, trainable_state
+from dspark_serve.drafter.dspark_model import Calibration, DSparkConfig, load_dspark
+from dspark_serve.drafter.training.cache import CachedSequence, block_targets, make_batch, sample_anchors, target_states
+from dspark_serve.drafter.training.evaluate import NeuralDrafter, NgramEvalDrafter, speculative_generate
+from dspark_serve.drafter.training.export import export_drafter
+from dspark_serve.drafter.training.loss import LossConfig, dspark_loss, position_weights
+from dspark_serve.drafter.training.train import TrainConfig, build_draft_model, forward_loss, run_train, trainable_state
 
 NEG_INF = float("-inf")
 

@@ -10,7 +10,7 @@ before looking at anything computed from x1 and keeps the target's (0.7, 0.3).
 import pytest
 import torch
 
-from scheduler.policy import CostTable, LoadState, PolicyInput, parse_policy
+from dspark_serve.scheduler.policy import CostTable, LoadState, PolicyInput, parse_policy
 from tests.verifier._padded import padded_rejection_sample
 
 A, B = 0, 1

@@ -3,7 +3,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from scheduler.async_engine import AbortRequest, AddRequest, AsyncEngine, StopEngine
+from dspark_serve.scheduler.async_engine import AbortRequest, AddRequest, AsyncEngine, StopEngine
 
 
 def test_readiness_is_an_event_set_when_the_engine_loads():

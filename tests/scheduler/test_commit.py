@@ -1,12 +1,12 @@
 """Commit alone: stop conditions cut exactly inside a block, text pieces, provenance records."""
 from types import SimpleNamespace
 
-from scheduler.client import round_provenance
-from scheduler.commit import append_tokens, eos_token_ids, token_records
-from scheduler.detokenizer import IncrementalDetokenizer
-from scheduler.request import Request
+from dspark_serve.scheduler.client import round_provenance
+from dspark_serve.scheduler.commit import append_tokens, eos_token_ids, token_records
+from dspark_serve.scheduler.detokenizer import IncrementalDetokenizer
+from dspark_serve.scheduler.request import Request
 from tests.helpers import ByteTokenizer
-from verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 EOS = frozenset({256})
 

@@ -1,4 +1,4 @@
-from scheduler.detokenizer import IncrementalDetokenizer
+from dspark_serve.scheduler.detokenizer import IncrementalDetokenizer
 from tests.helpers import ByteTokenizer
 
 

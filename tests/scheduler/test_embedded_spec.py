@@ -3,9 +3,9 @@ the n-gram drafter, the shipped DSpark drafter (with online recalibration on, th
 DFlash ablation and both drafters combined, under every policy."""
 import pytest
 
-from scheduler.llm import LLM
-from scheduler.policy import CostTable
-from verifier.sampling_params import SamplingParams
+from dspark_serve.scheduler.llm import LLM
+from dspark_serve.scheduler.policy import CostTable
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # a real server, cluster, browser or the embedded model: -m "not slow" skips it
 

@@ -3,13 +3,13 @@ import time
 
 import torch
 
-from drafter.base import DraftProposal
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.gate import DraftGate
-from scheduler.request import Request
+from dspark_serve.drafter.base import DraftProposal
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.engine import Engine
+from dspark_serve.scheduler.gate import DraftGate
+from dspark_serve.scheduler.request import Request
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
-from verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 
 def test_gate_alternates_then_picks_the_faster_mode_and_explores():

@@ -5,13 +5,13 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from drafter.ngram import NgramConfig, NgramDrafter
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine, RequestRejected
-from scheduler.metrics import EngineMetrics
-from scheduler.request import Request
+from dspark_serve.drafter.ngram import NgramConfig, NgramDrafter
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.engine import Engine, RequestRejected
+from dspark_serve.scheduler.metrics import EngineMetrics
+from dspark_serve.scheduler.request import Request
 from tests.helpers import ByteTokenizer, runner_for, tiny_model
-from verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

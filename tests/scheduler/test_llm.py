@@ -3,10 +3,10 @@ import dataclasses
 
 import pytest
 
-from drafter.config import DrafterConfig
-from scheduler.config import SchedulerConfig
-from scheduler.llm import OFFLINE_DEFAULTS, offline_configs
-from verifier.config import ModelConfig
+from dspark_serve.drafter.config import DrafterConfig
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.llm import OFFLINE_DEFAULTS, offline_configs
+from dspark_serve.verifier.config import ModelConfig
 
 
 def test_every_config_field_is_a_keyword_and_lands_in_its_config():
@@ -35,7 +35,7 @@ def test_unknown_keywords_and_bad_values_are_refused():
 
 
 def test_auto_names_the_load_aware_policy_only_with_a_drafter():
-    from scheduler.policy import DSparkPolicy, parse_policy
+    from dspark_serve.scheduler.policy import DSparkPolicy, parse_policy
 
     assert SchedulerConfig().policy_spec(drafting=True) == "dspark"
     assert SchedulerConfig().policy_spec(drafting=False) == "none"

@@ -5,7 +5,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.metrics import AliasCollector, EngineMetrics, EngineSnapshot
+from dspark_serve.scheduler.metrics import AliasCollector, EngineMetrics, EngineSnapshot
 
 VLLM = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
         "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
@@ -59,7 +59,7 @@ def test_vllm_aliases_mirror_dspark_metrics():
 
 
 def test_prefix_cache_and_preemption_metrics_follow_the_cumulative_snapshot():
-    from verifier.block_manager import PrefixCacheStats
+    from dspark_serve.verifier.block_manager import PrefixCacheStats
     reg = CollectorRegistry()
     m = EngineMetrics(reg, "tiny")
     lab = (("model_name", "tiny"),)
@@ -93,9 +93,9 @@ def test_alias_rejects_its_own_name_and_duplicates():
 def test_null_metrics_is_the_disabled_sink_and_the_engine_uses_it():
     import inspect
 
-    from scheduler.engine import Engine
-    from scheduler.config import SchedulerConfig
-    from scheduler.metrics_sink import EngineMetricsSink, NullMetrics
+    from dspark_serve.scheduler.engine import Engine
+    from dspark_serve.scheduler.config import SchedulerConfig
+    from dspark_serve.scheduler.metrics_sink import EngineMetricsSink, NullMetrics
     from tests.helpers import ByteTokenizer, runner_for, tiny_model
 
     report = {n for n, _ in inspect.getmembers(EngineMetricsSink, inspect.isfunction)

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from scheduler.policy import (
+from dspark_serve.scheduler.policy import (
     CostTable,
     DSparkPolicy,
     LoadState,

@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.base import DraftRequest
-from drafter.registry import build_drafter
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.request import Request, Status
+from dspark_serve.drafter.base import DraftRequest
+from dspark_serve.drafter.registry import build_drafter
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.engine import Engine
+from dspark_serve.scheduler.request import Request, Status
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
 from tests.scheduler.test_speculative import random_dspark
-from verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -194,7 +194,7 @@ def test_seeded_sampling_output_is_unchanged_by_preemption(name):
 
 
 def test_prefix_caching_flag_and_config_validation():
-    from server.cli import resolve
+    from dspark_serve.server.cli import resolve
     assert resolve([])[2].enable_prefix_caching is True           # on by default
     assert resolve(["--no-enable-prefix-caching"])[2].enable_prefix_caching is False
     with pytest.raises(ValueError, match="'yes'"):

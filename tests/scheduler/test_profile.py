@@ -4,13 +4,13 @@ import json
 
 import torch
 
-from scheduler import profile
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.policy import CostTable
-from scheduler.request import Request
+from dspark_serve.scheduler import profile
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.engine import Engine
+from dspark_serve.scheduler.policy import CostTable
+from dspark_serve.scheduler.request import Request
 from tests.helpers import ByteTokenizer, runner_for, tiny_model
-from verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 
 def test_profile_is_measured_cached_and_reprofiled(tmp_path, monkeypatch):
@@ -48,7 +48,7 @@ class ConstantConfidenceDrafter:
 
     def propose(self, requests):
         import torch
-        from drafter.base import DraftProposal
+        from dspark_serve.drafter.base import DraftProposal
         return [DraftProposal(torch.zeros(min(6, r.max_draft), dtype=torch.long), None,
                               torch.full((min(6, r.max_draft),), 0.9)) for r in requests]
 
@@ -138,7 +138,7 @@ def test_second_start_from_a_cached_copy_uses_the_cached_table(tmp_path, monkeyp
     the conversion cache (its path, dtype field, library version)."""
     from transformers import AutoModelForCausalLM
 
-    from verifier.loader import _save_plain
+    from dspark_serve.verifier.loader import _save_plain
 
     calls = _quick_measure(monkeypatch)
     first = tiny_model("llama")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.client import TokenRecord, round_provenance
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.request import Request
+from dspark_serve.scheduler.client import TokenRecord, round_provenance
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.engine import Engine
+from dspark_serve.scheduler.request import Request
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
 from bench.replay import ReplayDrafter
 from tests.scheduler.test_speculative import GREEDY

@@ -2,12 +2,12 @@
 the seeded-request, token-room, headroom and exploration rules."""
 import torch
 
-from drafter.base import DraftProposal
-from scheduler.config import SchedulerConfig
-from scheduler.load import LoadState
-from scheduler.request import Request, Status
-from scheduler.speculation import Speculation
-from verifier.sampling_params import SamplingParams
+from dspark_serve.drafter.base import DraftProposal
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.load import LoadState
+from dspark_serve.scheduler.request import Request, Status
+from dspark_serve.scheduler.speculation import Speculation
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 
 class FakeDrafter:

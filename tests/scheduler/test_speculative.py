@@ -8,19 +8,19 @@ import itertools
 import pytest
 import torch
 
-import scheduler.engine as engine_mod
-import verifier.verify as verify_mod
+import dspark_serve.scheduler.engine as engine_mod
+import dspark_serve.verifier.verify as verify_mod
 from bench.replay import ReplayDrafter
-from drafter.base import DraftProposal
-from drafter.registry import build_drafter
-from drafter.combined import CombinedDrafter
-from drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.request import Request
+from dspark_serve.drafter.base import DraftProposal
+from dspark_serve.drafter.registry import build_drafter
+from dspark_serve.drafter.combined import CombinedDrafter
+from dspark_serve.drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.engine import Engine
+from dspark_serve.scheduler.request import Request
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
-from verifier.rejection import rejection_sample
-from verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.rejection import rejection_sample
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -10,9 +10,9 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from scheduler.client import EngineError, GenerationParams, RuntimeInfo, StreamDelta, TokenRecord
-from server.app import build_app
-from server.config import ServerConfig
+from dspark_serve.scheduler.client import EngineError, GenerationParams, RuntimeInfo, StreamDelta, TokenRecord
+from dspark_serve.server.app import build_app
+from dspark_serve.server.config import ServerConfig
 
 
 class FakeEngine:
@@ -297,7 +297,7 @@ def test_health_shows_what_is_loading_and_draining():
 
 
 def test_api_key_from_environment_or_file(tmp_path):
-    from server.cli import resolve_api_key
+    from dspark_serve.server.cli import resolve_api_key
 
     cfg = ServerConfig()
     assert resolve_api_key(cfg, {}).api_key is None

@@ -1,7 +1,7 @@
 """CLI: defaults come from the component configs, then the config file, then flags."""
 import pytest
 
-from server.cli import build_parser, resolve
+from dspark_serve.server.cli import build_parser, resolve
 
 
 def test_defaults_file_and_flags_layer():
@@ -38,9 +38,9 @@ def _help_of(parser, dest):
 def test_choices_and_help_come_from_the_registries_and_the_config_fields():
     import dataclasses
 
-    from drafter.registry import drafter_names, drafter_spec
-    from scheduler.policy import policy_usages
-    from server.cli import COMPONENTS, field_docs
+    from dspark_serve.drafter.registry import drafter_names, drafter_spec
+    from dspark_serve.scheduler.policy import policy_usages
+    from dspark_serve.server.cli import COMPONENTS, field_docs
 
     parser = build_parser()
     dests = {a.dest for a in parser._actions} - {"help", "config"}
@@ -60,8 +60,8 @@ def test_choices_and_help_come_from_the_registries_and_the_config_fields():
 
 
 def test_a_newly_registered_drafter_or_policy_shows_up_and_is_accepted(monkeypatch):
-    from drafter import registry as dreg
-    from scheduler import policy as pol
+    from dspark_serve.drafter import registry as dreg
+    from dspark_serve.scheduler import policy as pol
 
     monkeypatch.setitem(dreg._REGISTRY, "echo", dreg.DrafterSpec("echo", "repeats the anchor", False, "x:y"))
     monkeypatch.setitem(pol._REGISTRY, "greedy7", lambda arg: pol.StaticPolicy(k=7))
@@ -74,7 +74,7 @@ def test_a_newly_registered_drafter_or_policy_shows_up_and_is_accepted(monkeypat
 
 
 def test_every_shipped_config_loads():
-    from server.cli import CONFIG_DIR
+    from dspark_serve.server.cli import CONFIG_DIR
 
     names = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
     assert "embedded" in names and len(names) >= 5

@@ -38,7 +38,7 @@ def events(url, body, out, key, first_event: threading.Event | None = None):
 def test_sigterm_drains_then_exits():
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "--drafter", "none", "--port", str(port),
+        [sys.executable, "-m", "dspark_serve.server.cli", "--drafter", "none", "--port", str(port),
          "--max-model-len", "1024", "--kv-cache-tokens", "16384", "--shutdown-timeout", str(TIMEOUT),
          "--log-level", "warning"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},

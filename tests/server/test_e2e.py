@@ -14,14 +14,14 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from drafter.config import DrafterConfig
-from scheduler.async_engine import AsyncEngine
-from scheduler.builder import build_engine
-from scheduler.config import SchedulerConfig
-from scheduler.metrics import EngineMetrics
-from server.app import build_app
-from server.config import ServerConfig
-from verifier.config import ModelConfig
+from dspark_serve.drafter.config import DrafterConfig
+from dspark_serve.scheduler.async_engine import AsyncEngine
+from dspark_serve.scheduler.builder import build_engine
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.metrics import EngineMetrics
+from dspark_serve.server.app import build_app
+from dspark_serve.server.config import ServerConfig
+from dspark_serve.verifier.config import ModelConfig
 
 pytestmark = pytest.mark.slow  # a real server, cluster, browser or the embedded model: -m "not slow" skips it
 

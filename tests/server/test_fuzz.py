@@ -16,9 +16,9 @@ from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import content_type_conformance, status_code_conformance  # noqa: E402
 
-from scheduler.builder import EngineBundle  # noqa: E402
-from scheduler.config import SchedulerConfig  # noqa: E402
-from scheduler.engine import Engine  # noqa: E402
+from dspark_serve.scheduler.builder import EngineBundle  # noqa: E402
+from dspark_serve.scheduler.config import SchedulerConfig  # noqa: E402
+from dspark_serve.scheduler.engine import Engine  # noqa: E402
 from tests.helpers import runner_for, tiny_model  # noqa: E402
 from tests.server.test_e2e import LiveServer  # noqa: E402
 
@@ -31,7 +31,7 @@ TINY_LEN = 96
 def tiny_bundle(metrics) -> EngineBundle:
     import torch
 
-    from verifier.loader import DtypeChoice, load_target
+    from dspark_serve.verifier.loader import DtypeChoice, load_target
 
     tok = load_target(None).tokenizer           # the embedded model's tokenizer (chat template)
     engine = Engine(runner_for(tiny_model("llama", vocab=len(tok)), num_blocks=512, block_size=16),

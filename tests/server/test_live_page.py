@@ -177,8 +177,8 @@ def test_live_page_asks_for_the_api_key_and_keeps_it_in_the_tab(tmp_path):
     import uvicorn
     from prometheus_client import CollectorRegistry
 
-    from server.app import build_app
-    from server.config import ServerConfig
+    from dspark_serve.server.app import build_app
+    from dspark_serve.server.config import ServerConfig
     from tests.server.test_app import FakeEngine
     from tests.server.test_e2e import free_port
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from server.ray_serve import RayMetricsBridge, RayServeConfig, prometheus_samples, ray_metric_name
+from dspark_serve.server.ray_serve import RayMetricsBridge, RayServeConfig, prometheus_samples, ray_metric_name
 from tests.server.test_e2e import free_port
 
 pytestmark = pytest.mark.slow  # a real server, cluster, browser or the embedded model: -m "not slow" skips it
@@ -159,10 +159,10 @@ def serve_cluster(ray_cluster):
 
 
 def _configs():
-    from drafter.config import DrafterConfig
-    from scheduler.config import SchedulerConfig
-    from server.config import ServerConfig
-    from verifier.config import ModelConfig
+    from dspark_serve.drafter.config import DrafterConfig
+    from dspark_serve.scheduler.config import SchedulerConfig
+    from dspark_serve.server.config import ServerConfig
+    from dspark_serve.verifier.config import ModelConfig
 
     return (ModelConfig(max_model_len=2048, kv_cache_tokens=8192), DrafterConfig(drafter="none"),
             SchedulerConfig(), ServerConfig(shutdown_timeout=3.0, log_level="warning"))
@@ -171,7 +171,7 @@ def _configs():
 def test_two_replicas_on_a_local_ray_cluster(serve_cluster):
     import ray
 
-    from server.ray_serve import deployment
+    from dspark_serve.server.ray_serve import deployment
 
     serve, url, metrics_port = serve_cluster
     app = "dspark-test"
@@ -236,7 +236,7 @@ def test_two_replicas_on_a_local_ray_cluster(serve_cluster):
 
 
 def test_autoscaling_on_ongoing_requests(serve_cluster):
-    from server.ray_serve import deployment
+    from dspark_serve.server.ray_serve import deployment
 
     serve, url, _ = serve_cluster
     app = "dspark-autoscale"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier.rejection import rejection_sample
+from dspark_serve.verifier.rejection import rejection_sample
 
 
 @dataclass

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.request import Request
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.engine import Engine
+from dspark_serve.scheduler.request import Request
 from tests.helpers import ByteTokenizer, runner_for, tiny_model
-from verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -5,14 +5,14 @@ import random
 import pytest
 import torch
 
-import verifier.fast_forward as ff
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.request import Request
+import dspark_serve.verifier.fast_forward as ff
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.engine import Engine
+from dspark_serve.scheduler.request import Request
 from tests.helpers import ByteTokenizer, hf_greedy, tiny_model
-from verifier.config import ModelConfig
-from verifier.model_runner import ModelRunner, Segment
-from verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.config import ModelConfig
+from dspark_serve.verifier.model_runner import ModelRunner, Segment
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verifier.loader import NATIVE_BF16_CPU_FLAGS, choose_dtype, cpu_flags
+from dspark_serve.verifier.loader import NATIVE_BF16_CPU_FLAGS, choose_dtype, cpu_flags
 
 CPU = torch.device("cpu")
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})

@@ -4,7 +4,7 @@ import torch
 import transformers
 
 from tests.helpers import tiny_model
-from verifier import loader
+from dspark_serve.verifier import loader
 
 
 class Tok:

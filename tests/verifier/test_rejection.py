@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.verifier._padded import padded_rejection_sample
-from verifier.rejection import rejection_sample, verify_offsets
-from verifier.sampling import probs_from_logits, sample
+from dspark_serve.verifier.rejection import rejection_sample, verify_offsets
+from dspark_serve.verifier.sampling import probs_from_logits, sample
 
 V = 5  # vocabulary
 K = 3  # drafts per round

@@ -3,14 +3,14 @@ import math
 import pytest
 import torch
 
-from verifier.sampling import (
+from dspark_serve.verifier.sampling import (
     SamplingTensors,
     probs_from_logits,
     sample,
     sample_from_uniforms,
     token_logprobs,
 )
-from verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 
 def _params(n, temperature=1.0, top_p=1.0, top_k=0):

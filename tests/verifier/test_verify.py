@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from verifier.verify import VerifyRequest, build_verify_inputs, verify
-from verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.verify import VerifyRequest, build_verify_inputs, verify
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 V = 11
