@@ -1,6 +1,7 @@
 """Benchmarks run from a checkout, installed or not: `dspark_serve.*` resolves to this
 checkout's folders (server/ is dspark_serve.server, ...) unless the package is already imported.
 The GPU suite relies on this on a machine where nothing of the project is installed."""
+
 import importlib.machinery
 import sys
 import types

@@ -8,6 +8,7 @@ tau = (accepted drafts + rounds) / rounds over every verification round of every
 the live per-position ECE of the cumulative survival probability (what the policy uses) is
 reported with the number of verified drafts behind it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,17 +27,27 @@ def run_domain(llm, prompts: list[list[int]], concurrency: int, max_tokens: int,
     from bench.common import run_engine_closed_loop
 
     r = run_engine_closed_loop(llm.engine, prompts, concurrency, max_tokens, 0.0, label)
-    return {"tau": r.tau, "rounds": r.extra["rounds"], "completion_tokens": r.completion_tokens,
-            "requests": r.requests,
-            "per_user_tps": r.per_user_tps, "aggregate_tps": r.aggregate_tps}
+    return {
+        "tau": r.tau,
+        "rounds": r.extra["rounds"],
+        "completion_tokens": r.completion_tokens,
+        "requests": r.requests,
+        "per_user_tps": r.per_user_tps,
+        "aggregate_tps": r.aggregate_tps,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafters", nargs="+", default=["dspark", "dflash", "ngram"])
     ap.add_argument("--policy", default="static:7")
-    ap.add_argument("--drafter-path", action="append", default=[], metavar="NAME=PATH",
-                    help="checkpoint for drafter NAME (repeatable; default: the embedded one)")
+    ap.add_argument(
+        "--drafter-path",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="checkpoint for drafter NAME (repeatable; default: the embedded one)",
+    )
     ap.add_argument("--prompts", type=int, default=16, help="per dev set")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-prompt", type=int, default=512)
@@ -47,31 +58,51 @@ def main() -> None:
     from bench.bench_engine import chat_ids
     from dspark_serve.scheduler.llm import LLM
 
-    result = {"machine": machine(), "policy": args.policy, "drafter_paths": args.drafter_path, "prompts_per_set": args.prompts,
-              "max_tokens": args.max_tokens, "drafters": {}}
+    result = {
+        "machine": machine(),
+        "policy": args.policy,
+        "drafter_paths": args.drafter_path,
+        "prompts_per_set": args.prompts,
+        "max_tokens": args.max_tokens,
+        "drafters": {},
+    }
     for name in args.drafters:
         t0 = time.perf_counter()
         paths = dict(spec.split("=", 1) for spec in args.drafter_path)
-        llm = LLM(drafter=name, drafter_path=paths.get(name), verify_policy=args.policy, dtype=args.dtype,
-                  max_num_seqs=args.concurrency, max_model_len=1024, kv_cache_tokens=65536)
-        rows, rounds_all, acc_all = {}, 0, 0
+        llm = LLM(
+            drafter=name,
+            drafter_path=paths.get(name),
+            verify_policy=args.policy,
+            dtype=args.dtype,
+            max_num_seqs=args.concurrency,
+            max_model_len=1024,
+            kv_cache_tokens=65536,
+        )
+        rows = {}
         for d in DOMAINS:
             texts = [t for _, t in load_prompts(DATA, args.prompts, domains=(d,))]
             prompts = [chat_ids(llm.tokenizer, t, args.max_prompt) for t in texts]
             rows[d] = run_domain(llm, prompts, args.concurrency, args.max_tokens, f"{name}-{d}")
         eng = llm.engine
         cal = getattr(eng.drafter, "calibrator", None)
-        out = {"per_set": rows,
-               "macro_tau": sum(r["tau"] or 1.0 for r in rows.values()) / len(rows),
-               "seconds": round(time.perf_counter() - t0, 1)}
+        out = {
+            "per_set": rows,
+            "macro_tau": sum(r["tau"] or 1.0 for r in rows.values()) / len(rows),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
         if cal is not None:
             out["survival_ece"] = cal.survival_ece()
             out["ece_samples"] = [cal.samples(k) for k in range(cal.block_size)]
             out["temperatures"] = list(cal.temperatures)
             out["biases"] = list(cal.biases)
         result["drafters"][name] = out
-        print(name, json.dumps({d: round(r["tau"] or 0, 2) for d, r in rows.items()}),
-              "macro", round(out["macro_tau"], 2), flush=True)
+        print(
+            name,
+            json.dumps({d: round(r["tau"] or 0, 2) for d, r in rows.items()}),
+            "macro",
+            round(out["macro_tau"], 2),
+            flush=True,
+        )
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
 

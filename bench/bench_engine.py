@@ -14,6 +14,7 @@ Per point: per-user tokens/s (median over requests of tokens / (finish - first t
 tokens/s (all tokens / wall time), median TTFT, acceptance length tau and mean verification
 budget. Compare ratios within one run: the machine is shared and noisy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,9 @@ from bench.common import DATA, load_prompts, machine, median, run_engine_closed_
 
 
 def chat_ids(tok, text: str, max_prompt: int) -> list[int]:
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                  return_dict=False)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+    )
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)[-max_prompt:]
@@ -45,25 +47,38 @@ def hf_point(model, tok, prompts: list[list[int]], concurrency: int, max_tokens:
     eos = tok.eos_token_id
     per_user, total, t_all = [], 0, time.perf_counter()
     for i in range(0, len(prompts), concurrency):
-        batch = prompts[i:i + concurrency]
+        batch = prompts[i : i + concurrency]
         L = max(map(len, batch))
         ids = torch.tensor([[eos] * (L - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch])
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
-                             pad_token_id=eos, eos_token_id=eos)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=eos,
+            eos_token_id=eos,
+        )
         dt = time.perf_counter() - t0
         for row in out[:, L:].tolist():
             n = row.index(eos) if eos in row else len(row)
             total += n
             per_user.append(n / dt)
     wall = time.perf_counter() - t_all
-    return {"label": "hf-generate", "concurrency": concurrency, "per_user_tps": median(per_user),
-            "aggregate_tps": total / wall, "completion_tokens": total, "wall_s": wall}
+    return {
+        "label": "hf-generate",
+        "concurrency": concurrency,
+        "per_user_tps": median(per_user),
+        "aggregate_tps": total / wall,
+        "completion_tokens": total,
+        "wall_s": wall,
+    }
 
 
 def baseline(args) -> dict:
     from dspark_serve.scheduler.llm import LLM
+
     llm = LLM(drafter="none", max_num_seqs=max(args.concurrency), max_model_len=2048)
     tok, model = llm.tokenizer, llm.engine.runner.model
     rows = []
@@ -71,11 +86,16 @@ def baseline(args) -> dict:
         n = max(args.min_prompts, args.waves * c)
         prompts = [chat_ids(tok, t, args.max_prompt) for _, t in load_prompts(args.data, n)]
         run_engine_closed_loop(llm.engine, prompts[:1], 1, 4, 0.0, "warmup")
-        eng = dataclasses.asdict(run_engine_closed_loop(llm.engine, prompts, c, args.max_tokens, 0.0, "engine"))
+        eng = dataclasses.asdict(
+            run_engine_closed_loop(llm.engine, prompts, c, args.max_tokens, 0.0, "engine")
+        )
         hf = hf_point(model, tok, prompts, c, args.max_tokens)
         rows += [eng, hf]
-        print(f"c={c:3d} engine per-user {eng['per_user_tps']:7.1f} agg {eng['aggregate_tps']:7.1f} | "
-              f"hf per-user {hf['per_user_tps']:7.1f} agg {hf['aggregate_tps']:7.1f}", flush=True)
+        print(
+            f"c={c:3d} engine per-user {eng['per_user_tps']:7.1f} agg {eng['aggregate_tps']:7.1f} | "
+            f"hf per-user {hf['per_user_tps']:7.1f} agg {hf['aggregate_tps']:7.1f}",
+            flush=True,
+        )
     return {"rows": rows}
 
 
@@ -86,6 +106,7 @@ def plain(args) -> dict:
     A variant name is ModelConfig.forward (`reference`, `fast`), optionally with `+linear` or
     `+int8` (`fast+torch`), or `default` (pass nothing: for running this script on older code)."""
     from dspark_serve.scheduler.llm import LLM
+
     rows = []
     for dtype in args.dtypes:
         llms = {}
@@ -96,33 +117,46 @@ def plain(args) -> dict:
                 kw["forward"] = fwd
                 for m in mods:
                     kw.update({"quantize": m} if m == "int8" else {"linear": m})
-            llms[var] = LLM(drafter="none", dtype=dtype, max_num_seqs=max(args.concurrency),
-                            max_model_len=2048, **kw)
+            llms[var] = LLM(
+                drafter="none", dtype=dtype, max_num_seqs=max(args.concurrency), max_model_len=2048, **kw
+            )
         first = next(iter(llms.values()))
         tok, model = first.tokenizer, first.engine.runner.model
         for c in args.concurrency:
             n = max(args.min_prompts, args.waves * c)
             prompts = [chat_ids(tok, t, args.max_prompt) for _, t in load_prompts(args.data, n)]
             runs: dict[str, list] = {v: [] for v in list(llms) + ["hf-generate"]}
-            for rnd in range(args.rounds):
+            for _ in range(args.rounds):
                 for var, llm in llms.items():
                     run_engine_closed_loop(llm.engine, prompts[:1], 1, 4, 0.0, "warmup")
-                    runs[var].append(dataclasses.asdict(
-                        run_engine_closed_loop(llm.engine, prompts, c, args.max_tokens, 0.0, var)))
+                    runs[var].append(
+                        dataclasses.asdict(
+                            run_engine_closed_loop(llm.engine, prompts, c, args.max_tokens, 0.0, var)
+                        )
+                    )
                 if not args.no_hf:
                     runs["hf-generate"].append(hf_point(model, tok, prompts, c, args.max_tokens))
             for var, rs in runs.items():
                 if not rs:
                     continue
-                row = dict(rs[0], label=var, dtype=dtype, concurrency=c,
-                           per_user_tps=median(r["per_user_tps"] for r in rs),
-                           aggregate_tps=median(r["aggregate_tps"] for r in rs),
-                           rounds=[{k: r[k] for k in ("per_user_tps", "aggregate_tps")} for r in rs],
-                           runner=llms[var].engine.runner.describe() if var in llms and hasattr(
-                               llms[var].engine.runner, "describe") else var)
+                row = dict(
+                    rs[0],
+                    label=var,
+                    dtype=dtype,
+                    concurrency=c,
+                    per_user_tps=median(r["per_user_tps"] for r in rs),
+                    aggregate_tps=median(r["aggregate_tps"] for r in rs),
+                    rounds=[{k: r[k] for k in ("per_user_tps", "aggregate_tps")} for r in rs],
+                    runner=llms[var].engine.runner.describe()
+                    if var in llms and hasattr(llms[var].engine.runner, "describe")
+                    else var,
+                )
                 rows.append(row)
-                print(f"{dtype:8s} c={c:3d} {var:16s} per-user {row['per_user_tps']:7.1f} "
-                      f"agg {row['aggregate_tps']:7.1f}  rounds {row['rounds']}", flush=True)
+                print(
+                    f"{dtype:8s} c={c:3d} {var:16s} per-user {row['per_user_tps']:7.1f} "
+                    f"agg {row['aggregate_tps']:7.1f}  rounds {row['rounds']}",
+                    flush=True,
+                )
         del llms
     return {"rows": rows}
 
@@ -140,6 +174,7 @@ def merge(args) -> dict:
 
 def plot_plain(result: dict, out: Path) -> list[str]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -152,15 +187,26 @@ def plot_plain(result: dict, out: Path) -> list[str]:
         metric = "per_user_tps" if c == 1 else "aggregate_tps"
         w = 0.8 / len(labels)
         for j, lab in enumerate(labels):
-            vals = [next((r[metric] for r in rows if r["label"] == lab and r["dtype"] == d
-                          and r["concurrency"] == c), 0.0) for d in dtypes]
+            vals = [
+                next(
+                    (
+                        r[metric]
+                        for r in rows
+                        if r["label"] == lab and r["dtype"] == d and r["concurrency"] == c
+                    ),
+                    0.0,
+                )
+                for d in dtypes
+            ]
             xs = [i + j * w for i in range(len(dtypes))]
             ax.bar(xs, vals, w, label=lab)
             for x, v in zip(xs, vals):
                 ax.annotate(f"{v:.0f}", (x, v), ha="center", va="bottom", fontsize=7)
         ax.set_xticks([i + 0.4 - w / 2 for i in range(len(dtypes))], dtypes)
-        ax.set(ylabel="per-user tokens/s" if c == 1 else "aggregate tokens/s",
-               title=f"plain decoding, concurrency {c}")
+        ax.set(
+            ylabel="per-user tokens/s" if c == 1 else "aggregate tokens/s",
+            title=f"plain decoding, concurrency {c}",
+        )
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
     fig.suptitle(result["machine"], fontsize=8)
@@ -172,32 +218,47 @@ def plot_plain(result: dict, out: Path) -> list[str]:
 
 def sweep(args) -> dict:
     from dspark_serve.scheduler.llm import LLM
-    llm = LLM(drafter=args.drafter, drafter_path=args.drafter_path, block_size=args.block_size,
-              max_num_seqs=max(args.concurrency), max_model_len=2048)
+
+    llm = LLM(
+        drafter=args.drafter,
+        drafter_path=args.drafter_path,
+        block_size=args.block_size,
+        max_num_seqs=max(args.concurrency),
+        max_model_len=2048,
+    )
     eng = llm.engine
     block = eng.drafter.block_size
     policies = [p.replace("block", str(block)) for p in args.policies]
     rows = []
-    prompts_all = [chat_ids(llm.tokenizer, t, args.max_prompt)
-                   for _, t in load_prompts(args.data, max(args.min_prompts, args.waves * max(args.concurrency)))]
+    prompts_all = [
+        chat_ids(llm.tokenizer, t, args.max_prompt)
+        for _, t in load_prompts(args.data, max(args.min_prompts, args.waves * max(args.concurrency)))
+    ]
     eng.set_policy("none")
     run_engine_closed_loop(eng, prompts_all[:1], 1, 4, 0.0, "warmup")
     for temp in args.temperatures:
         for c in args.concurrency:
-            prompts = prompts_all[:max(args.min_prompts, args.waves * c)]
+            prompts = prompts_all[: max(args.min_prompts, args.waves * c)]
             for p in policies:
                 eng.set_policy(p)
                 r = dataclasses.asdict(run_engine_closed_loop(eng, prompts, c, args.max_tokens, temp, p))
                 rows.append(r)
-                print(f"T={temp} c={c:3d} {p:14s} per-user {r['per_user_tps']:7.1f} agg "
-                      f"{r['aggregate_tps']:7.1f} tau {r['tau'] or 0:4.2f} budget {r['mean_budget'] or 0:4.2f}",
-                      flush=True)
-    return {"rows": rows, "drafter": args.drafter, "block_size": block,
-            "cost_table": eng.cost_table.to_dict() if eng.cost_table else None}
+                print(
+                    f"T={temp} c={c:3d} {p:14s} per-user {r['per_user_tps']:7.1f} agg "
+                    f"{r['aggregate_tps']:7.1f} tau {r['tau'] or 0:4.2f} budget {r['mean_budget'] or 0:4.2f}",
+                    flush=True,
+                )
+    return {
+        "rows": rows,
+        "drafter": args.drafter,
+        "block_size": block,
+        "cost_table": eng.cost_table.to_dict() if eng.cost_table else None,
+    }
 
 
 def plot(result: dict, out: Path) -> list[str]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -206,16 +267,27 @@ def plot(result: dict, out: Path) -> list[str]:
     for temp in sorted({r["temperature"] for r in rows}):
         fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
         for label in dict.fromkeys(r["label"] for r in rows):
-            pts = sorted((r for r in rows if r["label"] == label and r["temperature"] == temp),
-                         key=lambda r: r["concurrency"])
+            pts = sorted(
+                (r for r in rows if r["label"] == label and r["temperature"] == temp),
+                key=lambda r: r["concurrency"],
+            )
             ax[0].plot([r["per_user_tps"] for r in pts], [r["aggregate_tps"] for r in pts], "o-", label=label)
             for r in pts:
                 ax[0].annotate(str(r["concurrency"]), (r["per_user_tps"], r["aggregate_tps"]), fontsize=7)
-            ax[1].plot([r["concurrency"] for r in pts], [r["mean_budget"] or 0 for r in pts], "o-", label=label)
-        ax[0].set(xlabel="per-user tokens/s", ylabel="aggregate tokens/s",
-                  title=f"throughput vs per-user speed (T={temp}; labels: concurrency)")
-        ax[1].set(xlabel="concurrency", ylabel="mean verification budget (drafts/request/step)",
-                  xscale="log", title="verification budget vs load")
+            ax[1].plot(
+                [r["concurrency"] for r in pts], [r["mean_budget"] or 0 for r in pts], "o-", label=label
+            )
+        ax[0].set(
+            xlabel="per-user tokens/s",
+            ylabel="aggregate tokens/s",
+            title=f"throughput vs per-user speed (T={temp}; labels: concurrency)",
+        )
+        ax[1].set(
+            xlabel="concurrency",
+            ylabel="mean verification budget (drafts/request/step)",
+            xscale="log",
+            title="verification budget vs load",
+        )
         for a in ax:
             a.grid(alpha=0.3)
             a.legend(fontsize=8)
@@ -230,15 +302,26 @@ def plot(result: dict, out: Path) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["baseline", "sweep", "plain", "merge"])
-    ap.add_argument("--inputs", type=lambda s: [Path(x) for x in s.split(",")], default=[],
-                    help="merge mode: plain-mode JSON files")
-    ap.add_argument("--labels", type=lambda s: s.split(","), default=None,
-                    help="merge mode: a prefix per input for its row labels")
+    ap.add_argument(
+        "--inputs",
+        type=lambda s: [Path(x) for x in s.split(",")],
+        default=[],
+        help="merge mode: plain-mode JSON files",
+    )
+    ap.add_argument(
+        "--labels",
+        type=lambda s: s.split(","),
+        default=None,
+        help="merge mode: a prefix per input for its row labels",
+    )
     ap.add_argument("--data", type=Path, default=DATA, help="folder of dev-*.jsonl prompt sets")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None)
     ap.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
-    ap.add_argument("--policies", type=lambda s: s.split(","),
-                    default=["none", "static:1", "static:block", "threshold:0.5", "dspark"])
+    ap.add_argument(
+        "--policies",
+        type=lambda s: s.split(","),
+        default=["none", "static:1", "static:block", "threshold:0.5", "dspark"],
+    )
     ap.add_argument("--drafter", default="ngram")
     ap.add_argument("--drafter-path", default=None)
     ap.add_argument("--block-size", type=int, default=None)
@@ -247,8 +330,12 @@ def main() -> None:
     ap.add_argument("--min-prompts", type=int, default=8)
     ap.add_argument("--waves", type=int, default=2, help="prompts per point = waves x concurrency")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
-    ap.add_argument("--forwards", type=lambda s: s.split(","), default=["reference", "fast"],
-                    help="plain mode: forward variants (reference, fast, fast+torch, fast+int8, default)")
+    ap.add_argument(
+        "--forwards",
+        type=lambda s: s.split(","),
+        default=["reference", "fast"],
+        help="plain mode: forward variants (reference, fast, fast+torch, fast+int8, default)",
+    )
     ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
     ap.add_argument("--rounds", type=int, default=1, help="plain mode: turns per variant")
     ap.add_argument("--no-hf", action="store_true", help="plain mode: skip transformers' generate")
@@ -261,9 +348,8 @@ def main() -> None:
     t0 = time.time()
     result = {"baseline": baseline, "sweep": sweep, "plain": plain, "merge": merge}[args.mode](args)
     rel = lambda v: os.path.relpath(v, ROOT) if isinstance(v, Path) else str(v)
-    result.setdefault("machine", machine())   # merge mode keeps the measuring runs' machine
-    result.update(args={k: rel(v) for k, v in vars(args).items()},
-                  seconds=time.time() - t0)
+    result.setdefault("machine", machine())  # merge mode keeps the measuring runs' machine
+    result.update(args={k: rel(v) for k, v in vars(args).items()}, seconds=time.time() - t0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.mode == "sweep":
         result["plots"] = plot(result, args.out)

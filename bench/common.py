@@ -1,14 +1,15 @@
 """Shared pieces of the benchmarks: prompts, closed-loop load generation, medians."""
+
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspark_serve.drafter.training.data import PROMPTS_DIR as DATA, dev_sets, read_prompts  # noqa: E402
+from dspark_serve.drafter.training.data import dev_sets, read_prompts
+
 DOMAINS = ("gsm8k", "math500", "humaneval", "livecodebench", "mt-bench", "arena-hard")
 
 
@@ -32,7 +33,9 @@ def median(xs) -> float:
 
 def machine() -> str:
     import os
+
     import torch
+
     from dspark_serve.verifier.loader import cpu_flags
 
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
@@ -45,8 +48,10 @@ def machine() -> str:
     except OSError:
         pass
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))
-    return (f"{model}, {os.cpu_count()} cores, flags {' '.join(flags) or 'n/a'}, torch {torch.__version__}, "
-            f"{dev}, threads={torch.get_num_threads()}")
+    return (
+        f"{model}, {os.cpu_count()} cores, flags {' '.join(flags) or 'n/a'}, torch {torch.__version__}, "
+        f"{dev}, threads={torch.get_num_threads()}"
+    )
 
 
 @dataclass
@@ -57,17 +62,25 @@ class PointResult:
     requests: int
     completion_tokens: int
     wall_s: float
-    per_user_tps: float          # median over requests of tokens / (finish - first token)
-    aggregate_tps: float         # all completion tokens / wall time
-    ttft_s: float                # median time to first token
-    tau: float | None = None     # mean tokens per verification round (drafting rounds)
+    per_user_tps: float  # median over requests of tokens / (finish - first token)
+    aggregate_tps: float  # all completion tokens / wall time
+    ttft_s: float  # median time to first token
+    tau: float | None = None  # mean tokens per verification round (drafting rounds)
     mean_budget: float | None = None  # mean drafts verified per request per decode step
     extra: dict = field(default_factory=dict)
 
 
-def run_engine_closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, max_tokens: int,
-                           temperature: float, label: str, seed: int = 0, ignore_eos: bool = False,
-                           finished: list | None = None) -> PointResult:
+def run_engine_closed_loop(
+    engine,
+    prompt_ids: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    temperature: float,
+    label: str,
+    seed: int = 0,
+    ignore_eos: bool = False,
+    finished: list | None = None,
+) -> PointResult:
     """Keep `concurrency` requests in flight on an in-process engine until all prompts are done.
     Finished requests are appended to `finished` when given."""
     from dspark_serve.scheduler.request import Request
@@ -91,13 +104,27 @@ def run_engine_closed_loop(engine, prompt_ids: list[list[int]], concurrency: int
     wall = time.perf_counter() - t0
     if finished is not None:
         finished.extend(done)
-    per_user = [len(r.output_ids) / max(r.finish_time - r.first_token_time, 1e-6)
-                for r in done if len(r.output_ids) > 1]
+    per_user = [
+        len(r.output_ids) / max(r.finish_time - r.first_token_time, 1e-6)
+        for r in done
+        if len(r.output_ids) > 1
+    ]
     toks = sum(len(r.output_ids) for r in done)
     rounds = sum(r.spec.rounds for r in done)
     steps = sum(r.spec.steps for r in done)
     tau = (sum(r.spec.accepted for r in done) + rounds) / rounds if rounds else None
     budget = sum(r.spec.drafted for r in done) / steps if steps else None
-    return PointResult(label, concurrency, temperature, len(done), toks, wall, median(per_user),
-                       toks / wall, median(r.first_token_time - r.arrival_time for r in done),
-                       tau, budget, extra={"rounds": rounds})
+    return PointResult(
+        label,
+        concurrency,
+        temperature,
+        len(done),
+        toks,
+        wall,
+        median(per_user),
+        toks / wall,
+        median(r.first_token_time - r.arrival_time for r in done),
+        tau,
+        budget,
+        extra={"rounds": rounds},
+    )

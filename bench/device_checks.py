@@ -4,6 +4,7 @@ decoding, the distribution of rejection sampling, and paged-KV rollback.
 
 Each returns a `CheckResult`; `passed` is False when the device gets it wrong.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,11 +38,16 @@ def drain(engine: Engine, requests: list[Request]) -> None:
         engine.step()
 
 
-def _greedy_outputs(model, prompts: dict[str, list[int]], n: int, drafter=None,
-                    policy: str = "none") -> tuple[dict[str, list[int]], Engine, list[Request]]:
-    engine = Engine(runner_for(model), ByteTokenizer(),
-                    SchedulerConfig(verify_policy=policy, max_num_batched_tokens=40),  # chunked prefill
-                    max_model_len=512, drafter=drafter)
+def _greedy_outputs(
+    model, prompts: dict[str, list[int]], n: int, drafter=None, policy: str = "none"
+) -> tuple[dict[str, list[int]], Engine, list[Request]]:
+    engine = Engine(
+        runner_for(model),
+        ByteTokenizer(),
+        SchedulerConfig(verify_policy=policy, max_num_batched_tokens=40),  # chunked prefill
+        max_model_len=512,
+        drafter=drafter,
+    )
     reqs = [Request(k, p, GREEDY, max_tokens=n, ignore_eos=True) for k, p in prompts.items()]
     drain(engine, reqs)
     return {r.request_id: r.output_ids for r in reqs}, engine, reqs
@@ -62,18 +68,25 @@ def check_greedy_equality(device: torch.device, n: int = 24) -> CheckResult:
         dr = ReplayDrafter(refs, vocab_size=257, block_size=4, accept_rate=0.7)
         out, engine, reqs = _greedy_outputs(model, prompts, n, dr, policy)
         runs[f"replay/{policy}"] = {
-            "equal": out == plain, "accepted": sum(r.spec.accepted for r in reqs),
+            "equal": out == plain,
+            "accepted": sum(r.spec.accepted for r in reqs),
             "rounds": sum(r.spec.rounds for r in reqs),
-            "kv_freed": engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks}
+            "kv_freed": engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks,
+        }
     del engine
     dsp = random_dspark(model, dataclasses.replace(TINY_A, vocab_size=257), block_size=5)
     out, engine, reqs = _greedy_outputs(model, prompts, n, dsp, "static:5")
     runs["dspark-random/static:5"] = {
-        "equal": out == plain, "drafted": sum(r.spec.drafted for r in reqs),
-        "kv_freed": engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks}
-    passed = (plain == hf and all(r["equal"] and r["kv_freed"] for r in runs.values())
-              and all(r["accepted"] > 0 for k, r in runs.items() if k.startswith("replay"))
-              and runs["dspark-random/static:5"]["drafted"] > 0)
+        "equal": out == plain,
+        "drafted": sum(r.spec.drafted for r in reqs),
+        "kv_freed": engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks,
+    }
+    passed = (
+        plain == hf
+        and all(r["equal"] and r["kv_freed"] for r in runs.values())
+        and all(r["accepted"] > 0 for k, r in runs.items() if k.startswith("replay"))
+        and runs["dspark-random/static:5"]["drafted"] > 0
+    )
     details = {"plain_equals_hf_generate": plain == hf, "runs": runs, "tokens_per_request": n}
     if device.type != "cpu":  # the same model on the CPU gives the same tokens
         cpu_plain, _, _ = _greedy_outputs(tiny_model("qwen3"), prompts, n)
@@ -97,8 +110,12 @@ def _joint_first_two(p1, P2, q1, Q2, n: int, broken: bool) -> torch.Tensor:
     target = torch.stack([p1.expand(n, V), P2[x1], torch.full((n, V), 1.0 / V, device=dev)], 1)
     draft_probs = target[:, :2].clone() if broken else torch.stack([q1.expand(n, V), Q2[x1]], 1)
     # every row verifies both drafts, so the flat layout is the [n, 3] / [n, 2] blocks row-major
-    res = rejection_sample(target.reshape(n * 3, V), torch.stack([x1, x2], 1).reshape(-1),
-                           draft_probs.reshape(n * 2, V), torch.full((n,), 2, dtype=torch.long))
+    res = rejection_sample(
+        target.reshape(n * 3, V),
+        torch.stack([x1, x2], 1).reshape(-1),
+        draft_probs.reshape(n * 2, V),
+        torch.full((n,), 2, dtype=torch.long),
+    )
     out = res.output_tokens.view(n, 3)
     t1 = out[:, 0]
     t2 = out[:, 1].clone()
@@ -108,8 +125,9 @@ def _joint_first_two(p1, P2, q1, Q2, n: int, broken: bool) -> torch.Tensor:
     return (counts / n).cpu()
 
 
-def check_rejection_statistics(device: torch.device, n: int = 200_000, vocab: int = 6,
-                               seed: int = 0) -> CheckResult:
+def check_rejection_statistics(
+    device: torch.device, n: int = 200_000, vocab: int = 6, seed: int = 0
+) -> CheckResult:
     """The joint of the first two tokens of speculative sampling matches the target's
     (total variation under a bound several times the sampling noise), and a sampler that
     takes q for p is caught by the same bound."""
@@ -125,9 +143,11 @@ def check_rejection_statistics(device: torch.device, n: int = 200_000, vocab: in
     tv_broken = _tv(_joint_first_two(p1, P2, q1, Q2, n, broken=True), exact)
     # Sampling noise of a 36-cell TV at n=200k is ~0.004.
     bound = 0.02
-    return CheckResult("rejection_statistics", tv < bound < tv_broken,
-                       {"tv": tv, "tv_broken_sampler": tv_broken, "bound": bound, "trials": n,
-                        "vocab": vocab})
+    return CheckResult(
+        "rejection_statistics",
+        tv < bound < tv_broken,
+        {"tv": tv, "tv_broken_sampler": tv_broken, "bound": bound, "trials": n, "vocab": vocab},
+    )
 
 
 def check_paged_kv_rollback(device: torch.device, dtype: torch.dtype = torch.float32) -> CheckResult:
@@ -145,7 +165,7 @@ def check_paged_kv_rollback(device: torch.device, dtype: torch.dtype = torch.flo
     before = a.blocks.num_free_blocks
     a.blocks.truncate("a", len(prompt) + len(kept))
     freed = a.blocks.num_free_blocks - before
-    a.blocks.append("b", 12)                         # takes the freed blocks and overwrites them
+    a.blocks.append("b", 12)  # takes the freed blocks and overwrites them
     a.forward([Segment("b", list(range(100, 112)), 0, 12)])
     a.blocks.append("a", 1)
     got = a.forward([Segment("a", [nxt], len(prompt) + len(kept), 0)]).logits[-1]
@@ -157,11 +177,16 @@ def check_paged_kv_rollback(device: torch.device, dtype: torch.dtype = torch.flo
     err = (got - want).abs().max().item()
     tol = 1e-3 if dtype == torch.float32 else 5e-2 * want.abs().max().item()
     same_argmax = int(got.argmax()) == int(want.argmax())
-    return CheckResult("paged_kv_rollback", err < tol and same_argmax and freed >= 1,
-                       {"max_abs_err": err, "tol": tol, "same_argmax": same_argmax,
-                        "blocks_freed_by_rollback": freed})
+    return CheckResult(
+        "paged_kv_rollback",
+        err < tol and same_argmax and freed >= 1,
+        {"max_abs_err": err, "tol": tol, "same_argmax": same_argmax, "blocks_freed_by_rollback": freed},
+    )
 
 
 def run_all(device: torch.device) -> list[CheckResult]:
-    return [check_greedy_equality(device), check_rejection_statistics(device),
-            check_paged_kv_rollback(device)]
+    return [
+        check_greedy_equality(device),
+        check_rejection_statistics(device),
+        check_paged_kv_rollback(device),
+    ]

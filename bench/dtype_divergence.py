@@ -10,6 +10,7 @@ change them more often than batching does.
 
     python bench/dtype_divergence.py --out bench/results/dtype_divergence.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,11 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def compare(ref: list[list[int]], other: list[list[int]]) -> dict:
     div = [first_divergence(a, b) for a, b in zip(ref, other)]
-    return {"identical": sum(d is None for d in div), "of": len(ref),
-            "first_divergence": [d for d in div if d is not None]}
+    return {
+        "identical": sum(d is None for d in div),
+        "of": len(ref),
+        "first_divergence": [d for d in div if d is not None],
+    }
 
 
 def main() -> None:
@@ -56,12 +60,17 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=384)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/dtype_divergence.json")
     args = ap.parse_args()
-    from dspark_serve.scheduler.llm import LLM
     from bench.bench_engine import chat_ids
+    from dspark_serve.scheduler.llm import LLM
 
     texts = [t for _, t in load_prompts(DATA, args.prompts, domains=(args.domain,))]
-    result = {"machine": machine(), "domain": args.domain, "prompts": len(texts),
-              "max_tokens": args.max_tokens, "dtypes": {}}
+    result = {
+        "machine": machine(),
+        "domain": args.domain,
+        "prompts": len(texts),
+        "max_tokens": args.max_tokens,
+        "dtypes": {},
+    }
     for dtype in args.dtypes:
         t0 = time.perf_counter()
         plain = LLM(dtype=dtype, max_num_seqs=len(texts), max_model_len=1024, kv_cache_tokens=32768)
@@ -69,8 +78,14 @@ def main() -> None:
         alone = generate(plain, prompts, args.max_tokens, together=False)
         row = {"batched_vs_alone": compare(alone, generate(plain, prompts, args.max_tokens, True))}
         for name in args.drafters:
-            spec = LLM(dtype=dtype, drafter=name, verify_policy="static:7" if name != "ngram" else "static:4",
-                       max_num_seqs=len(texts), max_model_len=1024, kv_cache_tokens=32768)
+            spec = LLM(
+                dtype=dtype,
+                drafter=name,
+                verify_policy="static:7" if name != "ngram" else "static:4",
+                max_num_seqs=len(texts),
+                max_model_len=1024,
+                kv_cache_tokens=32768,
+            )
             row[f"{name}_vs_plain"] = compare(alone, generate(spec, prompts, args.max_tokens, False))
         row["seconds"] = round(time.perf_counter() - t0, 1)
         result["dtypes"][dtype] = row

@@ -22,6 +22,7 @@ the JSON rewritten after every stage and every sweep point, so a run cut short s
 
 A global time budget (--budget-s) cuts later stages and sweep points short instead of running over.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,6 @@ import torch  # noqa: E402
 
 from bench.common import machine, median, run_engine_closed_loop  # noqa: E402
 from bench.models import SHAPES, CharTokenizer, TargetShape, random_dspark, random_qwen3  # noqa: E402
-from bench.replay import ReplayDrafter  # noqa: E402  (registers the "replay" drafter)
 from dspark_serve.drafter.base import AcceptedContext, DraftRequest  # noqa: E402
 from dspark_serve.drafter.registry import build_drafter  # noqa: E402
 from dspark_serve.scheduler.config import SchedulerConfig  # noqa: E402
@@ -118,18 +118,28 @@ class SuiteConfig:
             raise ValueError(f"concurrency must be positive ints, got {self.concurrency!r}")
         if not (0.0 <= self.accept_rate <= 1.0):
             raise ValueError(f"accept_rate must be in [0, 1], got {self.accept_rate!r}")
-        for name in ("block_size", "prompt_len", "max_tokens", "min_requests", "kv_block_size",
-                     "profile_repeats", "timing_steps"):
+        for name in (
+            "block_size",
+            "prompt_len",
+            "max_tokens",
+            "min_requests",
+            "kv_block_size",
+            "profile_repeats",
+            "timing_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.max_num_batched_tokens < max(self.concurrency) * (1 + self.block_size):
-            raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens!r} cannot hold "
-                             f"{max(self.concurrency)} requests x {1 + self.block_size} tokens")
+            raise ValueError(
+                f"max_num_batched_tokens {self.max_num_batched_tokens!r} cannot hold "
+                f"{max(self.concurrency)} requests x {1 + self.block_size} tokens"
+            )
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads!r}")
         if self.budget_s <= 0 or self.reserve_s < 0:
-            raise ValueError(f"budget_s must be > 0 and reserve_s >= 0, got {self.budget_s!r}, "
-                             f"{self.reserve_s!r}")
+            raise ValueError(
+                f"budget_s must be > 0 and reserve_s >= 0, got {self.budget_s!r}, {self.reserve_s!r}"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -140,20 +150,38 @@ class SuiteConfig:
         return tuple(p.format(block=self.block_size) for p in POLICIES)
 
     @classmethod
-    def gpu(cls, **kw) -> "SuiteConfig":
-        base = dict(device="cuda", dtype="bfloat16", shapes=("qwen3-0.6b-like", "qwen3-4b-like"),
-                    concurrency=(1, 8, 32, 128, 256))
+    def gpu(cls, **kw) -> SuiteConfig:
+        base = dict(
+            device="cuda",
+            dtype="bfloat16",
+            shapes=("qwen3-0.6b-like", "qwen3-4b-like"),
+            concurrency=(1, 8, 32, 128, 256),
+        )
         base.update(kw)
         return cls(**base)
 
     @classmethod
-    def tiny(cls, **kw) -> "SuiteConfig":
-        base = dict(device="cpu", dtype="float32", shapes=("tiny-a", "tiny-b"), concurrency=(1, 4),
-                    prompt_len=12, max_tokens=24, min_requests=4, max_num_batched_tokens=256,
-                    kv_block_size=4, profile_batch_sizes=(1, 2, 4, 8, 16, 32),
-                    profile_context_lens=(16, 48), profile_repeats=1, drafter_batches=(1, 4),
-                    overhead_concurrency=(1, 4), timing_steps=12, budget_s=120.0, reserve_s=5.0,
-                    threads=1)
+    def tiny(cls, **kw) -> SuiteConfig:
+        base = dict(
+            device="cpu",
+            dtype="float32",
+            shapes=("tiny-a", "tiny-b"),
+            concurrency=(1, 4),
+            prompt_len=12,
+            max_tokens=24,
+            min_requests=4,
+            max_num_batched_tokens=256,
+            kv_block_size=4,
+            profile_batch_sizes=(1, 2, 4, 8, 16, 32),
+            profile_context_lens=(16, 48),
+            profile_repeats=1,
+            drafter_batches=(1, 4),
+            overhead_concurrency=(1, 4),
+            timing_steps=12,
+            budget_s=120.0,
+            reserve_s=5.0,
+            threads=1,
+        )
         base.update(kw)
         return cls(**base)
 
@@ -164,7 +192,7 @@ def _sync(dev: torch.device) -> None:
 
 
 def _gib(n: float) -> float:
-    return round(n / 2 ** 30, 3)
+    return round(n / 2**30, 3)
 
 
 @dataclass
@@ -174,7 +202,7 @@ class Model:
     shape: TargetShape
     target: torch.nn.Module
     runner: ModelRunner
-    dspark: object          # DSparkDrafter with random weights
+    dspark: object  # DSparkDrafter with random weights
     table: CostTable | None = None
 
 
@@ -188,12 +216,19 @@ class Suite:
         self.t0 = time.monotonic()
         self.models: list[Model] = []
         self.report: dict = {
-            "suite": "gpu_suite", "tiny": cfg.device == "cpu" and cfg.shapes[0].startswith("tiny"),
-            "machine": machine(), "cpu_model": _cpu_model(), "device": self._device_name(),
+            "suite": "gpu_suite",
+            "tiny": cfg.device == "cpu" and cfg.shapes[0].startswith("tiny"),
+            "machine": machine(),
+            "cpu_model": _cpu_model(),
+            "device": self._device_name(),
             "torch": torch.__version__,
-            "transformers": _version("transformers"), "python": sys.version.split()[0],
+            "transformers": _version("transformers"),
+            "python": sys.version.split()[0],
             "config": _jsonable({**dataclasses.asdict(cfg), "cpu_table": _rel(cfg.cpu_table)}),
-            "started_unix": time.time(), "elapsed_s": 0.0, "complete": False, "stages": {},
+            "started_unix": time.time(),
+            "elapsed_s": 0.0,
+            "complete": False,
+            "stages": {},
         }
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -228,8 +263,11 @@ class Suite:
                 _sync(self.dev)
                 entry["status"] = "ok" if ok else "failed"
             except Exception as exc:  # recorded, and the next stage still runs
-                entry.update(status="error", error=f"{type(exc).__name__}: {exc}",
-                             traceback=traceback.format_exc()[-4000:])
+                entry.update(
+                    status="error",
+                    error=f"{type(exc).__name__}: {exc}",
+                    traceback=traceback.format_exc()[-4000:],
+                )
                 print(entry["traceback"], file=sys.stderr, flush=True)
         entry["seconds"] = round(time.monotonic() - t0, 2)
         print(f"[{time.monotonic() - self.t0:6.1f}s] stage {name}: {entry['status']}", flush=True)
@@ -238,8 +276,12 @@ class Suite:
 
     # -- 1. correctness on the device -------------------------------------------------------
     def checks(self, res: dict) -> bool:
-        from bench.device_checks import (check_greedy_equality, check_paged_kv_rollback,
-                                         check_rejection_statistics)
+        from bench.device_checks import (
+            check_greedy_equality,
+            check_paged_kv_rollback,
+            check_rejection_statistics,
+        )
+
         ok = True
         for fn in (check_greedy_equality, check_rejection_statistics, check_paged_kv_rollback):
             t0 = time.monotonic()
@@ -249,8 +291,10 @@ class Suite:
                 ok = ok and r.passed
             except Exception as exc:
                 res[fn.__name__.removeprefix("check_")] = {
-                    "passed": False, "error": f"{type(exc).__name__}: {exc}",
-                    "traceback": traceback.format_exc()[-3000:]}
+                    "passed": False,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc()[-3000:],
+                }
                 ok = False
             self.save()
         if self.dev.type == "cuda":
@@ -280,13 +324,20 @@ class Suite:
             runner = ModelRunner(target, num_blocks=blocks, block_size=c.kv_block_size)
             _sync(self.dev)
             self.models.append(Model(shape, target, runner, dspark))
-            info = {"name": name, "shape": dataclasses.asdict(shape),
-                    "params": sum(p.numel() for p in target.parameters()),
-                    "drafter_params": sum(p.numel() for n_, p in dspark.model.named_parameters()
-                                          if not n_.startswith(("embed_tokens", "lm_head"))),
-                    "target_build_s": round(t_target, 2),
-                    "total_build_s": round(time.monotonic() - t0, 2),
-                    "kv_cache_tokens": blocks * c.kv_block_size, "dtype": c.dtype}
+            info = {
+                "name": name,
+                "shape": dataclasses.asdict(shape),
+                "params": sum(p.numel() for p in target.parameters()),
+                "drafter_params": sum(
+                    p.numel()
+                    for n_, p in dspark.model.named_parameters()
+                    if not n_.startswith(("embed_tokens", "lm_head"))
+                ),
+                "target_build_s": round(t_target, 2),
+                "total_build_s": round(time.monotonic() - t0, 2),
+                "kv_cache_tokens": blocks * c.kv_block_size,
+                "dtype": c.dtype,
+            }
             if self.dev.type == "cuda":
                 info["cuda_allocated_gib"] = _gib(torch.cuda.memory_allocated(self.dev))
             res["models"].append(info)
@@ -317,12 +368,20 @@ class Suite:
 
     def engine(self, m: Model, drafter, max_tokens: int | None = None) -> Engine:
         c = self.cfg
-        sched = SchedulerConfig(max_num_seqs=max(max(c.concurrency), max(c.overhead_concurrency)),
-                                max_num_batched_tokens=c.max_num_batched_tokens,
-                                max_waiting=4096, verify_policy="none")
-        return Engine(m.runner, CharTokenizer(), sched,
-                      max_model_len=c.prompt_len + (max_tokens or c.max_tokens) + c.block_size + 2,
-                      drafter=drafter, cost_table=m.table)
+        sched = SchedulerConfig(
+            max_num_seqs=max(max(c.concurrency), max(c.overhead_concurrency)),
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            max_waiting=4096,
+            verify_policy="none",
+        )
+        return Engine(
+            m.runner,
+            CharTokenizer(),
+            sched,
+            max_model_len=c.prompt_len + (max_tokens or c.max_tokens) + c.block_size + 2,
+            drafter=drafter,
+            cost_table=m.table,
+        )
 
     def sweep(self, res: dict) -> bool:
         c = self.cfg
@@ -332,15 +391,20 @@ class Suite:
             if m.table is None:
                 res["cut"].append({"shape": m.shape.name, "reason": "no cost table"})
                 continue
-            replay = build_drafter("replay", references={}, vocab_size=m.shape.vocab_size,
-                                   block_size=c.block_size, accept_rate=c.accept_rate, seed=c.seed)
+            replay = build_drafter(
+                "replay",
+                references={},
+                vocab_size=m.shape.vocab_size,
+                block_size=c.block_size,
+                accept_rate=c.accept_rate,
+                seed=c.seed,
+            )
             eng = self.engine(m, replay)
             warm = self.prompts(m.shape, 2, salt=99)
             for p in c.policies:  # compile/allocator warm-up, not measured
                 eng.set_policy(p)
                 done: list[Request] = []
-                run_engine_closed_loop(eng, warm, 2, 4, 0.0, f"warm-{p}", ignore_eos=True,
-                                       finished=done)
+                run_engine_closed_loop(eng, warm, 2, 4, 0.0, f"warm-{p}", ignore_eos=True, finished=done)
                 if p == "none":
                     replay.references.update({tuple(r.prompt_ids): r.output_ids for r in done})
             for conc in c.concurrency:
@@ -348,25 +412,43 @@ class Suite:
                 plain: dict[tuple[int, ...], list[int]] = {}
                 for p in c.policies:
                     if self.remaining() < c.reserve_s:
-                        res["cut"].append({"shape": m.shape.name, "concurrency": conc, "policy": p,
-                                           "reason": f"time budget: {self.remaining():.0f}s left"})
+                        res["cut"].append(
+                            {
+                                "shape": m.shape.name,
+                                "concurrency": conc,
+                                "policy": p,
+                                "reason": f"time budget: {self.remaining():.0f}s left",
+                            }
+                        )
                         complete = mi > 0 and complete
                         continue
                     if p != "none" and not plain:
-                        res["cut"].append({"shape": m.shape.name, "concurrency": conc, "policy": p,
-                                           "reason": "no plain run to replay"})
+                        res["cut"].append(
+                            {
+                                "shape": m.shape.name,
+                                "concurrency": conc,
+                                "policy": p,
+                                "reason": "no plain run to replay",
+                            }
+                        )
                         continue
                     replay.reset_stats()
                     done = []
                     try:  # one failing point (e.g. out of memory) must not end the sweep
                         eng.set_policy(p)
-                        point = run_engine_closed_loop(eng, prompts, conc, c.max_tokens, 0.0, p,
-                                                       ignore_eos=True, finished=done)
+                        point = run_engine_closed_loop(
+                            eng, prompts, conc, c.max_tokens, 0.0, p, ignore_eos=True, finished=done
+                        )
                     except Exception as exc:
-                        res.setdefault("errors", []).append({
-                            "shape": m.shape.name, "concurrency": conc, "policy": p,
-                            "error": f"{type(exc).__name__}: {exc}",
-                            "traceback": traceback.format_exc()[-2000:]})
+                        res.setdefault("errors", []).append(
+                            {
+                                "shape": m.shape.name,
+                                "concurrency": conc,
+                                "policy": p,
+                                "error": f"{type(exc).__name__}: {exc}",
+                                "traceback": traceback.format_exc()[-2000:],
+                            }
+                        )
                         for rid in list(eng.requests):
                             eng.abort(rid)
                         eng = self.engine(m, replay)
@@ -380,18 +462,28 @@ class Suite:
                         plain = outs
                         replay.references.update(outs)
                     row = dataclasses.asdict(point)
-                    row.update(shape=m.shape.name, policy=p, rounds=stats.rounds,
-                               positions_tried=stats.tried, positions_accepted=stats.accepted,
-                               realised_accept_rate=stats.rate,
-                               diverged_requests=len(stats.diverged),
-                               equal_to_plain=(sum(outs[k] == v for k, v in plain.items() if k in outs)
-                                               / max(len(outs), 1)) if plain else None,
-                               kv_free_after=m.runner.blocks.num_free_blocks == m.runner.blocks.num_blocks)
+                    row.update(
+                        shape=m.shape.name,
+                        policy=p,
+                        rounds=stats.rounds,
+                        positions_tried=stats.tried,
+                        positions_accepted=stats.accepted,
+                        realised_accept_rate=stats.rate,
+                        diverged_requests=len(stats.diverged),
+                        equal_to_plain=(
+                            sum(outs[k] == v for k, v in plain.items() if k in outs) / max(len(outs), 1)
+                        )
+                        if plain
+                        else None,
+                        kv_free_after=m.runner.blocks.num_free_blocks == m.runner.blocks.num_blocks,
+                    )
                     res["rows"].append(row)
-                    print(f"  {m.shape.name} c={conc:3d} {p:9s} per-user {row['per_user_tps']:8.1f} "
-                          f"agg {row['aggregate_tps']:9.1f} tau {row['tau'] or 0:4.2f} "
-                          f"accept {stats.rate if stats.rate is not None else float('nan'):.3f}",
-                          flush=True)
+                    print(
+                        f"  {m.shape.name} c={conc:3d} {p:9s} per-user {row['per_user_tps']:8.1f} "
+                        f"agg {row['aggregate_tps']:9.1f} tau {row['tau'] or 0:4.2f} "
+                        f"accept {stats.rate if stats.rate is not None else float('nan'):.3f}",
+                        flush=True,
+                    )
                     self.save()
             del eng
         res["complete"] = complete and not res.get("errors")
@@ -401,16 +493,22 @@ class Suite:
     def timings(self, res: dict) -> bool:
         m = self.models[0]
         res["shape"] = m.shape.name
-        for name, fn in (("drafter", self.time_drafter), ("engine_split", self.time_engine_split),
-                         ("hf_generate", self.time_hf_generate), ("profiler", self.profile_step)):
+        for name, fn in (
+            ("drafter", self.time_drafter),
+            ("engine_split", self.time_engine_split),
+            ("hf_generate", self.time_hf_generate),
+            ("profiler", self.profile_step),
+        ):
             if self.remaining() < 3:
                 res[name] = {"skipped": f"time budget: {self.remaining():.0f}s left"}
                 continue
             try:
                 res[name] = fn(m)
             except Exception as exc:
-                res[name] = {"error": f"{type(exc).__name__}: {exc}",
-                             "traceback": traceback.format_exc()[-3000:]}
+                res[name] = {
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc()[-3000:],
+                }
             self.save()
         if isinstance(res.get("hf_generate"), dict) and "engine_vs_hf" in res["hf_generate"]:
             res["engine_vs_hf_generate_c1"] = res["hf_generate"]["engine_vs_hf"]
@@ -431,22 +529,37 @@ class Suite:
     def time_drafter(self, m: Model) -> dict:
         c, dr = self.cfg, m.dspark
         width = len(dr.tap_layers) * m.shape.hidden_size
-        out = {"block_size": dr.block_size, "layers": m.shape.draft_layers,
-               "markov_rank": m.shape.markov_rank, "context_tokens": c.prompt_len, "by_batch": {}}
+        out = {
+            "block_size": dr.block_size,
+            "layers": m.shape.draft_layers,
+            "markov_rank": m.shape.markov_rank,
+            "context_tokens": c.prompt_len,
+            "by_batch": {},
+        }
         greedy = SamplingParams(temperature=0.0)
         for b in c.drafter_batches:
             prompts = self.prompts(m.shape, b, salt=500 + b)
             ids = [f"d{b}-{i}" for i in range(b)]
-            dr.observe([AcceptedContext(rid, p, 0, torch.randn(len(p), width, device=self.dev,
-                                                                 dtype=c.torch_dtype))
-                        for rid, p in zip(ids, prompts)])
+            dr.observe(
+                [
+                    AcceptedContext(
+                        rid, p, 0, torch.randn(len(p), width, device=self.dev, dtype=c.torch_dtype)
+                    )
+                    for rid, p in zip(ids, prompts)
+                ]
+            )
             # The anchor is the last prompt token: the drafter holds the context before it.
-            views = [DraftRequest(rid, p + [p[-1]], len(p), greedy, None, c.block_size)
-                     for rid, p in zip(ids, prompts)]
+            views = [
+                DraftRequest(rid, p + [p[-1]], len(p), greedy, None, c.block_size)
+                for rid, p in zip(ids, prompts)
+            ]
             propose = self._timed(lambda: dr.propose(views), 10)
             backbone = self._timed(lambda: dr.block_hidden(views), 10)
-            out["by_batch"][str(b)] = {"propose_ms": 1e3 * propose, "backbone_ms": 1e3 * backbone,
-                                       "heads_and_sampling_ms": 1e3 * (propose - backbone)}
+            out["by_batch"][str(b)] = {
+                "propose_ms": 1e3 * propose,
+                "backbone_ms": 1e3 * backbone,
+                "heads_and_sampling_ms": 1e3 * (propose - backbone),
+            }
             for rid in ids:
                 dr.free(rid)
         return out
@@ -477,8 +590,14 @@ class Suite:
             plan_t.append(time.perf_counter() - t0)
             return r
 
-        replay = build_drafter("replay", references={}, vocab_size=m.shape.vocab_size,
-                               block_size=c.block_size, accept_rate=c.accept_rate, seed=c.seed)
+        replay = build_drafter(
+            "replay",
+            references={},
+            vocab_size=m.shape.vocab_size,
+            block_size=c.block_size,
+            accept_rate=c.accept_rate,
+            seed=c.seed,
+        )
         eng = self.engine(m, replay, max_tokens=c.timing_steps + 1)
         runner.forward = forward
         setattr(runner, plan_name, plan)
@@ -489,8 +608,16 @@ class Suite:
                     if self.remaining() < 3:
                         break
                     eng.set_policy(p)
-                    reqs = [Request(f"t{conc}-{p}-{i}", ids, SamplingParams(temperature=0.0),
-                                    c.timing_steps + 1, ignore_eos=True) for i, ids in enumerate(prompts)]
+                    reqs = [
+                        Request(
+                            f"t{conc}-{p}-{i}",
+                            ids,
+                            SamplingParams(temperature=0.0),
+                            c.timing_steps + 1,
+                            ignore_eos=True,
+                        )
+                        for i, ids in enumerate(prompts)
+                    ]
                     for r in reqs:
                         eng.add_request(r)
                     walls, fwds, plans = [], [], []
@@ -510,13 +637,19 @@ class Suite:
                     toks = sum(len(r.output_ids) for r in reqs)
                     if p == "none":
                         replay.references.update({tuple(r.prompt_ids): r.output_ids for r in reqs})
-                    point = {"concurrency": conc, "policy": p, "decode_steps": len(walls),
-                             "step_ms": 1e3 * median(walls), "forward_ms": 1e3 * median(fwds),
-                             "plan_ms": 1e3 * median(plans),
-                             "outside_forward_ms": 1e3 * median(w - f for w, f in zip(walls, fwds)),
-                             "tokens_per_s": toks / total}
-                    point["outside_forward_share"] = (point["outside_forward_ms"] / point["step_ms"]
-                                                      if point["step_ms"] else None)
+                    point = {
+                        "concurrency": conc,
+                        "policy": p,
+                        "decode_steps": len(walls),
+                        "step_ms": 1e3 * median(walls),
+                        "forward_ms": 1e3 * median(fwds),
+                        "plan_ms": 1e3 * median(plans),
+                        "outside_forward_ms": 1e3 * median(w - f for w, f in zip(walls, fwds)),
+                        "tokens_per_s": toks / total,
+                    }
+                    point["outside_forward_share"] = (
+                        point["outside_forward_ms"] / point["step_ms"] if point["step_ms"] else None
+                    )
                     out["points"].append(point)
         finally:
             runner.forward = orig_forward
@@ -529,8 +662,9 @@ class Suite:
         n = self.cfg.timing_steps + 1
         ids = self.prompts(m.shape, 1, salt=701)[0]
         prompt = torch.tensor([ids], device=self.dev)
-        gen = lambda k: m.target.generate(prompt, max_new_tokens=k, min_new_tokens=k, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0)
+        gen = lambda k: m.target.generate(
+            prompt, max_new_tokens=k, min_new_tokens=k, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
         eng = self.engine(m, None, max_tokens=n)
 
         def engine_run(k: int, rid: str) -> Request:
@@ -554,12 +688,17 @@ class Suite:
         _sync(self.dev)
         dt_engine = time.perf_counter() - t0
         made = out.shape[1] - prompt.shape[1]
-        hf_tokens = out[0, prompt.shape[1]:].tolist()
-        return {"tokens": made, "seconds": dt, "tokens_per_s": made / dt,
-                "engine_tokens": len(r.output_ids), "engine_seconds": dt_engine,
-                "engine_tokens_per_s": len(r.output_ids) / dt_engine,
-                "engine_vs_hf": (len(r.output_ids) / dt_engine) / (made / dt),
-                "same_tokens_share": sum(a == b for a, b in zip(hf_tokens, r.output_ids)) / max(made, 1)}
+        hf_tokens = out[0, prompt.shape[1] :].tolist()
+        return {
+            "tokens": made,
+            "seconds": dt,
+            "tokens_per_s": made / dt,
+            "engine_tokens": len(r.output_ids),
+            "engine_seconds": dt_engine,
+            "engine_tokens_per_s": len(r.output_ids) / dt_engine,
+            "engine_vs_hf": (len(r.output_ids) / dt_engine) / (made / dt),
+            "same_tokens_share": sum(a == b for a, b in zip(hf_tokens, r.output_ids)) / max(made, 1),
+        }
 
     def profile_step(self, m: Model) -> dict:
         """One decode step at the largest overhead concurrency under torch.profiler: plain, then
@@ -568,8 +707,14 @@ class Suite:
 
         c = self.cfg
         conc = max(c.overhead_concurrency)
-        replay = build_drafter("replay", references={}, vocab_size=m.shape.vocab_size,
-                               block_size=c.block_size, accept_rate=c.accept_rate, seed=c.seed)
+        replay = build_drafter(
+            "replay",
+            references={},
+            vocab_size=m.shape.vocab_size,
+            block_size=c.block_size,
+            accept_rate=c.accept_rate,
+            seed=c.seed,
+        )
         eng = self.engine(m, replay, max_tokens=8)
         prompts = self.prompts(m.shape, conc, salt=900)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dev.type == "cuda" else [])
@@ -579,8 +724,10 @@ class Suite:
                 out[p] = {"skipped": "time budget"}
                 continue
             eng.set_policy(p)
-            reqs = [Request(f"p{p}-{i}", ids, SamplingParams(temperature=0.0), 8, ignore_eos=True)
-                    for i, ids in enumerate(prompts)]
+            reqs = [
+                Request(f"p{p}-{i}", ids, SamplingParams(temperature=0.0), 8, ignore_eos=True)
+                for i, ids in enumerate(prompts)
+            ]
             for r in reqs:
                 eng.add_request(r)
             while eng.waiting or any(r.status is not Status.DECODE for r in eng.running):
@@ -613,8 +760,9 @@ class Suite:
             res["files"].append(plot_cost_tables(prof, self.out / "cost_table.png", self.report["device"]))
         rows = self.report["stages"].get("sweep", {}).get("result", {}).get("rows")
         if rows:
-            res["files"].append(plot_sweep(rows, self.out / "sweep.png", self.report["device"],
-                                           self.cfg.accept_rate))
+            res["files"].append(
+                plot_sweep(rows, self.out / "sweep.png", self.report["device"], self.cfg.accept_rate)
+            )
         res["files"] = [os.path.basename(f) for f in res["files"]]
         return True
 
@@ -679,9 +827,12 @@ def load_cpu_table(path: str | None) -> dict | None:
     table = d.get("cost_table", d)
     if not isinstance(table, dict) or "batch_sizes" not in table:
         return None
-    return {"source": _rel(path),
-            "machine": d.get("machine"), "batch_sizes": table["batch_sizes"],
-            "steps_per_second": table["steps_per_second"]}
+    return {
+        "source": _rel(path),
+        "machine": d.get("machine"),
+        "batch_sizes": table["batch_sizes"],
+        "steps_per_second": table["steps_per_second"],
+    }
 
 
 def summarize_profile(prof, wall: float, cuda: bool) -> dict:
@@ -706,17 +857,24 @@ def summarize_profile(prof, wall: float, cuda: bool) -> dict:
         for e in kernels:
             by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
         top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
-        out.update(kernel_count=len(kernels), kernel_busy_ms=busy / 1e3,
-                   gpu_idle_ms=max(0.0, 1e3 * wall - busy / 1e3),
-                   gpu_idle_share=max(0.0, 1 - busy / 1e3 / (1e3 * wall)) if wall else None,
-                   kernel_gaps=len(gaps), largest_gaps_us=sorted(gaps, reverse=True)[:5],
-                   top_kernels=[{"name": n[:90], "calls": len(v), "total_us": sum(v)} for n, v in top])
+        out.update(
+            kernel_count=len(kernels),
+            kernel_busy_ms=busy / 1e3,
+            gpu_idle_ms=max(0.0, 1e3 * wall - busy / 1e3),
+            gpu_idle_share=max(0.0, 1 - busy / 1e3 / (1e3 * wall)) if wall else None,
+            kernel_gaps=len(gaps),
+            largest_gaps_us=sorted(gaps, reverse=True)[:5],
+            top_kernels=[{"name": n[:90], "calls": len(v), "total_us": sum(v)} for n, v in top],
+        )
     else:
         avg = prof.key_averages()
         top = sorted(avg, key=lambda a: -a.self_cpu_time_total)[:10]
-        out.update(op_count=sum(a.count for a in avg),
-                   top_ops=[{"name": a.key[:90], "calls": a.count, "self_cpu_us": a.self_cpu_time_total}
-                            for a in top])
+        out.update(
+            op_count=sum(a.count for a in avg),
+            top_ops=[
+                {"name": a.key[:90], "calls": a.count, "self_cpu_us": a.self_cpu_time_total} for a in top
+            ],
+        )
     return out
 
 
@@ -738,19 +896,39 @@ def summarize(report: dict) -> dict:
 
     concs = sorted({r["concurrency"] for r in rows if r["shape"] == first})
     lo, hi = (concs[0], concs[-1]) if concs else (None, None)
-    static = next((p for p in stages.get("sweep", {}).get("result", {}).get("policies", [])
-                   if p.startswith("static")), None)
-    s = {"shape": first, "low_concurrency": lo, "high_concurrency": hi,
-         "stage_status": {k: v.get("status") for k, v in stages.items()},
-         "plain_vs_hf_generate_c1": timings.get("engine_vs_hf_generate_c1"),
-         "dspark_vs_plain_per_user_low": ratio(get("dspark", lo, "per_user_tps"), get("none", lo, "per_user_tps")),
-         "dspark_vs_plain_aggregate_high": ratio(get("dspark", hi, "aggregate_tps"), get("none", hi, "aggregate_tps")),
-         "static_vs_plain_per_user_low": ratio(get(static, lo, "per_user_tps"), get("none", lo, "per_user_tps")),
-         "static_vs_plain_aggregate_high": ratio(get(static, hi, "aggregate_tps"), get("none", hi, "aggregate_tps")),
-         "realised_accept_rate": {f"{r['policy']}@{r['concurrency']}": r["realised_accept_rate"]
-                                  for r in rows if r["shape"] == first and r["realised_accept_rate"] is not None}}
-    aims = {"plain_vs_hf_generate_c1": 1.5, "dspark_vs_plain_per_user_low": 2.5,
-            "dspark_vs_plain_aggregate_high": 1.1}
+    static = next(
+        (p for p in stages.get("sweep", {}).get("result", {}).get("policies", []) if p.startswith("static")),
+        None,
+    )
+    s = {
+        "shape": first,
+        "low_concurrency": lo,
+        "high_concurrency": hi,
+        "stage_status": {k: v.get("status") for k, v in stages.items()},
+        "plain_vs_hf_generate_c1": timings.get("engine_vs_hf_generate_c1"),
+        "dspark_vs_plain_per_user_low": ratio(
+            get("dspark", lo, "per_user_tps"), get("none", lo, "per_user_tps")
+        ),
+        "dspark_vs_plain_aggregate_high": ratio(
+            get("dspark", hi, "aggregate_tps"), get("none", hi, "aggregate_tps")
+        ),
+        "static_vs_plain_per_user_low": ratio(
+            get(static, lo, "per_user_tps"), get("none", lo, "per_user_tps")
+        ),
+        "static_vs_plain_aggregate_high": ratio(
+            get(static, hi, "aggregate_tps"), get("none", hi, "aggregate_tps")
+        ),
+        "realised_accept_rate": {
+            f"{r['policy']}@{r['concurrency']}": r["realised_accept_rate"]
+            for r in rows
+            if r["shape"] == first and r["realised_accept_rate"] is not None
+        },
+    }
+    aims = {
+        "plain_vs_hf_generate_c1": 1.5,
+        "dspark_vs_plain_per_user_low": 2.5,
+        "dspark_vs_plain_aggregate_high": 1.1,
+    }
     s["aims_met"] = {k: (s[k] >= v if s[k] is not None else None) for k, v in aims.items()}
     return s
 
@@ -767,10 +945,20 @@ def plot_cost_tables(prof: dict, path: Path, device: str) -> str:
         b, sps = t["batch_sizes"], t["steps_per_second"]
         ax[0].plot(b, sps, "o-", label=label, ms=3)
         ax[1].plot(b, [x * y for x, y in zip(b, sps)], "o-", label=label, ms=3)
-    ax[0].set(xscale="log", yscale="log", xlabel="batch tokens B", ylabel="target steps/s SPS(B)",
-              title="cost table")
-    ax[1].set(xscale="log", yscale="log", xlabel="batch tokens B", ylabel="tokens/s = B x SPS(B)",
-              title="throughput of one forward")
+    ax[0].set(
+        xscale="log",
+        yscale="log",
+        xlabel="batch tokens B",
+        ylabel="target steps/s SPS(B)",
+        title="cost table",
+    )
+    ax[1].set(
+        xscale="log",
+        yscale="log",
+        xlabel="batch tokens B",
+        ylabel="tokens/s = B x SPS(B)",
+        title="throughput of one forward",
+    )
     for a in ax:
         a.grid(alpha=0.3, which="both")
         a.legend(fontsize=7)
@@ -788,19 +976,36 @@ def plot_sweep(rows: list[dict], path: Path, device: str, accept_rate: float) ->
     for si, shape in enumerate(shapes):
         a0, a1, a2 = axes[si]
         for p in dict.fromkeys(r["policy"] for r in rows):
-            pts = sorted((r for r in rows if r["shape"] == shape and r["policy"] == p),
-                         key=lambda r: r["concurrency"])
+            pts = sorted(
+                (r for r in rows if r["shape"] == shape and r["policy"] == p), key=lambda r: r["concurrency"]
+            )
             a0.plot([r["per_user_tps"] for r in pts], [r["aggregate_tps"] for r in pts], "o-", label=p, ms=3)
             for r in pts:
                 a0.annotate(str(r["concurrency"]), (r["per_user_tps"], r["aggregate_tps"]), fontsize=6)
             a1.plot([r["concurrency"] for r in pts], [r["aggregate_tps"] for r in pts], "o-", label=p, ms=3)
-            a2.plot([r["concurrency"] for r in pts], [r["mean_budget"] or 0 for r in pts], "o-", label=p, ms=3)
-        a0.set(xlabel="per-user tokens/s", ylabel="aggregate tokens/s", xscale="log", yscale="log",
-               title=f"{shape}: frontier (labels: concurrency)")
-        a1.set(xlabel="concurrency", ylabel="aggregate tokens/s", xscale="log", yscale="log",
-               title=f"replay drafter, acceptance {accept_rate:g}")
-        a2.set(xlabel="concurrency", ylabel="drafts verified per request per step", xscale="log",
-               title="verification budget vs load")
+            a2.plot(
+                [r["concurrency"] for r in pts], [r["mean_budget"] or 0 for r in pts], "o-", label=p, ms=3
+            )
+        a0.set(
+            xlabel="per-user tokens/s",
+            ylabel="aggregate tokens/s",
+            xscale="log",
+            yscale="log",
+            title=f"{shape}: frontier (labels: concurrency)",
+        )
+        a1.set(
+            xlabel="concurrency",
+            ylabel="aggregate tokens/s",
+            xscale="log",
+            yscale="log",
+            title=f"replay drafter, acceptance {accept_rate:g}",
+        )
+        a2.set(
+            xlabel="concurrency",
+            ylabel="drafts verified per request per step",
+            xscale="log",
+            title="verification budget vs load",
+        )
         for a in (a0, a1, a2):
             a.grid(alpha=0.3, which="both")
             a.legend(fontsize=7)
@@ -822,8 +1027,11 @@ def main(argv=None) -> int:
     ap.add_argument("--accept-rate", type=float, default=0.8)
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--dtype", default=None, help="target dtype (default bfloat16; tiny float32)")
-    ap.add_argument("--cpu-table", default=str(DEFAULT_CPU_TABLE),
-                    help="JSON with a CPU cost table to plot next to the device one ('' = none)")
+    ap.add_argument(
+        "--cpu-table",
+        default=str(DEFAULT_CPU_TABLE),
+        help="JSON with a CPU cost table to plot next to the device one ('' = none)",
+    )
     args = ap.parse_args(argv)
     kw: dict = {"accept_rate": args.accept_rate, "cpu_table": args.cpu_table or None}
     if args.budget_s is not None:

@@ -5,6 +5,7 @@ without the slow weight initialisation, for timing on an accelerator.
 Only torch and transformers are needed (no server stack), so `bench/gpu_suite.py` can import
 this on a bare GPU machine.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,16 +40,30 @@ class CharTokenizer:
         return "".join(chr(0x21 + i % 94) for i in ids)
 
 
-def tiny_model(kind: str = "llama", vocab: int = 257, seed: int = 0, layers: int = 2,
-               dtype=torch.float32):
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                              Qwen3Config, Qwen3ForCausalLM)
+def tiny_model(kind: str = "llama", vocab: int = 257, seed: int = 0, layers: int = 2, dtype=torch.float32):
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=512, eos_token_id=256 if vocab > 256 else None,
-                  bos_token_id=None, pad_token_id=None)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        eos_token_id=256 if vocab > 256 else None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif kind == "qwen2":  # q/k/v biases
@@ -69,9 +84,15 @@ def tiny_model(kind: str = "llama", vocab: int = 257, seed: int = 0, layers: int
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     dev = next(model.parameters()).device
-    out = model.generate(torch.tensor([prompt], device=dev), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt], device=dev),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def runner_for(model, num_blocks: int = 256, block_size: int = 4) -> ModelRunner:
@@ -108,8 +129,16 @@ class TargetShape:
     markov_rank: int
 
     def __post_init__(self) -> None:
-        for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                  "head_dim", "intermediate_size", "vocab_size", "draft_layers"):
+        for f in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "draft_layers",
+        ):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f} must be > 0, got {getattr(self, f)!r}")
         if not self.draft_taps or not all(0 <= t < self.num_hidden_layers for t in self.draft_taps):
@@ -139,8 +168,9 @@ TINY_B = TargetShape("tiny-b", 96, 3, 4, 2, 24, 192, 512, False, 1, (0, 2), 8)
 SHAPES = {s.name: s for s in (QWEN3_0_6B, QWEN3_4B, TINY_A, TINY_B)}
 
 
-def random_qwen3(shape: TargetShape, device: torch.device | str, dtype: torch.dtype,
-                 seed: int = 0, std: float = 0.02):
+def random_qwen3(
+    shape: TargetShape, device: torch.device | str, dtype: torch.dtype, seed: int = 0, std: float = 0.02
+):
     """A Qwen3ForCausalLM of `shape` with random weights, built on the meta device and filled in
     place on `device` (no per-layer init, no float32 detour, no download).
 
@@ -148,13 +178,20 @@ def random_qwen3(shape: TargetShape, device: torch.device | str, dtype: torch.dt
     logits are spread wide (greedy decoding stays far from ties across batch shapes)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
-                      intermediate_size=shape.intermediate_size,
-                      num_hidden_layers=shape.num_hidden_layers,
-                      num_attention_heads=shape.num_attention_heads,
-                      num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
-                      max_position_embeddings=40960, tie_word_embeddings=shape.tie_word_embeddings,
-                      bos_token_id=None, pad_token_id=None, eos_token_id=None)
+    cfg = Qwen3Config(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=40960,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        bos_token_id=None,
+        pad_token_id=None,
+        eos_token_id=None,
+    )
     dev = torch.device(device)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -167,7 +204,7 @@ def random_qwen3(shape: TargetShape, device: torch.device | str, dtype: torch.dt
     if shape.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     gen = torch.Generator(device=dev).manual_seed(seed)
-    head_std = 4.0 / shape.hidden_size ** 0.5
+    head_std = 4.0 / shape.hidden_size**0.5
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -190,11 +227,17 @@ def random_dspark(target, shape: TargetShape, block_size: int = 7, seed: int = 0
     from dspark_serve.drafter.dspark_model import DSparkConfig, DSparkModel, rope_inv_freq
 
     p = next(target.parameters())
-    cfg = DSparkConfig.for_target(target.config, num_draft_layers=shape.draft_layers,
-                                  block_size=block_size, target_layer_ids=shape.draft_taps,
-                                  mask_token_id=shape.vocab_size - 1, markov_rank=shape.markov_rank,
-                                  markov_head_type="vanilla", enable_confidence_head=True,
-                                  confidence_head_with_markov=True)
+    cfg = DSparkConfig.for_target(
+        target.config,
+        num_draft_layers=shape.draft_layers,
+        block_size=block_size,
+        target_layer_ids=shape.draft_taps,
+        mask_token_id=shape.vocab_size - 1,
+        markov_rank=shape.markov_rank,
+        markov_head_type="vanilla",
+        enable_confidence_head=True,
+        confidence_head_with_markov=True,
+    )
     torch.manual_seed(seed)
     with p.device:
         model = DSparkModel(cfg, embed_tokens=target.model.embed_tokens, lm_head=target.lm_head)

@@ -15,6 +15,7 @@ It also measures what restoring the drafter's context after a cache hit costs
 the target prefilling those N tokens, and the bytes per token of the target's KV, of the cached
 tap states and of the drafter's own context K/V.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,8 @@ SYSTEM = (
     "question back. Each conversation is independent of the others, and the history of this "
     "conversation is sent with every turn, so refer back to earlier answers when that helps. "
     "Keep a neutral tone, avoid marketing language, and do not use emojis. These rules apply "
-    "to every turn of the conversation, including follow-up questions and corrections.")
+    "to every turn of the conversation, including follow-up questions and corrections."
+)
 
 
 def render(tok, messages) -> list[int]:
@@ -91,8 +93,9 @@ def run_mode(eng, tok, questions: list[list[str]], max_tokens: int, caching: boo
             rounds += r.spec.rounds
             accepted += r.spec.accepted
             answers[c].append(list(r.output_ids))
-            history[c].append({"role": "assistant",
-                               "content": tok.decode(r.output_ids, skip_special_tokens=True)})
+            history[c].append(
+                {"role": "assistant", "content": tok.decode(r.output_ids, skip_special_tokens=True)}
+            )
             turn[c] += 1
             if turn[c] < n_turn:
                 send(c)
@@ -100,14 +103,21 @@ def run_mode(eng, tok, questions: list[list[str]], max_tokens: int, caching: boo
     st = eng.runner.blocks.stats()
     q, h = st.queries - before.queries, st.hits - before.hits
     return {
-        "prefix_caching": caching, "conversations": n_conv, "turns": n_turn,
-        "requests": len(ttft), "completion_tokens": tokens, "wall_s": wall,
+        "prefix_caching": caching,
+        "conversations": n_conv,
+        "turns": n_turn,
+        "requests": len(ttft),
+        "completion_tokens": tokens,
+        "wall_s": wall,
         "aggregate_tps": tokens / wall,
-        "ttft_median_s": statistics.median(ttft), "ttft_mean_s": statistics.fmean(ttft),
+        "ttft_median_s": statistics.median(ttft),
+        "ttft_mean_s": statistics.fmean(ttft),
         "ttft_p90_s": sorted(ttft)[int(0.9 * (len(ttft) - 1))],
         "tau": (accepted + rounds) / rounds if rounds else None,
         "prompt_tokens_mean": statistics.fmean(prompt_lens),
-        "prefix_queries": q, "prefix_hits": h, "hit_rate": h / q if q else 0.0,
+        "prefix_queries": q,
+        "prefix_hits": h,
+        "hit_rate": h / q if q else 0.0,
         "evictions": st.evictions - before.evictions,
         "preemptions": eng.scheduler.num_preemptions - pre0,
         "answers_digest": hash(json.dumps(answers)) & 0xFFFFFFFF,
@@ -137,7 +147,8 @@ def restore_cost(eng, n: int, reps: int) -> dict:
     elt = hidden.element_size()
     draft_kv = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * elt
     return {
-        "tokens": n, "target_prefill_s": statistics.median(fwd),
+        "tokens": n,
+        "target_prefill_s": statistics.median(fwd),
         "drafter_observe_s": statistics.median(obs),
         "ratio_observe_over_prefill": statistics.median(obs) / statistics.median(fwd),
         "bytes_per_token": {
@@ -153,7 +164,9 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--question-chars", type=int, default=200, help="each question is cut to this many characters")
+    ap.add_argument(
+        "--question-chars", type=int, default=200, help="each question is cut to this many characters"
+    )
     ap.add_argument("--repeats", type=int, default=1, help="off/on pairs, alternating")
     ap.add_argument("--drafter", default="dspark")
     ap.add_argument("--drafter-path", default=None)
@@ -162,11 +175,17 @@ def main() -> None:
     args = ap.parse_args()
 
     from dspark_serve.scheduler.llm import LLM
-    llm = LLM(drafter=args.drafter, drafter_path=args.drafter_path, max_num_seqs=args.conversations,
-              max_model_len=2048, kv_cache_tokens=args.kv_cache_tokens)
+
+    llm = LLM(
+        drafter=args.drafter,
+        drafter_path=args.drafter_path,
+        max_num_seqs=args.conversations,
+        max_model_len=2048,
+        kv_cache_tokens=args.kv_cache_tokens,
+    )
     eng, tok = llm.engine, llm.tokenizer
-    qs = [t[:args.question_chars] for _, t in load_prompts(DATA, args.conversations * args.turns)]
-    questions = [qs[c * args.turns:(c + 1) * args.turns] for c in range(args.conversations)]
+    qs = [t[: args.question_chars] for _, t in load_prompts(DATA, args.conversations * args.turns)]
+    questions = [qs[c * args.turns : (c + 1) * args.turns] for c in range(args.conversations)]
     system_tokens = len(render(tok, [{"role": "system", "content": SYSTEM}]))
     # warm-up (kernels, allocator) outside the measured runs
     eng.set_prefix_caching(False)
@@ -176,9 +195,12 @@ def main() -> None:
         for caching in (False, True):
             r = run_mode(eng, tok, questions, args.max_tokens, caching, f"r{rep}{int(caching)}")
             runs.append(r)
-            print(f"caching={caching!s:5} ttft median {r['ttft_median_s']:.3f}s mean {r['ttft_mean_s']:.3f}s "
-                  f"agg {r['aggregate_tps']:.1f} tok/s tau {r['tau'] or 0:.3f} hit rate {r['hit_rate']:.3f} "
-                  f"preempt {r['preemptions']}", flush=True)
+            print(
+                f"caching={caching!s:5} ttft median {r['ttft_median_s']:.3f}s mean {r['ttft_mean_s']:.3f}s "
+                f"agg {r['aggregate_tps']:.1f} tok/s tau {r['tau'] or 0:.3f} hit rate {r['hit_rate']:.3f} "
+                f"preempt {r['preemptions']}",
+                flush=True,
+            )
     eng.set_prefix_caching(True)
     restore = restore_cost(eng, 512, 3) if eng.drafter is not None and eng.drafter.tap_layers else None
 
@@ -192,10 +214,18 @@ def main() -> None:
     }
     if runs[0]["tau"]:
         summary["tau_ratio_on_over_off"] = agg(True, "tau") / agg(False, "tau")
-    result = {"machine": machine(), "model": llm.model_name, "drafter": args.drafter,
-              "system_prompt_tokens": system_tokens, "max_tokens": args.max_tokens,
-              "runner": eng.runner.describe(), "dtype": str(eng.runner.dtype),
-              "runs": runs, "summary": summary, "drafter_context_restore": restore}
+    result = {
+        "machine": machine(),
+        "model": llm.model_name,
+        "drafter": args.drafter,
+        "system_prompt_tokens": system_tokens,
+        "max_tokens": args.max_tokens,
+        "runner": eng.runner.describe(),
+        "dtype": str(eng.runner.dtype),
+        "runs": runs,
+        "summary": summary,
+        "drafter_context_restore": restore,
+    }
     print(json.dumps({"summary": summary, "drafter_context_restore": restore}, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ configured rate and the confidences are calibrated: the load-aware policy sees t
 
 Registered as drafter "replay" (`build_drafter("replay", references=..., vocab_size=...)`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -49,8 +50,14 @@ class ReplayDrafter:
     calibrator = None  # its confidences are exact by construction
     online_confidence = False
 
-    def __init__(self, references: dict[tuple[int, ...], list[int]], vocab_size: int,
-                 block_size: int = 7, accept_rate: float = 0.8, seed: int = 0) -> None:
+    def __init__(
+        self,
+        references: dict[tuple[int, ...], list[int]],
+        vocab_size: int,
+        block_size: int = 7,
+        accept_rate: float = 0.8,
+        seed: int = 0,
+    ) -> None:
         if not (0.0 <= accept_rate <= 1.0):
             raise ValueError(f"accept_rate must be in [0, 1], got {accept_rate!r}")
         if block_size <= 0:
@@ -76,26 +83,27 @@ class ReplayDrafter:
             done = len(r.token_ids) - n0
             seen = self._checked.get(r.request_id, 0)
             if done > seen:
-                if r.token_ids[n0 + seen:] != ref[seen:done]:
+                if r.token_ids[n0 + seen :] != ref[seen:done]:
                     self.stats.diverged.add(r.request_id)
                 self._checked[r.request_id] = done
-            truths.append(ref[done:done + min(self.block_size, r.max_draft)])
+            truths.append(ref[done : done + min(self.block_size, r.max_draft)])
         # One draw for the whole batch: the drafter's own cost stays small next to the step.
         keep = (torch.rand(sum(map(len, truths)), generator=self.rng) < self.accept_rate).tolist()
         conf = torch.full((self.block_size,), self.accept_rate)
         out, i = [], 0
         for truth in truths:
-            toks = [t if k else (t + 1) % self.vocab_size for t, k in zip(truth, keep[i:i + len(truth)])]
+            toks = [t if k else (t + 1) % self.vocab_size for t, k in zip(truth, keep[i : i + len(truth)])]
             i += len(truth)
-            out.append(DraftProposal(torch.tensor(toks, dtype=torch.long), None, conf[:len(toks)]))
+            out.append(DraftProposal(torch.tensor(toks, dtype=torch.long), None, conf[: len(toks)]))
         return out
 
     def observe(self, contexts: list[AcceptedContext]) -> None:
         for c in contexts:  # the engine must feed every kept token once, in order
             have = self._observed.get(c.request_id, 0)
             if c.start_pos != have:
-                raise ValueError(f"request {c.request_id!r}: context starts at {c.start_pos}, "
-                                 f"{have} positions observed")
+                raise ValueError(
+                    f"request {c.request_id!r}: context starts at {c.start_pos}, {have} positions observed"
+                )
             self._observed[c.request_id] = have + len(c.token_ids)
 
     def observe_acceptance(self, request_id: str, proposed: int, accepted: int) -> None:
@@ -111,7 +119,12 @@ class ReplayDrafter:
 
 
 @register_drafter("replay")
-def build_replay(references: dict[tuple[int, ...], list[int]], vocab_size: int, block_size: int = 7,
-                 accept_rate: float = 0.8, seed: int = 0) -> ReplayDrafter:
+def build_replay(
+    references: dict[tuple[int, ...], list[int]],
+    vocab_size: int,
+    block_size: int = 7,
+    accept_rate: float = 0.8,
+    seed: int = 0,
+) -> ReplayDrafter:
     """The replay drafter (see the module docstring)."""
     return ReplayDrafter(references, vocab_size, block_size, accept_rate, seed)

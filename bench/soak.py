@@ -9,6 +9,7 @@ server's RSS growth from the end of the warm-up to the end.
     python -m bench.soak --duration 1800 --out bench/results/soak-30min.json
     python -m bench.soak --duration 180 -- --drafter ngram        # flags after -- go to the server
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,14 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = None  # filled from /v1/models
 
-PROMPTS = ["List the days of the week.", "Explain what a KV cache is in two sentences.",
-           "Write a haiku about the sea.", "What is 17 times 23?", "Name five fruits.",
-           "Summarise the plot of Hamlet in one paragraph."]
+PROMPTS = [
+    "List the days of the week.",
+    "Explain what a KV cache is in two sentences.",
+    "Write a haiku about the sea.",
+    "What is 17 times 23?",
+    "Name five fruits.",
+    "Summarise the plot of Hamlet in one paragraph.",
+]
 
 
 def bad_requests(vocab_hint: int = 10**9) -> list[tuple[str, str, dict]]:
@@ -40,15 +46,30 @@ def bad_requests(vocab_hint: int = 10**9) -> list[tuple[str, str, dict]]:
         ("neg-token", "/v1/completions", {"json": {"prompt": [-1], "max_tokens": 4}}),
         ("big-token", "/v1/completions", {"json": {"prompt": [1, vocab_hint], "max_tokens": 4}}),
         ("seed-overflow", "/v1/completions", {"json": {"prompt": "hi", "max_tokens": 4, "seed": 2**64}}),
-        ("deep-json", "/v1/completions", {"content": b'{"prompt": ' + b"[" * 50000 + b"]" * 50000 + b"}",
-                                          "headers": j}),
+        (
+            "deep-json",
+            "/v1/completions",
+            {"content": b'{"prompt": ' + b"[" * 50000 + b"]" * 50000 + b"}", "headers": j},
+        ),
         ("huge-body", "/v1/completions", {"content": b"x" * (10 * 2**20), "headers": j}),
         ("bad-json", "/v1/chat/completions", {"content": b'{"messages": [', "headers": j}),
-        ("unsupported", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "hi"}],
-                                                          "tools": [{"type": "function"}]}}),
+        (
+            "unsupported",
+            "/v1/chat/completions",
+            {"json": {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}},
+        ),
         ("string-int", "/v1/completions", {"json": {"prompt": "hi", "max_tokens": "10"}}),
-        ("image", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "x"}}]}]}}),
+        (
+            "image",
+            "/v1/chat/completions",
+            {
+                "json": {
+                    "messages": [
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                    ]
+                }
+            },
+        ),
         ("too-long", "/v1/completions", {"json": {"prompt": "hi", "max_tokens": 10**6}}),
         ("huge-top-k", "/v1/completions", {"json": {"prompt": "hi", "max_tokens": 2, "top_k": 10**30}}),
     ]
@@ -76,8 +97,12 @@ class Stats:
 
 def body_for(rng: random.Random, stream: bool) -> tuple[str, dict]:
     p = rng.choice(PROMPTS)
-    kw = {"model": MODEL, "max_tokens": rng.randint(4, 48), "stream": stream,
-          "temperature": rng.choice([0, 0.7, 1.0])}
+    kw = {
+        "model": MODEL,
+        "max_tokens": rng.randint(4, 48),
+        "stream": stream,
+        "temperature": rng.choice([0, 0.7, 1.0]),
+    }
     if rng.random() < 0.3:
         kw["seed"] = rng.randint(0, 2**63)
     if rng.random() < 0.5:
@@ -88,11 +113,11 @@ def body_for(rng: random.Random, stream: bool) -> tuple[str, dict]:
 async def one(client: httpx.AsyncClient, rng: random.Random, stats: Stats, bad) -> None:
     r = rng.random()
     try:
-        if r < 0.10:                                   # a bad input
+        if r < 0.10:  # a bad input
             kind, path, kw = rng.choice(bad)
             resp = await client.post(path, **kw)
             stats.add("bad:" + kind, resp.status_code, 400 <= resp.status_code < 500, resp.text)
-        elif r < 0.30:                                 # a client that goes away (~20%)
+        elif r < 0.30:  # a client that goes away (~20%)
             stream = rng.random() < 0.5
             path, body = body_for(rng, stream)
             body["max_tokens"] = rng.randint(64, 256)
@@ -111,14 +136,18 @@ async def one(client: httpx.AsyncClient, rng: random.Random, stats: Stats, bad) 
                     stats.add("disconnect-plain", resp.status_code, resp.status_code in (200, 429))
                 except httpx.TimeoutException:
                     stats.add("disconnect-plain", "gone", True)
-        else:                                          # a normal request
+        else:  # a normal request
             stream = rng.random() < 0.5
             path, body = body_for(rng, stream)
             if stream:
                 async with client.stream("POST", path, json=body) as s:
                     text = [line async for line in s.aiter_lines() if line.startswith("data: ")]
-                    ok = s.status_code == 429 or (s.status_code == 200 and text and text[-1] == "data: [DONE]"
-                                                  and not any('"error"' in t for t in text))
+                    ok = s.status_code == 429 or (
+                        s.status_code == 200
+                        and text
+                        and text[-1] == "data: [DONE]"
+                        and not any('"error"' in t for t in text)
+                    )
                     stats.add("stream", s.status_code, ok, text[-2] if len(text) > 1 else "")
             else:
                 resp = await client.post(path, json=body)
@@ -137,6 +166,7 @@ async def drive(url: str, args, stats: Stats, pid: int | None) -> dict:
     rss = {"samples": []}
     limits = httpx.Limits(max_connections=args.concurrency + args.burst_size + 8)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+
         async def worker(i):
             wr = random.Random(args.seed * 1000 + i)
             while time.monotonic() < t_end:
@@ -145,8 +175,9 @@ async def drive(url: str, args, stats: Stats, pid: int | None) -> dict:
         async def bursts():
             while time.monotonic() < t_end:
                 await asyncio.sleep(args.burst_every)
-                await asyncio.gather(*[one(client, random.Random(rng.random()), stats, bad)
-                                       for _ in range(args.burst_size)])
+                await asyncio.gather(
+                    *[one(client, random.Random(rng.random()), stats, bad) for _ in range(args.burst_size)]
+                )
 
         async def sampler():
             while time.monotonic() < t_end:
@@ -185,10 +216,26 @@ def main() -> None:
     url = args.url
     if url is None:
         port = 18000 + os.getpid() % 1000
-        cmd = [sys.executable, "-m", "dspark_serve.server.cli", "--port", str(port), "--max-num-seqs", "4",
-               "--max-waiting", "8", "--max-model-len", "1024", "--kv-cache-tokens",
-               str(args.kv_cache_tokens), "--kv-block-size", str(args.kv_block_size),
-               "--log-level", "warning", *args.server_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dspark_serve.server.cli",
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            "4",
+            "--max-waiting",
+            "8",
+            "--max-model-len",
+            "1024",
+            "--kv-cache-tokens",
+            str(args.kv_cache_tokens),
+            "--kv-block-size",
+            str(args.kv_block_size),
+            "--log-level",
+            "warning",
+            *args.server_args,
+        ]
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         url = f"http://127.0.0.1:{port}"
     try:
@@ -222,19 +269,24 @@ def main() -> None:
         final_rss = rss_kib(proc.pid) if proc else None
         warm = rss.get("warm")
         from bench.common import machine
+
         total = sum(sum(d.values()) for d in stats.by_kind.values())
         disc = sum(sum(d.values()) for k, d in stats.by_kind.items() if k.startswith("disconnect"))
         result = {
-            "machine": machine(), "duration_s": round(elapsed, 1), "requests": total,
+            "machine": machine(),
+            "duration_s": round(elapsed, 1),
+            "requests": total,
             "disconnect_share": round(disc / max(total, 1), 3),
             "by_kind_and_status": stats.by_kind,
-            "unexpected": len(stats.unexpected), "unexpected_examples": stats.unexpected[:20],
+            "unexpected": len(stats.unexpected),
+            "unexpected_examples": stats.unexpected[:20],
             "transport_errors": stats.transport_errors,
             "http_5xx": sum(n for d in stats.by_kind.values() for s, n in d.items() if s.startswith("5")),
             "leaked_blocks_after_idle": round(usage * num_blocks),
             "running_after_idle": metric(m, "dspark:num_requests_running"),
             "waiting_after_idle": metric(m, "dspark:num_requests_waiting"),
-            "rss_kib_after_warmup": warm, "rss_kib_final": final_rss,
+            "rss_kib_after_warmup": warm,
+            "rss_kib_final": final_rss,
             "rss_growth_pct": round(100 * (final_rss - warm) / warm, 2) if warm and final_rss else None,
             "rss_samples": rss["samples"],
             "http_429_metric": metric(m, 'dspark:http_errors_total{status="429"}'),

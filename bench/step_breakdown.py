@@ -17,6 +17,7 @@ own overhead inflates operator times a little, so this is a lower bound).
 Roofline beside it: weight bytes / measured memory bandwidth (a decode step must read every
 weight once) and matmul FLOPs / measured matmul peak, both measured here by microbenchmarks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,19 @@ import torch  # noqa: E402
 
 from bench.common import DATA, load_prompts, machine  # noqa: E402
 
-MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::bmm",
-              "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise", "aten::mkldnn_linear",
-              "aten::_mkl_linear", "aten::addmv", "aten::mv"}
+MATMUL_OPS = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::matmul",
+    "aten::linear",
+    "aten::bmm",
+    "aten::_weight_int8pack_mm",
+    "mkldnn::_linear_pointwise",
+    "aten::mkldnn_linear",
+    "aten::_mkl_linear",
+    "aten::addmv",
+    "aten::mv",
+}
 LABELS = ("attention", "drafter", "sampling", "forward")
 
 
@@ -54,7 +65,7 @@ def measure_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
     b = torch.randn(n, n).to(dtype)
     a @ b
     best = min(_timeit(lambda: a @ b) for _ in range(repeats))
-    return 2 * n ** 3 / best
+    return 2 * n**3 / best
 
 
 def _timeit(fn) -> float:
@@ -75,8 +86,7 @@ def _label_of(ev) -> str | None:
 
 def attribute(prof) -> dict:
     """Self CPU time (s) of every operator, sorted into categories by its nearest label."""
-    out = dict(matmul=0.0, attention=0.0, other_kernels=0.0, drafter=0.0, sampling=0.0,
-               outside=0.0)
+    out = dict(matmul=0.0, attention=0.0, other_kernels=0.0, drafter=0.0, sampling=0.0, outside=0.0)
     for ev in prof.events():
         if ev.name in LABELS or ev.name.startswith("ProfilerStep") or ev.name == "step":
             continue
@@ -130,10 +140,21 @@ def forward_shape(runner, batch: int, tokens: int, context: int, repeats: int, t
         runner.blocks.free(rid)
     att = {k: v / n_prof for k, v in attribute(prof).items()}
     kernels = att["matmul"] + att["attention"] + att["other_kernels"]
-    return dict(kind="forward", batch=batch, tokens_per_request=tokens, context=context,
-                total_tokens=batch * tokens, wall_s=wall, median_wall_s=statistics.median(walls[1:]),
-                matmul_s=att["matmul"], attention_s=att["attention"], other_kernels_s=att["other_kernels"],
-                drafter_s=0.0, sampling_s=0.0, python_dispatch_s=max(0.0, wall - kernels))
+    return dict(
+        kind="forward",
+        batch=batch,
+        tokens_per_request=tokens,
+        context=context,
+        total_tokens=batch * tokens,
+        wall_s=wall,
+        median_wall_s=statistics.median(walls[1:]),
+        matmul_s=att["matmul"],
+        attention_s=att["attention"],
+        other_kernels_s=att["other_kernels"],
+        drafter_s=0.0,
+        sampling_s=0.0,
+        python_dispatch_s=max(0.0, wall - kernels),
+    )
 
 
 def engine_shape(llm, prompts, concurrency: int, steps: int, timers: dict) -> dict:
@@ -142,8 +163,10 @@ def engine_shape(llm, prompts, concurrency: int, steps: int, timers: dict) -> di
     from dspark_serve.verifier.sampling_params import SamplingParams
 
     eng = llm.engine
-    reqs = [Request(f"sp{concurrency}-{i}", p, SamplingParams(temperature=0.0), 1024, ignore_eos=True)
-            for i, p in enumerate(prompts[:concurrency])]
+    reqs = [
+        Request(f"sp{concurrency}-{i}", p, SamplingParams(temperature=0.0), 1024, ignore_eos=True)
+        for i, p in enumerate(prompts[:concurrency])
+    ]
     for r in reqs:
         eng.add_request(r)
     while any(r.status is not Status.DECODE for r in reqs):
@@ -167,15 +190,31 @@ def engine_shape(llm, prompts, concurrency: int, steps: int, timers: dict) -> di
         eng.abort(r.request_id)
     att = {k: v / n_prof for k, v in attribute(prof).items()}
     wall = statistics.median(walls)
-    accounted = (att["matmul"] + att["attention"] + att["other_kernels"] + att["drafter"]
-                 + att["sampling"] + att["outside"])
-    return dict(kind="engine_step", batch=concurrency, speculating=eng.speculating, wall_s=wall,
-                tokens_per_step=made / steps, matmul_s=att["matmul"], attention_s=att["attention"],
-                other_kernels_s=att["other_kernels"], drafter_s=att["drafter"],
-                sampling_s=att["sampling"], engine_kernels_s=att["outside"],
-                drafter_wall_s=mt.get("drafter", 0.0) / n_prof, sampling_wall_s=mt.get("sampling", 0.0) / n_prof,
-                forward_wall_s=mt.get("forward", 0.0) / n_prof,
-                python_dispatch_s=max(0.0, wall - accounted))
+    accounted = (
+        att["matmul"]
+        + att["attention"]
+        + att["other_kernels"]
+        + att["drafter"]
+        + att["sampling"]
+        + att["outside"]
+    )
+    return dict(
+        kind="engine_step",
+        batch=concurrency,
+        speculating=eng.speculating,
+        wall_s=wall,
+        tokens_per_step=made / steps,
+        matmul_s=att["matmul"],
+        attention_s=att["attention"],
+        other_kernels_s=att["other_kernels"],
+        drafter_s=att["drafter"],
+        sampling_s=att["sampling"],
+        engine_kernels_s=att["outside"],
+        drafter_wall_s=mt.get("drafter", 0.0) / n_prof,
+        sampling_wall_s=mt.get("sampling", 0.0) / n_prof,
+        forward_wall_s=mt.get("forward", 0.0) / n_prof,
+        python_dispatch_s=max(0.0, wall - accounted),
+    )
 
 
 def roofline(row: dict, weight_bytes: float, matmul_params: float, bw: float, peak: float) -> None:
@@ -208,29 +247,37 @@ def main() -> None:
     t0 = time.time()
     bw = measure_bandwidth()
     peak = measure_peak(getattr(torch, args.dtype))
-    print(f"measured read bandwidth {bw / 1e9:.1f} GB/s, {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s",
-          flush=True)
+    print(
+        f"measured read bandwidth {bw / 1e9:.1f} GB/s, {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s",
+        flush=True,
+    )
     drafter = "none" if args.no_spec else "dspark"
-    llm = LLM(drafter=drafter, dtype=args.dtype, max_num_seqs=32, max_model_len=2048,
-              kv_cache_tokens=65536, **extra)
+    llm = LLM(
+        drafter=drafter, dtype=args.dtype, max_num_seqs=32, max_model_len=2048, kv_cache_tokens=65536, **extra
+    )
     eng, runner = llm.engine, llm.engine.runner
     model = runner.model
     elt = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
     embed = model.get_input_embeddings().weight
     lm = model.get_output_embeddings().weight
     tied = lm.data_ptr() == embed.data_ptr()
-    matmul_params = sum(p.numel() for p in model.parameters()
-                        if p.dim() == 2 and p.data_ptr() != embed.data_ptr()) + (lm.numel() if tied else 0)
+    matmul_params = sum(
+        p.numel() for p in model.parameters() if p.dim() == 2 and p.data_ptr() != embed.data_ptr()
+    ) + (lm.numel() if tied else 0)
     norm_params = sum(p.numel() for p in model.parameters() if p.dim() == 1)
     weight_bytes = (matmul_params + norm_params) * elt
-    print(f"weights read per step: {weight_bytes / 1e6:.0f} MB -> {weight_bytes / bw * 1e3:.2f} ms "
-          f"({bw / weight_bytes:.0f} steps/s at the bandwidth limit)", flush=True)
+    print(
+        f"weights read per step: {weight_bytes / 1e6:.0f} MB -> {weight_bytes / bw * 1e3:.2f} ms "
+        f"({bw / weight_bytes:.0f} steps/s at the bandwidth limit)",
+        flush=True,
+    )
     timers: dict = {}
     wrap(runner, "forward", "forward", timers)
-    for name in ("_attention", "_attention_reference"):   # fast / reference forward
+    for name in ("_attention", "_attention_reference"):  # fast / reference forward
         if hasattr(runner, name):
             wrap(runner, name, "attention", timers)
     import dspark_serve.verifier.verify as verifymod
+
     wrap(verifymod, "probs_from_logits", "sampling", timers)
     wrap(verifymod, "rejection_sample", "sampling", timers)
     if eng.drafter is not None:
@@ -247,7 +294,10 @@ def main() -> None:
         _print(row)
     if not args.no_spec:
         from bench.bench_engine import chat_ids
-        prompts = [chat_ids(llm.tokenizer, t, 512) for _, t in load_prompts(args.data, max(args.spec_concurrency))]
+
+        prompts = [
+            chat_ids(llm.tokenizer, t, 512) for _, t in load_prompts(args.data, max(args.spec_concurrency))
+        ]
         for policy in ("none", "dspark"):
             eng.set_policy(policy)
             for c in args.spec_concurrency:
@@ -257,10 +307,18 @@ def main() -> None:
                 roofline(row, weight_bytes, matmul_params, bw, peak)
                 rows.append(row)
                 _print(row)
-    result = dict(machine=machine(), dtype=args.dtype, bandwidth_Bps=bw, matmul_peak_flops=peak,
-                  weight_bytes=weight_bytes, matmul_params=matmul_params, rows=rows,
-                  args={k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()}, seconds=time.time() - t0,
-                  runner=getattr(runner, "describe", lambda: "reference (pre-change)")())
+    result = dict(
+        machine=machine(),
+        dtype=args.dtype,
+        bandwidth_Bps=bw,
+        matmul_peak_flops=peak,
+        weight_bytes=weight_bytes,
+        matmul_params=matmul_params,
+        rows=rows,
+        args={k: str(v).replace(str(ROOT) + "/", "") for k, v in vars(args).items()},
+        seconds=time.time() - t0,
+        runner=getattr(runner, "describe", lambda: "reference (pre-change)")(),
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print("wrote", args.out)
@@ -268,12 +326,16 @@ def main() -> None:
 
 def _print(r: dict) -> None:
     ms = lambda k: f"{r.get(k, 0.0) * 1e3:6.2f}"
-    head = (f"{r['kind']:11s} B={r['batch']:2d}" + (f" x{r['tokens_per_request']:3d}" if r["kind"] == "forward"
-                                                   else f" {r.get('policy', ''):6s}"))
-    print(f"{head} wall {ms('wall_s')} ms | matmul {ms('matmul_s')} attn {ms('attention_s')} "
-          f"other {ms('other_kernels_s')} drafter {ms('drafter_s')} sampling {ms('sampling_s')} "
-          f"python {ms('python_dispatch_s')} | roofline {ms('roofline_s')} ms "
-          f"({r['fraction_of_roofline'] * 100:4.1f}%)", flush=True)
+    head = f"{r['kind']:11s} B={r['batch']:2d}" + (
+        f" x{r['tokens_per_request']:3d}" if r["kind"] == "forward" else f" {r.get('policy', ''):6s}"
+    )
+    print(
+        f"{head} wall {ms('wall_s')} ms | matmul {ms('matmul_s')} attn {ms('attention_s')} "
+        f"other {ms('other_kernels_s')} drafter {ms('drafter_s')} sampling {ms('sampling_s')} "
+        f"python {ms('python_dispatch_s')} | roofline {ms('roofline_s')} ms "
+        f"({r['fraction_of_roofline'] * 100:4.1f}%)",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

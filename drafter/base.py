@@ -4,9 +4,10 @@ drafter/registry.py).
 A drafter sees the running requests through `DraftRequest` (a read-only view the engine
 builds each step) and answers with one `DraftProposal` per request.
 """
+
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -91,7 +92,7 @@ class Drafter(Protocol):
     online_confidence: bool
     # The online recalibration of a confidence head (drafter/online_calibration.py), or None;
     # /metrics exports its live ECE and per-position temperatures.
-    calibrator: "OnlineCalibrator | None"
+    calibrator: OnlineCalibrator | None
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         """One batched call for all running requests."""

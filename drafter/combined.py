@@ -8,13 +8,14 @@ exponential average of accepted tokens per verified round), and whether prompt l
 match at all (a deterministic function of the context). A fixed schedule sends every
 `explore_every`-th round of a request to the other drafter, so both estimates stay current.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftRequest, Drafter
+from dspark_serve.drafter.base import AcceptedContext, Drafter, DraftProposal, DraftRequest
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class CombinedDrafter:
         self.tap_layers = tuple(primary.tap_layers)
         self.calibrator = primary.calibrator
         self._state: dict[str, _RequestChoice] = {}
-        self.uses = [0, 0]   # request-steps each drafter proposed for (primary, lookup)
+        self.uses = [0, 0]  # request-steps each drafter proposed for (primary, lookup)
 
     def _choice(self, request_id: str) -> _RequestChoice:
         if request_id not in self._state:
@@ -79,7 +80,7 @@ class CombinedDrafter:
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         primary, lookup = self.drafters
-        out: list[DraftProposal] = lookup.propose(requests)   # cheap: a suffix match per request
+        out: list[DraftProposal] = lookup.propose(requests)  # cheap: a suffix match per request
         use_primary = []
         for i, (r, p) in enumerate(zip(requests, out)):
             which = self.choose(r.request_id, len(p) > 0)
@@ -94,7 +95,7 @@ class CombinedDrafter:
         return out
 
     def observe(self, contexts: list[AcceptedContext]) -> None:
-        for d in self.drafters:   # both keep complete contexts, whichever drafted
+        for d in self.drafters:  # both keep complete contexts, whichever drafted
             d.observe(contexts)
 
     def observe_acceptance(self, request_id: str, proposed: int, accepted: int) -> None:
@@ -111,9 +112,14 @@ class CombinedDrafter:
             d.free(request_id)
 
 
-def build_dspark_ngram(path: str, target_model=None, block_size: int | None = None,
-                       device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                       online_calibration: bool = True) -> CombinedDrafter:
+def build_dspark_ngram(
+    path: str,
+    target_model=None,
+    block_size: int | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    online_calibration: bool = True,
+) -> CombinedDrafter:
     """The DSpark drafter at `path` and prompt lookup, chosen per request and step."""
     from dspark_serve.drafter.dspark import build_dspark
     from dspark_serve.drafter.ngram import build_ngram

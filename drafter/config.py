@@ -1,4 +1,5 @@
 """Configuration of the drafter."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

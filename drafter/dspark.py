@@ -5,6 +5,7 @@ states at every accepted position (DeepSpec's KV injection). Drafting a block ne
 into that cache: the block's own K/V live only for the forward, so nothing needs rolling back
 when drafts are rejected.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,8 +45,16 @@ class ContextKVCache:
     `length` entries are the K/V of positions 0..length-1. Both dimensions grow by
     doubling, so appends are amortized O(1) and a batch of consecutive slots is a view."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype, capacity: int = 256, slots: int = 4):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        capacity: int = 256,
+        slots: int = 4,
+    ):
         self.num_layers, self.shape = num_layers, (num_kv_heads, head_dim)
         self.device, self.dtype = device, dtype
         self.k = [self._empty(slots, capacity) for _ in range(num_layers)]
@@ -98,8 +107,9 @@ class ContextKVCache:
         self.lengths += [0] * (slots - old_slots)
         self._free = list(range(slots - 1, old_slots - 1, -1)) + self._free
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """slots, positions: [n] int64; k, v: [n, Hkv, D]."""
         self.k[layer][slots, positions] = k.to(self.dtype)
         self.v[layer][slots, positions] = v.to(self.dtype)
@@ -111,8 +121,10 @@ class ContextKVCache:
         lmax = max(host_lengths, default=0)  # from the host list: no device sync
         lo = slots[0] if slots else 0
         if slots == list(range(lo, lo + len(slots))):
-            kv = [(k[lo:lo + len(slots), :lmax], v[lo:lo + len(slots), :lmax])
-                  for k, v in zip(self.k, self.v)]
+            kv = [
+                (k[lo : lo + len(slots), :lmax], v[lo : lo + len(slots), :lmax])
+                for k, v in zip(self.k, self.v)
+            ]
         else:
             idx = torch.tensor(slots, device=self.device)
             kv = [(k[idx, :lmax], v[idx, :lmax]) for k, v in zip(self.k, self.v)]
@@ -142,8 +154,14 @@ class DSparkDrafter:
         self.block_size = bs
         self.tap_layers: tuple[int, ...] = tuple(model.config.target_layer_ids)
         mc = model.config
-        self.cache = ContextKVCache(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                                    model.device, model.dtype, capacity=config.initial_capacity)
+        self.cache = ContextKVCache(
+            mc.num_hidden_layers,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            model.device,
+            model.dtype,
+            capacity=config.initial_capacity,
+        )
         self.calibrator: OnlineCalibrator | None = None
         if config.online_calibration and model.confidence_head is not None:
             offline = model.calibration.temperatures if model.calibration is not None else None
@@ -165,16 +183,21 @@ class DSparkDrafter:
             if n == 0:
                 continue
             if ctx.hidden is None:
-                raise ValueError(f"{self.name} drafter needs hidden states for request "
-                                 f"{ctx.request_id!r} (tap layers {self.tap_layers})")
+                raise ValueError(
+                    f"{self.name} drafter needs hidden states for request "
+                    f"{ctx.request_id!r} (tap layers {self.tap_layers})"
+                )
             if ctx.hidden.shape[0] != n:
-                raise ValueError(f"request {ctx.request_id!r}: hidden has {ctx.hidden.shape[0]} rows "
-                                 f"for {n} tokens")
+                raise ValueError(
+                    f"request {ctx.request_id!r}: hidden has {ctx.hidden.shape[0]} rows for {n} tokens"
+                )
             slot = self.cache.slot(ctx.request_id)
             cached = self.cache.lengths[slot]
             if ctx.start_pos > cached:
-                raise ValueError(f"request {ctx.request_id!r}: context starts at {ctx.start_pos} but "
-                                 f"only {cached} positions are cached")
+                raise ValueError(
+                    f"request {ctx.request_id!r}: context starts at {ctx.start_pos} but "
+                    f"only {cached} positions are cached"
+                )
             self.cache.reserve(ctx.start_pos + n)
             self.cache.lengths[slot] = ctx.start_pos + n
             slots.append(torch.full((n,), slot, dtype=torch.long))
@@ -201,9 +224,11 @@ class DSparkDrafter:
                 raise ValueError(f"request {req.request_id!r} has no tokens to anchor a block")
             cached = self.cache.length(req.request_id)
             if cached != start:
-                raise ValueError(f"request {req.request_id!r}: drafter context holds {cached} "
-                                 f"positions, the anchor sits at {start}; observe() must be fed "
-                                 "every kept token before propose()")
+                raise ValueError(
+                    f"request {req.request_id!r}: drafter context holds {cached} "
+                    f"positions, the anchor sits at {start}; observe() must be fed "
+                    "every kept token before propose()"
+                )
             slots.append(self.cache.slot(req.request_id))
             anchors.append(req.token_ids[-1])
             starts.append(start)
@@ -229,8 +254,9 @@ class DSparkDrafter:
             hidden = self.block_hidden(batch)[:, :kmax]
             base = self.model.lm_head(hidden)
             anchors = torch.tensor([r.token_ids[-1] for r in batch], dtype=torch.long, device=dev)
-            drafted = self.model.sample_block(base, anchors, [r.sampling for r in batch],
-                                              [r.generator for r in batch], hidden)
+            drafted = self.model.sample_block(
+                base, anchors, [r.sampling for r in batch], [r.generator for r in batch], hidden
+            )
             conf = self._confidences(hidden, drafted.prev_tokens, batch, lengths)
             # Tokens and confidences go to the host once per step (the engine and the policy
             # read them there); per-request slices of device tensors would sync per request.
@@ -244,8 +270,9 @@ class DSparkDrafter:
                 )
         return out  # type: ignore[return-value]
 
-    def _confidences(self, hidden: torch.Tensor, prev: torch.Tensor, batch: list[DraftRequest],
-                     lengths: list[int]) -> list[torch.Tensor] | None:
+    def _confidences(
+        self, hidden: torch.Tensor, prev: torch.Tensor, batch: list[DraftRequest], lengths: list[int]
+    ) -> list[torch.Tensor] | None:
         """c_k per request: the offline-calibrated head, or the online calibrator's fit (which
         only ever learned from earlier rounds)."""
         if self.calibrator is None:
@@ -273,9 +300,16 @@ class DSparkDrafter:
         self._last.pop(request_id, None)
 
 
-def _build(name: str, use_markov: bool, path: str, target_model=None, block_size: int | None = None,
-           device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-           online_calibration: bool = True) -> DSparkDrafter:
+def _build(
+    name: str,
+    use_markov: bool,
+    path: str,
+    target_model=None,
+    block_size: int | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    online_calibration: bool = True,
+) -> DSparkDrafter:
     embed = head = None
     if target_model is not None:
         embed = target_model.get_input_embeddings()
@@ -284,20 +318,36 @@ def _build(name: str, use_markov: bool, path: str, target_model=None, block_size
         device = device if device is not None else ref.device
         dtype = dtype if dtype is not None else ref.dtype
     cfg = DSparkDrafterConfig(block_size=block_size, online_calibration=online_calibration)
-    model = load_dspark(path, embed, head, device=device or "cpu", dtype=dtype or torch.float32,
-                        drop_markov_head=not use_markov)
+    model = load_dspark(
+        path,
+        embed,
+        head,
+        device=device or "cpu",
+        dtype=dtype or torch.float32,
+        drop_markov_head=not use_markov,
+    )
     return DSparkDrafter(model, cfg, name)
 
 
-def build_dspark(path: str, target_model=None, block_size: int | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 online_calibration: bool = True) -> DSparkDrafter:
+def build_dspark(
+    path: str,
+    target_model=None,
+    block_size: int | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    online_calibration: bool = True,
+) -> DSparkDrafter:
     """DSpark drafter from a DeepSpec checkpoint; embed/LM head shared with `target_model`."""
     return _build("dspark", True, path, target_model, block_size, device, dtype, online_calibration)
 
 
-def build_dflash(path: str, target_model=None, block_size: int | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 online_calibration: bool = True) -> DSparkDrafter:
+def build_dflash(
+    path: str,
+    target_model=None,
+    block_size: int | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    online_calibration: bool = True,
+) -> DSparkDrafter:
     """DFlash: the same backbone without the Markov head (ignored if the checkpoint has one)."""
     return _build("dflash", False, path, target_model, block_size, device, dtype, online_calibration)

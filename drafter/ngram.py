@@ -1,5 +1,6 @@
 """Prompt-lookup drafter: propose what followed the most recent earlier occurrence of the
 last n tokens. No weights; confidences come from its own running acceptance statistics."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,7 +34,9 @@ class NgramConfig:
         if self.max_ngram < self.min_ngram:
             raise ValueError(f"max_ngram must be >= min_ngram ({self.min_ngram}), got {self.max_ngram!r}")
         if self.prior_accept <= 0 or self.prior_reject <= 0:
-            raise ValueError(f"Beta prior must be positive, got ({self.prior_accept!r}, {self.prior_reject!r})")
+            raise ValueError(
+                f"Beta prior must be positive, got ({self.prior_accept!r}, {self.prior_reject!r})"
+            )
 
 
 def lookup_continuation(tokens: np.ndarray, max_ngram: int, min_ngram: int, k: int) -> np.ndarray:
@@ -48,7 +51,7 @@ def lookup_continuation(tokens: np.ndarray, max_ngram: int, min_ngram: int, k: i
         hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start:start + k]
+            return tokens[start : start + k]
     return tokens[:0]
 
 
@@ -78,8 +81,9 @@ class NgramDrafter:
         out = []
         for req in requests:
             k = min(self.block_size, max(req.max_draft, 0))
-            cont = lookup_continuation(np.asarray(req.token_ids, dtype=np.int64),
-                                       self.config.max_ngram, self.config.min_ngram, k)
+            cont = lookup_continuation(
+                np.asarray(req.token_ids, dtype=np.int64), self.config.max_ngram, self.config.min_ngram, k
+            )
             tokens = torch.from_numpy(cont.copy())
             out.append(DraftProposal(tokens=tokens, probs=None, confidences=self.confidences(len(cont))))
         return out
@@ -104,10 +108,18 @@ class NgramDrafter:
         """No per-request state."""
 
 
-def build_ngram(block_size: int | None = None, max_ngram: int = 4, min_ngram: int = 1,
-                prior_accept: float = 3.0, prior_reject: float = 1.0,
-                path: str | None = None, target_model=None, device=None, dtype=None,
-                online_calibration: bool = True) -> NgramDrafter:
+def build_ngram(
+    block_size: int | None = None,
+    max_ngram: int = 4,
+    min_ngram: int = 1,
+    prior_accept: float = 3.0,
+    prior_reject: float = 1.0,
+    path: str | None = None,
+    target_model=None,
+    device=None,
+    dtype=None,
+    online_calibration: bool = True,
+) -> NgramDrafter:
     """block_size None = NgramConfig's default. target_model / device / dtype /
     online_calibration are accepted so one call site serves every drafter; prompt lookup
     needs none of them (its confidences are learned online anyway)."""

@@ -9,6 +9,7 @@ drafts: the policy's choice stays causal (lossless).
 
 Plain Python + numpy (no torch): the fit is two parameters per position on <= `window` points.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,14 +48,22 @@ class OnlineCalibrationConfig:
         if self.min_samples > self.window:
             raise ValueError(f"min_samples must be <= window ({self.window}), got {self.min_samples!r}")
         if not (0 < self.min_temperature <= 1.0 <= self.max_temperature):
-            raise ValueError(f"need 0 < min_temperature <= 1 <= max_temperature, got "
-                             f"({self.min_temperature!r}, {self.max_temperature!r})")
+            raise ValueError(
+                f"need 0 < min_temperature <= 1 <= max_temperature, got "
+                f"({self.min_temperature!r}, {self.max_temperature!r})"
+            )
         if self.max_bias < 0:
             raise ValueError(f"max_bias must be >= 0, got {self.max_bias!r}")
 
 
-def fit_platt(z: np.ndarray, y: np.ndarray, temperature: float, bias: float,
-              cfg: OnlineCalibrationConfig, iters: int = 25) -> tuple[float, float]:
+def fit_platt(
+    z: np.ndarray,
+    y: np.ndarray,
+    temperature: float,
+    bias: float,
+    cfg: OnlineCalibrationConfig,
+    iters: int = 25,
+) -> tuple[float, float]:
     """Minimize the log-loss of sigmoid(a z + b) against y by damped Newton steps, starting
     from (1 / temperature, bias); returns (T = 1 / a, b) within the configured bounds."""
     a, b = 1.0 / temperature, bias
@@ -93,8 +102,12 @@ class OnlineCalibrator:
     verified round: the raw logits and the probabilities that were used, how many drafts were
     verified and how many were accepted."""
 
-    def __init__(self, block_size: int, offline_temperatures: tuple[float, ...] | None = None,
-                 config: OnlineCalibrationConfig | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        offline_temperatures: tuple[float, ...] | None = None,
+        config: OnlineCalibrationConfig | None = None,
+    ) -> None:
         self.config = config or OnlineCalibrationConfig()
         temps = list(offline_temperatures or ())[:block_size]
         self.temperatures = temps + [1.0] * (block_size - len(temps))
@@ -116,8 +129,9 @@ class OnlineCalibrator:
 
     def calibrate(self, raw: list[float]) -> list[float]:
         """Raw logits of positions 1..K -> calibrated conditional confidences c_k."""
-        return [1.0 / (1.0 + math.exp(-(z / self.temperatures[k] + self.biases[k])))
-                for k, z in enumerate(raw)]
+        return [
+            1.0 / (1.0 + math.exp(-(z / self.temperatures[k] + self.biases[k]))) for k, z in enumerate(raw)
+        ]
 
     def record(self, raw: list[float], used: list[float], proposed: int, accepted: int) -> None:
         """One verified round: drafts 1..proposed verified, the first `accepted` kept."""
@@ -143,8 +157,9 @@ class OnlineCalibrator:
     def _refit(self, k: int) -> None:
         z = np.fromiter(self._z[k], dtype=np.float64)
         y = np.fromiter(self._y[k], dtype=np.float64)
-        self.temperatures[k], self.biases[k] = fit_platt(z, y, self.temperatures[k], self.biases[k],
-                                                         self.config)
+        self.temperatures[k], self.biases[k] = fit_platt(
+            z, y, self.temperatures[k], self.biases[k], self.config
+        )
         self._since_fit[k] = 0
 
     def samples(self, k: int) -> int:
@@ -154,6 +169,11 @@ class OnlineCalibrator:
     def survival_ece(self) -> list[float]:
         """Live ECE of the cumulative survival probability a_k the policy used, per position."""
         bins = self.config.ece_bins
-        return [expected_calibration_error(np.fromiter(self._a_used[k], dtype=np.float64),
-                                           np.fromiter(self._a_out[k], dtype=np.float64), bins)
-                for k in range(self.block_size)]
+        return [
+            expected_calibration_error(
+                np.fromiter(self._a_used[k], dtype=np.float64),
+                np.fromiter(self._a_out[k], dtype=np.float64),
+                bins,
+            )
+            for k in range(self.block_size)
+        ]

@@ -5,11 +5,13 @@ one of its drafters is built. Reading the names (the CLI, `DrafterConfig`) there
 imports torch, and the implementations import `drafter.base` without a cycle. Code outside
 the package (a benchmark's drafter) adds its own with `register_drafter`.
 """
+
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dspark_serve.drafter.base import Drafter
@@ -39,25 +41,46 @@ class DrafterSpec:
         return getattr(importlib.import_module(module), attr)
 
 
-_REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
-    DrafterSpec("ngram", "prompt lookup (continues a repeated n-gram of the context; no weights)",
-                False, "dspark_serve.drafter.ngram:build_ngram"),
-    DrafterSpec("dflash", "the DSpark checkpoint without its Markov and confidence heads (the "
-                "DFlash ablation)", True, "dspark_serve.drafter.dspark:build_dflash"),
-    DrafterSpec("dspark", "parallel block drafter with a Markov head and per-position "
-                "confidences", True, "dspark_serve.drafter.dspark:build_dspark"),
-    DrafterSpec("dspark+ngram", "dspark and ngram, chosen per request and step by their "
-                "recent acceptance", True, "dspark_serve.drafter.combined:build_dspark_ngram"),
-)}
+_REGISTRY: dict[str, DrafterSpec] = {
+    s.name: s
+    for s in (
+        DrafterSpec(
+            "ngram",
+            "prompt lookup (continues a repeated n-gram of the context; no weights)",
+            False,
+            "dspark_serve.drafter.ngram:build_ngram",
+        ),
+        DrafterSpec(
+            "dflash",
+            "the DSpark checkpoint without its Markov and confidence heads (the DFlash ablation)",
+            True,
+            "dspark_serve.drafter.dspark:build_dflash",
+        ),
+        DrafterSpec(
+            "dspark",
+            "parallel block drafter with a Markov head and per-position confidences",
+            True,
+            "dspark_serve.drafter.dspark:build_dspark",
+        ),
+        DrafterSpec(
+            "dspark+ngram",
+            "dspark and ngram, chosen per request and step by their recent acceptance",
+            True,
+            "dspark_serve.drafter.combined:build_dspark_ngram",
+        ),
+    )
+}
 
 
-def register_drafter(name: str, summary: str = "", uses_checkpoint: bool = False
-                     ) -> Callable[[DrafterFactory], DrafterFactory]:
+def register_drafter(
+    name: str, summary: str = "", uses_checkpoint: bool = False
+) -> Callable[[DrafterFactory], DrafterFactory]:
     """Register a drafter defined outside this package (the built-ins are listed above)."""
 
     def deco(factory: DrafterFactory) -> DrafterFactory:
-        _REGISTRY[name] = DrafterSpec(name, summary or (factory.__doc__ or name).strip().splitlines()[0],
-                                      uses_checkpoint, factory)
+        _REGISTRY[name] = DrafterSpec(
+            name, summary or (factory.__doc__ or name).strip().splitlines()[0], uses_checkpoint, factory
+        )
         return factory
 
     return deco

@@ -3,6 +3,7 @@
 The HTTP event loop never runs a forward: it hands requests to the engine thread through a
 thread-safe inbox and receives deltas through per-request asyncio queues.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,8 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 from dspark_serve.scheduler.builder import EngineBundle
 from dspark_serve.scheduler.client import DrainReport, EngineError, GenerationParams, RuntimeInfo, StreamDelta
@@ -28,10 +29,22 @@ def _delta(out: RequestOutput) -> StreamDelta:
     spec = None
     if out.spec is not None:
         s = out.spec
-        spec = {"rounds": s.rounds, "draft_tokens": s.drafted, "accepted_tokens": s.accepted,
-                "mean_acceptance_length": round(s.mean_acceptance_length, 4)}
-    return StreamDelta(out.text, out.token_ids, out.finished, out.finish_reason,
-                       out.prompt_tokens, out.completion_tokens, spec, list(out.tokens))
+        spec = {
+            "rounds": s.rounds,
+            "draft_tokens": s.drafted,
+            "accepted_tokens": s.accepted,
+            "mean_acceptance_length": round(s.mean_acceptance_length, 4),
+        }
+    return StreamDelta(
+        out.text,
+        out.token_ids,
+        out.finished,
+        out.finish_reason,
+        out.prompt_tokens,
+        out.completion_tokens,
+        spec,
+        list(out.tokens),
+    )
 
 
 DRAIN_MESSAGE = "the server is shutting down; this request was cut off"
@@ -69,7 +82,7 @@ class AsyncEngine:
         self.bundle: EngineBundle | None = None
         self._error: str | None = None
         self._inbox: queue.Queue[EngineMessage] = queue.Queue()
-        self._settled = threading.Event()   # set once the engine loaded, or failed to
+        self._settled = threading.Event()  # set once the engine loaded, or failed to
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -133,8 +146,7 @@ class AsyncEngine:
         for rid in cut:
             self.abort(rid)
             self._send(rid, StreamDelta("", [], True, "abort", 0, 0, error=DRAIN_MESSAGE))
-        report = DrainReport(finished=before - len(cut), cut=len(cut),
-                             seconds=time.monotonic() - t0)
+        report = DrainReport(finished=before - len(cut), cut=len(cut), seconds=time.monotonic() - t0)
         log.info("drained in %.1fs: %d finished, %d cut", report.seconds, report.finished, report.cut)
         return report
 
@@ -148,9 +160,13 @@ class AsyncEngine:
         if b is None:
             return None
         e = b.engine
-        return RuntimeInfo(dtype=b.dtype.name, dtype_reason=b.dtype.reason, device=str(e.runner.device),
-                           drafter=e.drafter.name if e.drafter is not None else "none",
-                           verify_policy=e.policy.name)
+        return RuntimeInfo(
+            dtype=b.dtype.name,
+            dtype_reason=b.dtype.reason,
+            device=str(e.runner.device),
+            drafter=e.drafter.name if e.drafter is not None else "none",
+            verify_policy=e.policy.name,
+        )
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the engine has loaded (True) or failed to load, or `timeout` passed (False)."""
@@ -160,8 +176,7 @@ class AsyncEngine:
     # -- tokenization (thread-safe on HF fast tokenizers) ----------------------------------------
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
         tok = self.bundle.tokenizer
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                      return_dict=False)
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
@@ -170,17 +185,25 @@ class AsyncEngine:
         return list(self.bundle.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # -- requests --------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: GenerationParams) -> AsyncIterator[StreamDelta]:
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: GenerationParams
+    ) -> AsyncIterator[StreamDelta]:
         if self._draining:
             raise EngineError("the server is draining (shutting down)", 503, code="draining")
         if not self.ready:
             raise EngineError("the model is still loading", 503)
         try:
-            sp = SamplingParams(temperature=params.temperature, top_p=params.top_p,
-                                top_k=params.top_k, seed=params.seed)
-            req = Request(request_id, list(prompt_ids), sp, params.max_tokens, stop=params.stop,
-                          ignore_eos=params.ignore_eos)
+            sp = SamplingParams(
+                temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed
+            )
+            req = Request(
+                request_id,
+                list(prompt_ids),
+                sp,
+                params.max_tokens,
+                stop=params.stop,
+                ignore_eos=params.ignore_eos,
+            )
         except (ValueError, TypeError, RuntimeError) as exc:
             raise EngineError(str(exc), 400, "seed" if "seed" in str(exc) else None) from exc
         loop = asyncio.get_running_loop()
@@ -262,8 +285,7 @@ class AsyncEngine:
             try:
                 outputs = engine.step()
             except Exception:
-                log.error("engine step failed; failing the running requests:\n%s",
-                          traceback.format_exc())
+                log.error("engine step failed; failing the running requests:\n%s", traceback.format_exc())
                 self._fail_all(engine)
                 continue
             for out in outputs:

@@ -1,11 +1,12 @@
 """Assemble an engine from the three component configs."""
+
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -15,7 +16,13 @@ from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine, HiddenCapture
 from dspark_serve.scheduler.policy import DSparkPolicy, parse_policy
 from dspark_serve.verifier.config import ModelConfig
-from dspark_serve.verifier.loader import DtypeChoice, choose_dtype, default_cache_dir, load_target, resolve_device
+from dspark_serve.verifier.loader import (
+    DtypeChoice,
+    choose_dtype,
+    default_cache_dir,
+    load_target,
+    resolve_device,
+)
 from dspark_serve.verifier.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -57,15 +64,26 @@ def build_drafter_for(cfg: DrafterConfig, target, device, dtype, model_is_embedd
         path = str(EMBEDDED_DRAFTER)
         if not EMBEDDED_DRAFTER.is_dir():
             raise ValueError(f"the shipped {cfg.drafter} drafter is missing ({EMBEDDED_DRAFTER.name})")
-    return build_drafter(cfg.drafter, path=path, target_model=target.model,
-                         block_size=cfg.block_size, device=device, dtype=dtype,
-                         online_calibration=cfg.online_calibration)
+    return build_drafter(
+        cfg.drafter,
+        path=path,
+        target_model=target.model,
+        block_size=cfg.block_size,
+        device=device,
+        dtype=dtype,
+        online_calibration=cfg.online_calibration,
+    )
 
 
-def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: SchedulerConfig,
-                 metrics=None, profile: bool | None = None,
-                 capture: Callable[[int], HiddenCapture] | None = None,
-                 on_stage: Callable[[str], None] | None = None) -> EngineBundle:
+def build_engine(
+    model_cfg: ModelConfig,
+    drafter_cfg: DrafterConfig,
+    sched_cfg: SchedulerConfig,
+    metrics=None,
+    profile: bool | None = None,
+    capture: Callable[[int], HiddenCapture] | None = None,
+    on_stage: Callable[[str], None] | None = None,
+) -> EngineBundle:
     """`capture(num_layers)` builds a hidden-state capture for training-data generation;
     on_stage: told what is being loaded, step by step (for /health and the log)."""
     stage = on_stage or (lambda s: None)
@@ -76,21 +94,33 @@ def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: 
     cache_dir = Path(model_cfg.cache_dir) if model_cfg.cache_dir else default_cache_dir()
     stage("loading the target model")
     target = load_target(model_cfg.model, device, dtype, cache_dir)
-    max_len = min(model_cfg.max_model_len,
-                  getattr(target.model.config, "max_position_embeddings", model_cfg.max_model_len))
+    max_len = min(
+        model_cfg.max_model_len,
+        getattr(target.model.config, "max_position_embeddings", model_cfg.max_model_len),
+    )
     tokens = kv_cache_tokens(model_cfg, target.model.config, device, dtype)
-    runner = ModelRunner(target.model, num_blocks=max(1, tokens // model_cfg.kv_block_size),
-                         block_size=model_cfg.kv_block_size, impl=model_cfg.forward,
-                         linear=model_cfg.linear, quantize=model_cfg.quantize)
+    runner = ModelRunner(
+        target.model,
+        num_blocks=max(1, tokens // model_cfg.kv_block_size),
+        block_size=model_cfg.kv_block_size,
+        impl=model_cfg.forward,
+        linear=model_cfg.linear,
+        quantize=model_cfg.quantize,
+    )
     log.info("target forward: %s", runner.describe())
-    log.info("KV cache: %d blocks x %d tokens (%.0f MiB)", runner.blocks.num_blocks,
-             runner.block_size, runner.k_cache.numel() * runner.k_cache.element_size() * 2 / 2**20)
+    log.info(
+        "KV cache: %d blocks x %d tokens (%.0f MiB)",
+        runner.blocks.num_blocks,
+        runner.block_size,
+        runner.k_cache.numel() * runner.k_cache.element_size() * 2 / 2**20,
+    )
     stage("loading the drafter")
     drafter = build_drafter_for(drafter_cfg, target, device, dtype, model_cfg.model is None)
     table, source = None, "none (no drafter)"
-    if profile is None:   # only the load-aware policy reads the cost table
+    if profile is None:  # only the load-aware policy reads the cost table
         profile = drafter is not None and isinstance(
-            parse_policy(sched_cfg.policy_spec(drafting=True)), DSparkPolicy)
+            parse_policy(sched_cfg.policy_spec(drafting=True)), DSparkPolicy
+        )
     if profile:
         from dspark_serve.scheduler.profile import format_table, load_or_profile
 
@@ -99,10 +129,18 @@ def build_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: 
         log.info("cost table (%s):\n%s", source, format_table(raw))
         if metrics is not None:
             metrics.set_cost_table(table)
-    engine = Engine(runner, target.tokenizer, sched_cfg, max_len, drafter=drafter,
-                    cost_table=table, metrics=metrics,
-                    capture=None if capture is None else capture(runner.num_layers))
+    engine = Engine(
+        runner,
+        target.tokenizer,
+        sched_cfg,
+        max_len,
+        drafter=drafter,
+        cost_table=table,
+        metrics=metrics,
+        capture=None if capture is None else capture(runner.num_layers),
+    )
     if drafter is not None:
-        log.info("drafter %s (block %d), verify policy %s", drafter.name, drafter.block_size,
-                 engine.policy.name)
+        log.info(
+            "drafter %s (block %d), verify policy %s", drafter.name, drafter.block_size, engine.policy.name
+        )
     return EngineBundle(engine, target.tokenizer, choice)

@@ -1,16 +1,19 @@
 """The one interface between the HTTP server and the engine: plain Python, no torch, so the
 server stays importable (and testable) without the model stack."""
+
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import Protocol
 
 
 class EngineError(ValueError):
     """A request the engine refuses, with the HTTP status and the parameter to blame."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.param = param
@@ -55,8 +58,9 @@ class TokenRecord:
         if self.kind not in PROVENANCE_KINDS:
             raise ValueError(f"kind must be one of {PROVENANCE_KINDS}, got {self.kind!r}")
         if (self.kind == "draft") != (self.draft_position is not None):
-            raise ValueError(f"draft_position {self.draft_position!r} must be set exactly for drafts "
-                             f"(kind {self.kind!r})")
+            raise ValueError(
+                f"draft_position {self.draft_position!r} must be set exactly for drafts (kind {self.kind!r})"
+            )
 
 
 def round_provenance(accepted: int, verified: int) -> list[tuple[str, int | None]]:
@@ -121,8 +125,9 @@ class EngineClient(Protocol):
 
     def tokenize(self, text: str) -> list[int]: ...
 
-    def generate(self, request_id: str, prompt_ids: list[int],
-                 params: GenerationParams) -> AsyncIterator[StreamDelta]: ...
+    def generate(
+        self, request_id: str, prompt_ids: list[int], params: GenerationParams
+    ) -> AsyncIterator[StreamDelta]: ...
 
     def abort(self, request_id: str) -> None: ...
 

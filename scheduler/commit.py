@@ -1,6 +1,7 @@
 """Commit: a verified step's tokens become output. Stop conditions cut exactly (EOS, stop
 strings and max_tokens, even inside an accepted block), the incremental detokenizer turns
 tokens into text, and each token gets a `TokenRecord` with its provenance."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -60,17 +61,26 @@ def append_tokens(r: Request, toks: list[int], eos_ids: frozenset[int]) -> Appen
 
 def token_records(appended: Appended, provenance: list[tuple[str, int | None]]) -> list[TokenRecord]:
     """One TokenRecord per appended token: id, text, and where it came from."""
-    return [TokenRecord(t, text, kind, pos)
-            for t, text, (kind, pos) in zip(appended.token_ids, appended.pieces, provenance)]
+    return [
+        TokenRecord(t, text, kind, pos)
+        for t, text, (kind, pos) in zip(appended.token_ids, appended.pieces, provenance)
+    ]
 
 
-def request_output(r: Request, appended: list[int], final: bool, with_spec: bool,
-                   tokens: list[TokenRecord] | None = None) -> RequestOutput:
+def request_output(
+    r: Request, appended: list[int], final: bool, with_spec: bool, tokens: list[TokenRecord] | None = None
+) -> RequestOutput:
     """The delta for `r`: its new tokens and the text the detokenizer releases now (all of
     it when final)."""
     text = r.detok.flush(final) if r.detok is not None else ""
     return RequestOutput(
-        request_id=r.request_id, text=text, token_ids=appended, finished=final,
-        finish_reason=r.finish_reason, prompt_tokens=len(r.prompt_ids),
-        completion_tokens=len(r.output_ids), spec=r.spec if with_spec else None,
-        tokens=tokens or [])
+        request_id=r.request_id,
+        text=text,
+        token_ids=appended,
+        finished=final,
+        finish_reason=r.finish_reason,
+        prompt_tokens=len(r.prompt_ids),
+        completion_tokens=len(r.output_ids),
+        spec=r.spec if with_spec else None,
+        tokens=tokens or [],
+    )

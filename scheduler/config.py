@@ -1,4 +1,5 @@
 """Configuration of the engine loop (admission, batching, verification policy)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,8 +54,7 @@ class SchedulerConfig:
         if not (1 <= self.max_num_seqs <= 4096):
             raise ValueError(f"max_num_seqs must be in [1, 4096], got {self.max_num_seqs!r}")
         if self.max_num_batched_tokens < 16:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 16, got {self.max_num_batched_tokens!r}")
+            raise ValueError(f"max_num_batched_tokens must be >= 16, got {self.max_num_batched_tokens!r}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting!r}")
         if self.draft_headroom < 0:
@@ -63,7 +63,10 @@ class SchedulerConfig:
             raise ValueError(f"explore_every must be >= 1, got {self.explore_every!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
-                f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+                f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}"
+            )
         name = self.verify_policy.split(":", 1)[0]
         if name != AUTO_POLICY and name not in policy_names():
-            raise ValueError(f"unknown verify_policy {self.verify_policy!r}; choose one of {policy_choices()}")
+            raise ValueError(
+                f"unknown verify_policy {self.verify_policy!r}; choose one of {policy_choices()}"
+            )

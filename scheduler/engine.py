@@ -11,6 +11,7 @@
 
 Single-threaded and synchronous; `scheduler.async_engine` runs it off the HTTP event loop.
 """
+
 from __future__ import annotations
 
 import logging
@@ -84,10 +85,17 @@ class HiddenCapture(Protocol):
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer, sched: SchedulerConfig,
-                 max_model_len: int, drafter: Drafter | None = None,
-                 cost_table: CostTable | None = None, metrics: EngineMetricsSink | None = None,
-                 capture: HiddenCapture | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer,
+        sched: SchedulerConfig,
+        max_model_len: int,
+        drafter: Drafter | None = None,
+        cost_table: CostTable | None = None,
+        metrics: EngineMetricsSink | None = None,
+        capture: HiddenCapture | None = None,
+    ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.cfg = sched
@@ -167,9 +175,15 @@ class Engine:
         """What the engine carries now, for the gauges."""
         d = self.drafter
         b = self.runner.blocks
-        return EngineSnapshot(len(self.running), len(self.waiting), b.usage,
-                              d.calibrator if d is not None else None, b.cached_free_usage,
-                              b.stats(), self.scheduler.num_preemptions)
+        return EngineSnapshot(
+            len(self.running),
+            len(self.waiting),
+            b.usage,
+            d.calibrator if d is not None else None,
+            b.cached_free_usage,
+            b.stats(),
+            self.scheduler.num_preemptions,
+        )
 
     # -- requests in and out -----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -185,8 +199,9 @@ class Engine:
             if type(t) is not int or not (0 <= t < V):
                 raise RequestRejected(f"prompt token id {t!r} is out of range [0, {V})", 400, "prompt")
         if type(req.max_tokens) is not int or req.max_tokens < 1:
-            raise RequestRejected(f"max_tokens must be a positive integer, got {req.max_tokens!r}",
-                                  400, "max_tokens")
+            raise RequestRejected(
+                f"max_tokens must be a positive integer, got {req.max_tokens!r}", 400, "max_tokens"
+            )
         if not all(isinstance(s, str) for s in req.stop):
             raise RequestRejected("stop must be strings", 400, "stop")
         sp = req.sampling
@@ -201,7 +216,9 @@ class Engine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {n + req.max_tokens} tokens ({n} in the messages, {req.max_tokens} in "
                 f"the completion). Please reduce the length of the messages or completion.",
-                400, "max_tokens")
+                400,
+                "max_tokens",
+            )
         if self.runner.blocks.blocks_needed(n + req.max_tokens) > self.runner.blocks.num_blocks:
             raise RequestRejected("the request needs more KV cache than the server has", 400, "max_tokens")
         if self.scheduler.queue_full:
@@ -231,7 +248,7 @@ class Engine:
         state changed is failed alone; an error later in the step fails the step's batch
         (their KV and drafter state freed, finish_reason "error"), and everyone else goes on."""
         batch = self.scheduler.schedule(self.speculation.draft_reserve, self.speculation.lookahead)
-        for r in batch.preempted:   # it recomputes its context when it runs again
+        for r in batch.preempted:  # it recomputes its context when it runs again
             self.speculation.free(r.request_id)
         if not batch:
             if batch.preempted:
@@ -250,10 +267,14 @@ class Engine:
         try:
             return failed + self._step(batch)
         except Exception:
-            log.exception("engine step failed; failing its %d requests",
-                          len(batch.decodes) + len(batch.prefills))
-            out = failed + [self._fail(r, "internal error while generating") for r in batch.requests
-                            if not r.finished or r.request_id in self.requests]
+            log.exception(
+                "engine step failed; failing its %d requests", len(batch.decodes) + len(batch.prefills)
+            )
+            out = failed + [
+                self._fail(r, "internal error while generating")
+                for r in batch.requests
+                if not r.finished or r.request_id in self.requests
+            ]
             self.metrics.record_step(self.snapshot())
             return out
 
@@ -265,8 +286,9 @@ class Engine:
         outputs = self._commit(batch, proposal, verification)
         decoding = {r.request_id for r in batch.decodes}
         made = sum(len(o.token_ids) for o in outputs if o.request_id in decoding)
-        self.speculation.record_step(proposal, len(batch.decodes), bool(batch.prefills), made,
-                                     time.perf_counter() - t0)
+        self.speculation.record_step(
+            proposal, len(batch.decodes), bool(batch.prefills), made, time.perf_counter() - t0
+        )
         return outputs
 
     def _invalid(self, r: Request) -> str | None:
@@ -280,7 +302,7 @@ class Engine:
             if type(t) is not int or not (0 <= t < V):
                 return f"last token {t!r} out of range"
         else:
-            for t in r.prefill_ids[r.num_computed:]:
+            for t in r.prefill_ids[r.num_computed :]:
                 if type(t) is not int or not (0 <= t < V):
                     return f"prompt token id {t!r} out of range [0, {V})"
         return None
@@ -300,8 +322,7 @@ class Engine:
         capture) get that prefix's context from the tap states cached beside its blocks."""
         if not (self.speculating or self.capture is not None):
             return
-        contexts = [self.taps.context(r.request_id, r.prefill_ids, n)
-                    for r, n in batch.admitted if n > 0]
+        contexts = [self.taps.context(r.request_id, r.prefill_ids, n) for r, n in batch.admitted if n > 0]
         if contexts:
             self.speculation.observe(contexts)
             if self.capture is not None:
@@ -333,9 +354,15 @@ class Engine:
             # A resumed (preempted) request recomputes its prompt and output but the last
             # token, which it already has: it samples nothing.
             done = r.num_computed + n == r.num_prefill_tokens and not r.output_ids
-            segments.append(Segment(r.request_id, r.prefill_ids[r.num_computed:r.num_computed + n],
-                                    r.num_computed, n - 1 if done else n))
-            if done:   # its last prompt row samples the first token
+            segments.append(
+                Segment(
+                    r.request_id,
+                    r.prefill_ids[r.num_computed : r.num_computed + n],
+                    r.num_computed,
+                    n - 1 if done else n,
+                )
+            )
+            if done:  # its last prompt row samples the first token
                 checks.append(VerifyRequest(r.sampling, r.generator, torch.empty(0, dtype=torch.long)))
         t0 = time.perf_counter()
         fwd = self.runner.forward(segments, self.tap_layers)
@@ -345,8 +372,7 @@ class Engine:
         return Verification(fwd, verify(fwd.logits, checks))
 
     # -- commit ------------------------------------------------------------------------------
-    def _commit(self, batch: ScheduledBatch, proposal: StepProposal,
-                v: Verification) -> list[RequestOutput]:
+    def _commit(self, batch: ScheduledBatch, proposal: StepProposal, v: Verification) -> list[RequestOutput]:
         kept, contexts = self._settle(batch, proposal, v)
         if self.runner.blocks.enable_caching and self.tap_layers:
             self.taps.write(contexts)
@@ -358,8 +384,9 @@ class Engine:
         self.metrics.record_step(self.snapshot())
         return outputs
 
-    def _settle(self, batch: ScheduledBatch, proposal: StepProposal,
-                v: Verification) -> tuple[list[Committed], list[AcceptedContext]]:
+    def _settle(
+        self, batch: ScheduledBatch, proposal: StepProposal, v: Verification
+    ) -> tuple[list[Committed], list[AcceptedContext]]:
         """Apply the verdict to the engine's state: KV of rejected drafts rolled back, prefill
         progress, drafter feedback; returns what each request kept and the contexts (tokens
         kept + their hidden states) for the drafter or the hidden-state capture."""
@@ -368,38 +395,50 @@ class Engine:
         hidden = v.forward.hidden
         keep_context = self.speculating or self.capture is not None
         res = v.result
-        for i, r in enumerate(batch.decodes):   # decodes are rows 0.. of the verdict
+        for i, r in enumerate(batch.decodes):  # decodes are rows 0.. of the verdict
             verified = proposal.lengths[i]
             a = int(res.num_accepted[i])
             start = r.num_computed
             r.num_computed += 1 + a
-            self.runner.blocks.truncate(r.request_id, r.num_computed)   # roll back rejected drafts
+            self.runner.blocks.truncate(r.request_id, r.num_computed)  # roll back rejected drafts
             # only now are these tokens committed: their full blocks may enter the prefix cache
-            self.runner.blocks.commit(r.request_id, r.token_ids + proposal.drafts(i)[:a].tolist(),
-                                      r.num_computed)
+            self.runner.blocks.commit(
+                r.request_id, r.token_ids + proposal.drafts(i)[:a].tolist(), r.num_computed
+            )
             if keep_context:
                 off = v.forward.token_offsets[i]
-                contexts.append(AcceptedContext(
-                    r.request_id, [r.output_ids[-1]] + proposal.drafts(i)[:a].tolist(), start,
-                    None if hidden is None else hidden[off:off + 1 + a]))
+                contexts.append(
+                    AcceptedContext(
+                        r.request_id,
+                        [r.output_ids[-1]] + proposal.drafts(i)[:a].tolist(),
+                        start,
+                        None if hidden is None else hidden[off : off + 1 + a],
+                    )
+                )
             if self.speculation.settle(r, verified, a):
                 self.metrics.record_round(verified, a)
-            kept.append(Committed(r, res.tokens(i),
-                                  round_provenance(a, verified if self.speculating else 0), True))
+            kept.append(
+                Committed(r, res.tokens(i), round_provenance(a, verified if self.speculating else 0), True)
+            )
         nd = len(batch.decodes)
         row = nd
         for si, (r, n) in enumerate(batch.prefills):
             ids = r.prefill_ids
             if keep_context:
                 off = v.forward.token_offsets[nd + si]
-                contexts.append(AcceptedContext(
-                    r.request_id, ids[r.num_computed:r.num_computed + n], r.num_computed,
-                    None if hidden is None else hidden[off:off + n]))
+                contexts.append(
+                    AcceptedContext(
+                        r.request_id,
+                        ids[r.num_computed : r.num_computed + n],
+                        r.num_computed,
+                        None if hidden is None else hidden[off : off + n],
+                    )
+                )
             r.num_computed += n
             self.runner.blocks.commit(r.request_id, ids, r.num_computed)
             if r.num_computed == len(ids):
                 r.status = Status.DECODE
-                if not r.output_ids:   # completed a prompt: its first token was sampled
+                if not r.output_ids:  # completed a prompt: its first token was sampled
                     kept.append(Committed(r, res.tokens(row)[:1], round_provenance(0, 0), False))
                     row += 1
         return kept, contexts
@@ -431,8 +470,9 @@ class Engine:
         self.speculation.free(r.request_id)
         self.metrics.record_finished(reason, time.monotonic() - r.arrival_time)
 
-    def _output(self, r: Request, appended: list[int], final: bool,
-                tokens: list[TokenRecord] | None = None) -> RequestOutput:
+    def _output(
+        self, r: Request, appended: list[int], final: bool, tokens: list[TokenRecord] | None = None
+    ) -> RequestOutput:
         if final:
             self.requests.pop(r.request_id, None)
         return request_output(r, appended, final, self.drafter is not None, tokens)

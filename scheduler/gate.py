@@ -4,6 +4,7 @@ weak drafter can cost more than it saves. The gate learns, per load level, the d
 second of steps that drafted and of steps that did not, and picks the better one, trying the
 other now and then. It looks only at past steps, never at the drafts of this one, so it cannot
 bias the output."""
+
 from __future__ import annotations
 
 import math
@@ -49,7 +50,7 @@ class DraftGate:
         on = self._rates.get((lvl, True), _Rate())
         off = self._rates.get((lvl, False), _Rate())
         if on.samples < self.warmup or off.samples < self.warmup:
-            return on.samples <= off.samples          # alternate until both are measured
+            return on.samples <= off.samples  # alternate until both are measured
         best = on.value >= off.value
         return (not best) if n % self.explore_every == 0 else best
 

@@ -1,9 +1,10 @@
 """Offline batch generation through the engine (data generation, benchmarks, tests)."""
+
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Callable
 
 from dspark_serve.drafter.config import DrafterConfig
 from dspark_serve.scheduler.builder import build_engine
@@ -35,11 +36,14 @@ def offline_configs(**options) -> tuple[ModelConfig, DrafterConfig, SchedulerCon
     known = {f.name for c in OFFLINE_CONFIGS for f in fields(c)}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise TypeError(f"unexpected keyword arguments {unknown}; LLM takes the fields of "
-                        f"{', '.join(c.__name__ for c in OFFLINE_CONFIGS)}")
+        raise TypeError(
+            f"unexpected keyword arguments {unknown}; LLM takes the fields of "
+            f"{', '.join(c.__name__ for c in OFFLINE_CONFIGS)}"
+        )
     values = {**OFFLINE_DEFAULTS, **options}
-    model, drafter, sched = (c(**{f.name: values[f.name] for f in fields(c) if f.name in values})
-                             for c in OFFLINE_CONFIGS)
+    model, drafter, sched = (
+        c(**{f.name: values[f.name] for f in fields(c) if f.name in values}) for c in OFFLINE_CONFIGS
+    )
     return model, drafter, sched
 
 
@@ -55,8 +59,14 @@ class LLM:
         self.tokenizer = bundle.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompt_token_ids: list[list[int]], sampling_params: SamplingParams,
-                 max_tokens: int, on_progress=None, ignore_eos: bool = False) -> list[GenerationOutput]:
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling_params: SamplingParams,
+        max_tokens: int,
+        on_progress=None,
+        ignore_eos: bool = False,
+    ) -> list[GenerationOutput]:
         reqs = []
         for ids in prompt_token_ids:
             sp = sampling_params
@@ -73,5 +83,12 @@ class LLM:
                     done += 1
                     if on_progress is not None:
                         on_progress(done, len(reqs))
-        return [GenerationOutput(r.output_ids, "".join(texts[r.request_id]), r.finish_reason or "",
-                                 r.spec if self.engine.drafter is not None else None) for r in reqs]
+        return [
+            GenerationOutput(
+                r.output_ids,
+                "".join(texts[r.request_id]),
+                r.finish_reason or "",
+                r.spec if self.engine.drafter is not None else None,
+            )
+            for r in reqs
+        ]

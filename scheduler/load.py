@@ -1,5 +1,6 @@
 """The engine's load: one type (`LoadState`) that the load monitor measures, the policies read
 and the metrics export."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,5 +46,6 @@ class LoadMonitor:
 
             used = torch.cuda.memory_allocated(self.runner.device)
             total = torch.cuda.get_device_properties(self.runner.device).total_memory
-        return LoadState(num_running, num_waiting, prefill_tokens,
-                         min(1.0, float(self.runner.blocks.usage)), used, total)
+        return LoadState(
+            num_running, num_waiting, prefill_tokens, min(1.0, float(self.runner.blocks.usage)), used, total
+        )

@@ -1,6 +1,7 @@
 """What the engine reports to its metrics: one typed call per event, and the snapshot the
 gauges read. `scheduler/metrics.py` exports the reports to Prometheus; `NullMetrics` drops them
 when metrics are off. No prometheus import here: the engine runs without the server stack."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,9 +32,9 @@ class EngineSnapshot:
     num_running: int
     num_waiting: int
     kv_usage: float
-    calibrator: "OnlineCalibrator | None" = None
+    calibrator: OnlineCalibrator | None = None
     kv_cached_free: float = 0.0
-    prefix_cache: "PrefixCacheStats | None" = None
+    prefix_cache: PrefixCacheStats | None = None
     preemptions: int = 0
 
 
@@ -42,7 +43,7 @@ class EngineMetricsSink(Protocol):
     `NullMetrics` (metrics disabled) drops it."""
 
     def record_forward(self, tokens: int, seconds: float) -> None: ...
-    def record_policy(self, decision: "PolicyDecision", load: LoadState | None = None) -> None: ...
+    def record_policy(self, decision: PolicyDecision, load: LoadState | None = None) -> None: ...
     def record_round(self, drafted: int, accepted: int) -> None: ...
     def record_first_token(self, seconds: float, prompt_tokens: int) -> None: ...
     def record_inter_token(self, seconds: float, n: int) -> None: ...
@@ -55,12 +56,29 @@ class EngineMetricsSink(Protocol):
 class NullMetrics:
     """Metrics disabled: every report is dropped."""
 
-    def record_forward(self, tokens: int, seconds: float) -> None: pass
-    def record_policy(self, decision: "PolicyDecision", load: LoadState | None = None) -> None: pass
-    def record_round(self, drafted: int, accepted: int) -> None: pass
-    def record_first_token(self, seconds: float, prompt_tokens: int) -> None: pass
-    def record_inter_token(self, seconds: float, n: int) -> None: pass
-    def record_tokens(self, n: int) -> None: pass
-    def record_realized(self, n: int) -> None: pass
-    def record_finished(self, reason: str | None, seconds: float) -> None: pass
-    def record_step(self, snap: EngineSnapshot) -> None: pass
+    def record_forward(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def record_policy(self, decision: PolicyDecision, load: LoadState | None = None) -> None:
+        pass
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        pass
+
+    def record_first_token(self, seconds: float, prompt_tokens: int) -> None:
+        pass
+
+    def record_inter_token(self, seconds: float, n: int) -> None:
+        pass
+
+    def record_tokens(self, n: int) -> None:
+        pass
+
+    def record_realized(self, n: int) -> None:
+        pass
+
+    def record_finished(self, reason: str | None, seconds: float) -> None:
+        pass
+
+    def record_step(self, snap: EngineSnapshot) -> None:
+        pass

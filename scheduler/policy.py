@@ -6,12 +6,14 @@ scheduler (Algorithm 1 of the DSpark paper): it trades expected accepted tokens 
 target's step rate at the resulting batch size, and stops at the first admission that does
 not improve throughput, which keeps verification lossless.
 """
+
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # torch-free at run time: the configuration (and server/) reads the registry
     import torch
@@ -73,14 +75,18 @@ class CostTable:
             raise ValueError("block_sizes and block_steps_per_second come together, got one of them")
         if self.block_sizes is not None:
             object.__setattr__(self, "block_sizes", tuple(int(b) for b in self.block_sizes))
-            object.__setattr__(self, "block_steps_per_second",
-                               tuple(float(s) for s in self.block_steps_per_second))
+            object.__setattr__(
+                self, "block_steps_per_second", tuple(float(s) for s in self.block_steps_per_second)
+            )
             _check_points(self.block_sizes, self.block_steps_per_second, "block")
 
     def sps(self, b: float, requests: int | None = None) -> float:
         """Steps per second of a forward of b tokens (from `requests` requests, when known)."""
-        decode = _interp(self.batch_sizes, self.steps_per_second,
-                         b if requests is None or self.block_sizes is None else requests)
+        decode = _interp(
+            self.batch_sizes,
+            self.steps_per_second,
+            b if requests is None or self.block_sizes is None else requests,
+        )
         if requests is None or self.block_sizes is None or b <= requests:
             return decode
         bb, bs = self.block_sizes, self.block_steps_per_second
@@ -95,16 +101,17 @@ class CostTable:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "CostTable":
+    def from_dict(cls, d: Mapping[str, Any]) -> CostTable:
         missing = [k for k in ("batch_sizes", "steps_per_second") if k not in d]
         if missing:
             raise ValueError(f"cost table dict lacks {missing}, got keys {sorted(d)!r}")
         block = d.get("block_sizes"), d.get("block_steps_per_second")
-        return cls(batch_sizes=tuple(d["batch_sizes"]), steps_per_second=tuple(d["steps_per_second"]),
-                   block_sizes=None if block[0] is None else tuple(block[0]),
-                   block_steps_per_second=None if block[1] is None else tuple(block[1]))
-
-
+        return cls(
+            batch_sizes=tuple(d["batch_sizes"]),
+            steps_per_second=tuple(d["steps_per_second"]),
+            block_sizes=None if block[0] is None else tuple(block[0]),
+            block_steps_per_second=None if block[1] is None else tuple(block[1]),
+        )
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ for those tokens are read from here instead. A row is written in the step whose 
 its token (prefill chunks and accepted drafts only), exactly when the block manager may hash
 its block, so every cached block has its rows. Rolled-back drafts never get a row.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,6 @@
 """The SPS profile: how many target forward steps per second the machine does at each batch size
 (in tokens). Measured once at start-up and cached per model, device and dtype."""
+
 from __future__ import annotations
 
 import hashlib
@@ -26,9 +27,22 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32)
 # What the cost depends on. Only these config fields enter the cache key: the whole config also
 # carries the path it was loaded from, its dtype and library versions, which differ between a
 # freshly converted model and its cached copy (and would make every start re-measure).
-ARCH_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-               "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
-               "attention_bias", "mlp_bias", "hidden_act", "sliding_window", "use_sliding_window")
+ARCH_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "hidden_act",
+    "sliding_window",
+    "use_sliding_window",
+)
 CONTEXT_LENS = (128, 512)
 
 
@@ -50,8 +64,13 @@ def _steps_per_second(runner: ModelRunner, segs: list[Segment], repeats: int) ->
     return 1.0 / min(times[1:])
 
 
-def measure(runner: ModelRunner, batch_sizes=BATCH_SIZES, context_lens=CONTEXT_LENS,
-            repeats: int = 3, block_sizes=BLOCK_SIZES) -> dict:
+def measure(
+    runner: ModelRunner,
+    batch_sizes=BATCH_SIZES,
+    context_lens=CONTEXT_LENS,
+    repeats: int = 3,
+    block_sizes=BLOCK_SIZES,
+) -> dict:
     """Time decode-shaped forwards of B tokens spread over up to 32 requests of a given context
     length, and block-shaped ones (one request carrying B tokens). Returns {"batch_sizes",
     "steps_per_second", "block_sizes", "block_steps_per_second", "by_context",
@@ -95,11 +114,14 @@ def measure(runner: ModelRunner, batch_sizes=BATCH_SIZES, context_lens=CONTEXT_L
             blocks.truncate(rid, ctx)
         blocks.free(rid)
         by_ctx_block[ctx] = sps
-    return {"batch_sizes": list(batch_sizes), "steps_per_second": _merge(by_ctx, len(batch_sizes)),
-            "block_sizes": list(block_sizes),
-            "block_steps_per_second": _merge(by_ctx_block, len(block_sizes)),
-            "by_context": {str(k): v for k, v in by_ctx.items()},
-            "block_by_context": {str(k): v for k, v in by_ctx_block.items()}}
+    return {
+        "batch_sizes": list(batch_sizes),
+        "steps_per_second": _merge(by_ctx, len(batch_sizes)),
+        "block_sizes": list(block_sizes),
+        "block_steps_per_second": _merge(by_ctx_block, len(block_sizes)),
+        "by_context": {str(k): v for k, v in by_ctx.items()},
+        "block_by_context": {str(k): v for k, v in by_ctx_block.items()},
+    }
 
 
 def _merge(by_ctx: dict[int, list[float]], n: int) -> list[float]:
@@ -115,8 +137,11 @@ def cache_key(model_name: str, config, device: torch.device, dtype: torch.dtype)
     arch = {f: getattr(config, f, None) for f in ARCH_FIELDS}
     hw = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     threads = torch.get_num_threads() if device.type == "cpu" else None
-    ident = json.dumps([model_name, arch, hw, threads, str(dtype), torch.__version__, BATCH_SIZES,
-                        PROFILE_VERSION], sort_keys=True, default=str)
+    ident = json.dumps(
+        [model_name, arch, hw, threads, str(dtype), torch.__version__, BATCH_SIZES, PROFILE_VERSION],
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
@@ -152,8 +177,9 @@ def write_cached(path: Path, raw: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def load_or_profile(runner: ModelRunner, model_name: str, cache_dir: Path | None,
-                    reprofile: bool = False) -> tuple[CostTable, dict, str]:
+def load_or_profile(
+    runner: ModelRunner, model_name: str, cache_dir: Path | None, reprofile: bool = False
+) -> tuple[CostTable, dict, str]:
     """Return (table, raw profile, source) where source says whether it was cached or measured."""
     path = None
     if cache_dir is not None:

@@ -1,4 +1,5 @@
 """A request's state as it moves through the engine, and what the engine reports back for it."""
+
 from __future__ import annotations
 
 import enum
@@ -13,9 +14,9 @@ from dspark_serve.verifier.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"      # queued, no KV yet
-    PREFILL = "prefill"      # admitted, prompt partly in the KV cache
-    DECODE = "decode"        # prompt done; last token sampled, its KV pending
+    WAITING = "waiting"  # queued, no KV yet
+    PREFILL = "prefill"  # admitted, prompt partly in the KV cache
+    DECODE = "decode"  # prompt done; last token sampled, its KV pending
     FINISHED = "finished"
 
 
@@ -23,10 +24,10 @@ class Status(enum.Enum):
 class SpecStats:
     """Speculative decoding statistics of one request."""
 
-    rounds: int = 0      # decode steps that verified at least one draft
-    drafted: int = 0     # draft tokens the target verified
-    accepted: int = 0    # of those, accepted
-    steps: int = 0       # all decode steps (the budget per step is drafted / steps)
+    rounds: int = 0  # decode steps that verified at least one draft
+    drafted: int = 0  # draft tokens the target verified
+    accepted: int = 0  # of those, accepted
+    steps: int = 0  # all decode steps (the budget per step is drafted / steps)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -48,13 +49,13 @@ class Request:
 
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0             # tokens whose KV is in the cache
-    num_preemptions: int = 0          # times its KV was freed to make room (it recomputes)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    num_preemptions: int = 0  # times its KV was freed to make room (it recomputes)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None
     spec: SpecStats = field(default_factory=SpecStats)
-    last_budget: int | None = None    # drafts the policy let it verify last step
+    last_budget: int | None = None  # drafts the policy let it verify last step
     first_token_time: float | None = None
     last_token_time: float | None = None
 
@@ -90,12 +91,12 @@ class RequestOutput:
     """What one engine step produced for one request (a delta, for streaming)."""
 
     request_id: str
-    text: str                      # new text since the last output
-    token_ids: list[int]           # new tokens since the last output
+    text: str  # new text since the last output
+    token_ids: list[int]  # new tokens since the last output
     finished: bool
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
     spec: SpecStats | None = None
-    error: str | None = None       # set when the engine failed this request (finish_reason "error")
+    error: str | None = None  # set when the engine failed this request (finish_reason "error")
     tokens: list[TokenRecord] = field(default_factory=list)  # one per token_ids entry

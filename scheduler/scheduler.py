@@ -9,11 +9,12 @@ unchanged). A waiting request is admitted when the rest of its prompt fits the f
 after its cached prefix (prefix caching: those blocks are shared, not recomputed). Prompts
 prefill in chunks under the per-step token budget, next to the running decodes.
 """
+
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.request import Request, Status
@@ -41,10 +42,13 @@ class ScheduledBatch:
     def requests(self) -> list[Request]:
         return self.decodes + [r for r, _ in self.prefills]
 
-    def without_finished(self) -> "ScheduledBatch":
-        return ScheduledBatch([r for r in self.decodes if not r.finished],
-                              [(r, n) for r, n in self.prefills if not r.finished],
-                              [(r, n) for r, n in self.admitted if not r.finished], self.preempted)
+    def without_finished(self) -> ScheduledBatch:
+        return ScheduledBatch(
+            [r for r in self.decodes if not r.finished],
+            [(r, n) for r, n in self.prefills if not r.finished],
+            [(r, n) for r, n in self.admitted if not r.finished],
+            self.preempted,
+        )
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills)
@@ -92,15 +96,16 @@ class Scheduler:
         self.waiting.appendleft(r)
         batch.preempted.append(r)
 
-    def schedule(self, draft_reserve: int = 0,
-                 lookahead: Callable[[Request], int] | None = None) -> ScheduledBatch:
+    def schedule(
+        self, draft_reserve: int = 0, lookahead: Callable[[Request], int] | None = None
+    ) -> ScheduledBatch:
         """Batch every decode and as many prefill tokens as the budget leaves, then admit what
         fits. `draft_reserve` tokens per decode are kept out of the prefill budget for drafts;
         `lookahead(r)`: the most drafts decode `r` may verify this step (its KV is ensured)."""
         bm = self.blocks
         batch = ScheduledBatch()
-        pending = 0     # blocks this step's appends will take from the pool
-        debt = 0        # blocks the scheduled prompts still need after this step's chunks
+        pending = 0  # blocks this step's appends will take from the pool
+        debt = 0  # blocks the scheduled prompts still need after this step's chunks
         n_dec = sum(1 for r in self.running if r.status is Status.DECODE)
         budget = self.cfg.max_num_batched_tokens - n_dec * (1 + draft_reserve)
         i = 0
@@ -119,11 +124,14 @@ class Scheduler:
             while need > bm.num_free_blocks - pending and self.running[-1] is not r:
                 self._preempt(self.running[-1], batch)
             if need > bm.num_free_blocks - pending:
-                if chunk is None:      # the newest decode itself cannot grow: it waits
+                if chunk is None:  # the newest decode itself cannot grow: it waits
                     self._preempt(r, batch)
                     break
-                room = (len(bm.table(r.request_id).blocks) if bm.has(r.request_id) else 0) \
-                    + bm.num_free_blocks - pending
+                room = (
+                    (len(bm.table(r.request_id).blocks) if bm.has(r.request_id) else 0)
+                    + bm.num_free_blocks
+                    - pending
+                )
                 chunk = min(chunk, room * bm.block_size - bm.num_tokens(r.request_id))
                 if chunk <= 0:
                     break
@@ -145,7 +153,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
             r = self.waiting[0]
             ids = r.prefill_ids
-            hit = bm.match_prefix(ids, len(ids) - 1)   # the last token is computed for logits
+            hit = bm.match_prefix(ids, len(ids) - 1)  # the last token is computed for logits
             # The rest of its prompt must fit what is free, after what the running prompts
             # still need; its output takes blocks as it comes (no worst-case reservation).
             need = bm.blocks_needed(len(ids)) - len(hit) + bm.free_blocks_taken_by(hit)

@@ -7,13 +7,14 @@ step it returns one `StepProposal`: a draft block per decoding request and how m
 drafts the target verifies. Everything it decides is fixed before, or independent of, the
 drafted tokens' values, so verification stays lossless.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftRequest, Drafter
+from dspark_serve.drafter.base import AcceptedContext, Drafter, DraftProposal, DraftRequest
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.gate import DraftGate
 from dspark_serve.scheduler.load import LoadState
@@ -42,11 +43,11 @@ class StepProposal:
 
     def drafts(self, i: int) -> torch.Tensor:  # [lengths[i]] int64
         """The draft tokens request i sends to verification."""
-        return self.proposals[i].tokens[:self.lengths[i]]
+        return self.proposals[i].tokens[: self.lengths[i]]
 
     def draft_probs(self, i: int) -> torch.Tensor | None:  # [lengths[i], V] or None
         p = self.proposals[i].probs
-        return None if p is None else p[:self.lengths[i]]
+        return None if p is None else p[: self.lengths[i]]
 
     @property
     def mixed(self) -> bool:
@@ -61,8 +62,13 @@ def no_drafts(n: int) -> list[DraftProposal]:
 class Speculation:
     """Drafter + draft gate + verification-length policy, behind one `propose` call."""
 
-    def __init__(self, drafter: Drafter | None, cfg: SchedulerConfig, max_model_len: int,
-                 cost_table: CostTable | None = None) -> None:
+    def __init__(
+        self,
+        drafter: Drafter | None,
+        cfg: SchedulerConfig,
+        max_model_len: int,
+        cost_table: CostTable | None = None,
+    ) -> None:
         self.drafter = drafter
         self.cfg = cfg
         self.max_model_len = max_model_len
@@ -75,8 +81,11 @@ class Speculation:
     def use_policy(self, spec: str) -> None:
         self.policy: Policy = parse_policy(spec)
         # The load-aware policy also decides whether drafting pays at all (scheduler/gate.py).
-        self.gate = DraftGate() if (self.drafter is not None and self.cfg.draft_gate
-                                    and self.policy.name == "dspark") else None
+        self.gate = (
+            DraftGate()
+            if (self.drafter is not None and self.cfg.draft_gate and self.policy.name == "dspark")
+            else None
+        )
 
     @property
     def speculating(self) -> bool:
@@ -122,8 +131,11 @@ class Speculation:
         return self._max_draft(r) if self.speculating else 0
 
     def _max_draft(self, r: Request) -> int:
-        cap = min(self.drafter.block_size, r.max_tokens - len(r.output_ids) - 1,
-                  self.max_model_len - r.num_tokens - 1)
+        cap = min(
+            self.drafter.block_size,
+            r.max_tokens - len(r.output_ids) - 1,
+            self.max_model_len - r.num_tokens - 1,
+        )
         if self.policy.name == "dspark" and self.cfg.draft_headroom and r.last_budget is not None:
             # Skip positions the policy will not admit: it gave this request `last_budget`
             # drafts a step ago, and load moves slowly. Fixed before any draft of this step
@@ -135,16 +147,21 @@ class Speculation:
         proposals = no_drafts(len(decodes))
         if not self.speculating or not decodes:
             return proposals
-        views = [DraftRequest(r.request_id, r.token_ids, len(r.prompt_ids), r.sampling,
-                              r.generator, self._max_draft(r)) for r in decodes]
+        views = [
+            DraftRequest(
+                r.request_id, r.token_ids, len(r.prompt_ids), r.sampling, r.generator, self._max_draft(r)
+            )
+            for r in decodes
+        ]
         todo = [i for i, v in enumerate(views) if v.max_draft > 0]
         if todo:
             for i, p in zip(todo, self.drafter.propose([views[i] for i in todo])):
                 proposals[i] = p
         return proposals
 
-    def _choose_lengths(self, decodes: list[Request], proposals: list[DraftProposal], room: int,
-                        load: LoadState | None) -> tuple[list[int], PolicyDecision]:
+    def _choose_lengths(
+        self, decodes: list[Request], proposals: list[DraftProposal], room: int, load: LoadState | None
+    ) -> tuple[list[int], PolicyDecision]:
         # The forward's token budget is a hard cap. It is applied to the per-request maxima
         # *before* the policy, from quantities that do not depend on the drafted tokens, so
         # which drafts get verified stays causal (no bias).
@@ -183,8 +200,9 @@ class Speculation:
         if contexts and self.speculating:
             self.drafter.observe(contexts)
 
-    def record_step(self, proposal: StepProposal, num_decodes: int, has_prefills: bool,
-                    decode_tokens: int, seconds: float) -> None:
+    def record_step(
+        self, proposal: StepProposal, num_decodes: int, has_prefills: bool, decode_tokens: int, seconds: float
+    ) -> None:
         """Teach the gate how fast this step was (pure decode steps only: a prefill chunk would
         dominate the time, and a gate-closed step where seeded requests drafted is neither mode)."""
         if self.gate is not None and num_decodes and not has_prefills and not proposal.mixed:

@@ -1,4 +1,5 @@
 """The HTTP layer: OpenAI-compatible routes over an EngineClient. No torch here."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,9 +8,9 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from importlib import resources
-from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,20 +23,33 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark_serve.scheduler.client import EngineClient, EngineError, GenerationParams, StreamDelta
 from dspark_serve.server.config import ServerConfig
-from dspark_serve.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
-                             check_content_parts, check_extras)
+from dspark_serve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    check_content_parts,
+    check_extras,
+)
 
 log = logging.getLogger(__name__)
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error",
-               429: "rate_limit_exceeded", 500: "internal_server_error", 503: "service_unavailable"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
 DEFAULT_CODES = {401: "invalid_api_key", 413: "request_too_large", 429: "rate_limit_exceeded"}
 RETRY_AFTER_S = 1  # told to clients answered 429 (the queue drains in about a request's time)
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None
+) -> JSONResponse:
     headers = dict(headers or {})
     if status == 429:
         headers.setdefault("Retry-After", str(RETRY_AFTER_S))
@@ -43,9 +57,18 @@ def error_response(status: int, message: str, param: str | None = None,
         headers.setdefault("WWW-Authenticate", 'Bearer realm="dspark-serve"')
     if code is None:
         code = DEFAULT_CODES.get(status, None if status < 500 else str(status))
-    return JSONResponse(status_code=status, headers=headers, content={"error": {
-        "message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-        "param": param, "code": code}})
+    return JSONResponse(
+        status_code=status,
+        headers=headers,
+        content={
+            "error": {
+                "message": message,
+                "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                "param": param,
+                "code": code,
+            }
+        },
+    )
 
 
 def _json_depth_exceeds(obj, limit: int) -> bool:
@@ -167,34 +190,47 @@ def _narrow_schema(props: dict, model: str, max_len: int, vocab: int | None) -> 
     if "top_logprobs" in props:
         props["top_logprobs"] = {"anyOf": [{"type": "integer", "enum": [0]}, null], "default": None}
     word = {"type": "string", "minLength": 1}
-    props["stop"] = {"anyOf": [word, {"type": "array", "items": word, "maxItems": 16}, null],
-                     "default": None}
+    props["stop"] = {"anyOf": [word, {"type": "array", "items": word, "maxItems": 16}, null], "default": None}
     for k in ("max_tokens", "max_completion_tokens"):
         if k in props:
-            props[k] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": max_len - 1}, null],
-                        "default": props[k].get("default")}
+            props[k] = {
+                "anyOf": [{"type": "integer", "minimum": 1, "maximum": max_len - 1}, null],
+                "default": props[k].get("default"),
+            }
     if "prompt" in props:
         ids = {"type": "integer", "minimum": 0}
         if vocab is not None:
             ids["maximum"] = vocab - 1
-        props["prompt"] = {"anyOf": [{"type": "string", "minLength": 1},
-                                     {"type": "array", "items": {"type": "string", "minLength": 1},
-                                      "minItems": 1, "maxItems": 1},
-                                     {"type": "array", "items": ids, "minItems": 1}]}
+        props["prompt"] = {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+                {"type": "array", "items": ids, "minItems": 1},
+            ]
+        }
 
 
 def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorRegistry) -> FastAPI:
     app = FastAPI(title="dspark-serve", docs_url=None, redoc_url=None)
-    errors = Counter("dspark:http_errors", "Error responses by HTTP status (429: queue full).",
-                     ["status"], registry=registry)
+    errors = Counter(
+        "dspark:http_errors",
+        "Error responses by HTTP status (429: queue full).",
+        ["status"],
+        registry=registry,
+    )
     for st in (400, 401, 404, 413, 429, 500, 503):
         errors.labels(status=str(st))  # exported at zero from the start
 
     def count_error(status: int) -> None:
         errors.labels(status=str(status)).inc()
 
-    def fail(status: int, message: str, param: str | None = None, code: str | None = None,
-             headers: dict | None = None) -> JSONResponse:
+    def fail(
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ) -> JSONResponse:
         count_error(status)
         return error_response(status, message, param, code, headers)
 
@@ -224,11 +260,17 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         log.exception("unhandled error")
         return fail(500, "internal server error")
 
-    errs = {s: {"model": ErrorResponse, "description": d} for s, d in (
-        (400, "Bad parameters, JSON or prompt (the parameter is named in `param`)"),
-        (401, "Missing or wrong API key"), (404, "Unknown model"),
-        (413, "Request body over the limit"), (429, "Waiting queue full (see Retry-After)"),
-        (503, "Model loading or server draining"))}
+    errs = {
+        s: {"model": ErrorResponse, "description": d}
+        for s, d in (
+            (400, "Bad parameters, JSON or prompt (the parameter is named in `param`)"),
+            (401, "Missing or wrong API key"),
+            (404, "Unknown model"),
+            (413, "Request body over the limit"),
+            (429, "Waiting queue full (see Retry-After)"),
+            (503, "Model loading or server draining"),
+        )
+    }
 
     @app.get("/", include_in_schema=False)
     async def live_page():
@@ -248,15 +290,27 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         stage = getattr(engine, "loading_stage", None)
         return fail(503, f"model is loading: {stage}" if stage else "model is loading", code="loading")
 
-    @app.get("/metrics", response_class=PlainTextResponse,
-             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                              "description": "Prometheus text exposition"}})
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={
+            200: {
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+                "description": "Prometheus text exposition",
+            }
+        },
+    )
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     def model_card() -> dict:
-        entry = {"id": served_name(), "object": "model", "created": 0, "owned_by": "dspark-serve",
-                 "max_model_len": engine.max_model_len}
+        entry = {
+            "id": served_name(),
+            "object": "model",
+            "created": 0,
+            "owned_by": "dspark-serve",
+            "max_model_len": engine.max_model_len,
+        }
         info = engine.runtime_info
         if info is not None:
             entry["runtime"] = asdict(info)
@@ -277,9 +331,9 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "request body is not valid JSON")
+            raise ApiError(400, "request body is not valid JSON") from None
         except RecursionError:
-            raise ApiError(400, f"request body nests deeper than {config.max_json_depth} levels")
+            raise ApiError(400, f"request body nests deeper than {config.max_json_depth} levels") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         if _json_depth_exceeds(body, config.max_json_depth):
@@ -293,7 +347,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         try:
             return schema.model_validate(body)
         except ValidationError as exc:
-            raise _validation_error(exc)
+            raise _validation_error(exc) from exc
 
     async def parse(request: Request, schema):
         if draining():
@@ -306,8 +360,11 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         if req.n != 1:
             raise ApiError(400, f"n={req.n} is not supported; only n=1", "n")
         if req.presence_penalty or req.frequency_penalty:
-            raise ApiError(400, "presence_penalty and frequency_penalty are not supported",
-                           "presence_penalty" if req.presence_penalty else "frequency_penalty")
+            raise ApiError(
+                400,
+                "presence_penalty and frequency_penalty are not supported",
+                "presence_penalty" if req.presence_penalty else "frequency_penalty",
+            )
         if req.logprobs:
             raise ApiError(400, "logprobs are not supported", "logprobs")
         if getattr(req, "top_logprobs", None):
@@ -323,17 +380,29 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             max_tokens = max(1, limit - prompt_len)
         if prompt_len + max_tokens > limit:
             raise ApiError(
-                400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
                 f"completion). Please reduce the length of the prompt or completion.",
-                "max_tokens", "context_length_exceeded")
-        return GenerationParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                top_k=max(req.top_k, 0), seed=req.seed, stop=req.stop_list(),
-                                ignore_eos=req.ignore_eos)
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return GenerationParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=max(req.top_k, 0),
+            seed=req.seed,
+            stop=req.stop_list(),
+            ignore_eos=req.ignore_eos,
+        )
 
     def usage(d: StreamDelta | None, prompt_len: int, completion: int) -> dict:
-        u = {"prompt_tokens": prompt_len, "completion_tokens": completion,
-             "total_tokens": prompt_len + completion}
+        u = {
+            "prompt_tokens": prompt_len,
+            "completion_tokens": completion,
+            "total_tokens": prompt_len + completion,
+        }
         if d is not None and d.spec is not None:
             u["spec_decode"] = d.spec
         return u
@@ -350,16 +419,29 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         try:
             return await stream.__anext__()
         except EngineError as exc:
-            raise ApiError(exc.status, str(exc), exc.param, exc.code)
+            raise ApiError(exc.status, str(exc), exc.param, exc.code) from exc
         except StopAsyncIteration:
             return None
 
     def token_records(d: StreamDelta | None) -> list[dict]:
-        return [] if d is None else [{"id": t.token_id, "text": t.text, "kind": t.kind,
-                                      "position": t.draft_position} for t in d.tokens]
+        return (
+            []
+            if d is None
+            else [
+                {"id": t.token_id, "text": t.text, "kind": t.kind, "position": t.draft_position}
+                for t in d.tokens
+            ]
+        )
 
-    async def run(request: Request, kind: str, prompt_ids: list[int], params: GenerationParams,
-                  stream: bool, include_usage: bool, provenance: bool = False):
+    async def run(
+        request: Request,
+        kind: str,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        stream: bool,
+        include_usage: bool,
+        provenance: bool = False,
+    ):
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
@@ -376,8 +458,12 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         def choice(text: str, finish: str | None, delta: bool) -> dict:
             if kind == "chat":
                 body = {"content": text} if delta else {"role": "assistant", "content": text}
-                return {"index": 0, ("delta" if delta else "message"): body, "logprobs": None,
-                        "finish_reason": finish}
+                return {
+                    "index": 0,
+                    ("delta" if delta else "message"): body,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
         if not stream:
@@ -394,16 +480,21 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                 elif first is not None:
                     parts.append(first.text)
             except EngineError as exc:
-                raise ApiError(exc.status, str(exc), exc.param, exc.code)
+                raise ApiError(exc.status, str(exc), exc.param, exc.code) from exc
             finally:
                 watcher.cancel()
                 await gen.aclose()
             if last is not None and last.error:
                 raise ApiError(503, last.error, code="draining")
             completion = last.completion_tokens if last else 0
-            body = {"id": rid, "object": obj, "created": created, "model": name,
-                    "choices": [choice("".join(parts), last.finish_reason if last else "stop", False)],
-                    "usage": usage(last, len(prompt_ids), completion)}
+            body = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": name,
+                "choices": [choice("".join(parts), last.finish_reason if last else "stop", False)],
+                "usage": usage(last, len(prompt_ids), completion),
+            }
             if provenance:
                 body["dspark"] = {"tokens": records}
             return body
@@ -427,8 +518,16 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             last = first
             try:
                 if kind == "chat":
-                    yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}])
+                    yield chunk(
+                        [
+                            {
+                                "index": 0,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
                 pending = [first] if first is not None else []
                 while True:
                     for d in pending:
@@ -437,11 +536,25 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                         if d.text or tokens:
                             yield chunk([choice(d.text, None, True)], tokens=tokens)
                         if d.finished:
-                            yield chunk([{**choice("", d.finish_reason, True),
-                                          **({"delta": {}} if kind == "chat" else {})}])
+                            yield chunk(
+                                [
+                                    {
+                                        **choice("", d.finish_reason, True),
+                                        **({"delta": {}} if kind == "chat" else {}),
+                                    }
+                                ]
+                            )
                         if d.error:  # cut by a drain: say so after the finish_reason
-                            yield sse({"error": {"message": d.error, "type": ERROR_TYPES[503],
-                                                 "param": None, "code": "draining"}})
+                            yield sse(
+                                {
+                                    "error": {
+                                        "message": d.error,
+                                        "type": ERROR_TYPES[503],
+                                        "param": None,
+                                        "code": "draining",
+                                    }
+                                }
+                            )
                     if last is None or last.finished:
                         break
                     pending = [await gen.__anext__()]
@@ -450,41 +563,68 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                 yield "data: [DONE]\n\n"
             except EngineError as exc:
                 count_error(exc.status)
-                yield sse({"error": {"message": str(exc), "type": ERROR_TYPES.get(exc.status),
-                                     "param": exc.param, "code": exc.code or str(exc.status)}})
+                yield sse(
+                    {
+                        "error": {
+                            "message": str(exc),
+                            "type": ERROR_TYPES.get(exc.status),
+                            "param": exc.param,
+                            "code": exc.code or str(exc.status),
+                        }
+                    }
+                )
                 yield "data: [DONE]\n\n"
             finally:
                 await gen.aclose()  # a client that went away aborts its request here
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
-    gen_responses = {**{k: errs[k] for k in (400, 401, 404, 413, 429, 503)},
-                     200: {"content": {"application/json": {}, "text/event-stream": {}},
-                           "description": "A completion, or with `stream: true` server-sent events"}}
+    gen_responses = {
+        **{k: errs[k] for k in (400, 401, 404, 413, 429, 503)},
+        200: {
+            "content": {"application/json": {}, "text/event-stream": {}},
+            "description": "A completion, or with `stream: true` server-sent events",
+        },
+    }
 
     def body_doc(schema: type[BaseModel]) -> dict:
-        return {"requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"$ref": f"#/components/schemas/{schema.__name__}"}}}}}
+        return {
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{schema.__name__}"}}
+                },
+            }
+        }
 
-    @app.post("/v1/chat/completions", responses=gen_responses,
-              openapi_extra=body_doc(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", responses=gen_responses, openapi_extra=body_doc(ChatCompletionRequest))
     async def chat(request: Request):
         req = await parse(request, ChatCompletionRequest)
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                    for m in req.messages]
+        messages = [
+            {"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages
+        ]
         try:  # off the event loop: a long conversation must not hold up other requests
             prompt_ids = await run_in_threadpool(engine.tokenize_chat, messages)
         except Exception as exc:  # templates reject odd role orders
-            raise ApiError(400, f"messages could not be formatted: {exc}", "messages")
+            raise ApiError(400, f"messages could not be formatted: {exc}", "messages") from exc
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = gen_params(req, len(prompt_ids), max_tokens)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(request, "chat", prompt_ids, params, req.stream, include_usage,
-                         bool(req.dspark and req.dspark.provenance))
+        return await run(
+            request,
+            "chat",
+            prompt_ids,
+            params,
+            req.stream,
+            include_usage,
+            bool(req.dspark and req.dspark.provenance),
+        )
 
-    @app.post("/v1/completions", responses=gen_responses,
-              openapi_extra=body_doc(CompletionRequest))
+    @app.post("/v1/completions", responses=gen_responses, openapi_extra=body_doc(CompletionRequest))
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
         p = req.prompt
@@ -493,8 +633,12 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             vocab = getattr(engine, "vocab_size", None)
             bad = [x for x in prompt_ids if x < 0 or (vocab is not None and x >= vocab)]
             if bad:
-                raise ApiError(400, f"prompt token id {bad[0]} is out of range"
-                               + (f" [0, {vocab})" if vocab is not None else " (negative)"), "prompt")
+                raise ApiError(
+                    400,
+                    f"prompt token id {bad[0]} is out of range"
+                    + (f" [0, {vocab})" if vocab is not None else " (negative)"),
+                    "prompt",
+                )
         else:
             if isinstance(p, list):
                 if len(p) != 1:
@@ -505,8 +649,15 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             raise ApiError(400, "prompt must not be empty", "prompt")
         params = gen_params(req, len(prompt_ids), 16 if req.max_tokens is None else req.max_tokens)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(request, "completion", prompt_ids, params, req.stream, include_usage,
-                         bool(req.dspark and req.dspark.provenance))
+        return await run(
+            request,
+            "completion",
+            prompt_ids,
+            params,
+            req.stream,
+            include_usage,
+            bool(req.dspark and req.dspark.provenance),
+        )
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -517,8 +668,12 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                 comps.update(js.pop("$defs", {}))
                 comps[model.__name__] = js
             for name in ("ChatCompletionRequest", "CompletionRequest"):
-                _narrow_schema(comps[name]["properties"], served_name(), engine.max_model_len,
-                               getattr(engine, "vocab_size", None))
+                _narrow_schema(
+                    comps[name]["properties"],
+                    served_name(),
+                    engine.max_model_len,
+                    getattr(engine, "vocab_size", None),
+                )
             for op in doc["paths"].get("/v1/models/{model_id}", {}).values():
                 for prm in op.get("parameters", []):
                     prm["schema"] = {"type": "string", "enum": [served_name()]}

@@ -1,5 +1,6 @@
 """`dspark-serve`: parse flags (defaults from the component configs, then a config file, then the
 command line), start the HTTP server at once, and load the engine in the background."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,12 @@ from dspark_serve.verifier.config import ModelConfig
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "embedded"
 # A config file's sections: one per component config; every key lives in its component's section.
-SECTIONS = {"model": ModelConfig, "drafter": DrafterConfig, "scheduler": SchedulerConfig,
-            "server": ServerConfig}
+SECTIONS = {
+    "model": ModelConfig,
+    "drafter": DrafterConfig,
+    "scheduler": SchedulerConfig,
+    "server": ServerConfig,
+}
 COMPONENTS = tuple(SECTIONS.values())
 
 
@@ -33,9 +38,13 @@ def field_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
@@ -43,8 +52,11 @@ def field_docs(cls: type) -> dict[str, str]:
 def _choices_help(name: str) -> str:
     """What a field that names a registry entry can be, read from the registry."""
     if name == "drafter":
-        return "Choices: " + ", ".join([NO_DRAFTER] + [f"{n} ({drafter_spec(n).summary})"
-                                                       for n in drafter_names()]) + "."
+        return (
+            "Choices: "
+            + ", ".join([NO_DRAFTER] + [f"{n} ({drafter_spec(n).summary})" for n in drafter_names()])
+            + "."
+        )
     if name == "verify_policy":
         return "Choices: " + ", ".join(policy_choices()) + "."
     return ""
@@ -66,11 +78,16 @@ def _flags() -> list[tuple[str, type, str, type]]:
 def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     """suppress_defaults: parse only the flags actually given (to layer them over a file)."""
     p = argparse.ArgumentParser(
-        prog="dspark-serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="dspark-serve",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         argument_default=argparse.SUPPRESS if suppress_defaults else None,
-        description="OpenAI-compatible server with load-aware speculative decoding (DSpark).")
-    p.add_argument("--config", **({} if suppress_defaults else {"default": DEFAULT_CONFIG}),
-                   help="a name under configs/ (without .toml) or a path to a TOML file; flags override it")
+        description="OpenAI-compatible server with load-aware speculative decoding (DSpark).",
+    )
+    p.add_argument(
+        "--config",
+        **({} if suppress_defaults else {"default": DEFAULT_CONFIG}),
+        help="a name under configs/ (without .toml) or a path to a TOML file; flags override it",
+    )
     for name, comp, help_, typ in _flags():
         default = getattr(comp(), name)
         flag = "--" + name.replace("_", "-")
@@ -109,8 +126,10 @@ def load_config_file(spec: str) -> dict:
             where = f"; it belongs in [{owner[section]}]" if section in owner else ""
             raise ValueError(f"config {name}: key {section!r} outside any section{where}")
         if section not in SECTIONS:
-            raise ValueError(f"config {name}: unknown section [{section}]; the sections are "
-                             + ", ".join(f"[{s}]" for s in SECTIONS))
+            raise ValueError(
+                f"config {name}: unknown section [{section}]; the sections are "
+                + ", ".join(f"[{s}]" for s in SECTIONS)
+            )
         for key, value in table.items():
             if owner.get(key) != section:
                 where = f"; it belongs in [{owner[key]}]" if key in owner else ""
@@ -119,19 +138,21 @@ def load_config_file(spec: str) -> dict:
     return flat
 
 
-def resolve(argv: list[str] | None = None) -> tuple[ModelConfig, DrafterConfig, SchedulerConfig, ServerConfig]:
+def resolve(
+    argv: list[str] | None = None,
+) -> tuple[ModelConfig, DrafterConfig, SchedulerConfig, ServerConfig]:
     parser = build_parser()
     args = parser.parse_args(argv)
     given = vars(build_parser(suppress_defaults=True).parse_args(argv))
-    values = vars(parser.parse_args([]))           # the component configs' defaults
-    values.update(load_config_file(args.config))    # then the config file
-    values.update(given)                            # then the flags actually given
+    values = vars(parser.parse_args([]))  # the component configs' defaults
+    values.update(load_config_file(args.config))  # then the config file
+    values.update(given)  # then the flags actually given
     out = []
     for comp in COMPONENTS:
         kwargs = {}
         for f in dataclasses.fields(comp):
             v = values[f.name]
-            if f.default is None:   # optional fields: "", "none" or "None" from a flag mean None
+            if f.default is None:  # optional fields: "", "none" or "None" from a flag mean None
                 if v in ("", "none", "None"):
                     v = None
                 elif v is not None and str(f.type).startswith("int"):
@@ -160,8 +181,9 @@ def resolve_api_key(cfg: ServerConfig, environ) -> ServerConfig:
     return cfg
 
 
-def start_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: SchedulerConfig,
-                 server_cfg: ServerConfig):
+def start_engine(
+    model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: SchedulerConfig, server_cfg: ServerConfig
+):
     """Start loading the engine in its background thread; returns (AsyncEngine, the metrics'
     CollectorRegistry). Shared by `dspark-serve` and each Ray Serve replica."""
     from prometheus_client import CollectorRegistry
@@ -172,11 +194,15 @@ def start_engine(model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: 
     from dspark_serve.scheduler.metrics import EngineMetrics
 
     registry = CollectorRegistry()
-    name = server_cfg.served_model_name or (Path(model_cfg.model).stem if model_cfg.model else "SmolLM2-135M-Instruct")
+    name = server_cfg.served_model_name or (
+        Path(model_cfg.model).stem if model_cfg.model else "SmolLM2-135M-Instruct"
+    )
     metrics = EngineMetrics(registry, name)
-    engine = AsyncEngine(lambda on_stage=None: build_engine(model_cfg, drafter_cfg, sched_cfg, metrics,
-                                                            on_stage=on_stage),
-                         model_name=name, max_model_len=model_cfg.max_model_len)
+    engine = AsyncEngine(
+        lambda on_stage=None: build_engine(model_cfg, drafter_cfg, sched_cfg, metrics, on_stage=on_stage),
+        model_name=name,
+        max_model_len=model_cfg.max_model_len,
+    )
     engine.start()
     return engine, registry
 
@@ -188,15 +214,15 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         print(f"dspark-serve: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    logging.basicConfig(level=server_cfg.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     from dspark_serve.server.app import build_app
     from dspark_serve.server.serve import serve
 
     engine, registry = start_engine(model_cfg, drafter_cfg, sched_cfg, server_cfg)
     app = build_app(engine, server_cfg, registry)
-    serve(app, engine, server_cfg.host, server_cfg.port, server_cfg.log_level,
-          server_cfg.shutdown_timeout)
+    serve(app, engine, server_cfg.host, server_cfg.port, server_cfg.log_level, server_cfg.shutdown_timeout)
     engine.stop()
 
 

@@ -1,4 +1,5 @@
 """Configuration of the HTTP front end."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -4,6 +4,7 @@ Fields are strict: a string is never coerced to a number (`"max_tokens": "10"` i
 number never to a bool. Parameters of the OpenAI API that this server does not implement are
 listed in UNSUPPORTED and answered 400 by name (never silently ignored); see `check_extras`.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -170,6 +171,8 @@ def check_content_parts(body: dict) -> tuple[str | None, str | None]:
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind != "text":
-                return (f"messages.{i}.content.{j}",
-                        f"content parts of type `{kind}` are not supported: this model reads text only")
+                return (
+                    f"messages.{i}.content.{j}",
+                    f"content parts of type `{kind}` are not supported: this model reads text only",
+                )
     return None, None

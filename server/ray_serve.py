@@ -14,6 +14,7 @@ engine drains exactly as under SIGTERM: no new requests, those in flight may fin
 Each replica's engine metrics also go to Ray's metrics endpoint, tagged with the replica.
 Ray is imported only here and only when used; no torch in this module.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,13 @@ class RayServeConfig:
         for name in ("upscale_delay_s", "downscale_delay_s"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("target_ongoing_requests", "num_cpus", "health_check_period_s",
-                     "health_check_timeout_s", "metrics_interval_s"):
+        for name in (
+            "target_ongoing_requests",
+            "num_cpus",
+            "health_check_period_s",
+            "health_check_timeout_s",
+            "metrics_interval_s",
+        ):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be > 0, got {v!r}")
@@ -99,17 +105,21 @@ class RayServeConfig:
         if self.autoscaling:
             lo = self.min_replicas if self.min_replicas is not None else 1
             hi = self.max_replicas if self.max_replicas is not None else max(lo, 1)
-            opts["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi,
-                                          "initial_replicas": max(lo, 1),
-                                          "target_ongoing_requests": self.target_ongoing_requests,
-                                          "upscale_delay_s": self.upscale_delay_s,
-                                          "downscale_delay_s": self.downscale_delay_s}
+            opts["autoscaling_config"] = {
+                "min_replicas": lo,
+                "max_replicas": hi,
+                "initial_replicas": max(lo, 1),
+                "target_ongoing_requests": self.target_ongoing_requests,
+                "upscale_delay_s": self.upscale_delay_s,
+                "downscale_delay_s": self.downscale_delay_s,
+            }
         else:
             opts["num_replicas"] = self.num_replicas
         return opts
 
 
 # -- metrics: a replica's registry copied into Ray's, tagged with the replica -----------------
+
 
 def prometheus_samples(registry) -> Iterable[tuple[str, dict[str, str], float]]:
     """(name, labels, value) of every sample a Ray gauge can carry: gauges, counter totals and
@@ -134,8 +144,9 @@ class RayMetricsBridge:
     seconds, each tagged with `tags` (deployment, replica) on top of its own labels. Counters
     arrive as gauges holding the running total (Prometheus `rate()` works on them all the same)."""
 
-    def __init__(self, registry, tags: dict[str, str], interval: float,
-                 gauge_factory: Callable | None = None) -> None:
+    def __init__(
+        self, registry, tags: dict[str, str], interval: float, gauge_factory: Callable | None = None
+    ) -> None:
         if gauge_factory is None:
             from ray.util.metrics import Gauge
 
@@ -176,6 +187,7 @@ class RayMetricsBridge:
 
 # -- noticing that Ray began stopping this replica ------------------------------------------
 
+
 def ray_stop_signal() -> Callable[[], bool] | None:
     """A function telling whether Ray Serve has begun stopping the replica this code runs in.
 
@@ -197,11 +209,19 @@ def ray_stop_signal() -> Callable[[], bool] | None:
 
 # -- the replica ----------------------------------------------------------------------------
 
+
 class EngineReplica:
     """One replica: an engine thread plus the same FastAPI app `dspark-serve` serves."""
 
-    def __init__(self, model_cfg, drafter_cfg, sched_cfg, server_cfg, ray_cfg: RayServeConfig,
-                 ready_timeout: float = 900.0) -> None:
+    def __init__(
+        self,
+        model_cfg,
+        drafter_cfg,
+        sched_cfg,
+        server_cfg,
+        ray_cfg: RayServeConfig,
+        ready_timeout: float = 900.0,
+    ) -> None:
         from ray import serve
 
         from dspark_serve.server.cli import start_engine
@@ -214,14 +234,18 @@ class EngineReplica:
         # Join the pool only with a loaded model: Ray routes to a replica once __init__ returns.
         if not self.engine.wait_ready(ready_timeout):
             raise RuntimeError(f"engine not ready after {ready_timeout}s: {self.engine.load_error}")
-        self.bridge = RayMetricsBridge(self.registry, {"deployment": ctx.deployment, "replica": self.replica_id},
-                                       ray_cfg.metrics_interval_s)
+        self.bridge = RayMetricsBridge(
+            self.registry,
+            {"deployment": ctx.deployment, "replica": self.replica_id},
+            ray_cfg.metrics_interval_s,
+        )
         self.bridge.start()
         self._drained = threading.Event()
         stopping = ray_stop_signal()
         if stopping is not None:
-            threading.Thread(target=self._watch_stop, args=(stopping,), name="ray-stop-watch",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._watch_stop, args=(stopping,), name="ray-stop-watch", daemon=True
+            ).start()
 
     def __serve_build_asgi_app__(self):
         from dspark_serve.server.app import build_app
@@ -273,11 +297,13 @@ def deployment(model_cfg, drafter_cfg, sched_cfg, server_cfg, ray_cfg: RayServeC
 
     cls = serve.ingress()(EngineReplica)
     dep = serve.deployment(cls, name="DSparkEngine").options(
-        **ray_cfg.deployment_options(server_cfg.shutdown_timeout))
+        **ray_cfg.deployment_options(server_cfg.shutdown_timeout)
+    )
     return dep.bind(model_cfg, drafter_cfg, sched_cfg, server_cfg, ray_cfg)
 
 
 # -- the command ----------------------------------------------------------------------------
+
 
 def _ray_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-serve-ray", add_help=False)
@@ -310,22 +336,26 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         print(f"dspark-serve-ray: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    logging.basicConfig(level=server_cfg.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     import ray
     from ray import serve
 
     ray.init(address=ray_cfg.address, logging_level=server_cfg.log_level.upper())
     serve.start(http_options={"host": server_cfg.host, "port": server_cfg.port})
-    serve.run(deployment(model_cfg, drafter_cfg, sched_cfg, server_cfg, ray_cfg),
-              name=ray_cfg.app_name, route_prefix="/")
+    serve.run(
+        deployment(model_cfg, drafter_cfg, sched_cfg, server_cfg, ray_cfg),
+        name=ray_cfg.app_name,
+        route_prefix="/",
+    )
     log.info("serving %s on http://%s:%d with Ray Serve", ray_cfg.app_name, server_cfg.host, server_cfg.port)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("stopping: replicas drain (up to %.0fs)", server_cfg.shutdown_timeout)
-    serve.delete(ray_cfg.app_name)   # each replica drains its engine as it stops
+    serve.delete(ray_cfg.app_name)  # each replica drains its engine as it stops
     serve.shutdown()
     ray.shutdown()
 

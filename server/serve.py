@@ -5,6 +5,7 @@ get 503 so balancers move away; in-flight requests may finish for up to `shutdow
 seconds; the rest are ended with an error event and finish_reason "abort"), then uvicorn shuts
 down. A second signal exits at once. No torch here.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,9 +33,13 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
-        if (self._drain_started() or self._loop is None or self.should_exit
-                or not hasattr(self.engine, "drain")):
-            return super().handle_exit(sig, frame)   # a second signal: exit now
+        if (
+            self._drain_started()
+            or self._loop is None
+            or self.should_exit
+            or not hasattr(self.engine, "drain")
+        ):
+            return super().handle_exit(sig, frame)  # a second signal: exit now
         log.info("received %s: draining (up to %.0fs)", signal.Signals(sig).name, self.shutdown_timeout)
         self._loop.call_soon_threadsafe(self._start_drain)
 
@@ -56,7 +61,12 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(app, engine, host: str, port: int, log_level: str, shutdown_timeout: float) -> None:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            # after the drain only finished responses remain to be written
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        # after the drain only finished responses remain to be written
+        timeout_graceful_shutdown=5,
+    )
     DrainingServer(config, engine, shutdown_timeout).run()

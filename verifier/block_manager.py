@@ -9,6 +9,7 @@ prefix hold the same physical blocks (`allocate_prefix`); a hashed block nobody 
 the cache and counts as free, and is evicted least-recently-used only when an allocation finds
 no empty block. A block in use is never evicted.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -99,8 +100,9 @@ class BlockManager:
         return len(self._cached_free) / self.num_blocks
 
     def stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self.queries, self.hits, self.evictions, len(self._hash_of),
-                                len(self._cached_free))
+        return PrefixCacheStats(
+            self.queries, self.hits, self.evictions, len(self._hash_of), len(self._cached_free)
+        )
 
     def refcount(self, block: int) -> int:
         return self._ref[block]
@@ -136,7 +138,7 @@ class BlockManager:
         n = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
         bs, parent, out = self.block_size, None, []
         for i in range(n // bs):
-            parent = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
             b = self._by_hash.get(parent)
             if b is None:
                 break
@@ -151,7 +153,7 @@ class BlockManager:
     def _take(self) -> int:
         if self._free:
             b = self._free.pop()
-        else:   # evict the least recently used cached block nobody holds
+        else:  # evict the least recently used cached block nobody holds
             b, _ = self._cached_free.popitem(last=False)
             del self._by_hash[self._hash_of.pop(b)]
             self.evictions += 1
@@ -164,7 +166,7 @@ class BlockManager:
             raise RuntimeError(f"block {b} released more often than taken")
         if self._ref[b] == 0:
             if b in self._hash_of:
-                self._cached_free[b] = None   # most recently used end
+                self._cached_free[b] = None  # most recently used end
             else:
                 self._free.append(b)
 
@@ -185,7 +187,7 @@ class BlockManager:
                 del self._cached_free[b]
             self._ref[b] += 1
             t.blocks.append(b)
-            parent = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
             t.hashes.append(parent)
         t.num_tokens = len(hit) * bs
         self.queries += len(token_ids)
@@ -202,12 +204,13 @@ class BlockManager:
         if t is None:
             return
         if num_committed > t.num_tokens:
-            raise ValueError(f"request {request_id!r}: {num_committed} committed tokens but "
-                             f"only {t.num_tokens} stored")
+            raise ValueError(
+                f"request {request_id!r}: {num_committed} committed tokens but only {t.num_tokens} stored"
+            )
         bs = self.block_size
         parent = t.hashes[-1] if t.hashes else None
         for i in range(len(t.hashes), num_committed // bs):
-            parent = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
             t.hashes.append(parent)
             b = t.blocks[i]
             # The same content computed twice (two requests prefilling one prefix at once):
@@ -238,7 +241,7 @@ class BlockManager:
             raise ValueError(f"cannot truncate to {num_tokens!r} tokens (request has {t.num_tokens})")
         t.num_tokens = num_tokens
         keep = self.blocks_needed(num_tokens)
-        del t.hashes[num_tokens // self.block_size:]
+        del t.hashes[num_tokens // self.block_size :]
         while len(t.blocks) > keep:
             self._release(t.blocks.pop())
 

@@ -1,4 +1,5 @@
 """Configuration of the target model and its KV cache."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,7 +48,8 @@ class ModelConfig:
             raise ValueError(f"kv_cache_tokens must be >= 0, got {self.kv_cache_tokens!r}")
         if not (0.0 < self.kv_cache_memory_fraction <= 0.95):
             raise ValueError(
-                f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction!r}")
+                f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction!r}"
+            )
         if self.forward not in ("fast", "reference"):
             raise ValueError(f"forward must be fast or reference, got {self.forward!r}")
         if self.linear not in ("auto", "torch", "mkldnn"):

@@ -15,6 +15,7 @@ larger kernels and almost no Python per token.
 
 Greedy equality with the reference forward in float32 is what the tests hold it to.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -76,8 +77,11 @@ class _Int8Linear:
 
 def mkldnn_linear_works(dtype: torch.dtype, device: torch.device) -> bool:
     """oneDNN prepacked linear: float32/bf16 on a CPU whose oneDNN build accepts it (never CUDA)."""
-    if (device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)
-            or not torch.backends.mkldnn.is_available()):
+    if (
+        device.type != "cpu"
+        or dtype not in (torch.float32, torch.bfloat16)
+        or not torch.backends.mkldnn.is_available()
+    ):
         return False
     try:
         w = torch.randn(8, 16).to(dtype)
@@ -100,20 +104,20 @@ def make_linear(w: torch.Tensor, b: torch.Tensor | None, kind: str, quantize: st
 # -- per-step plan --------------------------------------------------------------------------------
 @dataclass
 class _FastPlan:
-    ids: torch.Tensor                          # [T]
-    slots: torch.Tensor                        # [T] cache slot of each new token
-    cos: torch.Tensor                          # [T, 1, D]
-    sin: torch.Tensor                          # [T, 1, D] (sign of rotate_half folded in)
+    ids: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] cache slot of each new token
+    cos: torch.Tensor  # [T, 1, D]
+    sin: torch.Tensor  # [T, 1, D] (sign of rotate_half folded in)
     # decode/verify segments (<= SMALL_SEGMENT tokens), attended in one call per layer
     g_count: int = 0
-    g_q: int = 0                               # padded queries per segment
-    g_row0: int = -1                           # >= 0: rows [g_row0, g_row0 + G*Q) in order
-    g_rows: torch.Tensor | None = None         # else [G, Q] flat row per query (pad -> 0)
-    g_valid: torch.Tensor | None = None        # [G, Q] bool (with g_rows)
-    g_blocks: torch.Tensor | None = None       # [G * nblk] block ids (pad -> 0)
+    g_q: int = 0  # padded queries per segment
+    g_row0: int = -1  # >= 0: rows [g_row0, g_row0 + G*Q) in order
+    g_rows: torch.Tensor | None = None  # else [G, Q] flat row per query (pad -> 0)
+    g_valid: torch.Tensor | None = None  # [G, Q] bool (with g_rows)
+    g_blocks: torch.Tensor | None = None  # [G * nblk] block ids (pad -> 0)
     g_nblk: int = 0
-    g_mask: torch.Tensor | None = None         # [G, 1, Q, nblk * bs] bool
-    big: list = field(default_factory=list)    # (row0, n, start, blocks [nb] | None, mask | None)
+    g_mask: torch.Tensor | None = None  # [G, 1, Q, nblk * bs] bool
+    big: list = field(default_factory=list)  # (row0, n, start, blocks [nb] | None, mask | None)
     logit_rows: torch.Tensor | None = None
     logits_offsets: list = field(default_factory=list)
     token_offsets: list = field(default_factory=list)
@@ -156,23 +160,25 @@ class FastForwardMixin:
                     # The HF modules keep views into the fused weights: no second copy in memory.
                     nq, nk = H * D, Hkv * D
                     a.q_proj.weight.data = wqkv[:nq]
-                    a.k_proj.weight.data = wqkv[nq:nq + nk]
-                    a.v_proj.weight.data = wqkv[nq + nk:]
+                    a.k_proj.weight.data = wqkv[nq : nq + nk]
+                    a.v_proj.weight.data = wqkv[nq + nk :]
                     if bqkv is not None:
                         a.q_proj.bias.data = bqkv[:nq]
-                        a.k_proj.bias.data = bqkv[nq:nq + nk]
-                        a.v_proj.bias.data = bqkv[nq + nk:]
+                        a.k_proj.bias.data = bqkv[nq : nq + nk]
+                        a.v_proj.bias.data = bqkv[nq + nk :]
                     ni = m.gate_proj.weight.shape[0]
                     m.gate_proj.weight.data = wgu[:ni]
                     m.up_proj.weight.data = wgu[ni:]
             fl = _FastLayer(
-                in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+                in_norm=layer.input_layernorm.weight,
+                post_norm=layer.post_attention_layernorm.weight,
                 qkv=make_linear(wqkv, bqkv, linear, self.quantize),
                 o=make_linear(a.o_proj.weight, a.o_proj.bias, linear, self.quantize),
                 gate_up=make_linear(wgu, None, linear, self.quantize),
                 down=make_linear(m.down_proj.weight, m.down_proj.bias, linear, self.quantize),
                 q_norm=a.q_norm.weight if self.has_qk_norm else None,
-                k_norm=a.k_norm.weight if self.has_qk_norm else None)
+                k_norm=a.k_norm.weight if self.has_qk_norm else None,
+            )
             kinds.add(fl.qkv.kind)
             self.fast_layers.append(fl)
         # The LM head stays as is (tied to the embedding the drafter shares); prepacking helps it too.
@@ -197,7 +203,7 @@ class FastForwardMixin:
         cos, sin = self.rotary(torch.empty(1, device=self.device, dtype=self.dtype), pos)
         half = self.head_dim // 2
         sin = sin[0].clone()
-        sin[:, :half] = -sin[:, :half]          # rotate_half(x) * sin == roll(x) * signed sin
+        sin[:, :half] = -sin[:, :half]  # rotate_half(x) * sin == roll(x) * signed sin
         self._cos_table, self._sin_table = cos[0].contiguous(), sin.contiguous()
 
     # -- plan ---------------------------------------------------------------------------------------
@@ -212,8 +218,9 @@ class FastForwardMixin:
         nblks = [-(-e // bs) for e in ends]
         maxblk = max(nblks)
         tables = [self.blocks.table(s.request_id).blocks for s in segments]
-        bt = torch.tensor([t[:nb] + [0] * (maxblk - nb) for t, nb in zip(tables, nblks)],
-                          dtype=torch.long).reshape(S, maxblk)
+        bt = torch.tensor(
+            [t[:nb] + [0] * (maxblk - nb) for t, nb in zip(tables, nblks)], dtype=torch.long
+        ).reshape(S, maxblk)
         lens_t = torch.tensor(lens)
         seg_of = torch.repeat_interleave(torch.arange(S), lens_t)
         pos = torch.tensor(starts)[seg_of] + torch.arange(T) - torch.tensor(row0)[seg_of]
@@ -222,7 +229,7 @@ class FastForwardMixin:
         if self._rope_dynamic:
             cos, sin = self.rotary(torch.empty(1, device=dev, dtype=self.dtype), pos.to(dev)[None])
             cos, sin = cos[0], sin[0].clone()
-            sin[:, :self.head_dim // 2] *= -1
+            sin[:, : self.head_dim // 2] *= -1
         else:
             self._ensure_rope(max(ends))
             pd = pos.to(dev)
@@ -238,13 +245,13 @@ class FastForwardMixin:
             plan.g_count, plan.g_q, plan.g_nblk = G, Q, nb
             plan.g_blocks = bt[sel, :nb].reshape(-1).to(dev)
             qn = lens_t[sel]
-            qpos = torch.tensor(starts)[sel][:, None] + torch.arange(Q)[None, :]       # [G, Q]
+            qpos = torch.tensor(starts)[sel][:, None] + torch.arange(Q)[None, :]  # [G, Q]
             valid = torch.arange(Q)[None, :] < qn[:, None]
             kpos = torch.arange(nb * bs)
             mask = kpos[None, None, :] <= qpos[:, :, None]
-            mask[:, :, 0] |= ~valid                         # padded query rows see key 0
+            mask[:, :, 0] |= ~valid  # padded query rows see key 0
             plan.g_mask = mask[:, None].to(dev)
-            contiguous = (all(lens[i] == Q for i in small) and small == list(range(small[0], small[-1] + 1)))
+            contiguous = all(lens[i] == Q for i in small) and small == list(range(small[0], small[-1] + 1))
             if contiguous:
                 plan.g_row0 = row0[small[0]]
             else:
@@ -260,8 +267,8 @@ class FastForwardMixin:
             else:
                 c = st + n
                 m = torch.arange(nblks[i] * bs)[None, :] <= torch.arange(st, c)[:, None]
-                plan.big.append((row0[i], n, st, bt[i, :nblks[i]].to(dev), m.to(dev)))
-        logit_rows, r = [], 0
+                plan.big.append((row0[i], n, st, bt[i, : nblks[i]].to(dev), m.to(dev)))
+        logit_rows = []
         for s, a in zip(segments, row0):
             plan.token_offsets.append(a)
             plan.logits_offsets.append(len(logit_rows))
@@ -271,7 +278,9 @@ class FastForwardMixin:
         return plan
 
     # -- attention ----------------------------------------------------------------------------------
-    def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _FastPlan) -> torch.Tensor:
+    def _attention(
+        self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _FastPlan
+    ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (new tokens) -> [T, H * D]. New K/V are written to their
         slots, then every segment attends to its blocks, read whole from the paged cache."""
         bs, Hkv, D = self.block_size, self.num_kv_heads, self.head_dim
@@ -283,40 +292,48 @@ class FastForwardMixin:
         T = q.shape[0]
         gqa = self.num_heads != Hkv
         if plan.g_count and plan.g_row0 >= 0 and plan.g_count * plan.g_q == T and not plan.big:
-            out = None                                        # the whole step is one group
+            out = None  # the whole step is one group
         else:
             out = q.new_empty(q.shape)
         if plan.g_count:
             G, Q = plan.g_count, plan.g_q
             C = plan.g_nblk * bs
             if plan.g_row0 >= 0:
-                qs = q[plan.g_row0:plan.g_row0 + G * Q].view(G, Q, *q.shape[1:])
+                qs = q[plan.g_row0 : plan.g_row0 + G * Q].view(G, Q, *q.shape[1:])
             else:
                 qs = q[plan.g_rows]
             ks = kb.index_select(0, plan.g_blocks).view(G, C, Hkv, D)
             vs = vb.index_select(0, plan.g_blocks).view(G, C, Hkv, D)
-            o = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
-                                               attn_mask=plan.g_mask, scale=self.scaling, enable_gqa=gqa)
-            o = o.transpose(1, 2)                              # [G, Q, H, D]
+            o = F.scaled_dot_product_attention(
+                qs.transpose(1, 2),
+                ks.transpose(1, 2),
+                vs.transpose(1, 2),
+                attn_mask=plan.g_mask,
+                scale=self.scaling,
+                enable_gqa=gqa,
+            )
+            o = o.transpose(1, 2)  # [G, Q, H, D]
             if out is None:
                 return o.reshape(T, -1)
             if plan.g_row0 >= 0:
-                out[plan.g_row0:plan.g_row0 + G * Q] = o.reshape(G * Q, *q.shape[1:])
+                out[plan.g_row0 : plan.g_row0 + G * Q] = o.reshape(G * Q, *q.shape[1:])
             else:
                 out[plan.g_rows[plan.g_valid]] = o[plan.g_valid]
-        for r0, n, st, blocks, mask in plan.big:
-            qs = q[r0:r0 + n].transpose(0, 1)[None]
-            if blocks is None:                                 # a sequence's first chunk
-                ks = k[r0:r0 + n].transpose(0, 1)[None]
-                vs = v[r0:r0 + n].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scaling,
-                                                   enable_gqa=gqa)
+        for r0, n, _st, blocks, mask in plan.big:
+            qs = q[r0 : r0 + n].transpose(0, 1)[None]
+            if blocks is None:  # a sequence's first chunk
+                ks = k[r0 : r0 + n].transpose(0, 1)[None]
+                vs = v[r0 : r0 + n].transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, scale=self.scaling, enable_gqa=gqa
+                )
             else:
                 ks = kb.index_select(0, blocks).view(-1, Hkv, D).transpose(0, 1)[None]
                 vs = vb.index_select(0, blocks).view(-1, Hkv, D).transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[None, None],
-                                                   scale=self.scaling, enable_gqa=gqa)
-            out[r0:r0 + n] = o[0].transpose(0, 1)
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=mask[None, None], scale=self.scaling, enable_gqa=gqa
+                )
+            out[r0 : r0 + n] = o[0].transpose(0, 1)
         return out.reshape(T, -1)
 
     # -- forward ------------------------------------------------------------------------------------
@@ -344,13 +361,13 @@ class FastForwardMixin:
             qkv = L.qkv(x)
             if self.has_qk_norm:
                 q = _rms_norm(qkv[:, :nq].view(T, H, D), D, L.q_norm, self.qk_eps)
-                k = _rms_norm(qkv[:, nq:nq + nk].view(T, Hkv, D), D, L.k_norm, self.qk_eps)
+                k = _rms_norm(qkv[:, nq : nq + nk].view(T, Hkv, D), D, L.k_norm, self.qk_eps)
                 q = self._rope(q, cos, sin)
                 k = self._rope(k, cos, sin)
             else:
-                qk = self._rope(qkv[:, :nq + nk].view(T, H + Hkv, D), cos, sin)
+                qk = self._rope(qkv[:, : nq + nk].view(T, H + Hkv, D), cos, sin)
                 q, k = qk[:, :H], qk[:, H:]
-            v = qkv[:, nq + nk:].view(T, Hkv, D)
+            v = qkv[:, nq + nk :].view(T, Hkv, D)
             h = h + L.o(self._attention(li, q, k, v, plan))
             gu = L.gate_up(_rms_norm(h, d, L.post_norm, eps))
             g, u = gu.chunk(2, dim=-1)
@@ -361,13 +378,14 @@ class FastForwardMixin:
         if last in tap_layers:
             taps[last] = h
         if plan.logit_rows is not None:
-            rows = h if plan.logit_rows.numel() == T else h[plan.logit_rows]   # decode: every row
+            rows = h if plan.logit_rows.numel() == T else h[plan.logit_rows]  # decode: every row
             logits = self.fast_lm_head(rows).float()
         else:
             logits = h.new_zeros(0, self.vocab_size, dtype=torch.float32)
         hidden = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
-        return ForwardOutput(logits=logits, logits_offsets=plan.logits_offsets, hidden=hidden,
-                             token_offsets=plan.token_offsets)
+        return ForwardOutput(
+            logits=logits, logits_offsets=plan.logits_offsets, hidden=hidden, token_offsets=plan.token_offsets
+        )
 
 
 def _rms_norm(x: torch.Tensor, d: int, w: torch.Tensor, eps: float) -> torch.Tensor:

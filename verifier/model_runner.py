@@ -6,6 +6,7 @@ Llama, Qwen2 and Qwen3 share one decoder shape (pre-norm attention + SwiGLU MLP)
 per-head RMSNorm on q and k, Qwen2 adds q/k/v biases (inside its Linear layers). We reuse the HF
 modules' weights and projections and replace only attention and the cache.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -60,22 +61,29 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class _AttnPlan:
     """Index tensors shared by all layers of one forward."""
 
-    slots: torch.Tensor                       # [T] cache slot of each new token
-    cos: torch.Tensor                         # [T, 1, D]
-    sin: torch.Tensor                         # [T, 1, D]
-    small_rows: torch.Tensor | None = None    # [G, Qmax] flat row of each padded query (pad -> 0)
+    slots: torch.Tensor  # [T] cache slot of each new token
+    cos: torch.Tensor  # [T, 1, D]
+    sin: torch.Tensor  # [T, 1, D]
+    small_rows: torch.Tensor | None = None  # [G, Qmax] flat row of each padded query (pad -> 0)
     small_gather: torch.Tensor | None = None  # [G, Cmax] cache slot per key (pad -> 0)
-    small_mask: torch.Tensor | None = None    # [G, 1, Qmax, Cmax] bool
-    small_dst: torch.Tensor | None = None     # [sum n] flat row of each real padded query
-    small_src: torch.Tensor | None = None     # [sum n] its index in the flattened [G * Qmax]
-    big: list = field(default_factory=list)   # (row_start, n, gather [C], mask [n, C])
+    small_mask: torch.Tensor | None = None  # [G, 1, Qmax, Cmax] bool
+    small_dst: torch.Tensor | None = None  # [sum n] flat row of each real padded query
+    small_src: torch.Tensor | None = None  # [sum n] its index in the flattened [G * Qmax]
+    big: list = field(default_factory=list)  # (row_start, n, gather [C], mask [n, C])
 
 
 class ModelRunner(FastForwardMixin):
     """Runs a HF causal LM (Llama/Qwen2/Qwen3) over a paged KV cache it owns."""
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 impl: str = "fast", linear: str = "auto", quantize: str = "none") -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        impl: str = "fast",
+        linear: str = "auto",
+        quantize: str = "none",
+    ) -> None:
         """impl: "fast" (fused weights, vectorised planning, block-granular KV reads) or
         "reference" (the original per-module forward). linear: how the fast path multiplies
         (see `verifier.kernels.make_linear`). quantize: "none" or "int8" (weight-only,
@@ -111,7 +119,7 @@ class ModelRunner(FastForwardMixin):
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.has_qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.linear_kind = "module"
         if impl == "fast":
             self._build_fast(linear)
@@ -152,7 +160,9 @@ class ModelRunner(FastForwardMixin):
             row += n
         pos = torch.tensor(positions, device=dev)
         cos, sin = self.rotary(torch.empty(1, device=dev, dtype=self.dtype), pos[None])
-        plan = _AttnPlan(slots=torch.tensor(slots, device=dev), cos=cos[0, :, None, :], sin=sin[0, :, None, :])
+        plan = _AttnPlan(
+            slots=torch.tensor(slots, device=dev), cos=cos[0, :, None, :], sin=sin[0, :, None, :]
+        )
         if small:
             qmax = max(len(s.token_ids) for _, s in small)
             cmax = max(s.start_pos + len(s.token_ids) for _, s in small)
@@ -186,8 +196,9 @@ class ModelRunner(FastForwardMixin):
         return plan
 
     # -- forward ---------------------------------------------------------------------------
-    def _attention_reference(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             plan: _AttnPlan) -> torch.Tensor:
+    def _attention_reference(
+        self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _AttnPlan
+    ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (new tokens) -> out [T, H*D]; gathers every request's
         whole context into padded buffers (the reference the fast path is tested against)."""
         kc, vc = self.k_cache[li], self.v_cache[li]
@@ -196,20 +207,22 @@ class ModelRunner(FastForwardMixin):
         out = q.new_empty(q.shape)
         gqa = self.num_heads != self.num_kv_heads
         if plan.small_rows is not None:
-            qs = q[plan.small_rows].transpose(1, 2)              # [G, H, Qmax, D]
-            ks = kc[plan.small_gather].transpose(1, 2)           # [G, Hkv, Cmax, D]
+            qs = q[plan.small_rows].transpose(1, 2)  # [G, H, Qmax, D]
+            ks = kc[plan.small_gather].transpose(1, 2)  # [G, Hkv, Cmax, D]
             vs = vc[plan.small_gather].transpose(1, 2)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.small_mask,
-                                               scale=self.scaling, enable_gqa=gqa)
-            o = o.transpose(1, 2)                                # [G, Qmax, H, D]
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=plan.small_mask, scale=self.scaling, enable_gqa=gqa
+            )
+            o = o.transpose(1, 2)  # [G, Qmax, H, D]
             out[plan.small_dst] = o.flatten(0, 1)[plan.small_src]
         for r0, n, gidx, mask in plan.big:
-            qs = q[r0:r0 + n].transpose(0, 1)[None]              # [1, H, n, D]
-            ks = kc[gidx].transpose(0, 1)[None]                  # [1, Hkv, C, D]
+            qs = q[r0 : r0 + n].transpose(0, 1)[None]  # [1, H, n, D]
+            ks = kc[gidx].transpose(0, 1)[None]  # [1, Hkv, C, D]
             vs = vc[gidx].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[None, None],
-                                               scale=self.scaling, enable_gqa=gqa)
-            out[r0:r0 + n] = o[0].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask[None, None], scale=self.scaling, enable_gqa=gqa
+            )
+            out[r0 : r0 + n] = o[0].transpose(0, 1)
         return out.reshape(q.shape[0], -1)
 
     @torch.inference_mode()
@@ -255,5 +268,6 @@ class ModelRunner(FastForwardMixin):
         else:
             logits = h.new_zeros(0, self.vocab_size, dtype=torch.float32)
         hidden = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
-        return ForwardOutput(logits=logits, logits_offsets=logits_offsets, hidden=hidden,
-                             token_offsets=token_offsets)
+        return ForwardOutput(
+            logits=logits, logits_offsets=logits_offsets, hidden=hidden, token_offsets=token_offsets
+        )

@@ -7,10 +7,11 @@ The output of every request is distributed exactly as tokens sampled one by one 
 target (Leviathan et al. 2023, Chen et al. 2023), provided the number of drafts a request
 verifies was decided without looking at those drafts' own values.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -46,11 +47,12 @@ class RejectionResult:
     def tokens(self, b: int) -> list[int]:
         """Request b's new tokens (accepted drafts, then the recovered or bonus token)."""
         start = int(self.offsets[b])
-        return self.output_tokens[start:start + int(self.num_output[b])].tolist()
+        return self.output_tokens[start : start + int(self.num_output[b])].tolist()
 
-    def cpu(self) -> "RejectionResult":
-        return RejectionResult(self.output_tokens.cpu(), self.num_accepted.cpu(),
-                               self.num_output.cpu(), self.offsets.cpu())
+    def cpu(self) -> RejectionResult:
+        return RejectionResult(
+            self.output_tokens.cpu(), self.num_accepted.cpu(), self.num_output.cpu(), self.offsets.cpu()
+        )
 
 
 def rejection_sample(
@@ -99,7 +101,9 @@ def rejection_sample(
     if t != d + b:
         raise ValueError(f"target_probs must have sum(num_draft + 1) = [{d + b}] rows, got {t}")
     if tuple(draft_tokens.shape) != (d,):
-        raise ValueError(f"draft_tokens must be [{d}] (sum of num_draft), got shape {tuple(draft_tokens.shape)}")
+        raise ValueError(
+            f"draft_tokens must be [{d}] (sum of num_draft), got shape {tuple(draft_tokens.shape)}"
+        )
     if draft_probs is not None and tuple(draft_probs.shape) != (d, vocab):
         raise ValueError(f"draft_probs must be [{d}, {vocab}], got shape {tuple(draft_probs.shape)}")
     if generators is not None and len(generators) != b:
@@ -139,7 +143,9 @@ def rejection_sample(
     p_final = target_probs[final_rows].float()  # [B, V]
     final_dist = p_final
     if d > 0 and bool(rejected.any()):
-        drow = (final_rows - torch.arange(b, device=device)).clamp(max=d - 1)  # [B] draft row at the rejection
+        drow = (final_rows - torch.arange(b, device=device)).clamp(
+            max=d - 1
+        )  # [B] draft row at the rejection
         onehot = torch.zeros_like(p_final).scatter_(1, tokens[drow].unsqueeze(1), 1.0)
         if draft_probs is None:
             q_final = onehot
@@ -156,8 +162,9 @@ def rejection_sample(
     kept = pos < num_accepted[req]  # [D]
     output[vrow[kept]] = tokens[kept]
     output[final_rows] = final_tokens
-    return RejectionResult(output_tokens=output, num_accepted=num_accepted,
-                           num_output=num_accepted + 1, offsets=offsets)
+    return RejectionResult(
+        output_tokens=output, num_accepted=num_accepted, num_output=num_accepted + 1, offsets=offsets
+    )
 
 
 def _uniforms(
@@ -176,6 +183,6 @@ def _uniforms(
     start = 0
     for n, g in zip(n_list, generators):
         if g is not None:
-            u[start:start + n + 1] = torch.rand(n + 1, generator=g, device=g.device).to(device)
+            u[start : start + n + 1] = torch.rand(n + 1, generator=g, device=g.device).to(device)
         start += n + 1
     return u

@@ -3,10 +3,11 @@
 The same processing shapes the target distribution p and (in the drafter) the draft
 distribution q, so rejection sampling compares like with like.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -32,14 +33,14 @@ class SamplingTensors:
     @classmethod
     def from_params(
         cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu"
-    ) -> "SamplingTensors":
+    ) -> SamplingTensors:
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
         )
 
-    def repeat_interleave(self, repeats: torch.Tensor | int) -> "SamplingTensors":
+    def repeat_interleave(self, repeats: torch.Tensor | int) -> SamplingTensors:
         """Expand per-request rows to per-position rows (a request verifying l drafts has l+1)."""
         return SamplingTensors(
             temperature=self.temperature.repeat_interleave(repeats),

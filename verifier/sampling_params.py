@@ -1,4 +1,5 @@
 """Per-request sampling parameters (plain Python, no torch)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -6,10 +6,11 @@ position, exactly the rows the target's flat forward returned logits for. Reques
 rows offsets[b] .. offsets[b+1] - 1 (cu_seqlens style, `verify_offsets`); nothing is padded
 to the longest block, so the buffers hold sum(K_i + 1) rows of the vocabulary, not R x (K+1).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -78,18 +79,27 @@ def build_verify_inputs(
     e = st.repeat_interleave(torch.tensor([n + 1 for n in counts], device=device))
     target = probs_from_logits(logits, e.temperature, e.top_p, e.top_k)
     drafted = [r for r in requests if r.num_draft > 0]
-    tokens = (torch.cat([r.draft_tokens.reshape(-1).to(torch.long).cpu() for r in drafted])
-              if drafted else torch.zeros(0, dtype=torch.long))
-    deterministic = torch.tensor([r.draft_probs is None or r.num_draft == 0 for r in requests],
-                                 dtype=torch.bool)
+    tokens = (
+        torch.cat([r.draft_tokens.reshape(-1).to(torch.long).cpu() for r in drafted])
+        if drafted
+        else torch.zeros(0, dtype=torch.long)
+    )
+    deterministic = torch.tensor(
+        [r.draft_probs is None or r.num_draft == 0 for r in requests], dtype=torch.bool
+    )
     draft_probs = None
     if any(r.draft_probs is not None for r in drafted):
-        draft_probs = torch.cat([
-            r.draft_probs[:r.num_draft].to(device=device, dtype=target.dtype)
-            if r.draft_probs is not None else target.new_zeros(r.num_draft, vocab)
-            for r in drafted])
-    return VerifyInputs(target, tokens, draft_probs, num_draft,
-                        [r.generator for r in requests], deterministic)
+        draft_probs = torch.cat(
+            [
+                r.draft_probs[: r.num_draft].to(device=device, dtype=target.dtype)
+                if r.draft_probs is not None
+                else target.new_zeros(r.num_draft, vocab)
+                for r in drafted
+            ]
+        )
+    return VerifyInputs(
+        target, tokens, draft_probs, num_draft, [r.generator for r in requests], deterministic
+    )
 
 
 def verify(
@@ -99,5 +109,11 @@ def verify(
     """Accept / reject every request's drafts; the result comes back on the host (one
     device-to-host copy per step: the engine reads it request by request)."""
     inp = build_verify_inputs(logits, requests)
-    return rejection_sample(inp.target_probs, inp.draft_tokens, inp.draft_probs, inp.num_draft,
-                            inp.generators, draft_deterministic=inp.draft_deterministic).cpu()
+    return rejection_sample(
+        inp.target_probs,
+        inp.draft_tokens,
+        inp.draft_probs,
+        inp.num_draft,
+        inp.generators,
+        draft_deterministic=inp.draft_deterministic,
+    ).cpu()

@@ -1,4 +1,5 @@
 """Checkpoint I/O in DeepSpec's format: config.json + *.safetensors (+ calibration.json)."""
+
 from __future__ import annotations
 
 import glob
@@ -71,7 +72,7 @@ def read_calibration(path: str) -> Calibration | None:
 
 
 def _exact_device(device: torch.device | str) -> torch.device:
-    """"cuda" -> "cuda:<current>", so device identity checks are exact."""
+    """ "cuda" -> "cuda:<current>", so device identity checks are exact."""
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -95,8 +96,7 @@ def load_dspark(
     cfg = read_config(path)
     if drop_markov_head and cfg.has_markov:
         conf = cfg.enable_confidence_head and not cfg.confidence_uses_markov
-        cfg = cfg.replace(markov_rank=0, enable_confidence_head=conf,
-                          confidence_head_with_markov=False)
+        cfg = cfg.replace(markov_rank=0, enable_confidence_head=conf, confidence_head_with_markov=False)
     if (target_embed is None) != (target_lm_head is None):
         raise ValueError("pass both target_embed and target_lm_head, or neither")
     dev = _exact_device(device)
@@ -110,8 +110,11 @@ def load_dspark(
     skip = SHARED_PREFIXES if shared else ()
     state = _read_state_dict(path, set(own), skip)
     if drop_markov_head:
-        state = {k: v for k, v in state.items()
-                 if k in own or not k.startswith(("markov_head.", "confidence_head."))}
+        state = {
+            k: v
+            for k, v in state.items()
+            if k in own or not k.startswith(("markov_head.", "confidence_head."))
+        }
     unexpected = sorted(set(state) - set(own))
     if unexpected:
         raise ValueError(f"unexpected weights in {path!r}: {unexpected[:8]}")
@@ -119,14 +122,20 @@ def load_dspark(
         raise ValueError(f"{path!r}: draft_vocab_size is {cfg.draft_vocab_size} but there is no d2t map")
     missing = sorted(k for k in set(own) - set(state) if not (shared and k.startswith(skip)))
     if missing:
-        hint = (" (embed_tokens / lm_head are not in the checkpoint: pass the target's)"
-                if any(k.startswith(SHARED_PREFIXES) for k in missing) else "")
+        hint = (
+            " (embed_tokens / lm_head are not in the checkpoint: pass the target's)"
+            if any(k.startswith(SHARED_PREFIXES) for k in missing)
+            else ""
+        )
         raise ValueError(f"missing weights in {path!r}: {missing[:8]}{hint}")
     for key, value in state.items():
         if tuple(value.shape) != own[key]:
             raise ValueError(f"weight {key!r} has shape {tuple(value.shape)}, config implies {own[key]}")
-    model.load_state_dict({k: v.to(device=dev) if k == "d2t" else v.to(device=dev, dtype=dtype)
-                           for k, v in state.items()}, strict=False, assign=True)
+    model.load_state_dict(
+        {k: v.to(device=dev) if k == "d2t" else v.to(device=dev, dtype=dtype) for k, v in state.items()},
+        strict=False,
+        assign=True,
+    )
     if cfg.truncated:
         d2t = model.d2t
         if d2t.min() < 0 or d2t.max() >= cfg.vocab_size or d2t.unique().numel() != d2t.numel():
@@ -138,8 +147,12 @@ def load_dspark(
     return model.eval()
 
 
-def draft_head(lm_head: nn.Module, d2t: torch.Tensor, device: torch.device | None = None,
-               dtype: torch.dtype | None = None) -> nn.Linear:
+def draft_head(
+    lm_head: nn.Module,
+    d2t: torch.Tensor,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.Linear:
     """The rows of a target LM head that a truncated draft vocabulary keeps (frozen copy)."""
     w = lm_head.weight
     dev, dt = device or w.device, dtype or w.dtype
@@ -157,8 +170,9 @@ def _as_shared(mod: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.M
     if isinstance(mod, nn.Embedding):
         new = nn.Embedding(w.shape[0], w.shape[1], device=device, dtype=dtype)
     else:
-        new = nn.Linear(w.shape[1], w.shape[0], bias=getattr(mod, "bias", None) is not None,
-                        device=device, dtype=dtype)
+        new = nn.Linear(
+            w.shape[1], w.shape[0], bias=getattr(mod, "bias", None) is not None, device=device, dtype=dtype
+        )
     with torch.no_grad():
         new.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in mod.state_dict().items()})
     return new.requires_grad_(False)
@@ -169,8 +183,11 @@ def save_dspark(model: DSparkModel, path: str, include_shared: bool = False) -> 
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(model.config.to_json_dict(), f, indent=2)
-    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()
-             if include_shared or not k.startswith(SHARED_PREFIXES)}
+    state = {
+        k: v.detach().to("cpu").contiguous().clone()
+        for k, v in model.state_dict().items()
+        if include_shared or not k.startswith(SHARED_PREFIXES)
+    }
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     if model.calibration is not None:
         save_calibration(model.calibration, path)

@@ -1,7 +1,9 @@
 """The DSpark drafter's architecture (DeepSpec's config.json) and its confidence calibration."""
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -67,16 +69,26 @@ class DSparkConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
-                     "block_size", "num_target_layers", "max_position_embeddings"):
+        for name in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "block_size",
+            "num_target_layers",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads!r}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads!r})")
+                f"num_key_value_heads ({self.num_key_value_heads!r})"
+            )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim!r}")
         if not self.target_layer_ids:
@@ -85,22 +97,23 @@ class DSparkConfig:
         for lid in self.target_layer_ids:
             if not (lid == -1 or 0 <= lid < self.num_target_layers):
                 raise ValueError(
-                    f"target_layer_ids entry {lid!r} outside {{-1}} U "
-                    f"[0, {self.num_target_layers - 1}]")
+                    f"target_layer_ids entry {lid!r} outside {{-1}} U [0, {self.num_target_layers - 1}]"
+                )
             if prev is not None and lid <= prev:
                 raise ValueError(
-                    f"target_layer_ids must be strictly increasing, got {self.target_layer_ids!r}")
+                    f"target_layer_ids must be strictly increasing, got {self.target_layer_ids!r}"
+                )
             prev = lid
         if not (0 <= self.mask_token_id < self.vocab_size):
             raise ValueError(
-                f"mask_token_id must be in [0, vocab_size={self.vocab_size}), "
-                f"got {self.mask_token_id!r}")
+                f"mask_token_id must be in [0, vocab_size={self.vocab_size}), got {self.mask_token_id!r}"
+            )
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank!r}")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
             raise ValueError(
-                f"markov_head_type must be one of {MARKOV_HEAD_TYPES}, "
-                f"got {self.markov_head_type!r}")
+                f"markov_head_type must be one of {MARKOV_HEAD_TYPES}, got {self.markov_head_type!r}"
+            )
         if self.confidence_head_with_markov and self.enable_confidence_head and self.markov_rank == 0:
             raise ValueError("confidence_head_with_markov=True needs markov_rank > 0, got 0")
         if self.hidden_act not in ACTIVATIONS:
@@ -110,8 +123,10 @@ class DSparkConfig:
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
         if not (0 <= self.draft_vocab_size <= self.vocab_size):
-            raise ValueError(f"draft_vocab_size must be in [0, vocab_size={self.vocab_size}], "
-                             f"got {self.draft_vocab_size!r}")
+            raise ValueError(
+                f"draft_vocab_size must be in [0, vocab_size={self.vocab_size}], "
+                f"got {self.draft_vocab_size!r}"
+            )
         kind = rope_type(self.rope_scaling)
         if kind not in SUPPORTED_ROPE:
             raise ValueError(f"rope_scaling type must be one of {SUPPORTED_ROPE}, got {kind!r}")
@@ -140,14 +155,25 @@ class DSparkConfig:
         return self.enable_confidence_head and self.confidence_head_with_markov
 
     @classmethod
-    def from_json_dict(cls, d: dict[str, Any]) -> "DSparkConfig":
+    def from_json_dict(cls, d: dict[str, Any]) -> DSparkConfig:
         """Build from a DeepSpec / HF config.json dict (extra keys are ignored)."""
         archs = d.get("architectures")
         if archs and ARCHITECTURE not in archs:
             raise ValueError(f"expected architectures to contain {ARCHITECTURE!r}, got {archs!r}")
-        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                               "intermediate_size", "vocab_size", "block_size",
-                               "target_layer_ids", "mask_token_id") if k not in d]
+        missing = [
+            k
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "intermediate_size",
+                "vocab_size",
+                "block_size",
+                "target_layer_ids",
+                "mask_token_id",
+            )
+            if k not in d
+        ]
         if missing:
             raise ValueError(f"config is missing DSpark fields {missing!r}")
         theta, scaling = _rope_from_hf(d)
@@ -236,7 +262,7 @@ class DSparkConfig:
         confidence_head_with_markov: bool = False,
         num_anchors: int = 512,
         intermediate_size: int | None = None,
-    ) -> "DSparkConfig":
+    ) -> DSparkConfig:
         """A drafter shaped like `target_config` (an HF Llama/Qwen2/Qwen3 config or its dict)."""
         d = target_config if isinstance(target_config, dict) else target_config.to_dict()
         # Multimodal wrappers keep the language model under text_config.
@@ -269,7 +295,7 @@ class DSparkConfig:
             num_anchors=int(num_anchors),
         )
 
-    def replace(self, **changes: Any) -> "DSparkConfig":
+    def replace(self, **changes: Any) -> DSparkConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return DSparkConfig(**values)
@@ -306,7 +332,7 @@ class Calibration:
                 raise ValueError(f"calibration temperatures must be finite and > 0, got {t!r}")
 
     @classmethod
-    def from_json_dict(cls, d: dict[str, Any]) -> "Calibration":
+    def from_json_dict(cls, d: dict[str, Any]) -> Calibration:
         if "temperatures" not in d:
             raise ValueError(f"calibration.json needs a 'temperatures' list, got keys {sorted(d)!r}")
         return cls(temperatures=tuple(d["temperatures"]))

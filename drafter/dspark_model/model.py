@@ -1,7 +1,8 @@
 """The DSpark drafter network (DeepSpec's `Qwen3DSparkModel`)."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -16,8 +17,9 @@ from dspark_serve.verifier.sampling_params import SamplingParams
 class DSparkModel(nn.Module):
     """The drafter network. embed_tokens / lm_head normally come from the target (frozen)."""
 
-    def __init__(self, config: DSparkConfig, embed_tokens: nn.Embedding | None = None,
-                 lm_head: nn.Linear | None = None):
+    def __init__(
+        self, config: DSparkConfig, embed_tokens: nn.Embedding | None = None, lm_head: nn.Linear | None = None
+    ):
         super().__init__()
         cfg = config
         self.config = cfg
@@ -36,9 +38,12 @@ class DSparkModel(nn.Module):
         self.markov_head = MarkovHead(cfg) if cfg.has_markov else None
         self.confidence_head = (
             ConfidenceHead(d + (cfg.markov_rank if cfg.confidence_uses_markov else 0))
-            if cfg.enable_confidence_head else None)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
-                             persistent=False)
+            if cfg.enable_confidence_head
+            else None
+        )
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
+        )
         # Per-position confidence temperatures (Sequential Temperature Scaling), or None.
         self.calibration: Calibration | None = None
         self._check_shared()
@@ -76,8 +81,9 @@ class DSparkModel(nn.Module):
         """target_hidden: [..., m*d] (taps concatenated) -> context features [..., d]."""
         return self.hidden_norm(self.fc(target_hidden.to(self.dtype)))
 
-    def context_kv(self, layer_idx: int, feats: torch.Tensor,
-                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_kv(
+        self, layer_idx: int, feats: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """feats: [..., n, d] projected context; positions: [..., n]
         -> k, v: [..., n, Hkv, D] (k = rope(k_norm(k_proj(feats))), v = v_proj(feats))."""
         cos, sin = rope_cos_sin(positions, self.inv_freq, feats.dtype)
@@ -86,30 +92,45 @@ class DSparkModel(nn.Module):
     def block_input_ids(self, anchors: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
         """anchors: [...] -> [..., bs] = [anchor, mask, ..., mask]."""
         bs = block_size or self.config.block_size
-        ids = torch.full((*anchors.shape, bs), self.config.mask_token_id,
-                         dtype=torch.long, device=anchors.device)
+        ids = torch.full(
+            (*anchors.shape, bs), self.config.mask_token_id, dtype=torch.long, device=anchors.device
+        )
         ids[..., 0] = anchors
         return ids
 
-    def forward_block(self, block_ids: torch.Tensor, block_positions: torch.Tensor,
-                      ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                      ctx_mask: torch.Tensor) -> torch.Tensor:
+    def forward_block(
+        self,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        ctx_mask: torch.Tensor,
+    ) -> torch.Tensor:
         """Serving forward over blocks with cached context.
 
         block_ids: [B, L]; block_positions: [B, L]; ctx_kv: per layer (k, v) [B, Lc, Hkv, D];
         ctx_mask: [B, Lc] bool (valid context slots) -> hidden [B, L, d] (final norm applied).
         Each block attends to its valid context and bidirectionally to itself."""
         b, length = block_ids.shape
-        mask = torch.cat([ctx_mask.unsqueeze(1).expand(b, length, -1),
-                          torch.ones(b, length, length, dtype=torch.bool, device=block_ids.device)], dim=-1)
+        mask = torch.cat(
+            [
+                ctx_mask.unsqueeze(1).expand(b, length, -1),
+                torch.ones(b, length, length, dtype=torch.bool, device=block_ids.device),
+            ],
+            dim=-1,
+        )
         x = self.embed_tokens(block_ids).to(self.dtype)
         cos, sin = rope_cos_sin(block_positions, self.inv_freq, x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, k, v, mask)
         return self.norm(x)
 
-    def forward_train(self, context_hidden: torch.Tensor, input_ids: torch.Tensor,
-                      anchor_positions: torch.Tensor, anchor_valid: torch.Tensor) -> torch.Tensor:
+    def forward_train(
+        self,
+        context_hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        anchor_valid: torch.Tensor,
+    ) -> torch.Tensor:
         """Training forward (DeepSpec semantics).
 
         context_hidden: [B, S, m*d] target taps for every position; input_ids: [B, S];
@@ -130,7 +151,9 @@ class DSparkModel(nn.Module):
         # mask [B, N*bs, S + N*bs]
         q_anchor = anchor_positions.repeat_interleave(bs, dim=1)  # [B, N*bs]
         q_valid = anchor_valid.repeat_interleave(bs, dim=1)
-        ctx_ok = (torch.arange(seq, device=dev).view(1, 1, -1) < q_anchor.unsqueeze(-1)) & q_valid.unsqueeze(-1)
+        ctx_ok = (torch.arange(seq, device=dev).view(1, 1, -1) < q_anchor.unsqueeze(-1)) & q_valid.unsqueeze(
+            -1
+        )
         blk = torch.arange(n, device=dev).repeat_interleave(bs)
         own = (blk.view(-1, 1) == blk.view(1, -1)).unsqueeze(0).expand(bsz, -1, -1)
         mask = torch.cat([ctx_ok, own], dim=-1)
@@ -178,9 +201,15 @@ class DSparkModel(nn.Module):
             logits = logits / torch.tensor(temps[:k], dtype=logits.dtype, device=logits.device)
         return torch.sigmoid(logits)
 
-    def sample_block(self, base_logits: torch.Tensor, anchor: torch.Tensor,
-                     sampling: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-                     hidden: torch.Tensor | None = None) -> SampledBlock:
+    def sample_block(
+        self,
+        base_logits: torch.Tensor,
+        anchor: torch.Tensor,
+        sampling: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        hidden: torch.Tensor | None = None,
+    ) -> SampledBlock:
         """Left-to-right sampling with this drafter's Markov head (`sampling.sample_block`)."""
-        return sample_block(base_logits, anchor, sampling, generators, self.markov_head,
-                            self.to_target_ids, hidden)
+        return sample_block(
+            base_logits, anchor, sampling, generators, self.markov_head, self.to_target_ids, hidden
+        )

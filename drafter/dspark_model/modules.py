@@ -1,7 +1,8 @@
 """The layers of the DSpark drafter (parameter names match DeepSpec's state dict)."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -38,8 +39,15 @@ class Attention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
         """x: [B, L, d] block inputs; cos/sin: [B, L, D]; ctx_k/ctx_v: [B, Lc, Hkv, D]
         (context, already normed + roped); mask: [B, L, Lc + L] bool -> [B, L, d]."""
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
@@ -70,8 +78,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -106,8 +121,9 @@ class MarkovHead(nn.Module):
             return None
         return torch.zeros(*lead_shape, self.rank, device=like.device, dtype=like.dtype)
 
-    def step(self, state: torch.Tensor | None, prev_tokens: torch.Tensor,
-             hidden: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def step(
+        self, state: torch.Tensor | None, prev_tokens: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """prev_tokens: [...]; hidden: [..., d]; state: [..., r] or None
         -> (new state, bias [..., V])."""
         e = self.prev_embed(prev_tokens)

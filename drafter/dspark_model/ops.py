@@ -1,4 +1,5 @@
 """Tensor operations of the DSpark drafter: RMS norm, rotary embeddings, attention, activations."""
+
 from __future__ import annotations
 
 import math
@@ -7,8 +8,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
-               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 SUPPORTED_ROPE = ("default", "linear", "llama3")
 
 
@@ -45,8 +51,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return inv
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: [...] int; inv_freq: [D/2] -> cos, sin: [..., D] in `dtype`."""
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)

@@ -1,8 +1,9 @@
 """Drawing a draft block left to right from the drafter's logits and its Markov head."""
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -28,10 +29,15 @@ class SampledBlock:
 
 
 @torch.no_grad()
-def sample_block(base_logits: torch.Tensor, anchor: torch.Tensor,
-                 sampling: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-                 head: MarkovHead | None, to_target_ids: Callable[[torch.Tensor], torch.Tensor],
-                 hidden: torch.Tensor | None = None) -> SampledBlock:
+def sample_block(
+    base_logits: torch.Tensor,
+    anchor: torch.Tensor,
+    sampling: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    head: MarkovHead | None,
+    to_target_ids: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor | None = None,
+) -> SampledBlock:
     """Left-to-right sampling with the Markov head.
 
     base_logits: [B, K, V] (lm_head output); anchor: [B]; sampling/generators: one per
@@ -72,5 +78,6 @@ def sample_block(base_logits: torch.Tensor, anchor: torch.Tensor,
     if steps == 0:
         empty = torch.empty(b, 0, dtype=torch.long, device=dev)
         return SampledBlock(empty, None, empty)
-    return SampledBlock(torch.stack(tokens, 1), torch.stack(probs, 1) if rows else None,
-                        torch.stack(prevs, 1))
+    return SampledBlock(
+        torch.stack(tokens, 1), torch.stack(probs, 1) if rows else None, torch.stack(prevs, 1)
+    )

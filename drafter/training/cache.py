@@ -4,17 +4,24 @@ A cache shard holds, per sequence: token ids [L], the prompt length, the concate
 hidden states [L-1, m*d] and the final-norm hidden [L-1, d] (logits = the frozen LM head
 applied to it) for every position but the last.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
-from dspark_serve.drafter.training.data import (SHARD_PATTERN, Sample, is_holdout, save_atomic, shard_index,
-                                   shard_paths)
+from dspark_serve.drafter.training.data import (
+    SHARD_PATTERN,
+    Sample,
+    is_holdout,
+    save_atomic,
+    shard_index,
+    shard_paths,
+)
 
 
 @dataclass
@@ -51,21 +58,26 @@ class TrainBatch:
     target_hidden: torch.Tensor
 
 
-def load_cache(cache_dir: str | os.PathLike, holdout: bool | None, holdout_every: int) -> list[CachedSequence]:
+def load_cache(
+    cache_dir: str | os.PathLike, holdout: bool | None, holdout_every: int
+) -> list[CachedSequence]:
     """Every cached sequence of the chosen split (holdout None = all)."""
     out = []
     for path in shard_paths(cache_dir):
         if holdout is not None and is_holdout(shard_index(path), holdout_every) != holdout:
             continue
         shard = torch.load(path)
-        for ids, n_p, taps, last in zip(shard["input_ids"], shard["num_prompt"], shard["taps"], shard["last"]):
+        for ids, n_p, taps, last in zip(
+            shard["input_ids"], shard["num_prompt"], shard["taps"], shard["last"]
+        ):
             if len(ids) - n_p >= 2:  # at least one anchor with a label
                 out.append(CachedSequence(ids, int(n_p), taps, last))
     return out
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
-                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random anchors per sequence, sorted.
 
     loss_mask: [B, S] bool (response positions) -> anchors [B, N] int64, valid [B, N] bool.
@@ -89,8 +101,13 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
     return torch.gather(anchors, 1, idx), torch.gather(valid, 1, idx)
 
 
-def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
-                  anchor_valid: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_targets(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids, loss_mask: [B, S]; anchors, anchor_valid: [B, N]
     -> labels [B, N, bs], mask [B, N, bs] (contiguous valid prefix), label positions [B, N, bs]."""
     seq = input_ids.shape[1]
@@ -104,8 +121,12 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: tor
     return labels, mask, safe
 
 
-def make_batch(seqs: Sequence[CachedSequence], num_anchors: int, block_size: int,
-               generator: torch.Generator | None = None) -> TrainBatch:
+def make_batch(
+    seqs: Sequence[CachedSequence],
+    num_anchors: int,
+    block_size: int,
+    generator: torch.Generator | None = None,
+) -> TrainBatch:
     """Pad `seqs` to one length and sample `num_anchors` anchors in each."""
     bsz = len(seqs)
     seq = max(len(s.input_ids) for s in seqs)
@@ -117,18 +138,27 @@ def make_batch(seqs: Sequence[CachedSequence], num_anchors: int, block_size: int
     for b, s in enumerate(seqs):
         n = len(s.input_ids)
         input_ids[b, :n] = s.input_ids
-        loss_mask[b, s.num_prompt:n] = True
-        ctx[b, :n - 1] = s.taps
-        last[b, :n - 1] = s.last
+        loss_mask[b, s.num_prompt : n] = True
+        ctx[b, : n - 1] = s.taps
+        last[b, : n - 1] = s.last
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
     labels, mask, safe = block_targets(input_ids, loss_mask, anchors, valid, block_size)
     prev = torch.cat([torch.gather(input_ids, 1, anchors).unsqueeze(-1), labels[..., :-1]], -1)
     # The target's hidden at position j predicts token j+1.
     src = (safe - 1).clamp(min=0)
-    target_hidden = torch.gather(last.unsqueeze(1).expand(-1, anchors.shape[1], -1, -1), 2,
-                                 src.unsqueeze(-1).expand(-1, -1, -1, d))
-    return TrainBatch(input_ids=input_ids, context_hidden=ctx, anchors=anchors, anchor_valid=valid,
-                      labels=labels, prev_tokens=prev, mask=mask, target_hidden=target_hidden)
+    target_hidden = torch.gather(
+        last.unsqueeze(1).expand(-1, anchors.shape[1], -1, -1), 2, src.unsqueeze(-1).expand(-1, -1, -1, d)
+    )
+    return TrainBatch(
+        input_ids=input_ids,
+        context_hidden=ctx,
+        anchors=anchors,
+        anchor_valid=valid,
+        labels=labels,
+        prev_tokens=prev,
+        mask=mask,
+        target_hidden=target_hidden,
+    )
 
 
 @torch.no_grad()
@@ -141,8 +171,12 @@ def target_states(model, token_ids: list[int], tap_ids: Sequence[int]) -> tuple[
     return taps.to(torch.float16).cpu(), hs[-1][0, :-1].to(torch.float16).cpu()
 
 
-def run_cache_target(out_dir: str | os.PathLike, model, tap_ids: Sequence[int],
-                     progress: Callable[[int, int], None] | None = None) -> int:
+def run_cache_target(
+    out_dir: str | os.PathLike,
+    model,
+    tap_ids: Sequence[int],
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
     """Cache target states for every data shard that has no cache shard yet."""
     data_dir, cache_dir = Path(out_dir) / "data", Path(out_dir) / "cache"
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -152,10 +186,16 @@ def run_cache_target(out_dir: str | os.PathLike, model, tap_ids: Sequence[int],
         if not cpath.exists():
             samples = _shard_samples(path)
             taps, last = zip(*[target_states(model, s.token_ids, tap_ids) for s in samples])
-            save_atomic({"tap_ids": list(tap_ids),
-                         "input_ids": [torch.tensor(s.token_ids) for s in samples],
-                         "num_prompt": [len(s.prompt_ids) for s in samples],
-                         "taps": list(taps), "last": list(last)}, cpath)
+            save_atomic(
+                {
+                    "tap_ids": list(tap_ids),
+                    "input_ids": [torch.tensor(s.token_ids) for s in samples],
+                    "num_prompt": [len(s.prompt_ids) for s in samples],
+                    "taps": list(taps),
+                    "last": list(last),
+                },
+                cpath,
+            )
         if progress:
             progress(i + 1, len(paths))
     return len(paths)

@@ -7,6 +7,7 @@ picked from a grid to minimize the ECE of a_k, with T_1..T_{k-1} already fixed.
 Labels may be binary (did the prefix survive verification) or soft (the teacher-forced
 expected survival prod c*_i); ECE and AUC accept both.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,8 +37,12 @@ class STSConfig:
             raise ValueError(f"num_bins must be >= 1, got {self.num_bins!r}")
 
     def grid(self) -> torch.Tensor:
-        return torch.logspace(torch.log10(torch.tensor(self.t_min)), torch.log10(torch.tensor(self.t_max)),
-                              self.num, dtype=torch.float64)
+        return torch.logspace(
+            torch.log10(torch.tensor(self.t_min)),
+            torch.log10(torch.tensor(self.t_max)),
+            self.num,
+            dtype=torch.float64,
+        )
 
 
 @dataclass
@@ -60,7 +65,6 @@ def ece(pred: torch.Tensor, target: torch.Tensor, num_bins: int = 20) -> float:
         return float("nan")
     pred, target = pred.double().reshape(-1), target.double().reshape(-1)
     idx = (pred * num_bins).long().clamp(0, num_bins - 1)
-    cnt = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, idx, torch.ones_like(pred))
     sp = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, idx, pred)
     st = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, idx, target)
     return float((sp - st).abs().sum() / pred.numel())
@@ -89,8 +93,9 @@ def cumulative_survival(logits: torch.Tensor, temperatures: torch.Tensor | None 
     return torch.sigmoid(z).cumprod(-1)
 
 
-def fit_sts(logits: torch.Tensor, prefix_labels: torch.Tensor, mask: torch.Tensor,
-            cfg: STSConfig = STSConfig()) -> list[float]:
+def fit_sts(
+    logits: torch.Tensor, prefix_labels: torch.Tensor, mask: torch.Tensor, cfg: STSConfig = STSConfig()
+) -> list[float]:
     """Sequential Temperature Scaling.
 
     logits: [M, bs] raw confidence logits; prefix_labels: [M, bs] survival of the prefix up to
@@ -114,8 +119,9 @@ def fit_sts(logits: torch.Tensor, prefix_labels: torch.Tensor, mask: torch.Tenso
     return temps
 
 
-def position_metrics(survival: torch.Tensor, prefix_labels: torch.Tensor, mask: torch.Tensor,
-                     num_bins: int = 20) -> list[PositionMetrics]:
+def position_metrics(
+    survival: torch.Tensor, prefix_labels: torch.Tensor, mask: torch.Tensor, num_bins: int = 20
+) -> list[PositionMetrics]:
     """survival, prefix_labels: [M, bs]; mask: [M, bs] bool -> one PositionMetrics per position."""
     out = []
     for k in range(survival.shape[-1]):
@@ -127,13 +133,25 @@ def position_metrics(survival: torch.Tensor, prefix_labels: torch.Tensor, mask: 
             for b in range(num_bins):
                 sel = idx == b
                 if bool(sel.any()):
-                    rel.append({"range": [b / num_bins, (b + 1) / num_bins], "count": int(sel.sum()),
-                                "avg_pred": float(p[sel].mean()), "avg_target": float(y[sel].mean())})
-        out.append(PositionMetrics(position=k, count=int(p.numel()), ece=ece(p, y, num_bins),
-                                   auc=auc(p, y) if p.numel() else float("nan"),
-                                   pred_mean=float(p.mean()) if p.numel() else float("nan"),
-                                   target_mean=float(y.mean()) if p.numel() else float("nan"),
-                                   reliability=rel))
+                    rel.append(
+                        {
+                            "range": [b / num_bins, (b + 1) / num_bins],
+                            "count": int(sel.sum()),
+                            "avg_pred": float(p[sel].mean()),
+                            "avg_target": float(y[sel].mean()),
+                        }
+                    )
+        out.append(
+            PositionMetrics(
+                position=k,
+                count=int(p.numel()),
+                ece=ece(p, y, num_bins),
+                auc=auc(p, y) if p.numel() else float("nan"),
+                pred_mean=float(p.mean()) if p.numel() else float("nan"),
+                target_mean=float(y.mean()) if p.numel() else float("nan"),
+                reliability=rel,
+            )
+        )
     return out
 
 
@@ -143,7 +161,9 @@ def pooled_ece(metrics: list[PositionMetrics]) -> float:
     return sum(m.ece * m.count for m in metrics if m.count) / n if n else float("nan")
 
 
-def plot_reliability(before: list[PositionMetrics], after: list[PositionMetrics], title: str, path: str) -> None:
+def plot_reliability(
+    before: list[PositionMetrics], after: list[PositionMetrics], title: str, path: str
+) -> None:
     """One panel per position: observed vs predicted survival, before and after STS."""
     import matplotlib
 
@@ -162,8 +182,14 @@ def plot_reliability(before: list[PositionMetrics], after: list[PositionMetrics]
         ax.plot([0, 1], [0, 1], "--", color="0.6", lw=1)
         for ms, color, label in ((before, "C3", "raw"), (after, "C0", "STS")):
             rel = ms[k].reliability
-            ax.plot([r["avg_pred"] for r in rel], [r["avg_target"] for r in rel], "o-", ms=3,
-                    color=color, label=f"{label} ECE={ms[k].ece:.3f}")
+            ax.plot(
+                [r["avg_pred"] for r in rel],
+                [r["avg_target"] for r in rel],
+                "o-",
+                ms=3,
+                color=color,
+                label=f"{label} ECE={ms[k].ece:.3f}",
+            )
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
         ax.set_title(f"position {k + 1}  AUC={after[k].auc:.3f}", fontsize=9)
@@ -191,8 +217,9 @@ class ConfidenceSamples:
 
 
 @torch.no_grad()
-def collect_confidences(model, seqs, num_anchors: int, seed: int = 0, bf16: bool = True,
-                        target_head=None) -> ConfidenceSamples:
+def collect_confidences(
+    model, seqs, num_anchors: int, seed: int = 0, bf16: bool = True, target_head=None
+) -> ConfidenceSamples:
     """Run the drafter teacher-forced over held-out cached sequences (one at a time).
     `target_head`: the target's full LM head (default the drafter's, when not truncated)."""
     from dspark_serve.drafter.training.cache import make_batch
@@ -205,12 +232,20 @@ def collect_confidences(model, seqs, num_anchors: int, seed: int = 0, bf16: bool
     for s in seqs:
         batch = make_batch([s], num_anchors, bs, gen)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-            hidden = model.forward_train(batch.context_hidden.to(dev), batch.input_ids.to(dev),
-                                         batch.anchors.to(dev), batch.anchor_valid.to(dev))
+            hidden = model.forward_train(
+                batch.context_hidden.to(dev),
+                batch.input_ids.to(dev),
+                batch.anchors.to(dev),
+                batch.anchor_valid.to(dev),
+            )
             prev = batch.prev_tokens.to(dev)
             q = model.block_logits(hidden, prev).float().softmax(-1)
             conf = model.confidence_logits(hidden, prev)
-            p = (target_head or model.lm_head)(batch.target_hidden.to(dev).to(model.dtype)).float().softmax(-1)
+            p = (
+                (target_head or model.lm_head)(batch.target_hidden.to(dev).to(model.dtype))
+                .float()
+                .softmax(-1)
+            )
         c_star = acceptance_rate(q, p, model.d2t) * batch.mask.to(dev)
         keep = batch.anchor_valid[0]
         logits.append(conf[0][keep].float().cpu())

@@ -10,6 +10,7 @@
 Every stage shows a progress bar, writes `<out>/progress/<stage>.json`, and resumes after an
 interruption (finished shards are skipped, training restarts from its last checkpoint).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,20 +49,33 @@ def cmd_gen_data(a: argparse.Namespace) -> None:
     _set_threads(a.threads)
     from dspark_serve.drafter.training.data import TRAIN_PROMPTS
 
-    cfg = GenDataConfig(prompts=a.prompts or str(TRAIN_PROMPTS), out_dir=a.out, max_prompt_tokens=a.max_prompt_tokens,
-                        max_new_tokens=a.max_new_tokens, max_prompts=a.max_prompts,
-                        batch_size=a.batch_size, temperature=a.temperature, seed=a.seed,
-                        holdout_every=a.holdout_every, worker=a.worker, num_workers=a.num_workers)
+    cfg = GenDataConfig(
+        prompts=a.prompts or str(TRAIN_PROMPTS),
+        out_dir=a.out,
+        max_prompt_tokens=a.max_prompt_tokens,
+        max_new_tokens=a.max_new_tokens,
+        max_prompts=a.max_prompts,
+        batch_size=a.batch_size,
+        temperature=a.temperature,
+        seed=a.seed,
+        holdout_every=a.holdout_every,
+        worker=a.worker,
+        num_workers=a.num_workers,
+    )
     taps = None if a.no_cache else a.taps
     # The serving engine writes the data (continuous batching at full concurrency) and hands
     # the tap states of every token it feeds to the capture in the same pass.
-    llm = LLM(model=a.model, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
-              max_model_len=a.max_prompt_tokens + a.max_new_tokens + 16,
-              max_num_batched_tokens=a.max_num_batched_tokens,
-              capture=None if taps is None else (lambda layers: TapCapture(taps, layers)))
+    llm = LLM(
+        model=a.model,
+        device=a.device,
+        dtype=a.dtype,
+        max_num_seqs=a.max_num_seqs,
+        max_model_len=a.max_prompt_tokens + a.max_new_tokens + 16,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        capture=None if taps is None else (lambda layers: TapCapture(taps, layers)),
+    )
     bar = Progress(a.out, f"gen-data-{a.worker}", 1, "shard")
-    n = run_gen_data(cfg, llm.engine, llm.tokenizer, taps,
-                     lambda d, t, tok: bar.update(d, t, new_tokens=tok))
+    n = run_gen_data(cfg, llm.engine, llm.tokenizer, taps, lambda d, t, tok: bar.update(d, t, new_tokens=tok))
     bar.close()
     print(f"gen-data: {n} shards in {a.out}/data" + ("" if taps is None else f" (+ cache in {a.out}/cache)"))
 
@@ -87,103 +101,173 @@ def _drafter_config(a: argparse.Namespace, target):
     from dspark_serve.drafter.dspark_model import DSparkConfig
 
     return DSparkConfig.for_target(
-        target.model.config, num_draft_layers=a.layers, block_size=a.block_size,
-        target_layer_ids=a.taps, mask_token_id=a.mask_token_id, markov_rank=a.markov_rank,
-        markov_head_type=a.markov_head_type, enable_confidence_head=True,
-        confidence_head_with_markov=a.markov_rank > 0, num_anchors=a.num_anchors)
+        target.model.config,
+        num_draft_layers=a.layers,
+        block_size=a.block_size,
+        target_layer_ids=a.taps,
+        mask_token_id=a.mask_token_id,
+        markov_rank=a.markov_rank,
+        markov_head_type=a.markov_head_type,
+        enable_confidence_head=True,
+        confidence_head_with_markov=a.markov_rank > 0,
+        num_anchors=a.num_anchors,
+    )
 
 
 def cmd_train(a: argparse.Namespace) -> None:
+    from dataclasses import replace
+
     import torch
 
     from dspark_serve.drafter.training.loss import LossConfig
-    from dataclasses import replace
-
-    from dspark_serve.drafter.training.train import (TrainConfig, build_draft_model, draft_vocabulary, load_step_weights,
-                                        load_train_data, run_train, save_final, vocabulary_coverage)
+    from dspark_serve.drafter.training.train import (
+        TrainConfig,
+        build_draft_model,
+        draft_vocabulary,
+        load_step_weights,
+        load_train_data,
+        run_train,
+        save_final,
+        vocabulary_coverage,
+    )
 
     _set_threads(a.threads)
     target = _load_target(a)
     cfg = _drafter_config(a, target)
-    tcfg = TrainConfig(steps=a.steps, batch_seqs=a.batch_seqs, num_anchors=a.num_anchors, lr=a.lr,
-                       warmup_ratio=a.warmup_ratio, checkpoint_every=a.checkpoint_every,
-                       bf16=not a.fp32, init_from_target=not a.no_init_from_target, seed=a.seed)
-    lcfg = LossConfig(ce_alpha=a.ce_alpha, l1_alpha=a.l1_alpha, confidence_alpha=a.confidence_alpha,
-                      decay_gamma=a.decay_gamma)
+    tcfg = TrainConfig(
+        steps=a.steps,
+        batch_seqs=a.batch_seqs,
+        num_anchors=a.num_anchors,
+        lr=a.lr,
+        warmup_ratio=a.warmup_ratio,
+        checkpoint_every=a.checkpoint_every,
+        bf16=not a.fp32,
+        init_from_target=not a.no_init_from_target,
+        seed=a.seed,
+    )
+    lcfg = LossConfig(
+        ce_alpha=a.ce_alpha,
+        l1_alpha=a.l1_alpha,
+        confidence_alpha=a.confidence_alpha,
+        decay_gamma=a.decay_gamma,
+    )
     data = load_train_data(a.out, a.holdout_every)
-    print(f"train {a.name}: {len(data)} sequences, {sum(len(s.input_ids) - s.num_prompt for s in data)} "
-          f"response tokens; drafter {cfg.num_hidden_layers} layers, markov_rank {cfg.markov_rank}")
+    print(
+        f"train {a.name}: {len(data)} sequences, {sum(len(s.input_ids) - s.num_prompt for s in data)} "
+        f"response tokens; drafter {cfg.num_hidden_layers} layers, markov_rank {cfg.markov_rank}"
+    )
     d2t = None
     work = Path(a.out) / "train" / a.name
     if a.draft_vocab:
         ckpt = work / "ckpt.pt"
         # A resumed run keeps the vocabulary it started with (the data may have grown since).
-        d2t = (torch.load(ckpt, weights_only=False)["model"]["d2t"] if ckpt.exists() else
-               draft_vocabulary(data, a.draft_vocab, always=[target.tokenizer.eos_token_id]))
+        d2t = (
+            torch.load(ckpt, weights_only=False)["model"]["d2t"]
+            if ckpt.exists()
+            else draft_vocabulary(data, a.draft_vocab, always=[target.tokenizer.eos_token_id])
+        )
         cfg = cfg.replace(draft_vocab_size=int(d2t.numel()))
-        print(f"train {a.name}: draft vocabulary of {d2t.numel()} ids covers "
-              f"{vocabulary_coverage(data, d2t):.2%} of the response tokens")
+        print(
+            f"train {a.name}: draft vocabulary of {d2t.numel()} ids covers "
+            f"{vocabulary_coverage(data, d2t):.2%} of the response tokens"
+        )
     model = build_draft_model(cfg, target.model, tcfg.init_from_target, d2t).to(a.device)
     if a.finalize_at:
         load_step_weights(model, work, a.finalize_at)
         tcfg = replace(tcfg, steps=a.finalize_at)
     else:
         bar = Progress(a.out, f"train-{a.name}", tcfg.steps, "step")
-        run_train(model, data, tcfg, lcfg, work,
-                  lambda s: bar.update(s.step, tcfg.steps, loss=s.loss, ce=s.ce, l1=s.l1, conf=s.confidence,
-                                       tau=s.tau, s_per_step=s.seconds),
-                  target_head=target.model.get_output_embeddings())
+        run_train(
+            model,
+            data,
+            tcfg,
+            lcfg,
+            work,
+            lambda s: bar.update(
+                s.step,
+                tcfg.steps,
+                loss=s.loss,
+                ce=s.ce,
+                l1=s.l1,
+                conf=s.confidence,
+                tau=s.tau,
+                s_per_step=s.seconds,
+            ),
+            target_head=target.model.get_output_embeddings(),
+        )
         bar.close()
     path = save_final(model, work)
-    (work / "final" / "train_args.json").write_text(json.dumps(
-        {"train": tcfg.__dict__, "loss": lcfg.__dict__, "sequences": len(data)}, indent=1))
+    (work / "final" / "train_args.json").write_text(
+        json.dumps({"train": tcfg.__dict__, "loss": lcfg.__dict__, "sequences": len(data)}, indent=1)
+    )
     print(f"train {a.name}: saved {path}")
 
 
 def _load_drafter(path: str, target, device: str):
     from dspark_serve.drafter.dspark_model import load_dspark
 
-    return load_dspark(path, target_embed=target.model.get_input_embeddings(),
-                       target_lm_head=target.model.get_output_embeddings(), device=device)
+    return load_dspark(
+        path,
+        target_embed=target.model.get_input_embeddings(),
+        target_lm_head=target.model.get_output_embeddings(),
+        device=device,
+    )
 
 
 def cmd_calibrate(a: argparse.Namespace) -> None:
+    import torch
+
     from dspark_serve.drafter.dspark_model import Calibration, save_calibration
     from dspark_serve.drafter.training.cache import load_cache
-    from dspark_serve.drafter.training.calibrate import (STSConfig, collect_confidences, cumulative_survival, fit_sts,
-                                            plot_reliability, pooled_ece, position_metrics)
+    from dspark_serve.drafter.training.calibrate import (
+        STSConfig,
+        collect_confidences,
+        cumulative_survival,
+        fit_sts,
+        plot_reliability,
+        pooled_ece,
+        position_metrics,
+    )
     from dspark_serve.drafter.training.evaluate import summarize_positions, write_json
-
-    import torch
 
     _set_threads(a.threads)
     target = _load_target(a)
     path = a.drafter or str(Path(a.out) / "train" / a.name / "final")
     model = _load_drafter(path, target, a.device)
     model.calibration = None
-    seqs = load_cache(Path(a.out) / "cache", holdout=True, holdout_every=a.holdout_every)[:a.max_seqs]
+    seqs = load_cache(Path(a.out) / "cache", holdout=True, holdout_every=a.holdout_every)[: a.max_seqs]
     if not seqs:
         raise SystemExit("calibrate: no held-out cache shards (run gen-data longer or lower --holdout-every)")
     bar = Progress(a.out, f"calibrate-{a.name}", 2, "phase")
-    samples = collect_confidences(model, seqs, a.num_anchors, seed=a.seed,
-                                  target_head=target.model.get_output_embeddings())
+    samples = collect_confidences(
+        model, seqs, a.num_anchors, seed=a.seed, target_head=target.model.get_output_embeddings()
+    )
     bar.update(1, 2, blocks=int(samples.mask[:, 0].sum()))
     cfg = STSConfig()
     temps = fit_sts(samples.logits, samples.prefix_labels, samples.mask, cfg)
     before = position_metrics(cumulative_survival(samples.logits), samples.prefix_labels, samples.mask)
-    after = position_metrics(cumulative_survival(samples.logits, torch.tensor(temps)),
-                             samples.prefix_labels, samples.mask)
+    after = position_metrics(
+        cumulative_survival(samples.logits, torch.tensor(temps)), samples.prefix_labels, samples.mask
+    )
     save_calibration(Calibration(tuple(temps)), path)
     bar.update(2, 2, ece_before=pooled_ece(before), ece_after=pooled_ece(after))
     bar.close()
-    report = {"drafter": path, "held_out_sequences": len(seqs), "blocks": int(samples.mask[:, 0].sum()),
-              "labels": "teacher-forced expected prefix survival prod c*_k",
-              "temperatures": temps, "ece_before": pooled_ece(before), "ece_after": pooled_ece(after),
-              "per_position_before": summarize_positions(before),
-              "per_position_after": summarize_positions(after)}
+    report = {
+        "drafter": path,
+        "held_out_sequences": len(seqs),
+        "blocks": int(samples.mask[:, 0].sum()),
+        "labels": "teacher-forced expected prefix survival prod c*_k",
+        "temperatures": temps,
+        "ece_before": pooled_ece(before),
+        "ece_after": pooled_ece(after),
+        "per_position_before": summarize_positions(before),
+        "per_position_after": summarize_positions(after),
+    }
     out = Path(a.out) / "calibration" / a.name
     write_json(out / "calibration_report.json", report)
-    plot_reliability(before, after, f"{a.name}: held-out teacher-forced survival", str(out / "reliability.png"))
+    plot_reliability(
+        before, after, f"{a.name}: held-out teacher-forced survival", str(out / "reliability.png")
+    )
     print(json.dumps({k: report[k] for k in ("temperatures", "ece_before", "ece_after")}))
 
 
@@ -213,9 +297,18 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
     for spec in a.drafter:
         name, _, path = spec.partition("=")
         drafters[name] = path
-    run_evaluation(target, drafters, a.datasets, a.results, max_prompts=a.max_prompts,
-                   max_new_tokens=a.max_new_tokens, temperatures=a.temperatures, ngram=not a.no_ngram,
-                   seed=a.seed, progress_out=a.out)
+    run_evaluation(
+        target,
+        drafters,
+        a.datasets,
+        a.results,
+        max_prompts=a.max_prompts,
+        max_new_tokens=a.max_new_tokens,
+        temperatures=a.temperatures,
+        ngram=not a.no_ngram,
+        seed=a.seed,
+        progress_out=a.out,
+    )
 
 
 def _add_model_args(sp: argparse.ArgumentParser) -> None:
@@ -228,8 +321,9 @@ def _add_model_args(sp: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dspark-train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="dspark-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
@@ -279,10 +373,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--holdout-every", type=int, default=10)
     t.add_argument("--fp32", action="store_true", help="no bfloat16 autocast")
     t.add_argument("--no-init-from-target", action="store_true")
-    t.add_argument("--draft-vocab", type=int, default=0,
-                   help="keep only the N ids the target writes most (truncated draft vocabulary; 0 = all)")
-    t.add_argument("--finalize-at", type=int, default=0,
-                   help="skip training; save the weights of checkpoint step N as the final drafter")
+    t.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="keep only the N ids the target writes most (truncated draft vocabulary; 0 = all)",
+    )
+    t.add_argument(
+        "--finalize-at",
+        type=int,
+        default=0,
+        help="skip training; save the weights of checkpoint step N as the final drafter",
+    )
     t.set_defaults(func=cmd_train)
 
     k = sub.add_parser("calibrate", help="stage 3: Sequential Temperature Scaling on held-out data")
@@ -306,8 +408,12 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("evaluate", help="acceptance length + calibration on the dev sets")
     common(v)
     v.add_argument("--drafter", action="append", default=[], help="NAME=PATH (repeatable)")
-    v.add_argument("--datasets", nargs="+", default=None,
-                   help="dev JSONL(.gz) files (default: every vendored data/prompts/dev-*.jsonl.gz)")
+    v.add_argument(
+        "--datasets",
+        nargs="+",
+        default=None,
+        help="dev JSONL(.gz) files (default: every vendored data/prompts/dev-*.jsonl.gz)",
+    )
     v.add_argument("--results", default="bench/results/drafter_eval")
     v.add_argument("--max-prompts", type=int, default=8, help="per dataset (0 = all)")
     v.add_argument("--max-new-tokens", type=int, default=128)

@@ -5,14 +5,15 @@ generation batch) so an interrupted run resumes at the first missing shard. The 
 can also store the target's tap hidden states in the same pass (the cache of stage 1b), which
 saves a second forward over every sequence.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
@@ -104,8 +105,9 @@ def read_prompts(path: str | os.PathLike) -> list[str]:
 
 def encode_chat(tokenizer, user_message: str) -> list[int]:
     """Token ids of a one-turn chat ending with the assistant header."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": user_message}],
-                                        add_generation_prompt=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user_message}], add_generation_prompt=True, return_dict=False
+    )
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
@@ -118,9 +120,9 @@ def plan_batches(prompt_ids: list[list[int]], cfg: GenDataConfig) -> list[list[i
     order = [i for i in range(len(prompt_ids)) if len(prompt_ids[i]) <= cfg.max_prompt_tokens]
     rng.shuffle(order)
     if cfg.max_prompts:
-        order = order[:cfg.max_prompts]
+        order = order[: cfg.max_prompts]
     order.sort(key=lambda i: len(prompt_ids[i]))
-    batches = [order[i:i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
+    batches = [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
     rng.shuffle(batches)
     return batches
 
@@ -182,8 +184,13 @@ class _Shard:
     records: dict[int, dict]
 
 
-def run_gen_data(cfg: GenDataConfig, engine, tokenizer, tap_ids: Sequence[int] | None,
-                 progress: Callable[[int, int, int], None] | None = None) -> int:
+def run_gen_data(
+    cfg: GenDataConfig,
+    engine,
+    tokenizer,
+    tap_ids: Sequence[int] | None,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> int:
     """Generate every planned shard that is missing, through the serving engine at its full
     concurrency (`engine` built with a `TapCapture` when `tap_ids` is given, plain decoding).
 
@@ -205,13 +212,20 @@ def run_gen_data(cfg: GenDataConfig, engine, tokenizer, tap_ids: Sequence[int] |
     eos = int(tokenizer.eos_token_id)
     with open(data_dir / "plan.json", "w") as f:
         # file names only: the plan is committed with the data and must not name this machine
-        json.dump({"config": {**cfg.__dict__, "prompts": Path(cfg.prompts).name, "out_dir": "."},
-                   "num_batches": len(batches),
-                   "num_prompts": sum(map(len, batches))}, f, indent=1)
+        json.dump(
+            {
+                "config": {**cfg.__dict__, "prompts": Path(cfg.prompts).name, "out_dir": "."},
+                "num_batches": len(batches),
+                "num_prompts": sum(map(len, batches)),
+            },
+            f,
+            indent=1,
+        )
 
     def done(i: int) -> bool:
         return (data_dir / SHARD_PATTERN.format(i)).exists() and (
-            tap_ids is None or (cache_dir / SHARD_PATTERN.format(i)).exists())
+            tap_ids is None or (cache_dir / SHARD_PATTERN.format(i)).exists()
+        )
 
     todo = [i for i in range(len(batches)) if i % cfg.num_workers == cfg.worker and not done(i)]
     finished_shards = len([i for i in range(len(batches)) if i % cfg.num_workers == cfg.worker]) - len(todo)
@@ -238,7 +252,7 @@ def run_gen_data(cfg: GenDataConfig, engine, tokenizer, tap_ids: Sequence[int] |
             sh, j, req = owner.pop(out.request_id)
             req_tokens = list(req.output_ids)
             if out.finish_reason == "stop":
-                req_tokens.append(eos)   # the end-of-turn token is a label too
+                req_tokens.append(eos)  # the end-of-turn token is a label too
             sh.responses[j] = req_tokens
             if capture is not None:
                 sh.records[j] = capture.pop(out.request_id)
@@ -247,12 +261,17 @@ def run_gen_data(cfg: GenDataConfig, engine, tokenizer, tap_ids: Sequence[int] |
             samples = [Sample(list(p), sh.responses[j]) for j, p in enumerate(sh.prompt_ids)]
             if tap_ids is not None:
                 records = [sh.records[j] for j in range(len(samples))]
-                save_atomic(cache_record_shard(samples, records, tap_ids),
-                            cache_dir / SHARD_PATTERN.format(sh.index))
-            save_atomic({"prompt_ids": [s.prompt_ids for s in samples],
-                         "response_ids": [s.response_ids for s in samples],
-                         "holdout": is_holdout(sh.index, cfg.holdout_every)},
-                        data_dir / SHARD_PATTERN.format(sh.index))
+                save_atomic(
+                    cache_record_shard(samples, records, tap_ids), cache_dir / SHARD_PATTERN.format(sh.index)
+                )
+            save_atomic(
+                {
+                    "prompt_ids": [s.prompt_ids for s in samples],
+                    "response_ids": [s.response_ids for s in samples],
+                    "holdout": is_holdout(sh.index, cfg.holdout_every),
+                },
+                data_dir / SHARD_PATTERN.format(sh.index),
+            )
             tokens_done += sum(len(s.response_ids) for s in samples)
             finished_shards += 1
             if progress:

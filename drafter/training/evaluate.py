@@ -7,14 +7,16 @@ Per round it records the accepted length and, for drafters with a confidence hea
 confidence logits and which prefixes survived, so ECE/AUC before and after calibration can be
 measured on real verification outcomes.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -41,8 +43,9 @@ class EvalDrafter(Protocol):
 
     def observe(self, taps: torch.Tensor | None, start_pos: int, tokens: list[int]) -> None: ...
 
-    def propose(self, history: list[int], pos: int, k: int, temperature: float,
-                gen: torch.Generator) -> Proposal: ...
+    def propose(
+        self, history: list[int], pos: int, k: int, temperature: float, gen: torch.Generator
+    ) -> Proposal: ...
 
 
 class NeuralDrafter:
@@ -65,8 +68,9 @@ class NeuralDrafter:
             self.kv[i].append(self.model.context_kv(i, feats, pos))
 
     @torch.no_grad()
-    def propose(self, history: list[int], pos: int, k: int, temperature: float,
-                gen: torch.Generator) -> Proposal:
+    def propose(
+        self, history: list[int], pos: int, k: int, temperature: float, gen: torch.Generator
+    ) -> Proposal:
         from dspark_serve.verifier.sampling_params import SamplingParams
 
         m = self.model
@@ -76,11 +80,12 @@ class NeuralDrafter:
         ctx = [(torch.cat([a for a, _ in kv], 1), torch.cat([b for _, b in kv], 1)) for kv in self.kv]
         ctx_mask = torch.ones(1, ctx[0][0].shape[1], dtype=torch.bool)
         hidden = m.forward_block(ids, positions, ctx, ctx_mask)[:, :k]
-        block = m.sample_block(m.lm_head(hidden), anchor, [SamplingParams(temperature=temperature)], [gen], hidden)
+        block = m.sample_block(
+            m.lm_head(hidden), anchor, [SamplingParams(temperature=temperature)], [gen], hidden
+        )
         conf = m.confidence_logits(hidden, block.prev_tokens)
         probs = None if temperature == 0 or block.probs is None else m.to_target_probs(block.probs[0])
-        return Proposal(block.tokens[0], probs,
-                        None if conf is None else conf[0].float())
+        return Proposal(block.tokens[0], probs, None if conf is None else conf[0].float())
 
 
 class NgramEvalDrafter:
@@ -117,7 +122,7 @@ class RunStats:
     seconds: float = 0.0
     generated: list[int] = field(default_factory=list)
 
-    def merge(self, other: "RunStats") -> None:
+    def merge(self, other: RunStats) -> None:
         self.accepted += other.accepted
         self.proposed += other.proposed
         self.conf_logits += other.conf_logits
@@ -147,8 +152,15 @@ def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def speculative_generate(target, drafter: EvalDrafter, prompt_ids: list[int], max_new_tokens: int,
-                         temperature: float, eos_id: int, seed: int = 0) -> RunStats:
+def speculative_generate(
+    target,
+    drafter: EvalDrafter,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    eos_id: int,
+    seed: int = 0,
+) -> RunStats:
     """Lossless speculative decoding of one prompt; returns its round statistics."""
     from transformers import DynamicCache
 
@@ -159,8 +171,9 @@ def speculative_generate(target, drafter: EvalDrafter, prompt_ids: list[int], ma
     want_hidden = bool(taps_idx)
     cache = DynamicCache()
     drafter.reset()
-    out = target(torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True,
-                 output_hidden_states=want_hidden)
+    out = target(
+        torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True, output_hidden_states=want_hidden
+    )
 
     def taps_of(o, n: int) -> torch.Tensor | None:
         if not want_hidden:
@@ -217,17 +230,17 @@ def speculative_generate(target, drafter: EvalDrafter, prompt_ids: list[int], ma
             stats.accepted.append(n)
             stats.proposed.append(len(drafts))
         if prop.conf_logits is not None and drafts:
-            stats.conf_logits.append(prop.conf_logits[:len(drafts)].tolist())
+            stats.conf_logits.append(prop.conf_logits[: len(drafts)].tolist())
             stats.prefix.append([1 if j < n else 0 for j in range(len(drafts))])
         new = drafts[:n] + [bonus]
         if eos_id in new:
-            new = new[:new.index(eos_id) + 1]
+            new = new[: new.index(eos_id) + 1]
         history += new
         produced += len(new)
         x = history[-1]
         pos += n + 1
     stats.new_tokens = produced
-    stats.generated = history[len(prompt_ids):]
+    stats.generated = history[len(prompt_ids) :]
     stats.seconds = time.time() - t0
     return stats
 
@@ -239,9 +252,9 @@ def confidence_arrays(stats: RunStats, block_size: int) -> tuple[torch.Tensor, t
     labels = torch.zeros(r, block_size, dtype=torch.float64)
     mask = torch.zeros(r, block_size, dtype=torch.bool)
     for i, (c, y) in enumerate(zip(stats.conf_logits, stats.prefix)):
-        logits[i, :len(c)] = torch.tensor(c, dtype=torch.float64)
-        labels[i, :len(y)] = torch.tensor(y, dtype=torch.float64)
-        mask[i, :len(c)] = True
+        logits[i, : len(c)] = torch.tensor(c, dtype=torch.float64)
+        labels[i, : len(y)] = torch.tensor(y, dtype=torch.float64)
+        mask[i, : len(c)] = True
     return logits, labels, mask
 
 
@@ -277,16 +290,29 @@ def _stats_from_json(d: dict) -> RunStats:
     return RunStats(**d)
 
 
-def run_evaluation(target, drafters: dict[str, str], datasets: Sequence[str] | None, results_dir: str,
-                   max_prompts: int = 8, max_new_tokens: int = 128, temperatures: Sequence[float] = (0.0, 1.0),
-                   ngram: bool = True, seed: int = 0, progress_out: str | None = None) -> dict:
+def run_evaluation(
+    target,
+    drafters: dict[str, str],
+    datasets: Sequence[str] | None,
+    results_dir: str,
+    max_prompts: int = 8,
+    max_new_tokens: int = 128,
+    temperatures: Sequence[float] = (0.0, 1.0),
+    ngram: bool = True,
+    seed: int = 0,
+    progress_out: str | None = None,
+) -> dict:
     """Evaluate every drafter on every dev set at every temperature; writes
     `<results_dir>/summary.json` and reliability diagrams. Finished (dataset, temperature,
     drafter) runs are kept under `<results_dir>/runs/` and skipped when resuming."""
-    from dspark_serve.drafter.training.calibrate import (cumulative_survival, plot_reliability, pooled_ece,
-                                            position_metrics)
-    from dspark_serve.drafter.training.data import dev_sets, encode_chat, read_prompts
     from dspark_serve.drafter.dspark_model import load_dspark
+    from dspark_serve.drafter.training.calibrate import (
+        cumulative_survival,
+        plot_reliability,
+        pooled_ece,
+        position_metrics,
+    )
+    from dspark_serve.drafter.training.data import dev_sets, encode_chat, read_prompts
 
     results = Path(results_dir)
     (results / "runs").mkdir(parents=True, exist_ok=True)
@@ -295,8 +321,12 @@ def run_evaluation(target, drafters: dict[str, str], datasets: Sequence[str] | N
         raise ValueError("no dev datasets found")
     hf, tok = target.model, target.tokenizer
     eos = int(tok.eos_token_id)
-    models = {name: load_dspark(path, target_embed=hf.get_input_embeddings(),
-                                target_lm_head=hf.get_output_embeddings()) for name, path in drafters.items()}
+    models = {
+        name: load_dspark(
+            path, target_embed=hf.get_input_embeddings(), target_lm_head=hf.get_output_embeddings()
+        )
+        for name, path in drafters.items()
+    }
     evals: dict[str, EvalDrafter] = {n: NeuralDrafter(m) for n, m in models.items()}
     bs = max([m.config.block_size for m in models.values()] or [7])
     if ngram:
@@ -320,29 +350,41 @@ def run_evaluation(target, drafters: dict[str, str], datasets: Sequence[str] | N
                 prompts = prompts[:max_prompts]
             stats = RunStats()
             for i, text in enumerate(prompts):
-                stats.merge(speculative_generate(hf, evals[name], encode_chat(tok, text), max_new_tokens,
-                                                 temp, eos, seed=seed + i))
+                stats.merge(
+                    speculative_generate(
+                        hf, evals[name], encode_chat(tok, text), max_new_tokens, temp, eos, seed=seed + i
+                    )
+                )
             part.write_text(json.dumps(asdict(stats)))
         pooled.setdefault((name, temp), RunStats()).merge(stats)
         table.setdefault(ds, {}).setdefault(f"T{temp:g}", {})[name] = {
             "acceptance_length": stats.acceptance_length,
             "conditional_acceptance": stats.conditional_acceptance(evals[name].block_size),
-            "rounds": len(stats.accepted), "new_tokens": stats.new_tokens,
-            "seconds": round(stats.seconds, 1)}
+            "rounds": len(stats.accepted),
+            "new_tokens": stats.new_tokens,
+            "seconds": round(stats.seconds, 1),
+        }
         if bar:
             bar.update(j + 1, len(jobs), dataset=ds, T=temp, drafter=name, tau=stats.acceptance_length)
     if bar:
         bar.close()
-    summary: dict = {"datasets": table, "max_prompts_per_dataset": max_prompts,
-                     "max_new_tokens": max_new_tokens, "drafters": dict(drafters), "macro": {},
-                     "confidence": {}}
+    summary: dict = {
+        "datasets": table,
+        "max_prompts_per_dataset": max_prompts,
+        "max_new_tokens": max_new_tokens,
+        "drafters": dict(drafters),
+        "macro": {},
+        "confidence": {},
+    }
     for temp in temperatures:
         key = f"T{temp:g}"
-        summary["macro"][key] = {n: float(np.mean([table[d][key][n]["acceptance_length"] for d in table]))
-                                 for n in evals}
+        summary["macro"][key] = {
+            n: float(np.mean([table[d][key][n]["acceptance_length"] for d in table])) for n in evals
+        }
         if "dspark" in summary["macro"][key] and "dflash" in summary["macro"][key]:
-            summary["macro"][key]["dspark_over_dflash"] = (summary["macro"][key]["dspark"]
-                                                           / summary["macro"][key]["dflash"])
+            summary["macro"][key]["dspark_over_dflash"] = (
+                summary["macro"][key]["dspark"] / summary["macro"][key]["dflash"]
+            )
     for (name, temp), stats in pooled.items():
         model = models.get(name)
         if model is None or not stats.conf_logits:
@@ -350,12 +392,21 @@ def run_evaluation(target, drafters: dict[str, str], datasets: Sequence[str] | N
         logits, labels, mask = confidence_arrays(stats, model.config.block_size)
         before = position_metrics(cumulative_survival(logits), labels, mask)
         temps = model.calibration.temperatures if model.calibration else (1.0,) * model.config.block_size
-        after = position_metrics(cumulative_survival(logits, torch.tensor(temps[:logits.shape[1]])), labels, mask)
+        after = position_metrics(
+            cumulative_survival(logits, torch.tensor(temps[: logits.shape[1]])), labels, mask
+        )
         summary["confidence"][f"{name}_T{temp:g}"] = {
-            "ece_before": pooled_ece(before), "ece_after": pooled_ece(after), "temperatures": list(temps),
+            "ece_before": pooled_ece(before),
+            "ece_after": pooled_ece(after),
+            "temperatures": list(temps),
             "per_position_before": summarize_positions(before),
-            "per_position_after": summarize_positions(after)}
-        plot_reliability(before, after, f"{name}, T={temp:g}: cumulative survival on dev rounds",
-                         str(results / f"reliability_{name}_T{temp:g}.png"))
+            "per_position_after": summarize_positions(after),
+        }
+        plot_reliability(
+            before,
+            after,
+            f"{name}, T={temp:g}: cumulative survival on dev rounds",
+            str(results / f"reliability_{name}_T{temp:g}.png"),
+        )
     write_json(results / "summary.json", summary)
     return summary

@@ -1,6 +1,7 @@
 """Stage 4: write the shippable drafter: DeepSpec-format config.json + model.safetensors
 (+ calibration.json), without the shared embedding / LM head, which the serving loader takes
 from the target."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,9 @@ from dspark_serve.drafter.dspark_model import DSparkModel, save_dspark
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def export_drafter(model: DSparkModel, dest: str | os.PathLike, dtype: str = "bfloat16",
-                   metadata: dict | None = None) -> Path:
+def export_drafter(
+    model: DSparkModel, dest: str | os.PathLike, dtype: str = "bfloat16", metadata: dict | None = None
+) -> Path:
     """Save `model` (calibration included) to `dest` with its weights cast to `dtype`."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")

@@ -9,6 +9,7 @@ Per supervised slot (anchor n, block position k = 1..bs):
 each weighted by w_k = exp(-(k - 1) / gamma) on valid slots, normalized by the sum of the
 weights, and combined as ce_alpha * CE + l1_alpha * L1 + confidence_alpha * BCE.
 """
+
 from __future__ import annotations
 
 import math
@@ -70,8 +71,9 @@ def position_weights(mask: torch.Tensor, gamma: float) -> torch.Tensor:
     return w
 
 
-def l1_distance(draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                d2t: torch.Tensor | None = None) -> torch.Tensor:
+def l1_distance(
+    draft_probs: torch.Tensor, target_probs: torch.Tensor, d2t: torch.Tensor | None = None
+) -> torch.Tensor:
     """||q - p||_1. draft_probs: [..., V'] over the draft vocabulary; target_probs: [..., V];
     d2t: [V'] target id of each draft id, or None when V' = V. Off the kept ids q is zero,
     so the distance there is the target mass the draft vocabulary misses."""
@@ -81,15 +83,22 @@ def l1_distance(draft_probs: torch.Tensor, target_probs: torch.Tensor,
     return (draft_probs - kept).abs().sum(-1) + (1.0 - kept.sum(-1)).clamp_min(0.0)
 
 
-def acceptance_rate(draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                    d2t: torch.Tensor | None = None) -> torch.Tensor:
+def acceptance_rate(
+    draft_probs: torch.Tensor, target_probs: torch.Tensor, d2t: torch.Tensor | None = None
+) -> torch.Tensor:
     """-> [...] c* = 1 - 0.5 * ||q - p||_1 in [0, 1] (shapes as `l1_distance`)."""
     return (1.0 - 0.5 * l1_distance(draft_probs, target_probs, d2t)).clamp(0.0, 1.0)
 
 
-def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
-                mask: torch.Tensor, confidence_logits: torch.Tensor | None,
-                cfg: LossConfig, d2t: torch.Tensor | None = None) -> LossOutput:
+def dspark_loss(
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    confidence_logits: torch.Tensor | None,
+    cfg: LossConfig,
+    d2t: torch.Tensor | None = None,
+) -> LossOutput:
     """The DSpark training objective.
 
     draft_logits: [B, N, bs, V'] drafter logits (Markov-corrected, teacher-forced) over the
@@ -130,8 +139,15 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels:
     with torch.no_grad():
         m = mask.to(torch.float32)
         per_pos = (c_star * m).sum(dim=tuple(range(m.dim() - 1))) / m.sum(
-            dim=tuple(range(m.dim() - 1))).clamp_min(1.0)
+            dim=tuple(range(m.dim() - 1))
+        ).clamp_min(1.0)
         blocks = m[..., 0] > 0
         tau = ((c_star * m).cumprod(-1).sum(-1) + 1.0)[blocks].mean() if blocks.any() else m.new_zeros(())
-    return LossOutput(loss=loss, ce=ce_mean.detach(), l1=l1_mean.detach(), confidence=conf_mean.detach(),
-                      accept_rate=per_pos, tau=tau)
+    return LossOutput(
+        loss=loss,
+        ce=ce_mean.detach(),
+        l1=l1_mean.detach(),
+        confidence=conf_mean.detach(),
+        accept_rate=per_pos,
+        tau=tau,
+    )

@@ -1,4 +1,5 @@
 """Progress of a pipeline stage: a bar on the terminal and a JSON file others can poll."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,17 @@ class Progress:
         if info:
             self.bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in info.items()})
         self.bar.refresh()
-        self.path.write_text(json.dumps({"stage": self.stage, "done": done, "total": total,
-                                         "elapsed_s": round(time.time() - self.t0, 1), **info}))
+        self.path.write_text(
+            json.dumps(
+                {
+                    "stage": self.stage,
+                    "done": done,
+                    "total": total,
+                    "elapsed_s": round(time.time() - self.t0, 1),
+                    **info,
+                }
+            )
+        )
 
     def close(self) -> None:
         self.bar.close()

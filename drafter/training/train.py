@@ -4,20 +4,27 @@ The target stays frozen and absent: its taps and final hidden come from the cach
 embedding / LM head are shared with the drafter and frozen. Checkpoints every few steps make
 a killed run resume where it stopped, with the same data order.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from dspark_serve.drafter.dspark_model import SHARED_PREFIXES, DSparkConfig, DSparkModel, draft_head, save_dspark
+from dspark_serve.drafter.dspark_model import (
+    SHARED_PREFIXES,
+    DSparkConfig,
+    DSparkModel,
+    draft_head,
+    save_dspark,
+)
 from dspark_serve.drafter.training.cache import CachedSequence, TrainBatch, load_cache, make_batch
 from dspark_serve.drafter.training.loss import LossConfig, LossOutput, dspark_loss
 
@@ -76,8 +83,9 @@ def trainable_state(model: DSparkModel) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
 
 
-def build_draft_model(cfg: DSparkConfig, target: nn.Module, init_from_target: bool,
-                      d2t: torch.Tensor | None = None) -> DSparkModel:
+def build_draft_model(
+    cfg: DSparkConfig, target: nn.Module, init_from_target: bool, d2t: torch.Tensor | None = None
+) -> DSparkModel:
     """A drafter sharing the target's (frozen) embedding and LM head (its kept rows, for a
     truncated vocabulary: `d2t` lists them, cfg.draft_vocab_size = len(d2t)).
 
@@ -101,7 +109,7 @@ def build_draft_model(cfg: DSparkConfig, target: nn.Module, init_from_target: bo
         nn.init.normal_(model.markov_head.markov_w1.weight, std=0.02)
     if init_from_target:
         tlayers = target.model.layers
-        src = tlayers[len(tlayers) - cfg.num_hidden_layers:]
+        src = tlayers[len(tlayers) - cfg.num_hidden_layers :]
         with torch.no_grad():
             for dst, s in zip(model.layers, src):
                 for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -117,7 +125,7 @@ def build_draft_model(cfg: DSparkConfig, target: nn.Module, init_from_target: bo
             model.norm.weight.copy_(target.model.norm.weight)
             d = cfg.hidden_size
             model.fc.weight.mul_(0.1)
-            model.fc.weight[:, (cfg.num_taps - 1) * d:] += torch.eye(d)
+            model.fc.weight[:, (cfg.num_taps - 1) * d :] += torch.eye(d)
             model.hidden_norm.weight.copy_(src[0].input_layernorm.weight)
     return model
 
@@ -135,29 +143,49 @@ class StepStats:
     seconds: float
 
 
-def forward_loss(model: DSparkModel, batch: TrainBatch, loss_cfg: LossConfig, bf16: bool,
-                 target_head: nn.Module | None = None) -> LossOutput:
+def forward_loss(
+    model: DSparkModel,
+    batch: TrainBatch,
+    loss_cfg: LossConfig,
+    bf16: bool,
+    target_head: nn.Module | None = None,
+) -> LossOutput:
     """One teacher-forced forward over a batch -> the DSpark objective. `target_head`: the
     target's full LM head (needed with a truncated draft vocabulary; default the drafter's)."""
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16) if model.device.type == "cpu" \
+    ctx = (
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+        if model.device.type == "cpu"
         else torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16)
+    )
     dev = model.device
     with ctx:
-        hidden = model.forward_train(batch.context_hidden.to(dev), batch.input_ids.to(dev),
-                                     batch.anchors.to(dev), batch.anchor_valid.to(dev))
+        hidden = model.forward_train(
+            batch.context_hidden.to(dev),
+            batch.input_ids.to(dev),
+            batch.anchors.to(dev),
+            batch.anchor_valid.to(dev),
+        )
         prev = batch.prev_tokens.to(dev)
         draft_logits = model.block_logits(hidden, prev)
         conf = model.confidence_logits(hidden, prev)
         with torch.no_grad():
-            target_logits = (target_head or model.lm_head)(batch.target_hidden.to(dev).to(model.dtype)).float()
-    return dspark_loss(draft_logits, target_logits, batch.labels.to(dev), batch.mask.to(dev), conf, loss_cfg,
-                       d2t=model.d2t)
+            target_logits = (target_head or model.lm_head)(
+                batch.target_hidden.to(dev).to(model.dtype)
+            ).float()
+    return dspark_loss(
+        draft_logits, target_logits, batch.labels.to(dev), batch.mask.to(dev), conf, loss_cfg, d2t=model.d2t
+    )
 
 
-def run_train(model: DSparkModel, data: Sequence[CachedSequence], cfg: TrainConfig, loss_cfg: LossConfig,
-              work_dir: str | os.PathLike,
-              progress: Callable[[StepStats], None] | None = None,
-              target_head: nn.Module | None = None) -> list[StepStats]:
+def run_train(
+    model: DSparkModel,
+    data: Sequence[CachedSequence],
+    cfg: TrainConfig,
+    loss_cfg: LossConfig,
+    work_dir: str | os.PathLike,
+    progress: Callable[[StepStats], None] | None = None,
+    target_head: nn.Module | None = None,
+) -> list[StepStats]:
     """Train (resuming from `work_dir/ckpt.pt` when present); returns this run's step stats."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -187,10 +215,17 @@ def run_train(model: DSparkModel, data: Sequence[CachedSequence], cfg: TrainConf
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         opt.step()
-        stats = StepStats(step=step + 1, loss=float(out.loss.detach()), ce=float(out.ce), l1=float(out.l1),
-                          confidence=float(out.confidence), tau=float(out.tau),
-                          accept_rate=[round(float(a), 4) for a in out.accept_rate],
-                          lr=lr, seconds=time.time() - t0)
+        stats = StepStats(
+            step=step + 1,
+            loss=float(out.loss.detach()),
+            ce=float(out.ce),
+            l1=float(out.l1),
+            confidence=float(out.confidence),
+            tau=float(out.tau),
+            accept_rate=[round(float(a), 4) for a in out.accept_rate],
+            lr=lr,
+            seconds=time.time() - t0,
+        )
         history.append(stats)
         log.write(json.dumps(asdict(stats)) + "\n")
         log.flush()
@@ -198,8 +233,15 @@ def run_train(model: DSparkModel, data: Sequence[CachedSequence], cfg: TrainConf
             progress(stats)
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             tmp = ckpt_path.with_suffix(".tmp")
-            torch.save({"model": trainable_state(model), "optimizer": opt.state_dict(), "step": step + 1,
-                        "train_config": asdict(cfg)}, tmp)
+            torch.save(
+                {
+                    "model": trainable_state(model),
+                    "optimizer": opt.state_dict(),
+                    "step": step + 1,
+                    "train_config": asdict(cfg),
+                },
+                tmp,
+            )
             os.replace(tmp, ckpt_path)
             # Weights alone per checkpoint, so runs can be compared at an equal step.
             torch.save(trainable_state(model), work / f"weights_step{step + 1}.pt")
@@ -228,7 +270,7 @@ def draft_vocabulary(seqs: Sequence[CachedSequence], size: int, always: Sequence
     e.g. end-of-turn), ascending: the kept ids of a truncated draft vocabulary (d2t)."""
     counts: dict[int, int] = {}
     for s in seqs:
-        for t in s.input_ids[s.num_prompt:].tolist():
+        for t in s.input_ids[s.num_prompt :].tolist():
             counts[t] = counts.get(t, 0) + 1
     ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
     keep = list(dict.fromkeys([int(t) for t in always] + ranked))[:size]
@@ -240,7 +282,7 @@ def vocabulary_coverage(seqs: Sequence[CachedSequence], d2t: torch.Tensor) -> fl
     kept = set(d2t.tolist())
     total = hit = 0
     for s in seqs:
-        resp = s.input_ids[s.num_prompt:].tolist()
+        resp = s.input_ids[s.num_prompt :].tolist()
         total += len(resp)
         hit += sum(t in kept for t in resp)
     return hit / max(total, 1)

@@ -1,6 +1,7 @@
 """The GPU suite in its tiny CPU mode, run the way the GPU machine runs it: a plain
 `python bench/gpu_suite.py` from another folder, with the server stack (fastapi, pydantic,
 prometheus_client, uvicorn, httpx) made unimportable. Plus its guards, config and summary."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -48,8 +49,9 @@ def tiny_run(tmp_path_factory):
     out = tmp / "out"
     code = RUNNER.format(blocked=BLOCKED, suite=str(SUITE), args=["--out", str(out), "--tiny"])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, out, json.loads((out / JSON_NAME).read_text())
 
@@ -57,9 +59,9 @@ def tiny_run(tmp_path_factory):
 def test_runs_from_a_plain_checkout_without_the_server_stack(tiny_run):
     stdout, _, report = tiny_run
     engine_file = next(l.split(" ", 1)[1] for l in stdout.splitlines() if l.startswith("ENGINE_FILE"))
-    assert Path(engine_file).resolve().is_relative_to(ROOT)   # the checkout's code, not an install
+    assert Path(engine_file).resolve().is_relative_to(ROOT)  # the checkout's code, not an install
     assert "LEAKED []" in stdout
-    assert report["config"]["cpu_table"] == "bench/results/sweep-dspark-gate.json"   # no host paths
+    assert report["config"]["cpu_table"] == "bench/results/sweep-dspark-gate.json"  # no host paths
     assert str(ROOT) not in json.dumps(report)
 
 
@@ -70,7 +72,10 @@ def test_every_stage_ran_and_the_device_checks_passed(tiny_run):
     assert all(stages[s]["status"] == "ok" for s in stages), {s: stages[s].get("error") for s in stages}
     checks = stages["checks"]["result"]
     assert {k: v["passed"] for k, v in checks.items()} == {
-        "greedy_equality": True, "rejection_statistics": True, "paged_kv_rollback": True}
+        "greedy_equality": True,
+        "rejection_statistics": True,
+        "paged_kv_rollback": True,
+    }
     assert checks["greedy_equality"]["plain_equals_hf_generate"]
     assert checks["rejection_statistics"]["tv_broken_sampler"] > checks["rejection_statistics"]["bound"]
     assert report["complete"] and report["summary"]["stage_status"]["sweep"] == "ok"
@@ -92,7 +97,7 @@ def test_models_and_cost_tables_are_sane(tiny_run):
     for t in tables.values():
         sps = t["steps_per_second"]
         assert len(sps) == len(t["batch_sizes"]) and all(s > 0 for s in sps)
-        assert all(b <= a for a, b in zip(sps, sps[1:]))      # made non-increasing
+        assert all(b <= a for a, b in zip(sps, sps[1:]))  # made non-increasing
 
 
 def test_sweep_is_lossless_and_realises_the_configured_acceptance(tiny_run):
@@ -101,13 +106,14 @@ def test_sweep_is_lossless_and_realises_the_configured_acceptance(tiny_run):
     rows = res["rows"]
     assert res["complete"] and not res["cut"]
     assert {(r["shape"], r["concurrency"], r["policy"]) for r in rows} == {
-        (s, c, p) for s in ("tiny-a", "tiny-b") for c in (1, 4) for p in ("none", "static:7", "dspark")}
+        (s, c, p) for s in ("tiny-a", "tiny-b") for c in (1, 4) for p in ("none", "static:7", "dspark")
+    }
     for r in rows:
         assert r["completion_tokens"] == r["requests"] * 24 and r["requests"] == 4
         assert r["per_user_tps"] > 0 and r["aggregate_tps"] > 0 and math.isfinite(r["aggregate_tps"])
         assert r["kv_free_after"]
         if r["policy"] != "none":
-            assert r["equal_to_plain"] == 1.0 and r["diverged_requests"] == 0   # greedy: lossless
+            assert r["equal_to_plain"] == 1.0 and r["diverged_requests"] == 0  # greedy: lossless
     static = [r for r in rows if r["policy"] == "static:7"]
     assert all(r["tau"] > 1.5 and r["mean_budget"] > 3 for r in static)
     tried = sum(r["positions_tried"] for r in rows)
@@ -121,13 +127,17 @@ def test_timings_split_the_step(tiny_run):
     assert set(t["drafter"]["by_batch"]) == {"1", "4"}
     assert all(v["propose_ms"] > 0 and v["backbone_ms"] > 0 for v in t["drafter"]["by_batch"].values())
     points = t["engine_split"]["points"]
-    assert {(p["concurrency"], p["policy"]) for p in points} == {(1, "none"), (1, "dspark"),
-                                                               (4, "none"), (4, "dspark")}
+    assert {(p["concurrency"], p["policy"]) for p in points} == {
+        (1, "none"),
+        (1, "dspark"),
+        (4, "none"),
+        (4, "dspark"),
+    }
     for p in points:
         assert p["decode_steps"] > 0 and 0 < p["plan_ms"] <= p["forward_ms"] <= p["step_ms"] * 1.05
     hf = t["hf_generate"]
     assert hf["tokens"] == hf["engine_tokens"] == 13 and hf["tokens_per_s"] > 0
-    assert hf["same_tokens_share"] == 1.0          # the same model: the same greedy tokens
+    assert hf["same_tokens_share"] == 1.0  # the same model: the same greedy tokens
     assert t["engine_vs_hf_generate_c1"] == hf["engine_vs_hf"] > 0
     assert t["profiler"]["concurrency"] == 4
     for policy in ("none", "static:7"):
@@ -157,27 +167,54 @@ def test_the_budget_skips_stages_instead_of_running_over(tmp_path):
     assert "budget" in suite.report["stages"]["slow"]["reason"]
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(dtype="int8"), "int8"), (dict(shapes=("nope",)), "nope"),
-    (dict(concurrency=(0, 4)), "0"), (dict(accept_rate=1.5), "1.5"),
-    (dict(max_num_batched_tokens=16), "16"), (dict(budget_s=-1.0), "-1.0"), (dict(threads=-1), "-1")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(dtype="int8"), "int8"),
+        (dict(shapes=("nope",)), "nope"),
+        (dict(concurrency=(0, 4)), "0"),
+        (dict(accept_rate=1.5), "1.5"),
+        (dict(max_num_batched_tokens=16), "16"),
+        (dict(budget_s=-1.0), "-1.0"),
+        (dict(threads=-1), "-1"),
+    ],
+)
 def test_bad_config_values_are_rejected(bad, match):
     with pytest.raises(ValueError, match=match):
         SuiteConfig.tiny(**bad)
 
 
 def test_summary_computes_the_aims_from_the_rows():
-    row = lambda p, c, pu, agg: {"shape": "s", "policy": p, "concurrency": c, "per_user_tps": pu,
-                                 "aggregate_tps": agg, "realised_accept_rate": None if p == "none" else 0.8}
-    rows = [row("none", 1, 10, 10), row("static:7", 1, 30, 30), row("dspark", 1, 30, 30),
-            row("none", 256, 5, 1000), row("static:7", 256, 2, 500), row("dspark", 256, 4, 1200)]
-    report = {"stages": {"sweep": {"status": "ok", "result": {"rows": rows, "policies": ["none", "static:7", "dspark"]}},
-                         "timings": {"status": "ok", "result": {"engine_vs_hf_generate_c1": 1.2}}}}
+    row = lambda p, c, pu, agg: {
+        "shape": "s",
+        "policy": p,
+        "concurrency": c,
+        "per_user_tps": pu,
+        "aggregate_tps": agg,
+        "realised_accept_rate": None if p == "none" else 0.8,
+    }
+    rows = [
+        row("none", 1, 10, 10),
+        row("static:7", 1, 30, 30),
+        row("dspark", 1, 30, 30),
+        row("none", 256, 5, 1000),
+        row("static:7", 256, 2, 500),
+        row("dspark", 256, 4, 1200),
+    ]
+    report = {
+        "stages": {
+            "sweep": {"status": "ok", "result": {"rows": rows, "policies": ["none", "static:7", "dspark"]}},
+            "timings": {"status": "ok", "result": {"engine_vs_hf_generate_c1": 1.2}},
+        }
+    }
     s = summarize(report)
     assert s["dspark_vs_plain_per_user_low"] == 3.0 and s["dspark_vs_plain_aggregate_high"] == 1.2
     assert s["static_vs_plain_aggregate_high"] == 0.5
-    assert s["aims_met"] == {"plain_vs_hf_generate_c1": False, "dspark_vs_plain_per_user_low": True,
-                             "dspark_vs_plain_aggregate_high": True}
+    assert s["aims_met"] == {
+        "plain_vs_hf_generate_c1": False,
+        "dspark_vs_plain_per_user_low": True,
+        "dspark_vs_plain_aggregate_high": True,
+    }
     assert s["realised_accept_rate"]["dspark@256"] == 0.8
 
 
@@ -190,7 +227,7 @@ def test_a_failing_sweep_point_is_recorded_and_the_sweep_goes_on(tmp_path, monke
     real = gs.run_engine_closed_loop
 
     def flaky(engine, prompts, conc, *a, **k):
-        if conc == 1 and a[-1] == "static:7":      # label = policy
+        if conc == 1 and a[-1] == "static:7":  # label = policy
             engine.add_request(gs.Request("stuck", prompts[0], gs.SamplingParams(temperature=0.0), 4))
             engine.step()
             raise RuntimeError("CUDA out of memory (simulated)")
@@ -203,5 +240,10 @@ def test_a_failing_sweep_point_is_recorded_and_the_sweep_goes_on(tmp_path, monke
     assert [(e["concurrency"], e["policy"]) for e in res["errors"]] == [(1, "static:7")]
     assert "out of memory" in res["errors"][0]["error"]
     assert [(r["concurrency"], r["policy"]) for r in res["rows"]] == [
-        (1, "none"), (1, "dspark"), (4, "none"), (4, "static:7"), (4, "dspark")]
-    assert all(r["kv_free_after"] for r in res["rows"])   # the failed point's KV was released
+        (1, "none"),
+        (1, "dspark"),
+        (4, "none"),
+        (4, "static:7"),
+        (4, "dspark"),
+    ]
+    assert all(r["kv_free_after"] for r in res["rows"])  # the failed point's KV was released

@@ -1,4 +1,5 @@
 """The replay drafter: a controlled acceptance rate, calibrated confidences, honest bookkeeping."""
+
 import pytest
 import torch
 
@@ -16,8 +17,9 @@ def view(rid, out, max_draft=7):
 
 
 def test_registered_and_proposes_the_corrupted_reference_with_confidence_equal_to_the_rate():
-    dr = build_drafter("replay", references={tuple(PROMPT): REF}, vocab_size=100, block_size=7,
-                       accept_rate=0.75, seed=1)
+    dr = build_drafter(
+        "replay", references={tuple(PROMPT): REF}, vocab_size=100, block_size=7, accept_rate=0.75, seed=1
+    )
     assert isinstance(dr, ReplayDrafter) and dr.tap_layers == ()
     kept = total = 0
     for _ in range(400):
@@ -40,8 +42,8 @@ def test_proposals_respect_max_draft_and_the_end_of_the_reference():
 
 def test_realised_rate_counts_each_rounds_first_rejection():
     dr = ReplayDrafter({}, vocab_size=10)
-    dr.observe_acceptance("a", proposed=5, accepted=2)   # 2 kept, then a rejection: 3 decided
-    dr.observe_acceptance("a", proposed=3, accepted=3)   # all kept: 3 decided
+    dr.observe_acceptance("a", proposed=5, accepted=2)  # 2 kept, then a rejection: 3 decided
+    dr.observe_acceptance("a", proposed=3, accepted=3)  # all kept: 3 decided
     assert dr.stats.rate == pytest.approx(5 / 6) and dr.stats.rounds == 2
     assert dr.reset_stats().tried == 6 and dr.stats.rate is None
     with pytest.raises(ValueError, match="4 of 3"):
@@ -66,8 +68,9 @@ def test_context_gaps_are_errors():
     dr.observe([AcceptedContext("a", [1], 0, None)])
 
 
-@pytest.mark.parametrize("kw, match", [(dict(accept_rate=1.2), "1.2"), (dict(block_size=0), "0"),
-                                       (dict(vocab_size=1), "1")])
+@pytest.mark.parametrize(
+    "kw, match", [(dict(accept_rate=1.2), "1.2"), (dict(block_size=0), "0"), (dict(vocab_size=1), "1")]
+)
 def test_bad_arguments_are_rejected(kw, match):
     args = dict(references={}, vocab_size=10)
     args.update(kw)

@@ -1,5 +1,6 @@
 """The Grafana dashboard only queries metrics the server exports, covers the panels the issue
 lists, and docker-compose provisions it together with Prometheus."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,22 @@ from dspark_serve.scheduler.metrics import EngineMetrics
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "dspark.json"
 
-KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
-            "unless", "offset", "inf", "nan", "atan2"}
+KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+    "atan2",
+}
 GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 IDENT = re.compile(r"(?<![\w.:$])([A-Za-z_:][A-Za-z0-9_:]*)")
 
@@ -31,7 +46,7 @@ def promql_metric_names(expr: str) -> set[str]:
     names = set()
     for m in IDENT.finditer(e):
         word = m.group(1)
-        if word.lower() in KEYWORDS or re.match(r"\s*\(", e[m.end():]):
+        if word.lower() in KEYWORDS or re.match(r"\s*\(", e[m.end() :]):
             continue
         names.add(word)
     return names
@@ -81,9 +96,11 @@ def unknown_metrics(dash: dict, exported: set[str]) -> list[str]:
 
 
 def test_promql_name_extraction():
-    e = ('histogram_quantile(0.99, sum by (le) (rate(dspark:x_bucket{model_name=~"$m", le!="+Inf"}'
-         '[$__rate_interval]))) / ignoring(position) group_left sum without (a) (foo_total offset 5m) '
-         '+ 1e3 * scalar(bar)')
+    e = (
+        'histogram_quantile(0.99, sum by (le) (rate(dspark:x_bucket{model_name=~"$m", le!="+Inf"}'
+        "[$__rate_interval]))) / ignoring(position) group_left sum without (a) (foo_total offset 5m) "
+        "+ 1e3 * scalar(bar)"
+    )
     assert promql_metric_names(e) == {"dspark:x_bucket", "foo_total", "bar"}
     assert promql_metric_names("sum(rate(abc[5m])) > bool 0 and on (x) y") == {"abc", "y"}
 
@@ -91,19 +108,31 @@ def test_promql_name_extraction():
 def test_dashboard_queries_only_exported_metrics():
     dash = json.loads(DASHBOARD.read_text())
     exported = exported_names()
-    assert "vllm:num_requests_waiting" in exported and "dspark:spec_decode_acceptance_length_bucket" in exported
+    assert (
+        "vllm:num_requests_waiting" in exported and "dspark:spec_decode_acceptance_length_bucket" in exported
+    )
     assert unknown_metrics(dash, exported) == []
     # the check can fail: a misspelt name is caught
     dash["panels"][0]["targets"][0]["expr"] = "rate(dspark:spec_decode_num_acepted_tokens_total[1m])"
-    assert unknown_metrics(dash, exported) == [f"{dash['panels'][0]['title']}: dspark:spec_decode_num_acepted_tokens_total"]
+    assert unknown_metrics(dash, exported) == [
+        f"{dash['panels'][0]['title']}: dspark:spec_decode_num_acepted_tokens_total"
+    ]
 
 
 def test_dashboard_has_the_expected_panels():
     dash = json.loads(DASHBOARD.read_text())
     titles = " | ".join(p["title"].lower() for p in dash["panels"])
-    for want in ("acceptance rate", "acceptance length", "acceptance by draft position",
-                 "proposed / accepted / rejected", "verify budget vs load", "time to first token",
-                 "inter-token latency", "kv cache usage", "throughput"):
+    for want in (
+        "acceptance rate",
+        "acceptance length",
+        "acceptance by draft position",
+        "proposed / accepted / rejected",
+        "verify budget vs load",
+        "time to first token",
+        "inter-token latency",
+        "kv cache usage",
+        "throughput",
+    ):
         assert want in titles, want
     exprs = [e for _, e in dashboard_queries(dash)]
     assert any("histogram_quantile(0.99" in e and "time_to_first_token" in e for e in exprs)
@@ -134,4 +163,6 @@ def test_compose_provisions_grafana_with_prometheus():
     assert (mounts[path] / DASHBOARD.name).is_file()
     scrape = yaml.safe_load(mounts["/etc/prometheus/prometheus.yml"].read_text())
     target = scrape["scrape_configs"][0]["static_configs"][0]["targets"][0]
-    assert target.split(":")[0] in services and services["dspark"]["ports"][0].endswith(":" + target.split(":")[1])
+    assert target.split(":")[0] in services and services["dspark"]["ports"][0].endswith(
+        ":" + target.split(":")[1]
+    )

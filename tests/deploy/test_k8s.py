@@ -2,6 +2,7 @@
 no unknown fields) where a schema exists, and hang together: selectors, ports, probes on
 /health, autoscalers aimed at the Deployment and reading a gauge the server exports.
 (`kubectl apply --dry-run=client` needs an API server, which CI does not have.)"""
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,13 @@ from tests.deploy.test_grafana import exported_names, promql_metric_names
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 VERSIONS = ("1.29.0", "1.37.0")  # an older still-common cluster and the newest schemas
-KINDS = {("apps/v1", "Deployment"), ("v1", "Service"), ("autoscaling/v2", "HorizontalPodAutoscaler"),
-         ("v1", "ConfigMap"), ("keda.sh/v1alpha1", "ScaledObject")}
+KINDS = {
+    ("apps/v1", "Deployment"),
+    ("v1", "Service"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"),
+    ("v1", "ConfigMap"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
+}
 
 
 def manifests() -> dict[str, dict]:
@@ -44,7 +50,7 @@ def test_every_manifest_is_a_known_kind(docs):
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_core_manifests_pass_the_kubernetes_schema(docs, version):
-    for kind, d in docs.items():
+    for d in docs.values():
         if d["apiVersion"].startswith("keda.sh/"):
             continue  # a CRD: checked structurally below
         kubernetes_validate.validate(d, version, strict=True)
@@ -81,7 +87,11 @@ def test_deployment_service_and_probes_agree(docs):
 
 
 def _targets_deployment(ref, dep):
-    return (ref["kind"], ref["name"], ref.get("apiVersion")) == ("Deployment", dep["metadata"]["name"], dep["apiVersion"])
+    return (ref["kind"], ref["name"], ref.get("apiVersion")) == (
+        "Deployment",
+        dep["metadata"]["name"],
+        dep["apiVersion"],
+    )
 
 
 def test_keda_scaledobject_scales_on_the_waiting_gauge(docs):

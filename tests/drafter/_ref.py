@@ -1,5 +1,6 @@
 """A DeepSpec-format checkpoint writer and an independent re-implementation of the DSpark
 block forward (explicit matmuls, one request at a time) that the drafter is checked against."""
+
 from __future__ import annotations
 
 import json
@@ -9,26 +10,62 @@ import os
 import torch
 from safetensors.torch import save_file
 
-TINY = dict(hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, inter=48, vocab=97,
-            block=5, taps=[0, 2], target_layers=4, mask=96, rank=6, theta=10000.0, eps=1e-6)
+TINY = dict(
+    hidden=32,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    head_dim=8,
+    inter=48,
+    vocab=97,
+    block=5,
+    taps=[0, 2],
+    target_layers=4,
+    mask=96,
+    rank=6,
+    theta=10000.0,
+    eps=1e-6,
+)
 
 
 def deepspec_config(t=TINY, head_type="vanilla", confidence=True, with_markov=True, rank=None) -> dict:
     """What DeepSpec's build_draft_config + save_pretrained put in config.json (Qwen3 base)."""
     rank = t["rank"] if rank is None else rank
     cfg = {
-        "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "transformers_version": "4.57.1",
-        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1,
-        "head_dim": t["head_dim"], "hidden_act": "silu", "hidden_size": t["hidden"],
-        "initializer_range": 0.02, "intermediate_size": t["inter"], "max_position_embeddings": 4096,
-        "max_window_layers": 2, "num_attention_heads": t["heads"], "num_hidden_layers": t["layers"],
-        "num_key_value_heads": t["kv_heads"], "rms_norm_eps": t["eps"], "rope_scaling": None,
-        "rope_theta": t["theta"], "sliding_window": None, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
-        "vocab_size": t["vocab"], "layer_types": ["full_attention"] * t["layers"],
-        "block_size": t["block"], "mask_token_id": t["mask"], "target_layer_ids": t["taps"],
-        "num_target_layers": t["target_layers"], "num_anchors": 64,
-        "enable_confidence_head": confidence, "markov_rank": rank,
+        "architectures": ["Qwen3DSparkModel"],
+        "model_type": "qwen3",
+        "transformers_version": "4.57.1",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "head_dim": t["head_dim"],
+        "hidden_act": "silu",
+        "hidden_size": t["hidden"],
+        "initializer_range": 0.02,
+        "intermediate_size": t["inter"],
+        "max_position_embeddings": 4096,
+        "max_window_layers": 2,
+        "num_attention_heads": t["heads"],
+        "num_hidden_layers": t["layers"],
+        "num_key_value_heads": t["kv_heads"],
+        "rms_norm_eps": t["eps"],
+        "rope_scaling": None,
+        "rope_theta": t["theta"],
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": t["vocab"],
+        "layer_types": ["full_attention"] * t["layers"],
+        "block_size": t["block"],
+        "mask_token_id": t["mask"],
+        "target_layer_ids": t["taps"],
+        "num_target_layers": t["target_layers"],
+        "num_anchors": 64,
+        "enable_confidence_head": confidence,
+        "markov_rank": rank,
     }
     if rank > 0:
         cfg["markov_head_type"] = head_type
@@ -40,7 +77,12 @@ def deepspec_config(t=TINY, head_type="vanilla", confidence=True, with_markov=Tr
 def deepspec_weights(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights under DeepSpec's state-dict names (no embed_tokens / lm_head)."""
     g = torch.Generator().manual_seed(seed)
-    d, h, hkv, dh = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    d, h, hkv, dh = (
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+    )
     inter, vocab, m = cfg["intermediate_size"], cfg["vocab_size"], len(cfg["target_layer_ids"])
 
     def rnd(*shape, scale=None):
@@ -53,14 +95,21 @@ def deepspec_weights(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     w = {"fc.weight": rnd(d, m * d), "hidden_norm.weight": norm_w(d), "norm.weight": norm_w(d)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
-        w.update({
-            p + "self_attn.q_proj.weight": rnd(h * dh, d), p + "self_attn.k_proj.weight": rnd(hkv * dh, d),
-            p + "self_attn.v_proj.weight": rnd(hkv * dh, d), p + "self_attn.o_proj.weight": rnd(d, h * dh),
-            p + "self_attn.q_norm.weight": norm_w(dh), p + "self_attn.k_norm.weight": norm_w(dh),
-            p + "mlp.gate_proj.weight": rnd(inter, d), p + "mlp.up_proj.weight": rnd(inter, d),
-            p + "mlp.down_proj.weight": rnd(d, inter),
-            p + "input_layernorm.weight": norm_w(d), p + "post_attention_layernorm.weight": norm_w(d),
-        })
+        w.update(
+            {
+                p + "self_attn.q_proj.weight": rnd(h * dh, d),
+                p + "self_attn.k_proj.weight": rnd(hkv * dh, d),
+                p + "self_attn.v_proj.weight": rnd(hkv * dh, d),
+                p + "self_attn.o_proj.weight": rnd(d, h * dh),
+                p + "self_attn.q_norm.weight": norm_w(dh),
+                p + "self_attn.k_norm.weight": norm_w(dh),
+                p + "mlp.gate_proj.weight": rnd(inter, d),
+                p + "mlp.up_proj.weight": rnd(inter, d),
+                p + "mlp.down_proj.weight": rnd(d, inter),
+                p + "input_layernorm.weight": norm_w(d),
+                p + "post_attention_layernorm.weight": norm_w(d),
+            }
+        )
     r = cfg["markov_rank"]
     if r > 0:
         w["markov_head.markov_w1.weight"] = rnd(vocab, r, scale=1.0)
@@ -78,14 +127,17 @@ def deepspec_weights(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     return w
 
 
-def write_checkpoint(path, cfg: dict, weights: dict[str, torch.Tensor], prefix: str = "",
-                     shards: int = 1, dtype=torch.float32) -> None:
+def write_checkpoint(
+    path, cfg: dict, weights: dict[str, torch.Tensor], prefix: str = "", shards: int = 1, dtype=torch.float32
+) -> None:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     items = sorted(weights.items())
     if shards == 1:
-        save_file({prefix + k: v.to(dtype).contiguous() for k, v in items}, os.path.join(path, "model.safetensors"))
+        save_file(
+            {prefix + k: v.to(dtype).contiguous() for k, v in items}, os.path.join(path, "model.safetensors")
+        )
         return
     weight_map = {}
     for s in range(shards):
@@ -128,7 +180,9 @@ def ref_block_hidden(w, cfg, embed, ctx_hidden, anchor, block_size=None):
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
         a = _rms(x, w[p + "input_layernorm.weight"], eps)
-        q = _rms((a @ w[p + "self_attn.q_proj.weight"].T).view(bs, h, dh), w[p + "self_attn.q_norm.weight"], eps)
+        q = _rms(
+            (a @ w[p + "self_attn.q_proj.weight"].T).view(bs, h, dh), w[p + "self_attn.q_norm.weight"], eps
+        )
         q = _rope(q, pos_b, theta)
 
         def kv(inp, pos):
@@ -147,7 +201,11 @@ def ref_block_hidden(w, cfg, embed, ctx_hidden, anchor, block_size=None):
         x = x + out.reshape(bs, h * dh) @ w[p + "self_attn.o_proj.weight"].T
         a = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
         gate = a @ w[p + "mlp.gate_proj.weight"].T
-        x = x + ((gate * torch.sigmoid(gate)) * (a @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+        x = (
+            x
+            + ((gate * torch.sigmoid(gate)) * (a @ w[p + "mlp.up_proj.weight"].T))
+            @ w[p + "mlp.down_proj.weight"].T
+        )
     return _rms(x, w["norm.weight"], eps)
 
 
@@ -159,11 +217,13 @@ def ref_markov_bias(w, cfg, prev, h_k, state):
     if kind == "vanilla":
         return state, w2 @ e
     if kind == "gated":
-        gate = torch.sigmoid(w["markov_head.gate_proj.weight"] @ torch.cat([h_k, e]) + w["markov_head.gate_proj.bias"])
+        gate = torch.sigmoid(
+            w["markov_head.gate_proj.weight"] @ torch.cat([h_k, e]) + w["markov_head.gate_proj.bias"]
+        )
         return state, w2 @ (gate * e)
     r = cfg["markov_rank"]
     z = w["markov_head.joint_proj.weight"] @ torch.cat([state, e, h_k]) + w["markov_head.joint_proj.bias"]
-    g, cand, o = torch.sigmoid(z[:r]), torch.tanh(z[r:2 * r]), z[2 * r:]
+    g, cand, o = torch.sigmoid(z[:r]), torch.tanh(z[r : 2 * r]), z[2 * r :]
     return g * state + (1 - g) * cand, w2 @ torch.tanh(o)
 
 
@@ -182,7 +242,7 @@ def ref_greedy_draft(w, cfg, lm_head, hidden, anchor, markov=True):
             feats = hidden[k]
             if cfg.get("confidence_head_with_markov"):
                 feats = torch.cat([feats, w["markov_head.markov_w1.weight"][prev]])
-            conf.append((w["confidence_head.proj.weight"][0] @ feats + w["confidence_head.proj.bias"][0]))
+            conf.append(w["confidence_head.proj.weight"][0] @ feats + w["confidence_head.proj.bias"][0])
         tok = int(lk.argmax())
         toks.append(tok)
         logits.append(lk)

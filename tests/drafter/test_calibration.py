@@ -1,4 +1,5 @@
 """Sequential Temperature Scaling and the calibration metrics."""
+
 from __future__ import annotations
 
 import math
@@ -6,8 +7,15 @@ import math
 import pytest
 import torch
 
-from dspark_serve.drafter.training.calibrate import (STSConfig, auc, cumulative_survival, ece, fit_sts, pooled_ece,
-                                        position_metrics)
+from dspark_serve.drafter.training.calibrate import (
+    STSConfig,
+    auc,
+    cumulative_survival,
+    ece,
+    fit_sts,
+    pooled_ece,
+    position_metrics,
+)
 
 
 def test_ece_by_hand():

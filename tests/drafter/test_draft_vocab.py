@@ -1,5 +1,6 @@
 """A truncated draft vocabulary (d2t map): the draft head and Markov head cover only the kept
 target ids, q is a proper distribution over them, and verification stays lossless."""
+
 from __future__ import annotations
 
 import math
@@ -8,28 +9,33 @@ import pytest
 import torch
 
 from dspark_serve.drafter.base import DraftRequest
+from dspark_serve.drafter.dspark_model import DSparkConfig, load_dspark, save_dspark
 from dspark_serve.drafter.registry import build_drafter
-from dspark_serve.drafter.dspark_model import DSparkConfig, DSparkModel, load_dspark, save_dspark
 from dspark_serve.drafter.training.cache import CachedSequence
 from dspark_serve.drafter.training.loss import LossConfig, dspark_loss
-from dspark_serve.drafter.training.train import build_draft_model
-from dspark_serve.drafter.training.train import draft_vocabulary, vocabulary_coverage
+from dspark_serve.drafter.training.train import build_draft_model, draft_vocabulary, vocabulary_coverage
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
+from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
 from tests.scheduler.test_speculative import run
-from dspark_serve.verifier.sampling_params import SamplingParams
 
 KEPT = torch.tensor(sorted({*range(30, 120), 255, 7, 200}))
 
 
 def truncated_dspark(target, path, markov_rank=8):
-    cfg = DSparkConfig.for_target(target.config, num_draft_layers=2, block_size=5,
-                                  target_layer_ids=(0, 1), mask_token_id=255,
-                                  markov_rank=markov_rank, markov_head_type="vanilla",
-                                  enable_confidence_head=True,
-                                  confidence_head_with_markov=markov_rank > 0)
+    cfg = DSparkConfig.for_target(
+        target.config,
+        num_draft_layers=2,
+        block_size=5,
+        target_layer_ids=(0, 1),
+        mask_token_id=255,
+        markov_rank=markov_rank,
+        markov_head_type="vanilla",
+        enable_confidence_head=True,
+        confidence_head_with_markov=markov_rank > 0,
+    )
     cfg = cfg.replace(draft_vocab_size=KEPT.numel())
     torch.manual_seed(3)
     m = build_draft_model(cfg, target, init_from_target=True, d2t=KEPT)
@@ -50,7 +56,9 @@ def test_checkpoint_round_trip_keeps_the_map_and_cuts_the_shared_head(tmp_path):
     # a config that claims a truncated vocabulary without the map is refused
     cfg = m.config.to_json_dict()
     import json
+
     from safetensors.torch import load_file, save_file
+
     state = {k: v for k, v in load_file(str(tmp_path / "model.safetensors")).items() if k != "d2t"}
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="d2t"):
@@ -65,6 +73,7 @@ def test_sampled_drafts_lie_in_the_kept_ids_and_q_is_a_distribution_over_them(tm
     dr = build_drafter("dspark", path=str(tmp_path), target_model=target)
     from dspark_serve.drafter.base import AcceptedContext
     from dspark_serve.verifier.model_runner import Segment
+
     runner = runner_for(target)
     prompt = list(range(40, 52))
     runner.blocks.append("a", len(prompt))
@@ -89,12 +98,18 @@ def test_greedy_with_truncated_vocabulary_equals_plain(tmp_path, policy):
     target = tiny_model("qwen3")
     truncated_dspark(target, tmp_path)
     dr = build_drafter("dspark", path=str(tmp_path), target_model=target)
-    engine = Engine(runner_for(target), ByteTokenizer(),
-                    SchedulerConfig(verify_policy=policy, max_num_batched_tokens=16),
-                    max_model_len=512, drafter=dr)
+    engine = Engine(
+        runner_for(target),
+        ByteTokenizer(),
+        SchedulerConfig(verify_policy=policy, max_num_batched_tokens=16),
+        max_model_len=512,
+        drafter=dr,
+    )
     prompts = [list(range(40, 40 + n)) for n in (3, 25, 11)]
-    reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0), max_tokens=20, ignore_eos=True)
-            for i, p in enumerate(prompts)]
+    reqs = [
+        Request(f"r{i}", p, SamplingParams(temperature=0.0), max_tokens=20, ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
     run(engine, reqs)
     for r, p in zip(reqs, prompts):
         assert r.output_ids == hf_greedy(target, p, 20)
@@ -106,7 +121,7 @@ def test_loss_over_kept_ids_equals_full_vocabulary_loss_with_zero_mass_elsewhere
     V, kept = 12, torch.tensor([1, 4, 5, 9])
     draft = torch.randn(2, 3, 4, kept.numel())
     target = torch.randn(2, 3, 4, V)
-    labels = torch.tensor([1, 4, 2, 9]).repeat(2, 3, 1)     # label 2 lies outside the kept ids
+    labels = torch.tensor([1, 4, 2, 9]).repeat(2, 3, 1)  # label 2 lies outside the kept ids
     mask = torch.ones(2, 3, 4, dtype=torch.bool)
     conf = torch.randn(2, 3, 4)
     got = dspark_loss(draft, target, labels, mask, conf, LossConfig(ce_alpha=0.0), d2t=kept)
@@ -119,15 +134,17 @@ def test_loss_over_kept_ids_equals_full_vocabulary_loss_with_zero_mass_elsewhere
     # CE: only labels with a draft id count (position 3, label 2, is left out)
     ce = dspark_loss(draft, target, labels, mask, conf, LossConfig(), d2t=kept).ce
     logq = draft.log_softmax(-1)
-    cols = torch.tensor([0, 1, 3])                           # draft ids of labels 1, 4, 9
+    cols = torch.tensor([0, 1, 3])  # draft ids of labels 1, 4, 9
     w = torch.exp(-torch.tensor([0.0, 1.0, 3.0]) / 4)
     expect = -(logq[..., [0, 1, 3], cols] * w).sum() / (w.sum() * 6)
     torch.testing.assert_close(ce, expect)
 
 
 def test_draft_vocabulary_keeps_the_most_written_ids():
-    seqs = [CachedSequence(torch.tensor([99, 99, 5, 5, 5, 6, 7, 7]), 2, torch.zeros(7, 1), torch.zeros(7, 1)),
-            CachedSequence(torch.tensor([1, 7, 8, 5]), 1, torch.zeros(3, 1), torch.zeros(3, 1))]
+    seqs = [
+        CachedSequence(torch.tensor([99, 99, 5, 5, 5, 6, 7, 7]), 2, torch.zeros(7, 1), torch.zeros(7, 1)),
+        CachedSequence(torch.tensor([1, 7, 8, 5]), 1, torch.zeros(3, 1), torch.zeros(3, 1)),
+    ]
     d2t = draft_vocabulary(seqs, 3, always=[42])
-    assert d2t.tolist() == [5, 7, 42]          # 5 (x4) and 7 (x3) are written most; 99 is prompt
+    assert d2t.tolist() == [5, 7, 42]  # 5 (x4) and 7 (x3) are written most; 99 is prompt
     assert vocabulary_coverage(seqs, d2t) == pytest.approx(7 / 9)

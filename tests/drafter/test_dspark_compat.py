@@ -1,6 +1,7 @@
 """DeepSpec checkpoint compatibility: a checkpoint written with DeepSpec's names and config
 fields loads, and the drafter's block forward, Markov sampling and confidence head equal an
 independent re-implementation of the DeepSpec semantics (tests/drafter/_ref.py)."""
+
 from __future__ import annotations
 
 import json
@@ -11,10 +12,22 @@ from torch import nn
 
 from dspark_serve.drafter.base import AcceptedContext, DraftRequest
 from dspark_serve.drafter.dspark import DSparkDrafter, DSparkDrafterConfig
-from dspark_serve.drafter.dspark_model import Calibration, DSparkConfig, load_dspark, rope_inv_freq, save_dspark
-from tests.drafter._ref import (TINY, deepspec_config, deepspec_weights, ref_block_hidden,
-                                ref_greedy_draft, write_checkpoint)
+from dspark_serve.drafter.dspark_model import (
+    Calibration,
+    DSparkConfig,
+    load_dspark,
+    rope_inv_freq,
+    save_dspark,
+)
 from dspark_serve.verifier.sampling_params import SamplingParams
+from tests.drafter._ref import (
+    TINY,
+    deepspec_config,
+    deepspec_weights,
+    ref_block_hidden,
+    ref_greedy_draft,
+    write_checkpoint,
+)
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -76,7 +89,7 @@ def test_training_forward_matches_reference(tmp_path):
     model = load_dspark(path, embed, head, dtype=torch.float64)
     s, extra = 7, 4
     ctx, tokens = ctx_and_tokens(s + extra, seed=3)
-    input_ids = torch.tensor([tokens[:s + extra]])
+    input_ids = torch.tensor([tokens[: s + extra]])
     anchors = torch.tensor([[s, 2, 0]])
     valid = torch.tensor([[True, True, False]])
     out = model.forward_train(ctx.unsqueeze(0), input_ids, anchors, valid)
@@ -157,8 +170,17 @@ def test_config_roundtrip_and_validation():
     assert cfg.target_layer_ids == (0, 2) and cfg.markov_head_type == "gated" and cfg.confidence_uses_markov
     out = cfg.to_json_dict()
     assert out["architectures"] == ["Qwen3DSparkModel"] and out["model_type"] == "qwen3"
-    for key in ("block_size", "target_layer_ids", "mask_token_id", "markov_rank", "markov_head_type",
-                "enable_confidence_head", "confidence_head_with_markov", "num_target_layers", "head_dim"):
+    for key in (
+        "block_size",
+        "target_layer_ids",
+        "mask_token_id",
+        "markov_rank",
+        "markov_head_type",
+        "enable_confidence_head",
+        "confidence_head_with_markov",
+        "num_target_layers",
+        "head_dim",
+    ):
         assert out[key] == d[key], key
     assert DSparkConfig.from_json_dict(out) == cfg
     # transformers 5 style: theta inside rope_parameters.
@@ -178,19 +200,49 @@ def test_config_roundtrip_and_validation():
 def test_for_target_llama_and_qwen3():
     from transformers import LlamaConfig, Qwen3Config
 
-    q = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, vocab_size=300, rope_theta=1e6)
-    cfg = DSparkConfig.for_target(q, num_draft_layers=2, block_size=7, target_layer_ids=[1, 3, 4],
-                                  mask_token_id=299, markov_rank=8, markov_head_type="vanilla",
-                                  enable_confidence_head=True, confidence_head_with_markov=True)
+    q = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=300,
+        rope_theta=1e6,
+    )
+    cfg = DSparkConfig.for_target(
+        q,
+        num_draft_layers=2,
+        block_size=7,
+        target_layer_ids=[1, 3, 4],
+        mask_token_id=299,
+        markov_rank=8,
+        markov_head_type="vanilla",
+        enable_confidence_head=True,
+        confidence_head_with_markov=True,
+    )
     assert (cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads, cfg.num_target_layers) == (64, 16, 2, 6)
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None and cfg.num_hidden_layers == 2
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
-    lc = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                     vocab_size=300, rope_theta=5e5, rope_scaling=scaling, max_position_embeddings=512)
-    cfg = DSparkConfig.for_target(lc, num_draft_layers=1, block_size=4, target_layer_ids=[-1, 2],
-                                  mask_token_id=0)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    lc = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        vocab_size=300,
+        rope_theta=5e5,
+        rope_scaling=scaling,
+        max_position_embeddings=512,
+    )
+    cfg = DSparkConfig.for_target(
+        lc, num_draft_layers=1, block_size=4, target_layer_ids=[-1, 2], mask_token_id=0
+    )
     assert cfg.head_dim == 16 and cfg.rope_theta == 5e5 and cfg.rope_scaling["rope_type"] == "llama3"
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -239,8 +291,12 @@ def test_save_load_roundtrip_and_calibration(tmp_path):
     hid = drafter.block_hidden([req])
     prev = torch.tensor([[tokens[s]] + prop.tokens.tolist()[:-1]])
     raw = calibrated.confidence_logits(hid, prev)[0]
-    torch.testing.assert_close(prop.confidences.double(),
-                               torch.sigmoid(raw / torch.tensor(temps, dtype=raw.dtype)).double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        prop.confidences.double(),
+        torch.sigmoid(raw / torch.tensor(temps, dtype=raw.dtype)).double(),
+        rtol=1e-6,
+        atol=1e-6,
+    )
     with open(tmp_path / "ckpt" / "calibration.json", "w") as f:
         json.dump({"temperatures": [1.0, -1.0]}, f)
     with pytest.raises(ValueError, match="-1.0"):

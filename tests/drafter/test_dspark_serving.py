@@ -1,14 +1,15 @@
 """The batched serving path (per-request context KV cache, one padded forward for all
 requests) equals the training forward on the same data; sampling, truncation, factories."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from dspark_serve.drafter.base import AcceptedContext, DraftRequest
-from dspark_serve.drafter.registry import build_drafter
 from dspark_serve.drafter.dspark import DSparkDrafter, DSparkDrafterConfig
 from dspark_serve.drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
+from dspark_serve.drafter.registry import build_drafter
 from dspark_serve.verifier.sampling import probs_from_logits
 from dspark_serve.verifier.sampling_params import SamplingParams
 
@@ -18,11 +19,24 @@ V, D, BS = 120, 48, 4
 
 def tiny_model(head_type="vanilla", seed=0) -> DSparkModel:
     torch.manual_seed(seed)
-    cfg = DSparkConfig(hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=12, intermediate_size=64, vocab_size=V, block_size=BS,
-                       target_layer_ids=(-1, 1, 3), mask_token_id=V - 1, num_target_layers=4,
-                       rope_theta=10000.0, markov_rank=8, markov_head_type=head_type,
-                       enable_confidence_head=True, confidence_head_with_markov=True)
+    cfg = DSparkConfig(
+        hidden_size=D,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        intermediate_size=64,
+        vocab_size=V,
+        block_size=BS,
+        target_layer_ids=(-1, 1, 3),
+        mask_token_id=V - 1,
+        num_target_layers=4,
+        rope_theta=10000.0,
+        markov_rank=8,
+        markov_head_type=head_type,
+        enable_confidence_head=True,
+        confidence_head_with_markov=True,
+    )
     model = DSparkModel(cfg).double()
     with torch.no_grad():  # non-trivial norms / Markov weights
         for name, p in model.named_parameters():
@@ -53,14 +67,17 @@ def test_batched_serving_equals_training_forward():
         for r, points in stages.items():
             if step < len(points):
                 end = points[step]
-                ctxs.append(AcceptedContext(f"r{r}", ids[r, cached[r]:end].tolist(), cached[r],
-                                            hidden[r, cached[r]:end]))
+                ctxs.append(
+                    AcceptedContext(
+                        f"r{r}", ids[r, cached[r] : end].tolist(), cached[r], hidden[r, cached[r] : end]
+                    )
+                )
                 cached[r] = end
                 reqs.append((r, end))
             elif step == 0:
                 reqs.append((r, 0))  # never observed: empty context, anchor at 0
         dr.observe(ctxs)
-        batch = [DraftRequest(f"r{r}", ids[r, :end + 1].tolist(), 1, GREEDY, None, 100) for r, end in reqs]
+        batch = [DraftRequest(f"r{r}", ids[r, : end + 1].tolist(), 1, GREEDY, None, 100) for r, end in reqs]
         out = dr.block_hidden(batch)
         for (r, end), h in zip(reqs, out):
             got[(r, end)] = h
@@ -113,9 +130,11 @@ def test_propose_mixed_sampling_truncation(head_type):
     hot = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
 
     def reqs(seed):
-        return [DraftRequest("r0", ids[0].tolist(), 3, GREEDY, None, 2),
-                DraftRequest("r1", ids[1].tolist(), 3, hot, torch.Generator().manual_seed(seed), 100),
-                DraftRequest("r2", ids[2].tolist(), 3, GREEDY, None, 0)]
+        return [
+            DraftRequest("r0", ids[0].tolist(), 3, GREEDY, None, 2),
+            DraftRequest("r1", ids[1].tolist(), 3, hot, torch.Generator().manual_seed(seed), 100),
+            DraftRequest("r2", ids[2].tolist(), 3, GREEDY, None, 0),
+        ]
 
     p0, p1, p2 = dr.propose(reqs(5))
     assert len(p0) == 2 and p0.probs is None and p0.confidences.shape == (2,)
@@ -148,12 +167,28 @@ def test_propose_mixed_sampling_truncation(head_type):
 def test_factories_share_target_modules(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    tcfg = Qwen3Config(hidden_size=D, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=12, vocab_size=V, tie_word_embeddings=False)
+    tcfg = Qwen3Config(
+        hidden_size=D,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        vocab_size=V,
+        tie_word_embeddings=False,
+    )
     target = Qwen3ForCausalLM(tcfg).eval()
-    cfg = DSparkConfig.for_target(tcfg, num_draft_layers=1, block_size=5, target_layer_ids=[0, 2],
-                                  mask_token_id=V - 1, markov_rank=4, markov_head_type="gated",
-                                  enable_confidence_head=True, confidence_head_with_markov=True)
+    cfg = DSparkConfig.for_target(
+        tcfg,
+        num_draft_layers=1,
+        block_size=5,
+        target_layer_ids=[0, 2],
+        mask_token_id=V - 1,
+        markov_rank=4,
+        markov_head_type="gated",
+        enable_confidence_head=True,
+        confidence_head_with_markov=True,
+    )
     save_dspark(DSparkModel(cfg), str(tmp_path))
     dsp = build_drafter("dspark", path=str(tmp_path), target_model=target, block_size=3)
     assert dsp.name == "dspark" and dsp.block_size == 3 and dsp.tap_layers == (0, 2)

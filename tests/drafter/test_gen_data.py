@@ -1,5 +1,6 @@
 """Training data through the serving engine: the same tokens as plain greedy decoding, and the
 tap states captured in the same pass equal a full forward of the target."""
+
 from __future__ import annotations
 
 import json
@@ -12,32 +13,48 @@ from dspark_serve.drafter.training.data import GenDataConfig, TapCapture, load_s
 from dspark_serve.scheduler.llm import LLM
 
 TAPS = (1, 7, 14)
-PROMPTS = ["What is 7 times 8?", "Name a prime number.", "Write a haiku about rain.",
-           "Explain a KV cache briefly.", "def fib(n):"]
+PROMPTS = [
+    "What is 7 times 8?",
+    "Name a prime number.",
+    "Write a haiku about rain.",
+    "Explain a KV cache briefly.",
+    "def fib(n):",
+]
 
 
 @pytest.fixture(scope="module")
 def llm():
     # float32: greedy equality is exact only there (bf16 is not batch-invariant).
-    return LLM(dtype="float32", max_num_seqs=3, max_model_len=256, kv_cache_tokens=4096,
-               capture=lambda layers: TapCapture(TAPS, layers))
+    return LLM(
+        dtype="float32",
+        max_num_seqs=3,
+        max_model_len=256,
+        kv_cache_tokens=4096,
+        capture=lambda layers: TapCapture(TAPS, layers),
+    )
 
 
 def test_gen_data_matches_plain_greedy_and_full_forward(llm, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"turns": [p]}) for p in PROMPTS))
     # 3 shards of <= 2 prompts on 3 sequence slots: shards overlap in the running batch.
-    cfg = GenDataConfig(prompts=str(prompts), out_dir=str(tmp_path / "out"), max_new_tokens=12,
-                        batch_size=2, holdout_every=0)
+    cfg = GenDataConfig(
+        prompts=str(prompts), out_dir=str(tmp_path / "out"), max_new_tokens=12, batch_size=2, holdout_every=0
+    )
     assert run_gen_data(cfg, llm.engine, llm.tokenizer, TAPS) == 3
     samples = load_samples(tmp_path / "out" / "data")
     assert len(samples) == len(PROMPTS)
     hf = llm.engine.runner.model
     eos = llm.tokenizer.eos_token_id
     for s in samples:
-        ref = hf.generate(torch.tensor([s.prompt_ids]), max_new_tokens=12, do_sample=False,
-                          eos_token_id=eos, pad_token_id=eos)[0, len(s.prompt_ids):].tolist()
-        assert s.response_ids == ref[:len(s.response_ids)] and len(s.response_ids) == len(ref)
+        ref = hf.generate(
+            torch.tensor([s.prompt_ids]),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )[0, len(s.prompt_ids) :].tolist()
+        assert s.response_ids == ref[: len(s.response_ids)] and len(s.response_ids) == len(ref)
     cached = load_cache(tmp_path / "out" / "cache", None, 0)
     assert len(cached) == len(PROMPTS)
     for c in cached:

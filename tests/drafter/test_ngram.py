@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from dspark_serve.drafter.base import DraftRequest
-from dspark_serve.drafter.registry import build_drafter
 from dspark_serve.drafter.ngram import NgramConfig, lookup_continuation
+from dspark_serve.drafter.registry import build_drafter
 from dspark_serve.verifier.sampling_params import SamplingParams
 
 

@@ -1,5 +1,6 @@
 """Online recalibration from verification outcomes: it repairs confidences that are off, stays
 bounded, and never changes what greedy decoding outputs."""
+
 from __future__ import annotations
 
 import math
@@ -9,16 +10,20 @@ import numpy as np
 import pytest
 import torch
 
+from dspark_serve.drafter.online_calibration import (
+    OnlineCalibrationConfig,
+    OnlineCalibrator,
+    expected_calibration_error,
+    fit_platt,
+)
 from dspark_serve.drafter.registry import build_drafter
-from dspark_serve.drafter.online_calibration import (OnlineCalibrationConfig, OnlineCalibrator,
-                                        expected_calibration_error, fit_platt)
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.metrics import EngineMetrics
 from dspark_serve.scheduler.request import Request
+from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
 from tests.scheduler.test_speculative import random_dspark, run
-from dspark_serve.verifier.sampling_params import SamplingParams
 
 
 def overconfident_rounds(n, seed):
@@ -26,7 +31,7 @@ def overconfident_rounds(n, seed):
     rng = random.Random(seed)
     for _ in range(n):
         s = [rng.uniform(0.1, 0.9) for _ in range(3)]
-        raw = [3.0 * math.log(p / (1 - p)) + 2.0 for p in s]   # overconfident on purpose
+        raw = [3.0 * math.log(p / (1 - p)) + 2.0 for p in s]  # overconfident on purpose
         accepted = 0
         while accepted < 3 and rng.random() < s[accepted]:
             accepted += 1
@@ -46,7 +51,7 @@ def test_recalibration_lowers_the_ece_of_an_overconfident_head():
     before = expected_calibration_error(np.array(raw_c), np.array(out), 10)
     after = expected_calibration_error(np.array(fit_c), np.array(out), 10)
     assert before > 0.1 and after < 0.03, (before, after)
-    assert 2.0 < cal.temperatures[0] < 4.5     # the 3x over-scaling was found
+    assert 2.0 < cal.temperatures[0] < 4.5  # the 3x over-scaling was found
     # the live ECE that /metrics reports fell as the fit took over
     assert cal.survival_ece()[0] < before
 
@@ -54,7 +59,7 @@ def test_recalibration_lowers_the_ece_of_an_overconfident_head():
 def test_fit_is_bounded_and_config_validated():
     cfg = OnlineCalibrationConfig()
     z = np.linspace(-3, 3, 200)
-    t, b = fit_platt(z, np.ones_like(z), 1.0, 0.0, cfg)     # all accepted: push to the bounds
+    t, b = fit_platt(z, np.ones_like(z), 1.0, 0.0, cfg)  # all accepted: push to the bounds
     assert cfg.min_temperature <= t <= cfg.max_temperature and abs(b) <= cfg.max_bias
     with pytest.raises(ValueError, match="window"):
         OnlineCalibrationConfig(window=0)
@@ -67,15 +72,24 @@ def test_engine_recalibrates_an_overconfident_drafter_and_greedy_is_unchanged(tm
     path = random_dspark(target, tmp_path)
     dr = build_drafter("dspark", path=str(path), target_model=target)
     with torch.no_grad():
-        dr.model.confidence_head.proj.bias.fill_(4.0)   # claims ~0.98; random drafts fail
+        dr.model.confidence_head.proj.bias.fill_(4.0)  # claims ~0.98; random drafts fail
     dr.calibrator.config = OnlineCalibrationConfig(window=512, refit_every=16, min_samples=32)
     from prometheus_client import CollectorRegistry
+
     reg = CollectorRegistry()
-    engine = Engine(runner_for(target), ByteTokenizer(), SchedulerConfig(verify_policy="static:5"),
-                    max_model_len=512, drafter=dr, metrics=EngineMetrics(reg, "tiny"))
+    engine = Engine(
+        runner_for(target),
+        ByteTokenizer(),
+        SchedulerConfig(verify_policy="static:5"),
+        max_model_len=512,
+        drafter=dr,
+        metrics=EngineMetrics(reg, "tiny"),
+    )
     prompts = [list(range(40 + i, 52 + i)) for i in range(4)]
-    reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0), max_tokens=40, ignore_eos=True)
-            for i, p in enumerate(prompts)]
+    reqs = [
+        Request(f"r{i}", p, SamplingParams(temperature=0.0), max_tokens=40, ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
     run(engine, reqs)
     for r, p in zip(reqs, prompts):
         assert r.output_ids == hf_greedy(target, p, 40)

@@ -1,4 +1,5 @@
 """One drafter registry: names readable without the implementations, every built-in listed."""
+
 import importlib
 import pkgutil
 import subprocess
@@ -34,18 +35,22 @@ def test_importing_every_drafter_module_registers_nothing_unlisted():
 
 def _modules_after(code: str) -> list[str]:
     code += "; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('dspark_serve.drafter.')))"
-    out = subprocess.run([sys.executable, "-c", "import sys; " + code], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys; " + code], capture_output=True, text=True, check=True
+    )
     return eval(out.stdout)
 
 
 def test_reading_the_names_imports_no_implementation_and_no_torch():
     assert _modules_after(
-        "import dspark_serve.drafter.config, dspark_serve.drafter.registry as r; r.drafter_names()") == [
-        "dspark_serve.drafter.config", "dspark_serve.drafter.registry"]
+        "import dspark_serve.drafter.config, dspark_serve.drafter.registry as r; r.drafter_names()"
+    ) == ["dspark_serve.drafter.config", "dspark_serve.drafter.registry"]
     # the interface module does not import its implementations (no cycle through them)
-    assert not {"dspark_serve.drafter.dspark", "dspark_serve.drafter.ngram", "dspark_serve.drafter.combined"} & set(
-        _modules_after("import dspark_serve.drafter.base"))
+    assert not {
+        "dspark_serve.drafter.dspark",
+        "dspark_serve.drafter.ngram",
+        "dspark_serve.drafter.combined",
+    } & set(_modules_after("import dspark_serve.drafter.base"))
 
 
 def _imports_within_drafter() -> dict[str, set[str]]:
@@ -75,7 +80,7 @@ def test_no_import_cycles_in_the_drafter_package():
 
     def visit(m: str, path: list[str]) -> None:
         if state.get(m) == 1:
-            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m) :] + [m]))
         if state.get(m) == 2:
             return
         state[m] = 1

@@ -1,4 +1,5 @@
 """The training pipeline on tiny random models: loss, batches, a train step, export, eval loop."""
+
 from __future__ import annotations
 
 import math
@@ -7,11 +8,23 @@ import pytest
 import torch
 
 from dspark_serve.drafter.dspark_model import Calibration, DSparkConfig, load_dspark
-from dspark_serve.drafter.training.cache import CachedSequence, block_targets, make_batch, sample_anchors, target_states
+from dspark_serve.drafter.training.cache import (
+    CachedSequence,
+    block_targets,
+    make_batch,
+    sample_anchors,
+    target_states,
+)
 from dspark_serve.drafter.training.evaluate import NeuralDrafter, NgramEvalDrafter, speculative_generate
 from dspark_serve.drafter.training.export import export_drafter
 from dspark_serve.drafter.training.loss import LossConfig, dspark_loss, position_weights
-from dspark_serve.drafter.training.train import TrainConfig, build_draft_model, forward_loss, run_train, trainable_state
+from dspark_serve.drafter.training.train import (
+    TrainConfig,
+    build_draft_model,
+    forward_loss,
+    run_train,
+    trainable_state,
+)
 
 NEG_INF = float("-inf")
 
@@ -24,24 +37,24 @@ def test_loss_hand_computed():
     # One block, bs = 2, V = 3.
     # k=1: q = (.5, .25, .25), p = (.25, .5, .25), label 1, confidence logit 0.
     # k=2: q = uniform, p = (.5, .5, 0), label 0, confidence logit log 2 (sigmoid = 2/3).
-    draft = torch.tensor([[[_log([.5, .25, .25]), [0.0, 0.0, 0.0]]]])
-    target = torch.tensor([[[_log([.25, .5, .25]), _log([.5, .5, 0.0])]]])
+    draft = torch.tensor([[[_log([0.5, 0.25, 0.25]), [0.0, 0.0, 0.0]]]])
+    target = torch.tensor([[[_log([0.25, 0.5, 0.25]), _log([0.5, 0.5, 0.0])]]])
     labels = torch.tensor([[[1, 0]]])
     mask = torch.ones(1, 1, 2, dtype=torch.bool)
     conf = torch.tensor([[[0.0, math.log(2.0)]]])
     out = dspark_loss(draft, target, labels, mask, conf, LossConfig())  # gamma = bs = 2
 
     w1, w2 = 1.0, math.exp(-1 / 2)
-    ce = (w1 * -math.log(.25) + w2 * math.log(3)) / (w1 + w2)
-    l1_1 = .25 + .25 + 0
-    l1_2 = (.5 - 1 / 3) * 2 + 1 / 3
+    ce = (w1 * -math.log(0.25) + w2 * math.log(3)) / (w1 + w2)
+    l1_1 = 0.25 + 0.25 + 0
+    l1_2 = (0.5 - 1 / 3) * 2 + 1 / 3
     l1 = (w1 * l1_1 + w2 * l1_2) / (w1 + w2)
     c1, c2 = 1 - l1_1 / 2, 1 - l1_2 / 2  # 0.75, 2/3
 
     def bce(prob, y):
         return -(y * math.log(prob) + (1 - y) * math.log(1 - prob))
 
-    conf_loss = (w1 * bce(.5, c1) + w2 * bce(2 / 3, c2)) / (w1 + w2)
+    conf_loss = (w1 * bce(0.5, c1) + w2 * bce(2 / 3, c2)) / (w1 + w2)
     assert float(out.ce) == pytest.approx(ce, rel=1e-5)
     assert float(out.l1) == pytest.approx(l1, rel=1e-5)
     assert float(out.confidence) == pytest.approx(conf_loss, rel=1e-5)
@@ -95,18 +108,34 @@ def _tiny_target(vocab: int = 96, layers: int = 4):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True, rope_theta=10000.0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+    )
     model = LlamaForCausalLM(cfg).eval()
     model.requires_grad_(False)
     return model
 
 
 def _tiny_drafter_config(target, markov_rank: int = 8) -> DSparkConfig:
-    return DSparkConfig.for_target(target.config, num_draft_layers=1, block_size=4, target_layer_ids=(0, 2),
-                                   mask_token_id=1, markov_rank=markov_rank, enable_confidence_head=True,
-                                   confidence_head_with_markov=markov_rank > 0, num_anchors=6)
+    return DSparkConfig.for_target(
+        target.config,
+        num_draft_layers=1,
+        block_size=4,
+        target_layer_ids=(0, 2),
+        mask_token_id=1,
+        markov_rank=markov_rank,
+        enable_confidence_head=True,
+        confidence_head_with_markov=markov_rank > 0,
+        num_anchors=6,
+    )
 
 
 def _cached_sequences(target, n: int, length: int, prompt: int) -> list[CachedSequence]:
@@ -181,8 +210,11 @@ def test_export_then_load_gives_identical_logits(tmp_path):
 
     keys = set(load_file(str(tmp_path / "ckpt" / "model.safetensors")))
     assert not any(k.startswith(("embed_tokens", "lm_head")) for k in keys)
-    loaded = load_dspark(str(tmp_path / "ckpt"), target_embed=target.get_input_embeddings(),
-                         target_lm_head=target.get_output_embeddings())
+    loaded = load_dspark(
+        str(tmp_path / "ckpt"),
+        target_embed=target.get_input_embeddings(),
+        target_lm_head=target.get_output_embeddings(),
+    )
     seqs = _cached_sequences(target, 2, 16, 4)
     batch = make_batch(seqs, 3, 4, torch.Generator().manual_seed(0))
     model.eval()
@@ -196,10 +228,14 @@ def test_export_then_load_gives_identical_logits(tmp_path):
     assert loaded.calibration.temperatures == (1.5, 2.0, 0.7, 3.0)
     # bf16 export is half the size and still loads.
     export_drafter(model, tmp_path / "bf16", dtype="bfloat16")
-    assert (tmp_path / "bf16" / "model.safetensors").stat().st_size < \
-        0.6 * (tmp_path / "ckpt" / "model.safetensors").stat().st_size
-    load_dspark(str(tmp_path / "bf16"), target_embed=target.get_input_embeddings(),
-                target_lm_head=target.get_output_embeddings())
+    assert (tmp_path / "bf16" / "model.safetensors").stat().st_size < 0.6 * (
+        tmp_path / "ckpt" / "model.safetensors"
+    ).stat().st_size
+    load_dspark(
+        str(tmp_path / "bf16"),
+        target_embed=target.get_input_embeddings(),
+        target_lm_head=target.get_output_embeddings(),
+    )
 
 
 @pytest.mark.parametrize("kind", ["dspark", "ngram"])
@@ -208,8 +244,14 @@ def test_eval_loop_is_lossless_greedy(kind):
     prompt = [5, 9, 5, 9, 5, 9, 7, 3]
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                              pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+        ref = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=20,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )[0, len(prompt) :].tolist()
     if kind == "dspark":
         drafter = NeuralDrafter(build_draft_model(_tiny_drafter_config(target), target, True).eval())
     else:

@@ -1,4 +1,5 @@
 """The install: one `dspark_serve` namespace in site-packages, console scripts that work."""
+
 import subprocess
 import sys
 import sysconfig
@@ -29,7 +30,18 @@ def test_every_package_folder_is_declared_under_the_namespace():
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
         check=True,
         capture_output=True,
         timeout=600,
@@ -68,7 +80,18 @@ def test_console_scripts_work_from_an_install_reusing_the_installed_dependencies
     ).stdout.strip()
     (Path(site) / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
         check=True,
         capture_output=True,
         timeout=600,

@@ -7,6 +7,7 @@ prefixes verifies two drafts after A and none after B, so it keeps A more often 
 target would: the first output token follows (0.85, 0.15). The causal early stop decides
 before looking at anything computed from x1 and keeps the target's (0.7, 0.3).
 """
+
 import pytest
 import torch
 

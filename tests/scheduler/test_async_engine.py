@@ -1,4 +1,5 @@
 """The engine thread's edges: typed inbox messages, readiness signalled by an event."""
+
 import threading
 import time
 from types import SimpleNamespace
@@ -11,17 +12,17 @@ def test_readiness_is_an_event_set_when_the_engine_loads():
 
     def build():
         release.wait(10)
-        raise RuntimeError("no model here")   # the load fails once released
+        raise RuntimeError("no model here")  # the load fails once released
 
     eng = AsyncEngine(build, "m", 64)
     eng.start()
     try:
         t0 = time.monotonic()
-        assert not eng.wait_ready(timeout=0.2)          # still loading: times out
+        assert not eng.wait_ready(timeout=0.2)  # still loading: times out
         assert time.monotonic() - t0 >= 0.2
         release.set()
         t0 = time.monotonic()
-        assert not eng.wait_ready(timeout=30)           # failed: returns at once, not ready
+        assert not eng.wait_ready(timeout=30)  # failed: returns at once, not ready
         assert time.monotonic() - t0 < 5
         assert eng.load_error == "RuntimeError: no model here"
     finally:
@@ -37,7 +38,7 @@ def test_ready_wakes_waiters_without_polling():
         return bundle
 
     eng = AsyncEngine(build, "m", 64)
-    eng._inbox.put(StopEngine())   # the engine loop ends at its first message
+    eng._inbox.put(StopEngine())  # the engine loop ends at its first message
     eng.start()
     woke = []
     waiter = threading.Thread(target=lambda: woke.append(eng.wait_ready(timeout=30)))

@@ -20,8 +20,8 @@ def test_multibyte_characters_are_never_split():
     text = "naïve café — 日本語 🎉 done"
     pieces, stopped = stream(text)
     assert "".join(pieces) == text and not stopped
-    assert all("\ufffd" not in p for p in pieces)      # no half characters ever streamed
-    assert any(p == "🎉" for p in pieces)               # a 4-byte char arrives whole
+    assert all("\ufffd" not in p for p in pieces)  # no half characters ever streamed
+    assert any(p == "🎉" for p in pieces)  # a 4-byte char arrives whole
 
 
 def test_stop_string_cut_exactly_even_across_tokens_and_chars():
@@ -36,7 +36,7 @@ def test_possible_stop_prefix_is_held_back_until_resolved():
     for t in tok.encode("ab ST"):
         d.add(t)
         out += d.flush(final=False)
-    assert out == "ab"                 # "ST" might begin "STOP": held back
+    assert out == "ab"  # "ST" might begin "STOP": held back
     for t in tok.encode("ART"):
         d.add(t)
         out += d.flush(final=False)

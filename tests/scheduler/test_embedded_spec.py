@@ -1,6 +1,7 @@
 """On the embedded SmolLM2-135M-Instruct: greedy speculative output equals plain decoding, for
 the n-gram drafter, the shipped DSpark drafter (with online recalibration on, the default), its
 DFlash ablation and both drafters combined, under every policy."""
+
 import pytest
 
 from dspark_serve.scheduler.llm import LLM
@@ -17,10 +18,15 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("drafter,policies", [("ngram", ["static:5", "dspark"]),
-                                              ("dspark", ["static:7", "dspark", "threshold:0.3"]),
-                                              ("dflash", ["static:7"]),
-                                              ("dspark+ngram", ["static:7", "dspark"])])
+@pytest.mark.parametrize(
+    "drafter,policies",
+    [
+        ("ngram", ["static:5", "dspark"]),
+        ("dspark", ["static:7", "dspark", "threshold:0.3"]),
+        ("dflash", ["static:7"]),
+        ("dspark+ngram", ["static:7", "dspark"]),
+    ],
+)
 def test_greedy_speculation_equals_plain_on_embedded_model(drafter, policies):
     # float32: bit-exact greedy equality is the losslessness proof (bf16 is not batch-invariant)
     llm = LLM(drafter=drafter, max_num_seqs=4, max_model_len=1024, kv_cache_tokens=8192, dtype="float32")
@@ -28,8 +34,12 @@ def test_greedy_speculation_equals_plain_on_embedded_model(drafter, policies):
     # cost table says: a table where a few extra tokens are nearly free.
     llm.engine.speculation.cost_table = CostTable((1, 8, 64), (100.0, 100.0, 40.0))
     tok = llm.tokenizer
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                   return_dict=False) for p in PROMPTS]
+    ids = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False
+        )
+        for p in PROMPTS
+    ]
     ids = [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in ids]
     llm.engine.set_policy("none")
     plain = [o.token_ids for o in llm.generate(ids, SamplingParams(temperature=0), 40)]
@@ -47,17 +57,34 @@ def test_fast_forward_equals_reference_and_generate_on_embedded_model():
 
     outs = {}
     for forward in ("reference", "fast"):
-        llm = LLM(drafter="none", max_num_seqs=4, max_model_len=1024, kv_cache_tokens=4096,
-                  dtype="float32", forward=forward)
+        llm = LLM(
+            drafter="none",
+            max_num_seqs=4,
+            max_model_len=1024,
+            kv_cache_tokens=4096,
+            dtype="float32",
+            forward=forward,
+        )
         tok = llm.tokenizer
-        ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                       return_dict=False) for p in PROMPTS]
+        ids = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False
+            )
+            for p in PROMPTS
+        ]
         ids = [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in ids]
-        outs[forward] = [o.token_ids for o in llm.generate(ids, SamplingParams(temperature=0), 24,
-                                                           ignore_eos=True)]
+        outs[forward] = [
+            o.token_ids for o in llm.generate(ids, SamplingParams(temperature=0), 24, ignore_eos=True)
+        ]
     assert outs["fast"] == outs["reference"]
     model = llm.engine.runner.model
     for p, got in zip(ids, outs["fast"]):
-        ref = model.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                             eos_token_id=None, pad_token_id=None)[0, len(p):].tolist()
+        ref = model.generate(
+            torch.tensor([p]),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=None,
+        )[0, len(p) :].tolist()
         assert got == ref

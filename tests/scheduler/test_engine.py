@@ -1,23 +1,27 @@
 """The engine on tiny random models: continuous batching gives every request exactly the tokens
 transformers' `generate` gives it alone; KV blocks all come back; stops are exact."""
+
 import pytest
 import torch
 
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine, RequestRejected
 from dspark_serve.scheduler.request import Request
-from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
 from dspark_serve.verifier.model_runner import Segment
 from dspark_serve.verifier.sampling_params import SamplingParams
+from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 def make_engine(model, drafter=None, policy="auto", max_num_seqs=8, budget=64, num_blocks=256):
-    return Engine(runner_for(model, num_blocks=num_blocks), ByteTokenizer(),
-                  SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                  verify_policy=policy),
-                  max_model_len=512, drafter=drafter)
+    return Engine(
+        runner_for(model, num_blocks=num_blocks),
+        ByteTokenizer(),
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, verify_policy=policy),
+        max_model_len=512,
+        drafter=drafter,
+    )
 
 
 def run_all(engine, arrivals: dict[int, list[Request]], cancel: dict[int, str] | None = None):
@@ -39,8 +43,9 @@ def test_mixed_batch_matches_generate(kind):
     engine = make_engine(model, budget=48)  # small budget: prompts prefill in chunks
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 37, 90, 12, 61)]
-    reqs = [Request(f"r{i}", p, GREEDY, max_tokens=12 + 3 * i, ignore_eos=True)
-            for i, p in enumerate(prompts)]
+    reqs = [
+        Request(f"r{i}", p, GREEDY, max_tokens=12 + 3 * i, ignore_eos=True) for i, p in enumerate(prompts)
+    ]
     doomed = Request("cancel-me", prompts[2], GREEDY, max_tokens=50, ignore_eos=True)
     arrivals = {0: reqs[:2] + [doomed], 3: reqs[2:4], 7: reqs[4:]}
     run_all(engine, arrivals, cancel={5: "cancel-me"})
@@ -59,8 +64,8 @@ def test_rollback_then_reforward_reproduces_logits():
     runner.blocks.append("a", 30)
     first = runner.forward([Segment("a", ids, 0, 0)]).logits.clone()
     runner.blocks.append("a", 5)
-    runner.forward([Segment("a", [1, 2, 3, 4, 5], 30, 0)])     # rejected drafts ...
-    runner.blocks.truncate("a", 20)                              # ... rolled back further
+    runner.forward([Segment("a", [1, 2, 3, 4, 5], 30, 0)])  # rejected drafts ...
+    runner.blocks.truncate("a", 20)  # ... rolled back further
     runner.blocks.append("a", 10)
     again = runner.forward([Segment("a", ids[20:], 20, 0)]).logits
     torch.testing.assert_close(again, first[20:], rtol=1e-5, atol=1e-5)
@@ -75,7 +80,7 @@ def test_stop_string_is_cut_exactly_and_usage_counts_returned_tokens():
     text = ByteTokenizer().decode(ref)
     # pick a stop string from the middle of the greedy text, spanning two tokens
     cut = next(i for i in range(5, len(ref) - 2) if ref[i] < 128 and ref[i + 1] < 128)
-    stop = ByteTokenizer().decode(ref[cut:cut + 2])
+    stop = ByteTokenizer().decode(ref[cut : cut + 2])
     engine = make_engine(model)
     r = Request("s", prompt, GREEDY, max_tokens=40, stop=(stop,), ignore_eos=True)
     engine.add_request(r)
@@ -84,14 +89,14 @@ def test_stop_string_is_cut_exactly_and_usage_counts_returned_tokens():
         pieces += [o.text for o in engine.step()]
     out = "".join(pieces)
     assert r.finish_reason == "stop"
-    assert out == text[:text.find(stop)]
+    assert out == text[: text.find(stop)]
     assert stop not in out
-    assert len(r.output_ids) == cut + 2   # through the token completing the stop, nothing after
+    assert len(r.output_ids) == cut + 2  # through the token completing the stop, nothing after
 
 
 def test_eos_stops_and_is_not_returned():
     model = tiny_model("llama")
-    with torch.no_grad():                 # make EOS (256) the argmax after any token
+    with torch.no_grad():  # make EOS (256) the argmax after any token
         model.lm_head.weight[256] = model.lm_head.weight[:256].mean(0) * 0 + 5.0
         model.model.norm.weight.fill_(1.0)
     prompt = list(b"abc")
@@ -108,8 +113,9 @@ def test_eos_stops_and_is_not_returned():
 
 def test_too_long_and_full_queue_are_rejected():
     model = tiny_model("llama")
-    engine = Engine(runner_for(model), ByteTokenizer(),
-                    SchedulerConfig(max_num_seqs=1, max_waiting=1), max_model_len=64)
+    engine = Engine(
+        runner_for(model), ByteTokenizer(), SchedulerConfig(max_num_seqs=1, max_waiting=1), max_model_len=64
+    )
     with pytest.raises(RequestRejected) as e:
         engine.add_request(Request("x", [1] * 60, GREEDY, max_tokens=10))
     assert "64" in str(e.value) and "70" in str(e.value) and e.value.status == 400
@@ -125,9 +131,12 @@ def test_admission_does_not_reserve_the_worst_case_and_preemption_keeps_outputs(
     # 16 blocks x 4 tokens = 64 slots; each request grows to 40 tokens: all three are admitted
     # (their prompts fit), and the pool running out preempts the newest, which later resumes
     # by recomputing its prompt and output
-    engine = Engine(runner_for(model, num_blocks=16), ByteTokenizer(),
-                    SchedulerConfig(max_num_batched_tokens=64, enable_prefix_caching=caching),
-                    max_model_len=512)
+    engine = Engine(
+        runner_for(model, num_blocks=16),
+        ByteTokenizer(),
+        SchedulerConfig(max_num_batched_tokens=64, enable_prefix_caching=caching),
+        max_model_len=512,
+    )
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (20,), generator=g).tolist() for _ in range(3)]
     reqs = [Request(f"r{i}", p, GREEDY, max_tokens=20, ignore_eos=True) for i, p in enumerate(prompts)]
@@ -153,8 +162,11 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
         r = Request("s", list(b"seed"), sp, max_tokens=15, ignore_eos=True)
         engine.add_request(r)
         for i in range(extra):
-            engine.add_request(Request(f"o{i}", list(b"other"), SamplingParams(temperature=1.0),
-                                       max_tokens=15, ignore_eos=True))
+            engine.add_request(
+                Request(
+                    f"o{i}", list(b"other"), SamplingParams(temperature=1.0), max_tokens=15, ignore_eos=True
+                )
+            )
         while engine.has_work():
             engine.step()
         return r.output_ids

@@ -1,6 +1,7 @@
 """No request can hurt another inside the engine: everything a request brings is checked when it
 is added; a request found bad before a step changes any state is failed alone; a step that fails
 later fails only its batch, cleanly (KV freed), and everyone else's output is unchanged."""
+
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -10,17 +11,23 @@ from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine, RequestRejected
 from dspark_serve.scheduler.metrics import EngineMetrics
 from dspark_serve.scheduler.request import Request
-from tests.helpers import ByteTokenizer, runner_for, tiny_model
 from dspark_serve.verifier.sampling_params import SamplingParams
+from tests.helpers import ByteTokenizer, runner_for, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 def make_engine(model=None, metrics=None, drafter=None):
-    return Engine(runner_for(model or tiny_model("llama"), num_blocks=256), ByteTokenizer(),
-                  SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
-                                  verify_policy="static:3" if drafter else "none"),
-                  max_model_len=512, drafter=drafter, metrics=metrics)
+    return Engine(
+        runner_for(model or tiny_model("llama"), num_blocks=256),
+        ByteTokenizer(),
+        SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=64, verify_policy="static:3" if drafter else "none"
+        ),
+        max_model_len=512,
+        drafter=drafter,
+        metrics=metrics,
+    )
 
 
 def prompts():
@@ -54,8 +61,10 @@ def assert_all_blocks_free(engine):
     assert not engine.running and not engine.waiting and not engine.requests
 
 
-@pytest.mark.parametrize("bad,param", [([-1], "prompt"), ([257], "prompt"), ([1, 10**12], "prompt"),
-                                       ([1, 2.0], "prompt"), ([True], "prompt")])
+@pytest.mark.parametrize(
+    "bad,param",
+    [([-1], "prompt"), ([257], "prompt"), ([1, 10**12], "prompt"), ([1, 2.0], "prompt"), ([True], "prompt")],
+)
 def test_add_request_rejects_out_of_range_or_odd_token_ids(bad, param):
     engine = make_engine()
     with pytest.raises(RequestRejected) as e:
@@ -80,13 +89,16 @@ def test_add_request_rejects_duplicates_and_bad_lengths():
 def test_a_request_gone_bad_fails_alone(speculate):
     ps = prompts()
     model = tiny_model("llama")
-    alone = run(make_engine(model, drafter=NgramDrafter(NgramConfig(block_size=3)) if speculate else None), fresh(ps))
+    alone = run(
+        make_engine(model, drafter=NgramDrafter(NgramConfig(block_size=3)) if speculate else None), fresh(ps)
+    )
     engine = make_engine(model, drafter=NgramDrafter(NgramConfig(block_size=3)) if speculate else None)
     evil = Request("evil", [5] * 30, GREEDY, 16, ignore_eos=True)
 
     def tamper(step):  # corrupt a queued prompt after admission checks: caught before the step
         if step == 0:
             evil.prompt_ids[-1] = 10**9
+
     outs = run(engine, fresh(ps) + [evil], tamper)
     assert outs["evil"][-1].error and outs["evil"][-1].finish_reason == "error"
     for rid, o in alone.items():
@@ -113,7 +125,7 @@ def test_a_failing_step_fails_its_batch_cleanly_and_the_engine_goes_on():
     outs = run(engine, fresh(ps[1:]))
     assert all(o[-1].finish_reason == "error" and o[-1].error for o in outs.values())
     assert_all_blocks_free(engine)
-    after = run(engine, fresh(ps[:1]))      # the engine still serves, with identical output
+    after = run(engine, fresh(ps[:1]))  # the engine still serves, with identical output
     assert [t for x in after["r0"] for t in x.token_ids] == [t for x in alone["r0"] for t in x.token_ids]
     assert_all_blocks_free(engine)
 
@@ -130,6 +142,6 @@ def test_metrics_drop_aborted_requests_and_export_spec_counters_from_the_start()
     engine.step()
     assert reg.get_sample_value("dspark:num_requests_running", labels) == 1.0
     assert reg.get_sample_value("dspark:kv_cache_usage_perc", labels) > 0
-    engine.abort("a")                       # the last request: no step follows
+    engine.abort("a")  # the last request: no step follows
     assert reg.get_sample_value("dspark:num_requests_running", labels) == 0.0
     assert reg.get_sample_value("dspark:kv_cache_usage_perc", labels) == 0.0

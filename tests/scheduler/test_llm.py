@@ -1,4 +1,5 @@
 """The offline LLM takes the component configs' fields as keyword arguments."""
+
 import dataclasses
 
 import pytest
@@ -18,8 +19,9 @@ def test_every_config_field_is_a_keyword_and_lands_in_its_config():
         for f in dataclasses.fields(cls):
             value = getattr(cfg, f.name)
             # a value different from the default, valid for the field, must reach the config
-            new = {bool: lambda v: not v, int: lambda v: v * 2 if v else 4,
-                   float: lambda v: v / 2}.get(type(value))
+            new = {bool: lambda v: not v, int: lambda v: v * 2 if v else 4, float: lambda v: v / 2}.get(
+                type(value)
+            )
             if new is None:
                 continue
             out = offline_configs(**{f.name: new(value)})

@@ -1,4 +1,5 @@
 """The vLLM-named aliases mirror the dspark: metrics (same values, one storage)."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,10 +8,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dspark_serve.scheduler.metrics import AliasCollector, EngineMetrics, EngineSnapshot
 
-VLLM = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-        "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos",
-        "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")
+VLLM = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:num_preemptions",
+)
 
 
 def samples(registry) -> dict[tuple, float]:
@@ -41,13 +50,16 @@ def test_vllm_aliases_mirror_dspark_metrics():
     assert got[("vllm:spec_decode_num_drafts_total", lab)] == 2
     assert got[("vllm:spec_decode_num_draft_tokens_total", lab)] == 7
     assert got[("vllm:spec_decode_num_accepted_tokens_total", lab)] == 5
-    per_pos = {dict(k[1])["position"]: v for k, v in got.items()
-               if k[0] == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    per_pos = {
+        dict(k[1])["position"]: v
+        for k, v in got.items()
+        if k[0] == "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    }
     assert per_pos == {"0": 2, "1": 2, "2": 1}
     # every alias sample equals its dspark: sample (created timestamps included)
     for (name, labels), v in got.items():
         if name.startswith("vllm:"):
-            assert got[("dspark:" + name[len("vllm:"):], labels)] == v, name
+            assert got[("dspark:" + name[len("vllm:") :], labels)] == v, name
     # one storage: a later update shows under both names
     m.record_step(fake_engine(1, 0, 0.5))
     got = samples(reg)
@@ -60,6 +72,7 @@ def test_vllm_aliases_mirror_dspark_metrics():
 
 def test_prefix_cache_and_preemption_metrics_follow_the_cumulative_snapshot():
     from dspark_serve.verifier.block_manager import PrefixCacheStats
+
     reg = CollectorRegistry()
     m = EngineMetrics(reg, "tiny")
     lab = (("model_name", "tiny"),)
@@ -93,18 +106,21 @@ def test_alias_rejects_its_own_name_and_duplicates():
 def test_null_metrics_is_the_disabled_sink_and_the_engine_uses_it():
     import inspect
 
-    from dspark_serve.scheduler.engine import Engine
     from dspark_serve.scheduler.config import SchedulerConfig
+    from dspark_serve.scheduler.engine import Engine
     from dspark_serve.scheduler.metrics_sink import EngineMetricsSink, NullMetrics
     from tests.helpers import ByteTokenizer, runner_for, tiny_model
 
-    report = {n for n, _ in inspect.getmembers(EngineMetricsSink, inspect.isfunction)
-              if n.startswith("record_")}
+    report = {
+        n for n, _ in inspect.getmembers(EngineMetricsSink, inspect.isfunction) if n.startswith("record_")
+    }
     assert "record_step" in report and "record_realized" in report
-    for sink in (NullMetrics, EngineMetrics):   # both implement every report, same signature
+    for sink in (NullMetrics, EngineMetrics):  # both implement every report, same signature
         for n in report:
-            assert (inspect.signature(getattr(sink, n)).parameters.keys()
-                    == inspect.signature(getattr(EngineMetricsSink, n)).parameters.keys()), (sink, n)
+            assert (
+                inspect.signature(getattr(sink, n)).parameters.keys()
+                == inspect.signature(getattr(EngineMetricsSink, n)).parameters.keys()
+            ), (sink, n)
     engine = Engine(runner_for(tiny_model("llama")), ByteTokenizer(), SchedulerConfig(), max_model_len=64)
     assert isinstance(engine.metrics, NullMetrics)
 
@@ -113,8 +129,11 @@ def test_engine_snapshot_feeds_the_gauges_and_the_calibration_export():
     class Cal:
         temperatures, biases = [1.5], [0.25]
 
-        def survival_ece(self): return [0.125]
-        def samples(self, k): return 9
+        def survival_ece(self):
+            return [0.125]
+
+        def samples(self, k):
+            return 9
 
     reg = CollectorRegistry()
     m = EngineMetrics(reg, "tiny")

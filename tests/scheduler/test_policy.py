@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 import math
 import random
@@ -205,9 +206,7 @@ def test_dspark_finds_the_optimum_when_throughput_is_unimodal(alpha, beta):
         conf = [[rng.uniform(0.3, 1.0) for _ in range(gamma)] for _ in range(r)]
         inp = PolicyInput(conf, [gamma] * r)
         curves = inp.survival_curves()
-        best = max(
-            theta(curves, list(ls), table) for ls in itertools.product(range(gamma + 1), repeat=r)
-        )
+        best = max(theta(curves, list(ls), table) for ls in itertools.product(range(gamma + 1), repeat=r))
         got = DSparkPolicy()(inp, table, load(r))
         assert math.isclose(theta(curves, got.lengths, table), best, rel_tol=1e-9)
 
@@ -218,7 +217,7 @@ def test_policy_objects_are_frozen_and_validated():
     with pytest.raises(ValueError, match="nan"):
         ThresholdPolicy(threshold=float("nan"))
     p = DSparkPolicy()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         p.early_stop = False  # type: ignore[misc]
 
 
@@ -232,8 +231,8 @@ FLAT_BLOCK = (1, 2, 4, 8, 16, 32), (35.0, 34.0, 32.0, 26.0, 18.0, 10.0)
 
 def test_cost_table_prices_extra_tokens_inside_requests():
     t = CostTable(*STEEP_DECODE, *FLAT_BLOCK)
-    assert t.sps(8) == 16.0                      # without the request count: decode-shaped
-    assert t.sps(8, requests=8) == 16.0          # 8 requests x 1 token
+    assert t.sps(8) == 16.0  # without the request count: decode-shaped
+    assert t.sps(8, requests=8) == 16.0  # 8 requests x 1 token
     # 1 request x 8 tokens: the decode of one request plus 7 extra tokens priced in-request
     assert math.isclose(t.sps(8, requests=1), 1.0 / (1 / 35.0 + (1 / 26.0 - 1 / 35.0)))
     assert math.isclose(t.sps(8, requests=1), 26.0)

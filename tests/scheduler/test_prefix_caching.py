@@ -3,6 +3,7 @@ with every drafter and the dspark policy, for requests that share a prefix, dive
 block, arrive while the first is still prefilling, or resend a whole conversation; the
 drafter's first proposal after a cache hit equals the one without the cache; every block comes
 back; a preempted request's output is unchanged."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,9 +14,9 @@ from dspark_serve.drafter.registry import build_drafter
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request, Status
-from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
-from tests.scheduler.test_speculative import random_dspark
 from dspark_serve.verifier.sampling_params import SamplingParams
+from tests.helpers import ByteTokenizer, runner_for, tiny_model
+from tests.scheduler.test_speculative import random_dspark
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -26,10 +27,14 @@ def make(model, name, path, caching, policy="dspark", num_blocks=256, budget=24)
         dr = build_drafter("ngram", block_size=4)
     elif name != "none":
         dr = build_drafter(name, path=str(path), target_model=model)
-    cfg = SchedulerConfig(verify_policy=policy if dr is not None else "auto",
-                          max_num_batched_tokens=budget, enable_prefix_caching=caching)
-    return Engine(runner_for(model, num_blocks=num_blocks), ByteTokenizer(), cfg,
-                  max_model_len=512, drafter=dr)
+    cfg = SchedulerConfig(
+        verify_policy=policy if dr is not None else "auto",
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+    )
+    return Engine(
+        runner_for(model, num_blocks=num_blocks), ByteTokenizer(), cfg, max_model_len=512, drafter=dr
+    )
 
 
 def scenario(engine) -> dict[str, list[int]]:
@@ -37,14 +42,16 @@ def scenario(engine) -> dict[str, list[int]]:
     its first blocks; C diverges from A inside a block; D repeats A's prompt exactly; E comes
     after A finished and resends A's prompt, A's answer and a new turn."""
     g = torch.Generator().manual_seed(7)
-    rnd = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    rnd = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()
     system = rnd(30)
     a = system + rnd(9)
     reqs = {"A": Request("A", a, GREEDY, max_tokens=14, ignore_eos=True)}
     later = {
         1: [Request("B", system[:16] + rnd(7), GREEDY, max_tokens=12, ignore_eos=True)],
-        4: [Request("C", a[:22] + rnd(5), GREEDY, max_tokens=12, ignore_eos=True),
-            Request("D", list(a), GREEDY, max_tokens=10, ignore_eos=True)],
+        4: [
+            Request("C", a[:22] + rnd(5), GREEDY, max_tokens=12, ignore_eos=True),
+            Request("D", list(a), GREEDY, max_tokens=10, ignore_eos=True),
+        ],
     }
     engine.add_request(reqs["A"])
     step = 0
@@ -66,15 +73,22 @@ def scenario(engine) -> dict[str, list[int]]:
 
 def all_free(engine) -> bool:
     b = engine.runner.blocks
-    return (b.num_free_blocks == b.num_blocks and not engine.running and not engine.waiting
-            and all(b.refcount(i) == 0 for i in range(b.num_blocks)))
+    return (
+        b.num_free_blocks == b.num_blocks
+        and not engine.running
+        and not engine.waiting
+        and all(b.refcount(i) == 0 for i in range(b.num_blocks))
+    )
 
 
 @pytest.mark.parametrize("name", ["none", "ngram", "dspark", "dflash", "dspark+ngram"])
 def test_greedy_outputs_identical_with_and_without_caching(tmp_path, name):
     model = tiny_model("qwen3")
-    path = random_dspark(model, tmp_path, markov_rank=0 if name == "dflash" else 8) \
-        if "dspark" in name or name == "dflash" else None
+    path = (
+        random_dspark(model, tmp_path, markov_rank=0 if name == "dflash" else 8)
+        if "dspark" in name or name == "dflash"
+        else None
+    )
     outs = {}
     for caching in (False, True):
         eng = make(model, name, path, caching)
@@ -92,8 +106,9 @@ def test_greedy_outputs_identical_with_and_without_caching(tmp_path, name):
 
 
 def _draft_view(engine, r: Request) -> DraftRequest:
-    return DraftRequest(r.request_id, r.token_ids, len(r.prompt_ids), r.sampling, r.generator,
-                        engine.drafter.block_size)
+    return DraftRequest(
+        r.request_id, r.token_ids, len(r.prompt_ids), r.sampling, r.generator, engine.drafter.block_size
+    )
 
 
 @pytest.mark.parametrize("name", ["dspark", "dflash"])
@@ -140,8 +155,16 @@ def test_eviction_under_pressure_keeps_outputs_and_never_takes_blocks_in_use(tmp
         eng = make(model, "dspark", path, caching, num_blocks=num_blocks, budget=32)
         g = torch.Generator().manual_seed(5)
         system = torch.randint(0, 256, (17,), generator=g).tolist()
-        reqs = [Request(f"r{i}", system + torch.randint(0, 256, (3 + i,), generator=g).tolist(),
-                        GREEDY, max_tokens=24, ignore_eos=True) for i in range(6)]
+        reqs = [
+            Request(
+                f"r{i}",
+                system + torch.randint(0, 256, (3 + i,), generator=g).tolist(),
+                GREEDY,
+                max_tokens=24,
+                ignore_eos=True,
+            )
+            for i in range(6)
+        ]
         blocks = eng.runner.blocks
         orig_take = blocks._take
 
@@ -179,9 +202,16 @@ def test_seeded_sampling_output_is_unchanged_by_preemption(name):
     for num_blocks in (256, 20):
         eng = make(model, name, None, True, policy="static:3", num_blocks=num_blocks, budget=64)
         g = torch.Generator().manual_seed(2)
-        reqs = [Request(f"s{i}", torch.randint(0, 256, (18,), generator=g).tolist(),
-                        SamplingParams(temperature=1.0, seed=40 + i), max_tokens=22, ignore_eos=True)
-                for i in range(4)]
+        reqs = [
+            Request(
+                f"s{i}",
+                torch.randint(0, 256, (18,), generator=g).tolist(),
+                SamplingParams(temperature=1.0, seed=40 + i),
+                max_tokens=22,
+                ignore_eos=True,
+            )
+            for i in range(4)
+        ]
         for r in reqs:
             eng.add_request(r)
         while eng.has_work():
@@ -195,7 +225,8 @@ def test_seeded_sampling_output_is_unchanged_by_preemption(name):
 
 def test_prefix_caching_flag_and_config_validation():
     from dspark_serve.server.cli import resolve
-    assert resolve([])[2].enable_prefix_caching is True           # on by default
+
+    assert resolve([])[2].enable_prefix_caching is True  # on by default
     assert resolve(["--no-enable-prefix-caching"])[2].enable_prefix_caching is False
     with pytest.raises(ValueError, match="'yes'"):
         SchedulerConfig(enable_prefix_caching="yes")
@@ -216,18 +247,20 @@ def test_aborts_of_requests_sharing_blocks_return_every_reference(tmp_path):
     eng.add_request(first)
     while first.status is not Status.DECODE:
         eng.step()
-    others = [Request(f"o{i}", system + [3 + i] * (6 + 5 * i), GREEDY, max_tokens=30, ignore_eos=True)
-              for i in range(3)]
+    others = [
+        Request(f"o{i}", system + [3 + i] * (6 + 5 * i), GREEDY, max_tokens=30, ignore_eos=True)
+        for i in range(3)
+    ]
     for r in others:
         eng.add_request(r)
     eng.step()
     blocks = eng.runner.blocks
     shared = blocks.table("first").blocks[:6]
-    assert all(blocks.refcount(b) >= 2 for b in shared)     # the others hold them too
-    eng.abort("o2")                                          # still prefilling
+    assert all(blocks.refcount(b) >= 2 for b in shared)  # the others hold them too
+    eng.abort("o2")  # still prefilling
     eng.step()
     eng.step()
-    eng.abort("first")                                       # decoding; its blocks stay shared
+    eng.abort("first")  # decoding; its blocks stay shared
     assert all(blocks.refcount(b) >= 1 for b in shared)
     eng.abort("o0")
     while eng.has_work():

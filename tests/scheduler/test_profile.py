@@ -1,5 +1,6 @@
 """The SPS cost profile: measured on any device, cached per model/device/dtype, reused, redone
 on demand, and fed to the load-aware policy."""
+
 import json
 
 import torch
@@ -9,8 +10,8 @@ from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.policy import CostTable
 from dspark_serve.scheduler.request import Request
-from tests.helpers import ByteTokenizer, runner_for, tiny_model
 from dspark_serve.verifier.sampling_params import SamplingParams
+from tests.helpers import ByteTokenizer, runner_for, tiny_model
 
 
 def test_profile_is_measured_cached_and_reprofiled(tmp_path, monkeypatch):
@@ -28,9 +29,9 @@ def test_profile_is_measured_cached_and_reprofiled(tmp_path, monkeypatch):
     assert isinstance(table, CostTable) and source.startswith("measured") and len(calls) == 1
     assert table.batch_sizes == (1, 4, 16, 64)
     sps = table.steps_per_second
-    assert all(b <= a for a, b in zip(sps, sps[1:]))          # never faster at a bigger batch
+    assert all(b <= a for a, b in zip(sps, sps[1:]))  # never faster at a bigger batch
     assert set(raw["by_context"]) == {"16", "64"}
-    assert runner.blocks.num_free_blocks == runner.blocks.num_blocks   # profiling frees its KV
+    assert runner.blocks.num_free_blocks == runner.blocks.num_blocks  # profiling frees its KV
     cached = list((tmp_path / "cost-tables").glob("tiny-cpu-*.json"))
     assert len(cached) == 1 and json.loads(cached[0].read_text())["profile"]["steps_per_second"] == list(sps)
     table2, _, source2 = profile.load_or_profile(runner, "tiny", tmp_path)
@@ -48,24 +49,45 @@ class ConstantConfidenceDrafter:
 
     def propose(self, requests):
         import torch
-        from dspark_serve.drafter.base import DraftProposal
-        return [DraftProposal(torch.zeros(min(6, r.max_draft), dtype=torch.long), None,
-                              torch.full((min(6, r.max_draft),), 0.9)) for r in requests]
 
-    def observe(self, contexts): pass
-    def observe_acceptance(self, *a): pass
-    def free(self, rid): pass
+        from dspark_serve.drafter.base import DraftProposal
+
+        return [
+            DraftProposal(
+                torch.zeros(min(6, r.max_draft), dtype=torch.long),
+                None,
+                torch.full((min(6, r.max_draft),), 0.9),
+            )
+            for r in requests
+        ]
+
+    def observe(self, contexts):
+        pass
+
+    def observe_acceptance(self, *a):
+        pass
+
+    def free(self, rid):
+        pass
 
 
 def mean_budget(concurrency: int) -> float:
     # A compute-bound cost curve: a step costs ~ B tokens beyond 8.
     table = CostTable((1, 8, 16, 32, 64, 128), (100.0, 100.0, 50.0, 25.0, 12.5, 6.25))
-    engine = Engine(runner_for(tiny_model("llama"), num_blocks=2048), ByteTokenizer(),
-                    SchedulerConfig(verify_policy="dspark", max_num_seqs=64, max_num_batched_tokens=1024,
-                                    draft_gate=False),
-                    max_model_len=256, drafter=ConstantConfidenceDrafter(), cost_table=table)
-    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0), 12, ignore_eos=True)
-            for i in range(concurrency)]
+    engine = Engine(
+        runner_for(tiny_model("llama"), num_blocks=2048),
+        ByteTokenizer(),
+        SchedulerConfig(
+            verify_policy="dspark", max_num_seqs=64, max_num_batched_tokens=1024, draft_gate=False
+        ),
+        max_model_len=256,
+        drafter=ConstantConfidenceDrafter(),
+        cost_table=table,
+    )
+    reqs = [
+        Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0), 12, ignore_eos=True)
+        for i in range(concurrency)
+    ]
     for r in reqs:
         engine.add_request(r)
     while engine.has_work():
@@ -91,15 +113,18 @@ class PessimisticOnlineDrafter(ConstantConfidenceDrafter):
 
 
 def test_online_confidence_drafters_still_explore():
-    engine = Engine(runner_for(tiny_model("llama")), ByteTokenizer(),
-                    SchedulerConfig(verify_policy="dspark", explore_every=4, draft_gate=False),
-                    max_model_len=256,
-                    drafter=PessimisticOnlineDrafter())
+    engine = Engine(
+        runner_for(tiny_model("llama")),
+        ByteTokenizer(),
+        SchedulerConfig(verify_policy="dspark", explore_every=4, draft_gate=False),
+        max_model_len=256,
+        drafter=PessimisticOnlineDrafter(),
+    )
     r = Request("x", [1, 2, 3], SamplingParams(temperature=0), 30, ignore_eos=True)
     engine.add_request(r)
     while engine.has_work():
         engine.step()
-    assert r.spec.rounds >= 5 and r.spec.drafted == r.spec.rounds   # length 1 every 4th step
+    assert r.spec.rounds >= 5 and r.spec.drafted == r.spec.rounds  # length 1 every 4th step
 
 
 def _quick_measure(monkeypatch):
@@ -121,16 +146,16 @@ def test_truncated_or_edited_cache_is_detected_and_rebuilt(tmp_path, monkeypatch
     table, _, _ = profile.load_or_profile(runner, "tiny", tmp_path)
     (path,) = (tmp_path / "cost-tables").glob("tiny-*.json")
     text = path.read_text()
-    path.write_text(text[: len(text) // 2])                  # a kill mid-write, say
+    path.write_text(text[: len(text) // 2])  # a kill mid-write, say
     _, _, source = profile.load_or_profile(runner, "tiny", tmp_path)
     assert source.startswith("measured") and len(calls) == 2
-    assert profile.read_cached(path) is not None              # rebuilt, whole again
+    assert profile.read_cached(path) is not None  # rebuilt, whole again
     doc = json.loads(path.read_text())
-    doc["profile"]["steps_per_second"][0] *= 10              # a tampered table is not trusted
+    doc["profile"]["steps_per_second"][0] *= 10  # a tampered table is not trusted
     path.write_text(json.dumps(doc))
     _, _, source = profile.load_or_profile(runner, "tiny", tmp_path)
     assert source.startswith("measured") and len(calls) == 3
-    assert not list((tmp_path / "cost-tables").glob(".*.tmp"))   # no temporary files left
+    assert not list((tmp_path / "cost-tables").glob(".*.tmp"))  # no temporary files left
 
 
 def test_second_start_from_a_cached_copy_uses_the_cached_table(tmp_path, monkeypatch):
@@ -151,6 +176,6 @@ def test_second_start_from_a_cached_copy_uses_the_cached_table(tmp_path, monkeyp
 
     _save_plain(first, Tok(), tmp_path / "copy")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "copy", dtype=torch.float32).eval()
-    assert again.config.to_dict() != first.config.to_dict()    # the configs do differ
+    assert again.config.to_dict() != first.config.to_dict()  # the configs do differ
     _, _, source = profile.load_or_profile(runner_for(again, num_blocks=512, block_size=16), "tiny", tmp_path)
     assert source.startswith("cached") and len(calls) == 1

@@ -1,15 +1,16 @@
 """Per-token provenance from the engine: accepted drafts with their position, the target's
 correction at a rejection, the bonus token after a fully accepted block, plain tokens."""
+
 from __future__ import annotations
 
 import pytest
 
+from bench.replay import ReplayDrafter
 from dspark_serve.scheduler.client import TokenRecord, round_provenance
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
-from bench.replay import ReplayDrafter
 from tests.scheduler.test_speculative import GREEDY
 
 
@@ -31,10 +32,23 @@ def generate(noise: float, drafter=True):
     prompts = {f"r{i}": list(range(40 + i, 40 + i + n)) for i, n in enumerate((5, 17))}
     refs = {k: hf_greedy(model, p, 30) for k, p in prompts.items()}
     # the true greedy continuation, each position corrupted with probability `noise`
-    dr = ReplayDrafter({tuple(p): refs[k] for k, p in prompts.items()}, vocab_size=257,
-                       block_size=4, accept_rate=1.0 - noise) if drafter else None
-    engine = Engine(runner_for(model), ByteTokenizer(), SchedulerConfig(verify_policy="static:4"),
-                    max_model_len=512, drafter=dr)
+    dr = (
+        ReplayDrafter(
+            {tuple(p): refs[k] for k, p in prompts.items()},
+            vocab_size=257,
+            block_size=4,
+            accept_rate=1.0 - noise,
+        )
+        if drafter
+        else None
+    )
+    engine = Engine(
+        runner_for(model),
+        ByteTokenizer(),
+        SchedulerConfig(verify_policy="static:4"),
+        max_model_len=512,
+        drafter=dr,
+    )
     reqs = [Request(k, p, GREEDY, max_tokens=24, ignore_eos=True) for k, p in prompts.items()]
     for r in reqs:
         engine.add_request(r)

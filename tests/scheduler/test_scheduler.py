@@ -1,5 +1,6 @@
 """Admission and batching alone: KV taken as tokens arrive (no worst-case reservation),
 preemption of the newest request, prefix-cache hits, max_num_seqs, the prefill budget."""
+
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.request import Request, Status
 from dspark_serve.scheduler.scheduler import Scheduler
@@ -50,18 +51,18 @@ def test_running_out_of_kv_preempts_the_newest_request_which_resumes_by_recomput
     a, b = req("a", 8, 20), req("b", 8, 20)
     s.add(a)
     s.add(b)
-    run_batch(s, s.schedule())            # 2 + 2 blocks; both now decode
-    for _ in range(4):                    # positions 8..11 go into a third block each: 6 used
+    run_batch(s, s.schedule())  # 2 + 2 blocks; both now decode
+    for _ in range(4):  # positions 8..11 go into a third block each: 6 used
         run_batch(s, s.schedule())
     assert s.blocks.num_free_blocks == 0 and len(a.output_ids) == 5
-    batch = s.schedule()                  # a needs a block: b, the newest, gives its 3 back
+    batch = s.schedule()  # a needs a block: b, the newest, gives its 3 back
     assert batch.preempted == [b] and batch.decodes == [a] and not batch.prefills
     assert b.status is Status.WAITING and b.num_computed == 0 and b.num_preemptions == 1
     assert list(s.waiting) == [b] and not s.blocks.has("b") and s.num_preemptions == 1
     run_batch(s, batch)
     s.remove(a)
     s.blocks.free("a")
-    batch = s.schedule()                  # b resumes: prompt + output but its last token
+    batch = s.schedule()  # b resumes: prompt + output but its last token
     assert batch.prefills == [(b, 8 + 5 - 1)] and b.prefill_ids == b.token_ids[:-1]
 
 
@@ -102,7 +103,7 @@ def test_prefill_chunks_share_the_budget_left_by_decodes_and_their_drafts():
     assert batch.decodes == [d1, d2]
     # 20 - 2 decodes x (1 anchor + 2 reserved drafts) = 14 prefill tokens, first come first
     assert [(r.request_id, n) for r, n in batch.prefills] == [("p1", 14)] and batch.prefill_tokens == 14
-    p1.num_computed = 26   # 4 left: the rest of the budget goes to the next prompt
+    p1.num_computed = 26  # 4 left: the rest of the budget goes to the next prompt
     batch = s.schedule(draft_reserve=0)
     assert [(r.request_id, n) for r, n in batch.prefills] == [("p1", 4), ("p2", 14)]
 

@@ -1,5 +1,6 @@
 """The speculation component alone: drafter, gate and policy behind one `propose` call, with
 the seeded-request, token-room, headroom and exploration rules."""
+
 import torch
 
 from dspark_serve.drafter.base import DraftProposal
@@ -19,18 +20,31 @@ class FakeDrafter:
 
     def propose(self, requests):
         self.asked.append({r.request_id: r.max_draft for r in requests})
-        return [DraftProposal(torch.full((min(self.block_size, r.max_draft),), 7, dtype=torch.long), None,
-                              torch.full((min(self.block_size, r.max_draft),), self.confidence))
-                for r in requests]
+        return [
+            DraftProposal(
+                torch.full((min(self.block_size, r.max_draft),), 7, dtype=torch.long),
+                None,
+                torch.full((min(self.block_size, r.max_draft),), self.confidence),
+            )
+            for r in requests
+        ]
 
-    def observe(self, contexts): pass
-    def observe_acceptance(self, rid, proposed, accepted): self.feedback.append((rid, proposed, accepted))
-    def free(self, rid): pass
+    def observe(self, contexts):
+        pass
+
+    def observe_acceptance(self, rid, proposed, accepted):
+        self.feedback.append((rid, proposed, accepted))
+
+    def free(self, rid):
+        pass
 
 
 class ClosedGate:
-    def should_draft(self, n): return False
-    def record(self, *a): raise AssertionError("a mixed step must not teach the gate")
+    def should_draft(self, n):
+        return False
+
+    def record(self, *a):
+        raise AssertionError("a mixed step must not teach the gate")
 
 
 def decoding(rid: str, seed=None) -> Request:
@@ -74,28 +88,30 @@ def test_the_token_room_caps_lengths_before_the_policy():
 
 def test_headroom_limits_what_is_drafted_past_last_budget():
     dr = FakeDrafter(block_size=6)
-    spec = Speculation(dr, SchedulerConfig(verify_policy="dspark", draft_gate=False, draft_headroom=1),
-                       max_model_len=512)
+    spec = Speculation(
+        dr, SchedulerConfig(verify_policy="dspark", draft_gate=False, draft_headroom=1), max_model_len=512
+    )
     r = decoding("a")
     r.last_budget = 0
     spec.propose([r], room=100, load=LoadState(num_running=1))
     assert dr.asked[-1] == {"a": 1}
-    r.last_budget, r.max_tokens = None, 3      # no budget yet: the remaining max_tokens caps it
+    r.last_budget, r.max_tokens = None, 3  # no budget yet: the remaining max_tokens caps it
     spec.propose([r], room=100, load=LoadState(num_running=1))
-    assert dr.asked[-1] == {"a": 1}             # 3 - 1 output - 1 for the target's own token
+    assert dr.asked[-1] == {"a": 1}  # 3 - 1 output - 1 for the target's own token
 
 
 def test_online_confidence_drafters_explore_on_a_fixed_schedule():
     dr = FakeDrafter(confidence=0.0, online=True)
-    spec = Speculation(dr, SchedulerConfig(verify_policy="dspark", draft_gate=False, explore_every=4),
-                       max_model_len=512)
+    spec = Speculation(
+        dr, SchedulerConfig(verify_policy="dspark", draft_gate=False, explore_every=4), max_model_len=512
+    )
     r = decoding("a")
     lengths = []
     for step in range(8):
         r.spec.steps = step
         lengths.append(spec.propose([r], room=100, load=LoadState(num_running=1)).lengths[0])
     assert lengths == [1, 0, 0, 0, 1, 0, 0, 0]
-    assert r.last_budget == 0                   # the policy's own answer is what is remembered
+    assert r.last_budget == 0  # the policy's own answer is what is remembered
 
 
 def test_settle_books_rounds_and_feeds_the_drafter():
@@ -113,6 +129,6 @@ def test_pure_decode_steps_teach_the_gate():
     assert spec.gate is not None
     p = spec.propose([decoding("a")], room=100, load=LoadState(num_running=1))
     spec.record_step(p, num_decodes=1, has_prefills=True, decode_tokens=5, seconds=0.1)
-    assert spec.gate.rate(1, p.drafting) == 0.0            # a prefill chunk was in the step
+    assert spec.gate.rate(1, p.drafting) == 0.0  # a prefill chunk was in the step
     spec.record_step(p, num_decodes=1, has_prefills=False, decode_tokens=5, seconds=0.1)
     assert abs(spec.gate.rate(1, p.drafting) - 50.0) < 1e-9

@@ -1,9 +1,8 @@
 """Speculative decoding through the engine is lossless: greedy output equals plain decoding for
 every drafter and policy, and sampled output has the target's distribution (a test that a
 broken sampler fails)."""
-from __future__ import annotations
 
-import itertools
+from __future__ import annotations
 
 import pytest
 import torch
@@ -12,15 +11,15 @@ import dspark_serve.scheduler.engine as engine_mod
 import dspark_serve.verifier.verify as verify_mod
 from bench.replay import ReplayDrafter
 from dspark_serve.drafter.base import DraftProposal
-from dspark_serve.drafter.registry import build_drafter
 from dspark_serve.drafter.combined import CombinedDrafter
 from dspark_serve.drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
+from dspark_serve.drafter.registry import build_drafter
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
-from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
 from dspark_serve.verifier.rejection import rejection_sample
 from dspark_serve.verifier.sampling_params import SamplingParams
+from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -45,27 +44,40 @@ def test_greedy_oracle_drafter_equals_plain(policy):
     refs = {k: hf_greedy(model, p, 24) for k, p in prompts.items()}
     # The true greedy continuation, each position corrupted with probability 0.3: multi-token
     # acceptance, rejection in the middle, rollback; it also checks contexts arrive gap-free.
-    dr = ReplayDrafter({tuple(p): refs[k] for k, p in prompts.items()}, vocab_size=257,
-                       block_size=4, accept_rate=0.7)
-    engine = Engine(runner_for(model), ByteTokenizer(), SchedulerConfig(verify_policy=policy,
-                    max_num_batched_tokens=40), max_model_len=512, drafter=dr)
-    reqs = [Request(k, p, GREEDY, max_tokens=17 + i, ignore_eos=True)
-            for i, (k, p) in enumerate(prompts.items())]
+    dr = ReplayDrafter(
+        {tuple(p): refs[k] for k, p in prompts.items()}, vocab_size=257, block_size=4, accept_rate=0.7
+    )
+    engine = Engine(
+        runner_for(model),
+        ByteTokenizer(),
+        SchedulerConfig(verify_policy=policy, max_num_batched_tokens=40),
+        max_model_len=512,
+        drafter=dr,
+    )
+    reqs = [
+        Request(k, p, GREEDY, max_tokens=17 + i, ignore_eos=True) for i, (k, p) in enumerate(prompts.items())
+    ]
     run(engine, reqs[:2], late=reqs[2:])
     for r in reqs:
-        assert r.output_ids == refs[r.request_id][:r.max_tokens], r.request_id
-        assert len(r.output_ids) == r.max_tokens          # max_tokens exact despite blocks
+        assert r.output_ids == refs[r.request_id][: r.max_tokens], r.request_id
+        assert len(r.output_ids) == r.max_tokens  # max_tokens exact despite blocks
     total = sum(r.spec.accepted for r in reqs)
     assert total > 0 and sum(r.spec.rounds for r in reqs) < sum(r.max_tokens for r in reqs)
     assert engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks
 
 
 def random_dspark(target, tmp_path, markov_rank=8):
-    cfg = DSparkConfig.for_target(target.config, num_draft_layers=2, block_size=5,
-                                  target_layer_ids=(0, 1), mask_token_id=255,
-                                  markov_rank=markov_rank, markov_head_type="vanilla",
-                                  enable_confidence_head=True,
-                                  confidence_head_with_markov=markov_rank > 0)
+    cfg = DSparkConfig.for_target(
+        target.config,
+        num_draft_layers=2,
+        block_size=5,
+        target_layer_ids=(0, 1),
+        mask_token_id=255,
+        markov_rank=markov_rank,
+        markov_head_type="vanilla",
+        enable_confidence_head=True,
+        confidence_head_with_markov=markov_rank > 0,
+    )
     torch.manual_seed(3)
     m = DSparkModel(cfg, embed_tokens=target.model.embed_tokens, lm_head=target.lm_head)
     save_dspark(m, tmp_path)
@@ -77,9 +89,13 @@ def test_greedy_dspark_drafter_equals_plain(tmp_path, name):
     model = tiny_model("qwen3")
     path = random_dspark(model, tmp_path, markov_rank=8 if name == "dspark" else 0)
     dr = build_drafter(name, path=str(path), target_model=model)
-    engine = Engine(runner_for(model), ByteTokenizer(),
-                    SchedulerConfig(verify_policy="static:5", max_num_batched_tokens=16),  # chunked prefill
-                    max_model_len=512, drafter=dr)
+    engine = Engine(
+        runner_for(model),
+        ByteTokenizer(),
+        SchedulerConfig(verify_policy="static:5", max_num_batched_tokens=16),  # chunked prefill
+        max_model_len=512,
+        drafter=dr,
+    )
     prompts = [list(range(40, 40 + n)) for n in (3, 25, 11)]
     reqs = [Request(f"r{i}", p, GREEDY, max_tokens=20, ignore_eos=True) for i, p in enumerate(prompts)]
     run(engine, reqs)
@@ -94,8 +110,13 @@ def test_greedy_ngram_drafter_equals_plain_and_accepts_repeats():
     prompt = list(b"abcabcabcabc")
     ref = hf_greedy(model, prompt, 40)
     dr = build_drafter("ngram", block_size=4)
-    engine = Engine(runner_for(model), ByteTokenizer(), SchedulerConfig(verify_policy="static:4"),
-                    max_model_len=512, drafter=dr)
+    engine = Engine(
+        runner_for(model),
+        ByteTokenizer(),
+        SchedulerConfig(verify_policy="static:4"),
+        max_model_len=512,
+        drafter=dr,
+    )
     r = Request("n", prompt, GREEDY, max_tokens=40, ignore_eos=True)
     run(engine, [r])
     assert r.output_ids == ref
@@ -130,16 +151,23 @@ class FixedQDrafter:
             out.append(DraftProposal(toks, self.q.expand(k, -1).clone(), None))
         return out
 
-    def observe(self, contexts): pass
-    def observe_acceptance(self, *a): pass
-    def free(self, request_id): pass
+    def observe(self, contexts):
+        pass
+
+    def observe_acceptance(self, *a):
+        pass
+
+    def free(self, request_id):
+        pass
 
 
 def exact_marginals(model, prompt):
     """P(t2) and P(t3) under plain sampling at temperature 1, by enumeration."""
     with torch.no_grad():
+
         def p(seq):
             return torch.softmax(model(torch.tensor([seq])).logits[0, -1].double(), -1)
+
         p1 = p(prompt)
         m2, m3 = torch.zeros(VOCAB, dtype=torch.float64), torch.zeros(VOCAB, dtype=torch.float64)
         for a in range(VOCAB):
@@ -150,22 +178,35 @@ def exact_marginals(model, prompt):
     return m2, m3
 
 
-FULL_Q = torch.softmax(torch.linspace(2.0, -2.0, VOCAB), -1)   # far from p on purpose
+FULL_Q = torch.softmax(torch.linspace(2.0, -2.0, VOCAB), -1)  # far from p on purpose
 # A truncated draft vocabulary: q is a distribution over 5 kept ids, zero on the other 3.
 TRUNCATED_Q = torch.cat([torch.softmax(torch.linspace(2.0, -2.0, 5), -1), torch.zeros(3)])
 
 
 def sampled_marginals(model, prompt, n, seed, q=FULL_Q, combined=False, cached=False):
     dr = FixedQDrafter(q)
-    if combined:   # prompt lookup where it matches, the fixed-q drafter elsewhere
+    if combined:  # prompt lookup where it matches, the fixed-q drafter elsewhere
         dr = CombinedDrafter(dr, build_drafter("ngram", block_size=2))
-    engine = Engine(runner_for(model, num_blocks=2048), LetterTokenizer(),
-                    SchedulerConfig(verify_policy="static:2", max_num_seqs=256,
-                                    max_num_batched_tokens=2048, max_waiting=n),
-                    max_model_len=64, drafter=dr)
-    reqs = [Request(f"s{i}", prompt, SamplingParams(temperature=1.0, seed=seed * 100000 + i),
-                    max_tokens=4, ignore_eos=True) for i in range(n)]
-    if cached:   # the first request runs a step alone: every later one hits its cached blocks
+    engine = Engine(
+        runner_for(model, num_blocks=2048),
+        LetterTokenizer(),
+        SchedulerConfig(
+            verify_policy="static:2", max_num_seqs=256, max_num_batched_tokens=2048, max_waiting=n
+        ),
+        max_model_len=64,
+        drafter=dr,
+    )
+    reqs = [
+        Request(
+            f"s{i}",
+            prompt,
+            SamplingParams(temperature=1.0, seed=seed * 100000 + i),
+            max_tokens=4,
+            ignore_eos=True,
+        )
+        for i in range(n)
+    ]
+    if cached:  # the first request runs a step alone: every later one hits its cached blocks
         engine.add_request(reqs[0])
         engine.step()
         run(engine, reqs[1:])
@@ -180,26 +221,35 @@ def sampled_marginals(model, prompt, n, seed, q=FULL_Q, combined=False, cached=F
     # the speculative path really ran (prompt lookup may propose a single token)
     assert sum(r.spec.drafted for r in reqs) >= (n if combined else 2 * n)
     if combined:
-        assert dr.uses[1] > 0   # lookup drafted too
+        assert dr.uses[1] > 0  # lookup drafted too
     return c2 / n, c3 / n
 
 
-def broken_rejection_sample(target_probs, draft_tokens, draft_probs, num_draft, generators=None,
-                            draft_deterministic=None):
+def broken_rejection_sample(
+    target_probs, draft_tokens, draft_probs, num_draft, generators=None, draft_deterministic=None
+):
     """Ignores q: pretends the draft distribution equals the target's, so every draft passes."""
     req = torch.repeat_interleave(torch.arange(len(num_draft)), num_draft.cpu())
-    judged = torch.arange(draft_tokens.numel()) + req      # the verify row of each draft
-    return rejection_sample(target_probs, draft_tokens, target_probs[judged.to(target_probs.device)].clone(),
-                            num_draft, generators, torch.zeros_like(num_draft, dtype=torch.bool))
+    judged = torch.arange(draft_tokens.numel()) + req  # the verify row of each draft
+    return rejection_sample(
+        target_probs,
+        draft_tokens,
+        target_probs[judged.to(target_probs.device)].clone(),
+        num_draft,
+        generators,
+        torch.zeros_like(num_draft, dtype=torch.bool),
+    )
 
 
-@pytest.mark.parametrize("q,combined,cached", [(FULL_Q, False, False), (TRUNCATED_Q, False, False),
-                                               (FULL_Q, True, False), (FULL_Q, False, True)],
-                         ids=["full-vocab", "truncated-vocab", "combined-drafters", "prefix-cache-hits"])
+@pytest.mark.parametrize(
+    "q,combined,cached",
+    [(FULL_Q, False, False), (TRUNCATED_Q, False, False), (FULL_Q, True, False), (FULL_Q, False, True)],
+    ids=["full-vocab", "truncated-vocab", "combined-drafters", "prefix-cache-hits"],
+)
 def test_sampled_distribution_matches_plain_and_catches_a_broken_sampler(monkeypatch, q, combined, cached):
     model = tiny_model("llama", vocab=VOCAB, seed=2)
     with torch.no_grad():
-        model.lm_head.weight.mul_(0.25)     # p neither flat nor one-hot
+        model.lm_head.weight.mul_(0.25)  # p neither flat nor one-hot
     prompt = [1, 2, 3, 4, 5, 6] if cached else [1, 2, 3]
     m2, m3 = exact_marginals(model, prompt)
     n = 3000
@@ -216,9 +266,13 @@ def test_greedy_combined_drafters_equal_plain_and_both_propose(tmp_path):
     model = tiny_model("qwen3")
     path = random_dspark(model, tmp_path)
     dr = build_drafter("dspark+ngram", path=str(path), target_model=model)
-    engine = Engine(runner_for(model), ByteTokenizer(),
-                    SchedulerConfig(verify_policy="dspark", max_num_batched_tokens=32),
-                    max_model_len=512, drafter=dr)
+    engine = Engine(
+        runner_for(model),
+        ByteTokenizer(),
+        SchedulerConfig(verify_policy="dspark", max_num_batched_tokens=32),
+        max_model_len=512,
+        drafter=dr,
+    )
     # repeated text: prompt lookup matches; a fresh prompt: it does not at first
     prompts = [list(b"abcdabcdabcdabcd"), list(range(60, 75)), list(b"xyzxyzxyz") + list(range(90, 97))]
     reqs = [Request(f"r{i}", p, GREEDY, max_tokens=30, ignore_eos=True) for i, p in enumerate(prompts)]
@@ -242,19 +296,25 @@ def test_drafts_no_positions_the_policy_cannot_admit():
                 self.asked.setdefault(r.request_id, []).append(r.max_draft)
             return super().propose(requests)
 
-    dr = Recording({tuple(p): refs[k] for k, p in prompts.items()}, vocab_size=257, block_size=6,
-                   accept_rate=1.0)
+    dr = Recording(
+        {tuple(p): refs[k] for k, p in prompts.items()}, vocab_size=257, block_size=6, accept_rate=1.0
+    )
     dr.asked = {}
-    steep = engine_mod.CostTable((1, 2, 4, 64), (100.0, 40.0, 20.0, 1.0))   # drafts rarely pay
-    engine = Engine(runner_for(model), ByteTokenizer(), SchedulerConfig(verify_policy="dspark",
-                    draft_gate=False, draft_headroom=1), max_model_len=512, drafter=dr,
-                    cost_table=steep)
+    steep = engine_mod.CostTable((1, 2, 4, 64), (100.0, 40.0, 20.0, 1.0))  # drafts rarely pay
+    engine = Engine(
+        runner_for(model),
+        ByteTokenizer(),
+        SchedulerConfig(verify_policy="dspark", draft_gate=False, draft_headroom=1),
+        max_model_len=512,
+        drafter=dr,
+        cost_table=steep,
+    )
     reqs = [Request(k, p, GREEDY, max_tokens=20, ignore_eos=True) for k, p in prompts.items()]
     run(engine, reqs)
     for r in reqs:
         assert r.output_ids == refs[r.request_id]
     asked = [m for ms in dr.asked.values() for m in ms[1:]]
-    assert asked and max(asked) <= 2 < 6, dr.asked     # budget 0-1 here, +1 headroom
+    assert asked and max(asked) <= 2 < 6, dr.asked  # budget 0-1 here, +1 headroom
 
 
 def test_engine_verifies_flat_rows_without_padding_to_the_longest_block(monkeypatch):
@@ -265,25 +325,33 @@ def test_engine_verifies_flat_rows_without_padding_to_the_longest_block(monkeypa
     refs = {k: hf_greedy(model, p, 12) for k, p in prompts.items()}
     # max_tokens differ, so near their ends the requests' blocks are cut to different lengths
     limits = {"a": 12, "b": 5, "c": 9}
-    dr = ReplayDrafter({tuple(p): refs[k] for k, p in prompts.items()}, vocab_size=257, block_size=6,
-                       accept_rate=1.0)
+    dr = ReplayDrafter(
+        {tuple(p): refs[k] for k, p in prompts.items()}, vocab_size=257, block_size=6, accept_rate=1.0
+    )
     seen = []
 
-    def recording(target_probs, draft_tokens, draft_probs, num_draft, generators=None,
-                  draft_deterministic=None):
+    def recording(
+        target_probs, draft_tokens, draft_probs, num_draft, generators=None, draft_deterministic=None
+    ):
         seen.append((tuple(target_probs.shape), tuple(draft_tokens.shape), num_draft.tolist()))
-        return rejection_sample(target_probs, draft_tokens, draft_probs, num_draft, generators,
-                                draft_deterministic)
+        return rejection_sample(
+            target_probs, draft_tokens, draft_probs, num_draft, generators, draft_deterministic
+        )
 
     monkeypatch.setattr(verify_mod, "rejection_sample", recording)
-    engine = Engine(runner_for(model), ByteTokenizer(), SchedulerConfig(verify_policy="static:6"),
-                    max_model_len=512, drafter=dr)
+    engine = Engine(
+        runner_for(model),
+        ByteTokenizer(),
+        SchedulerConfig(verify_policy="static:6"),
+        max_model_len=512,
+        drafter=dr,
+    )
     reqs = [Request(k, p, GREEDY, max_tokens=limits[k], ignore_eos=True) for k, p in prompts.items()]
     run(engine, reqs)
     for r in reqs:
-        assert r.output_ids == refs[r.request_id][:limits[r.request_id]]
+        assert r.output_ids == refs[r.request_id][: limits[r.request_id]]
     uneven = [s for s in seen if len(set(s[2])) > 1]
     assert uneven, seen
-    for (rows, vocab), (drafts,), ks in seen:
+    for (rows, _vocab), (drafts,), ks in seen:
         assert rows == sum(k + 1 for k in ks) and drafts == sum(ks)
     assert any(rows < len(ks) * (max(ks) + 1) for (rows, _), _, ks in uneven)

@@ -1,11 +1,11 @@
 """The HTTP layer alone, over a fake engine: error shapes, auth, health while loading, and that
 the server side never imports torch."""
+
 from __future__ import annotations
 
 import subprocess
 import sys
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
@@ -29,8 +29,9 @@ class FakeEngine:
         return self._ready
 
     load_error = None
-    runtime_info = RuntimeInfo(dtype="bfloat16", dtype_reason="auto: test", device="cpu",
-                               drafter="none", verify_policy="none")
+    runtime_info = RuntimeInfo(
+        dtype="bfloat16", dtype_reason="auto: test", device="cpu", drafter="none", verify_policy="none"
+    )
 
     def tokenize_chat(self, messages):
         return [1] * sum(len(m["content"]) for m in messages)
@@ -46,8 +47,15 @@ class FakeEngine:
         kinds = [("plain", None), ("draft", 0), ("draft", 1), ("bonus", None)]
         for i, w in enumerate(words):
             last = i == len(words) - 1
-            yield StreamDelta(w, [i], last, "stop" if last else None, len(prompt_ids), i + 1,
-                              tokens=[TokenRecord(i, w, *kinds[i])])
+            yield StreamDelta(
+                w,
+                [i],
+                last,
+                "stop" if last else None,
+                len(prompt_ids),
+                i + 1,
+                tokens=[TokenRecord(i, w, *kinds[i])],
+            )
 
     def abort(self, request_id):
         self.aborted.append(request_id)
@@ -80,13 +88,21 @@ def test_chat_non_streaming_and_streaming():
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello world"}
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
-    with c.stream("POST", "/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 5,
-            "stream_options": {"include_usage": True}}) as s:
+    with c.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "max_tokens": 5,
+            "stream_options": {"include_usage": True},
+        },
+    ) as s:
         lines = [l for l in s.iter_lines() if l]
     assert all(l.startswith("data: ") for l in lines)
     assert lines[-1] == "data: [DONE]"
     import json
+
     chunks = [json.loads(l[6:]) for l in lines[:-1]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
@@ -105,8 +121,9 @@ def test_errors_have_openai_shape_and_right_status():
     assert_error(chat(c, n=2), 400, "n")
     assert_error(chat(c, messages=[]), 400, "messages")
     assert_error(chat(c, model="gpt-17"), 404, "model")
-    err = assert_error(chat(c, messages=[{"role": "user", "content": "x" * 60}], max_tokens=10),
-                       400, "max_tokens")
+    err = assert_error(
+        chat(c, messages=[{"role": "user", "content": "x" * 60}], max_tokens=10), 400, "max_tokens"
+    )
     assert "64" in err["message"] and "70" in err["message"]
     assert_error(chat(c, max_tokens=13), 429)
     assert_error(c.post("/v1/completions", json={"prompt": ""}), 400, "prompt")
@@ -127,7 +144,7 @@ def test_api_key():
     assert_error(chat(c), 401)
     assert_error(chat(c, headers={"Authorization": "Bearer wrong"}), 401)
     assert chat(c, headers={"Authorization": "Bearer sekret"}).status_code == 200
-    assert c.get("/health").status_code == 200      # health and metrics stay open
+    assert c.get("/health").status_code == 200  # health and metrics stay open
     assert c.get("/metrics").status_code == 200
 
 
@@ -145,12 +162,15 @@ def test_health_is_503_while_loading():
 
 
 def test_server_package_never_imports_torch():
-    code = ("import sys, server.app, server.cli, server.protocol, server.config; "
-            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    code = (
+        "import sys, server.app, server.cli, server.protocol, server.config; "
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 # -- issue: no request can hurt another (validation at the edge) ------------------------------
+
 
 class VocabEngine(FakeEngine):
     vocab_size = 100
@@ -165,7 +185,7 @@ def test_strict_types_no_coercion():
     assert_error(chat(c, temperature="0.5"), 400, "temperature")
     assert_error(chat(c, seed=1.5), 400, "seed")
     assert_error(c.post("/v1/completions", json={"prompt": [1, "2"]}), 400)
-    assert chat(c, temperature=1).status_code == 200          # an int is a valid float
+    assert chat(c, temperature=1).status_code == 200  # an int is a valid float
 
 
 def test_seed_range():
@@ -187,9 +207,14 @@ def test_prompt_token_ids_range_checked():
 
 def test_unsupported_parameters_are_named():
     c = client()
-    for key, value in (("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-                       ("tool_choice", "auto"), ("logit_bias", {"5": 1}), ("top_logprobs", 2),
-                       ("parallel_tool_calls", 1)):
+    for key, value in (
+        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "function"}]),
+        ("tool_choice", "auto"),
+        ("logit_bias", {"5": 1}),
+        ("top_logprobs", 2),
+        ("parallel_tool_calls", 1),
+    ):
         err = assert_error(chat(c, **{key: value}), 400, key)
         assert key in err["message"]
     for key, value in (("echo", True), ("suffix", "x"), ("best_of", 3), ("logit_bias", {"1": 2})):
@@ -197,15 +222,37 @@ def test_unsupported_parameters_are_named():
     err = assert_error(chat(c, frobnicate=1), 400, "frobnicate")
     assert "Unrecognized" in err["message"]
     # neutral values and parameters that do not change generation are fine
-    assert chat(c, response_format={"type": "text"}, tools=[], logit_bias=None, store=False,
-                metadata={"a": "b"}, user="u").status_code == 200
+    assert (
+        chat(
+            c,
+            response_format={"type": "text"},
+            tools=[],
+            logit_bias=None,
+            store=False,
+            metadata={"a": "b"},
+            user="u",
+        ).status_code
+        == 200
+    )
 
 
 def test_image_content_part_gets_a_readable_error():
     c = client()
-    err = assert_error(chat(c, messages=[{"role": "user", "content": [
-        {"type": "text", "text": "what is this"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400)
+    err = assert_error(
+        chat(
+            c,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                    ],
+                }
+            ],
+        ),
+        400,
+    )
     assert err["param"] == "messages.0.content.1" and "image_url" in err["message"]
 
 
@@ -220,21 +267,29 @@ def test_completions_max_tokens_null_is_16():
 
 def test_body_limit_and_json_depth():
     c = client(max_body_bytes=2048, max_json_depth=8)
-    err = assert_error(c.post("/v1/chat/completions", content=b"x" * 5000,
-                              headers={"content-type": "application/json"}), 413)
+    err = assert_error(
+        c.post("/v1/chat/completions", content=b"x" * 5000, headers={"content-type": "application/json"}), 413
+    )
     assert "2048" in err["message"]
 
     def chunks():  # no Content-Length: counted while read
         for _ in range(5):
             yield b"x" * 1000
-    assert_error(c.post("/v1/chat/completions", content=chunks(),
-                        headers={"content-type": "application/json"}), 413)
+
+    assert_error(
+        c.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"}), 413
+    )
     deep = b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 9 + b"]" * 9 + b"}"
-    assert_error(c.post("/v1/chat/completions", content=deep,
-                        headers={"content-type": "application/json"}), 400)
+    assert_error(
+        c.post("/v1/chat/completions", content=deep, headers={"content-type": "application/json"}), 400
+    )
     very_deep = b'{"x": ' + b"[" * 1000 + b"]" * 1000 + b"}"
-    assert_error(client(max_json_depth=8).post("/v1/chat/completions", content=very_deep,
-                                               headers={"content-type": "application/json"}), 400)
+    assert_error(
+        client(max_json_depth=8).post(
+            "/v1/chat/completions", content=very_deep, headers={"content-type": "application/json"}
+        ),
+        400,
+    )
     assert c.get("/health").status_code == 200
 
 
@@ -273,14 +328,17 @@ def test_model_by_id():
 
 def test_openapi_documents_bodies_errors_and_metrics():
     doc = client().get("/openapi.json").json()
-    for path, schema in (("/v1/chat/completions", "ChatCompletionRequest"),
-                         ("/v1/completions", "CompletionRequest")):
+    for path, schema in (
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+        ("/v1/completions", "CompletionRequest"),
+    ):
         op = doc["paths"][path]["post"]
         ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref.endswith(schema) and schema in doc["components"]["schemas"]
         for status in ("400", "413", "429", "503"):
             assert op["responses"][status]["content"]["application/json"]["schema"]["$ref"].endswith(
-                "ErrorResponse")
+                "ErrorResponse"
+            )
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert "/v1/models/{model_id}" in doc["paths"]
 
@@ -311,14 +369,19 @@ def test_api_key_from_environment_or_file(tmp_path):
         ServerConfig(shutdown_timeout=30000)
     with pytest.raises(ValueError, match="12"):
         ServerConfig(max_body_bytes=12)
-PROVENANCE = [{"id": 0, "text": "Hel", "kind": "plain", "position": None},
-              {"id": 1, "text": "lo", "kind": "draft", "position": 0},
-              {"id": 2, "text": " wor", "kind": "draft", "position": 1},
-              {"id": 3, "text": "ld", "kind": "bonus", "position": None}]
+
+
+PROVENANCE = [
+    {"id": 0, "text": "Hel", "kind": "plain", "position": None},
+    {"id": 1, "text": "lo", "kind": "draft", "position": 0},
+    {"id": 2, "text": " wor", "kind": "draft", "position": 1},
+    {"id": 3, "text": "ld", "kind": "bonus", "position": None},
+]
 
 
 def test_provenance_is_opt_in_and_namespaced():
     import json
+
     c = client()
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
     assert "dspark" not in chat(c, **{k: v for k, v in body.items() if k != "messages"}).json()
@@ -332,11 +395,16 @@ def test_provenance_is_opt_in_and_namespaced():
         assert got == want
         for ch in chunks:  # each chunk's tokens carry exactly that chunk's text
             if "dspark" in ch:
-                assert "".join(t["text"] for t in ch["dspark"]["tokens"]) == ch["choices"][0]["delta"]["content"]
+                assert (
+                    "".join(t["text"] for t in ch["dspark"]["tokens"]) == ch["choices"][0]["delta"]["content"]
+                )
     r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "dspark": {"provenance": True}})
     assert r.json()["dspark"]["tokens"] == PROVENANCE
-    assert_error(c.post("/v1/chat/completions", json={**body, "dspark": {"provenence": True}}), 400,
-                 "dspark.provenence")
+    assert_error(
+        c.post("/v1/chat/completions", json={**body, "dspark": {"provenence": True}}),
+        400,
+        "dspark.provenence",
+    )
 
 
 def test_live_page_is_served_self_contained():
@@ -344,10 +412,19 @@ def test_live_page_is_served_self_contained():
     r = c.get("/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     page = r.text
-    for needle in ('id="prompt"', 'id="output"', 'id="g-running"', 'id="g-kv"', 'id="cost-chart"',
-                   "dspark: {provenance: true}", "/metrics", "sessionStorage"):
+    for needle in (
+        'id="prompt"',
+        'id="output"',
+        'id="g-running"',
+        'id="g-kv"',
+        'id="cost-chart"',
+        "dspark: {provenance: true}",
+        "/metrics",
+        "sessionStorage",
+    ):
         assert needle in page, needle
     # no build step, no CDN: nothing is loaded from another origin
     import re
+
     assert not re.search(r'(src|href)\s*=\s*"(https?:)?//', page)
     assert "<script src" not in page and "@import" not in page

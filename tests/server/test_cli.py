@@ -1,4 +1,5 @@
 """CLI: defaults come from the component configs, then the config file, then flags."""
+
 import pytest
 
 from dspark_serve.server.cli import build_parser, resolve
@@ -15,17 +16,37 @@ def test_defaults_file_and_flags_layer():
 
 def test_help_lists_every_flag_with_its_default():
     text = build_parser().format_help()
-    for flag in ("--model", "--config", "--host", "--port", "--api-key", "--max-num-seqs",
-                 "--max-model-len", "--kv-cache-tokens", "--kv-cache-memory-fraction", "--device",
-                 "--dtype", "--drafter", "--drafter-path", "--block-size", "--verify-policy",
-                 "--reprofile"):
+    for flag in (
+        "--model",
+        "--config",
+        "--host",
+        "--port",
+        "--api-key",
+        "--max-num-seqs",
+        "--max-model-len",
+        "--kv-cache-tokens",
+        "--kv-cache-memory-fraction",
+        "--device",
+        "--dtype",
+        "--drafter",
+        "--drafter-path",
+        "--block-size",
+        "--verify-policy",
+        "--reprofile",
+    ):
         assert flag in text, flag
     assert "default: 8000" in text
 
 
-@pytest.mark.parametrize("argv,word", [(["--port", "0"], "port"), (["--drafter", "magic"], "magic"),
-                                       (["--verify-policy", "fastest"], "fastest"),
-                                       (["--config", "nope"], "nope")])
+@pytest.mark.parametrize(
+    "argv,word",
+    [
+        (["--port", "0"], "port"),
+        (["--drafter", "magic"], "magic"),
+        (["--verify-policy", "fastest"], "fastest"),
+        (["--config", "nope"], "nope"),
+    ],
+)
 def test_bad_values_raise_quoting_them(argv, word):
     with pytest.raises(ValueError, match=word):
         resolve(argv)
@@ -82,14 +103,17 @@ def test_every_shipped_config_loads():
         resolve(["--config", name])
 
 
-@pytest.mark.parametrize("text,words", [
-    ('[model]\ndrafter = "ngram"\n', ["bad.toml", "[model]", "'drafter'", "[drafter]"]),
-    ('[scheduler]\nport = 9000\n', ["bad.toml", "[scheduler]", "'port'", "[server]"]),
-    ('[model]\nmax_model_len = 512\n[sampler]\ntemperature = 0.5\n', ["bad.toml", "[sampler]"]),
-    ('max_num_seqs = 4\n', ["bad.toml", "'max_num_seqs'", "outside any section", "[scheduler]"]),
-    ('[drafter]\nblock_sise = 4\n', ["bad.toml", "[drafter]", "'block_sise'"]),
-    ('[server\nport = 1\n', ["bad.toml"]),
-])
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ('[model]\ndrafter = "ngram"\n', ["bad.toml", "[model]", "'drafter'", "[drafter]"]),
+        ("[scheduler]\nport = 9000\n", ["bad.toml", "[scheduler]", "'port'", "[server]"]),
+        ("[model]\nmax_model_len = 512\n[sampler]\ntemperature = 0.5\n", ["bad.toml", "[sampler]"]),
+        ("max_num_seqs = 4\n", ["bad.toml", "'max_num_seqs'", "outside any section", "[scheduler]"]),
+        ("[drafter]\nblock_sise = 4\n", ["bad.toml", "[drafter]", "'block_sise'"]),
+        ("[server\nport = 1\n", ["bad.toml"]),
+    ],
+)
 def test_config_file_keys_are_checked_per_section(tmp_path, text, words):
     path = tmp_path / "bad.toml"
     path.write_text(text)
@@ -101,8 +125,15 @@ def test_config_file_keys_are_checked_per_section(tmp_path, text, words):
 
 def test_config_file_keys_in_their_sections_are_applied(tmp_path):
     path = tmp_path / "good.toml"
-    path.write_text('[model]\nmax_model_len = 512\n[drafter]\ndrafter = "ngram"\nblock_size = 3\n'
-                    '[scheduler]\nverify_policy = "static:2"\n[server]\nport = 9001\n')
+    path.write_text(
+        '[model]\nmax_model_len = 512\n[drafter]\ndrafter = "ngram"\nblock_size = 3\n'
+        '[scheduler]\nverify_policy = "static:2"\n[server]\nport = 9001\n'
+    )
     model, drafter, sched, server = resolve(["--config", str(path), "--port", "9002"])
-    assert (model.max_model_len, drafter.drafter, drafter.block_size, sched.verify_policy,
-            server.port) == (512, "ngram", 3, "static:2", 9002)
+    assert (model.max_model_len, drafter.drafter, drafter.block_size, sched.verify_policy, server.port) == (
+        512,
+        "ngram",
+        3,
+        "static:2",
+        9002,
+    )

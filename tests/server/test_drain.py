@@ -1,9 +1,9 @@
 """Graceful drain: SIGTERM to a real `dspark-serve` process stops it accepting (/health 503), lets
 a short request finish, ends a long stream with finish_reason "abort" and an error event within
 --shutdown-timeout, and the process exits cleanly."""
+
 from __future__ import annotations
 
-import pytest
 import json
 import os
 import signal
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.server.test_e2e import free_port
 
@@ -38,11 +39,29 @@ def events(url, body, out, key, first_event: threading.Event | None = None):
 def test_sigterm_drains_then_exits():
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dspark_serve.server.cli", "--drafter", "none", "--port", str(port),
-         "--max-model-len", "1024", "--kv-cache-tokens", "16384", "--shutdown-timeout", str(TIMEOUT),
-         "--log-level", "warning"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "dspark_serve.server.cli",
+            "--drafter",
+            "none",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "1024",
+            "--kv-cache-tokens",
+            "16384",
+            "--shutdown-timeout",
+            str(TIMEOUT),
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.monotonic()
@@ -56,13 +75,23 @@ def test_sigterm_drains_then_exits():
             time.sleep(0.2)
         out: dict = {}
         started = threading.Event()
-        long = threading.Thread(target=events, args=(url, {"prompt": "Once upon a time",
-                                "max_tokens": 900, "ignore_eos": True}, out, "long", started))
+        long = threading.Thread(
+            target=events,
+            args=(
+                url,
+                {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True},
+                out,
+                "long",
+                started,
+            ),
+        )
         long.start()
         assert started.wait(120)
         short_started = threading.Event()
-        short = threading.Thread(target=events, args=(url, {"prompt": "Hello", "max_tokens": 4,
-                                 "ignore_eos": True}, out, "short", short_started))
+        short = threading.Thread(
+            target=events,
+            args=(url, {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}, out, "short", short_started),
+        )
         short.start()
         assert short_started.wait(120)
         t_term = time.monotonic()
@@ -75,7 +104,7 @@ def test_sigterm_drains_then_exits():
         long.join(timeout=TIMEOUT + 30)
         short.join(timeout=TIMEOUT + 30)
         lines, t_end = out["long"]
-        assert t_end - t_term < TIMEOUT + 3, t_end - t_term       # cut at the timeout, not later
+        assert t_end - t_term < TIMEOUT + 3, t_end - t_term  # cut at the timeout, not later
         assert lines[-1] == "[DONE]"
         err = json.loads(lines[-2])["error"]
         assert err["code"] == "draining" and "shutting down" in err["message"]
@@ -83,7 +112,7 @@ def test_sigterm_drains_then_exits():
         assert final["finish_reason"] == "abort"
         texts = [json.loads(x)["choices"][0]["text"] for x in lines[:-3]]
         assert len(texts) >= 2 and all(texts[:2])
-        short_lines, _ = out["short"]                            # finished on its own
+        short_lines, _ = out["short"]  # finished on its own
         assert out["short_status"] == 200 and short_lines[-1] == "[DONE]"
         assert json.loads(short_lines[-2])["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=30) == 0

@@ -1,5 +1,6 @@
 """End to end on the embedded SmolLM2-135M-Instruct over real HTTP with the official `openai`
 client: chat (plain and streamed), stop strings, usage, every error, disconnects, /metrics."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,28 +37,42 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, drafter="ngram", api_key=None, max_num_seqs=8, max_waiting=64,
-                 verify_policy="static:4", build=None, max_len=MAX_LEN, server_config=None):
+    def __init__(
+        self,
+        drafter="ngram",
+        api_key=None,
+        max_num_seqs=8,
+        max_waiting=64,
+        verify_policy="static:4",
+        build=None,
+        max_len=MAX_LEN,
+        server_config=None,
+    ):
         """build(metrics) -> EngineBundle replaces the embedded model (e.g. a tiny one)."""
         registry = CollectorRegistry()
         metrics = EngineMetrics(registry, MODEL)
-        cfgs = (ModelConfig(max_model_len=MAX_LEN, kv_cache_tokens=16384, dtype="float32"),
-                DrafterConfig(drafter=drafter, block_size=4 if drafter != "none" else None),
-                # A static policy keeps seeded sampling reproducible across requests: n-gram
-                # confidences are global state, so the load-aware policy's lengths (and hence
-                # the random draws) depend on earlier requests.
-                SchedulerConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting,
-                                verify_policy=verify_policy))
-        make = (lambda: build(metrics)) if build else (lambda: build_engine(*cfgs, metrics=metrics,
-                                                                              profile=False))
+        cfgs = (
+            ModelConfig(max_model_len=MAX_LEN, kv_cache_tokens=16384, dtype="float32"),
+            DrafterConfig(drafter=drafter, block_size=4 if drafter != "none" else None),
+            # A static policy keeps seeded sampling reproducible across requests: n-gram
+            # confidences are global state, so the load-aware policy's lengths (and hence
+            # the random draws) depend on earlier requests.
+            SchedulerConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, verify_policy=verify_policy),
+        )
+        make = (
+            (lambda: build(metrics))
+            if build
+            else (lambda: build_engine(*cfgs, metrics=metrics, profile=False))
+        )
         self.engine = AsyncEngine(make, MODEL, max_len)
         self.engine.start()
         assert self.engine.wait_ready(timeout=300), self.engine.load_error
         self.port = free_port()
         cfg = server_config or ServerConfig()
         app = build_app(self.engine, dataclasses.replace(cfg, port=self.port, api_key=api_key), registry)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:
@@ -101,14 +116,20 @@ def test_chat_non_streaming_matches_streaming_and_usage(live):
     assert r.choices[0].finish_reason in ("stop", "length") and len(text) > 10
     assert r.usage.completion_tokens <= 40 and r.usage.prompt_tokens > 10
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    spec = r.usage.model_extra["spec_decode"]     # this request's own speculative stats
+    spec = r.usage.model_extra["spec_decode"]  # this request's own speculative stats
     assert spec["rounds"] >= 1 and spec["accepted_tokens"] <= spec["draft_tokens"]
-    stream = c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=40, temperature=0,
-                                       stream=True, stream_options={"include_usage": True})
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=MSG,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert streamed == text                        # greedy: same text both ways
+    assert streamed == text  # greedy: same text both ways
     finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     assert finals == [r.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
@@ -118,22 +139,27 @@ def test_stop_string_is_cut_exactly(live):
     c = live.client()
     full = c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=40, temperature=0)
     text = full.choices[0].message.content
-    stop = text[len(text) // 2: len(text) // 2 + 3]
-    cut = c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=40, temperature=0,
-                                    stop=[stop, "never-appears"])
-    assert cut.choices[0].message.content == text[:text.find(stop)]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = c.chat.completions.create(
+        model=MODEL, messages=MSG, max_tokens=40, temperature=0, stop=[stop, "never-appears"]
+    )
+    assert cut.choices[0].message.content == text[: text.find(stop)]
     assert cut.choices[0].finish_reason == "stop"
     assert cut.usage.completion_tokens < full.usage.completion_tokens
-    streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
-        model=MODEL, messages=MSG, max_tokens=40, temperature=0, stop=stop, stream=True) if ch.choices)
-    assert streamed == text[:text.find(stop)]
+    streamed = "".join(
+        ch.choices[0].delta.content or ""
+        for ch in c.chat.completions.create(
+            model=MODEL, messages=MSG, max_tokens=40, temperature=0, stop=stop, stream=True
+        )
+        if ch.choices
+    )
+    assert streamed == text[: text.find(stop)]
 
 
 def test_completions_and_models(live):
     c = live.client()
     assert [m.id for m in c.models.list().data] == [MODEL]
-    r = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
-                             temperature=0)
+    r = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert r.choices[0].text and r.usage.completion_tokens <= 8
 
 
@@ -159,17 +185,22 @@ def test_errors(live):
         c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=MAX_LEN)
     msg = e.value.body["message"]
     assert str(MAX_LEN) in msg and str(MAX_LEN + int(msg.split("(")[1].split()[0])) in msg
-    r = httpx.post(live.url + "/v1/chat/completions", content=b'{"messages": [',
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        live.url + "/v1/chat/completions",
+        content=b'{"messages": [',
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert live.idle()
 
 
 def test_client_disconnect_aborts_and_frees_kv(live):
     with httpx.Client(base_url=live.url, timeout=30) as h:
-        with h.stream("POST", "/v1/chat/completions", json={
-                "model": MODEL, "messages": MSG, "max_tokens": 600, "stream": True,
-                "ignore_eos": True}) as s:
+        with h.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": MSG, "max_tokens": 600, "stream": True, "ignore_eos": True},
+        ) as s:
             lines = s.iter_lines()
             for _ in range(4):
                 next(lines)
@@ -181,12 +212,20 @@ def test_client_disconnect_aborts_and_frees_kv(live):
 def test_metrics_prometheus_text(live):
     live.client().chat.completions.create(model=MODEL, messages=MSG, max_tokens=8)
     text = httpx.get(live.url + "/metrics").text
-    for name in ("dspark:num_requests_running", "dspark:num_requests_waiting",
-                 "dspark:kv_cache_usage_perc", "dspark:prompt_tokens_total",
-                 "dspark:generation_tokens_total", "dspark:time_to_first_token_seconds_bucket",
-                 "dspark:inter_token_latency_seconds_bucket", "dspark:e2e_request_latency_seconds_count",
-                 "dspark:spec_decode_num_drafts_total", "dspark:spec_decode_num_accepted_tokens_total",
-                 "dspark:spec_decode_acceptance_length_bucket", "dspark:spec_decode_verify_budget_bucket"):
+    for name in (
+        "dspark:num_requests_running",
+        "dspark:num_requests_waiting",
+        "dspark:kv_cache_usage_perc",
+        "dspark:prompt_tokens_total",
+        "dspark:generation_tokens_total",
+        "dspark:time_to_first_token_seconds_bucket",
+        "dspark:inter_token_latency_seconds_bucket",
+        "dspark:e2e_request_latency_seconds_count",
+        "dspark:spec_decode_num_drafts_total",
+        "dspark:spec_decode_num_accepted_tokens_total",
+        "dspark:spec_decode_acceptance_length_bucket",
+        "dspark:spec_decode_verify_budget_bucket",
+    ):
         assert name in text, name
 
 
@@ -195,15 +234,15 @@ def test_api_key_and_queue_full():
     try:
         with pytest.raises(openai.AuthenticationError):
             s.client("wrong").chat.completions.create(model=MODEL, messages=MSG, max_tokens=2)
-        r = httpx.get(s.url + "/v1/models")          # no Authorization header at all
+        r = httpx.get(s.url + "/v1/models")  # no Authorization header at all
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
         async def burst():
-            async with httpx.AsyncClient(base_url=s.url, timeout=120,
-                                         headers={"Authorization": "Bearer k3y"}) as h:
+            async with httpx.AsyncClient(
+                base_url=s.url, timeout=120, headers={"Authorization": "Bearer k3y"}
+            ) as h:
                 body = {"model": MODEL, "messages": MSG, "max_tokens": 16}
-                return await asyncio.gather(*[h.post("/v1/chat/completions", json=body)
-                                              for _ in range(6)])
+                return await asyncio.gather(*[h.post("/v1/chat/completions", json=body) for _ in range(6)])
 
         codes = sorted(r.status_code for r in asyncio.run(burst()))
         assert 200 in codes and 429 in codes and set(codes) <= {200, 429}, codes
@@ -215,8 +254,15 @@ def test_api_key_and_queue_full():
 def test_streamed_provenance_with_the_official_client(live):
     msgs = [{"role": "user", "content": "Repeat this line four times: the cat sat on the mat."}]
     stream = live.client().chat.completions.create(
-        model=MODEL, messages=msgs, max_tokens=40, temperature=0, seed=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"dspark": {"provenance": True}})
+        model=MODEL,
+        messages=msgs,
+        max_tokens=40,
+        temperature=0,
+        seed=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"dspark": {"provenance": True}},
+    )
     records, text, usage = [], "", None
     for ch in stream:
         ext = (ch.model_extra or {}).get("dspark")

@@ -2,6 +2,7 @@
 streams run while one malicious request of each kind arrives, and finish with the text they get
 alone; a non-streaming request whose client goes away frees its KV within one step; /health is
 answered while a 10 MB body is being refused and while a big prompt is tokenized."""
+
 from __future__ import annotations
 
 import json
@@ -21,19 +22,26 @@ def plain():
     s.close()
 
 
-PROMPTS = ["List the days of the week, one per line.", "Count from one to ten in words.",
-           "Name three primary colours."]
+PROMPTS = [
+    "List the days of the week, one per line.",
+    "Count from one to ten in words.",
+    "Name three primary colours.",
+]
 
 
 def chat_body(text, **kw):
-    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 48,
-            "temperature": 0, **kw}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 48,
+        "temperature": 0,
+        **kw,
+    }
 
 
 def stream_text(url, body, out, key):
     parts, finish = [], None
-    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True},
-                      timeout=300) as r:
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=300) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -51,28 +59,46 @@ def malicious(url: str) -> list[tuple[str, int]]:
     """One request of each kind that used to hurt others; returns (kind, status)."""
     got = []
     with httpx.Client(base_url=url, timeout=60) as c:
+
         def post(kind, path="/v1/completions", **kw):
             got.append((kind, c.post(path, **kw).status_code))
+
         post("token id -1", json={"prompt": [-1], "max_tokens": 4})
         post("token id >= vocab", json={"prompt": [1, 10**9], "max_tokens": 4})
         post("seed 2**64", json={"prompt": "hi", "max_tokens": 4, "seed": 2**64})
-        post("deep JSON", content=b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}",
-             headers={"content-type": "application/json"})
+        post(
+            "deep JSON",
+            content=b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+            headers={"content-type": "application/json"},
+        )
         post("10 MB body", content=b"x" * (10 * 2**20), headers={"content-type": "application/json"})
-        post("unsupported parameter", path="/v1/chat/completions",
-             json={**chat_body("hi"), "response_format": {"type": "json_object"}})
+        post(
+            "unsupported parameter",
+            path="/v1/chat/completions",
+            json={**chat_body("hi"), "response_format": {"type": "json_object"}},
+        )
         post("string max_tokens", json={"prompt": "hi", "max_tokens": "10"})
-        post("image part", path="/v1/chat/completions", json={**chat_body("x"), "messages": [
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+        post(
+            "image part",
+            path="/v1/chat/completions",
+            json={
+                **chat_body("x"),
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            },
+        )
         post("huge top_k", json={"prompt": "hi", "max_tokens": 4, "top_k": 10**30})
         try:  # a client that goes away mid-request (non-streaming)
-            c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 400, "ignore_eos": True},
-                   timeout=0.5)
+            c.post(
+                "/v1/completions", json={"prompt": "hi", "max_tokens": 400, "ignore_eos": True}, timeout=0.5
+            )
         except httpx.TimeoutException:
             got.append(("disconnect", 499))
-        with c.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 400,
-                                                       "ignore_eos": True, "stream": True}) as s:
-            next(s.iter_lines())                 # a stream dropped after its first event
+        with c.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True},
+        ) as s:
+            next(s.iter_lines())  # a stream dropped after its first event
         got.append(("stream disconnect", 499))
     return got
 
@@ -82,15 +108,16 @@ def test_three_streams_survive_one_malicious_request_of_each_kind(plain):
     for i, p in enumerate(PROMPTS):
         stream_text(plain.url, chat_body(p), alone, i)
     together: dict = {}
-    threads = [threading.Thread(target=stream_text, args=(plain.url, chat_body(p), together, i))
-               for i, p in enumerate(PROMPTS)]
+    threads = [
+        threading.Thread(target=stream_text, args=(plain.url, chat_body(p), together, i))
+        for i, p in enumerate(PROMPTS)
+    ]
     for t in threads:
         t.start()
     t0 = time.monotonic()
     while len(together.get("started", [])) < 3 and time.monotonic() - t0 < 120:
         time.sleep(0.01)
     attacks = malicious(plain.url)
-    attacks_done = time.monotonic()
     for t in threads:
         t.join(timeout=300)
     for kind, status in attacks:
@@ -114,11 +141,11 @@ def test_non_streaming_disconnect_frees_kv_within_one_step(plain):
         steps["n"] += 1
         return real_step()
 
-    def server_abort(rid):            # the HTTP side noticed the client is gone
+    def server_abort(rid):  # the HTTP side noticed the client is gone
         seen.setdefault("asked", (steps["n"], time.monotonic()))
         real_abort(rid)
 
-    def engine_abort(rid):            # the engine thread frees the request
+    def engine_abort(rid):  # the engine thread frees the request
         out = real_engine_abort(rid)
         if out is not None:
             seen["freed"] = (steps["n"], engine.runner.blocks.num_free_blocks)
@@ -129,15 +156,18 @@ def test_non_streaming_disconnect_frees_kv_within_one_step(plain):
     try:
         t_gone = None
         try:
-            httpx.post(plain.url + "/v1/completions", json={"prompt": "Once upon a time",
-                       "max_tokens": 600, "ignore_eos": True}, timeout=2.0)
+            httpx.post(
+                plain.url + "/v1/completions",
+                json={"prompt": "Once upon a time", "max_tokens": 600, "ignore_eos": True},
+                timeout=2.0,
+            )
         except httpx.TimeoutException:
             t_gone = time.monotonic()
         assert t_gone is not None, "the request should still have been running"
         assert plain.idle(timeout=10)
         assert "asked" in seen and "freed" in seen
-        assert seen["asked"][1] - t_gone < 2.0                  # noticed promptly
-        assert seen["freed"][0] - seen["asked"][0] <= 1         # freed within one step
+        assert seen["asked"][1] - t_gone < 2.0  # noticed promptly
+        assert seen["freed"][0] - seen["asked"][0] <= 1  # freed within one step
         assert seen["freed"][1] == engine.runner.blocks.num_blocks
     finally:
         del engine.step, engine.abort
@@ -149,7 +179,7 @@ def test_health_answers_while_a_big_body_is_refused_or_parsed(plain):
     done: dict = {}
 
     def big_slow_body():
-        for _ in range(160):          # 10 MB in 64 KiB chunks, no Content-Length
+        for _ in range(160):  # 10 MB in 64 KiB chunks, no Content-Length
             time.sleep(0.005)
             yield b"x" * 65536
 
@@ -158,8 +188,10 @@ def test_health_answers_while_a_big_body_is_refused_or_parsed(plain):
         done[kind] = (r.status_code, time.monotonic())
 
     big_prompt = json.dumps({"prompt": "word " * 700_000, "max_tokens": 4}).encode()  # 3.5 MB
-    for kind, kw in (("10MB", {"content": big_slow_body(), "headers": {"content-type": "application/json"}}),
-                     ("tokenize", {"content": big_prompt, "headers": {"content-type": "application/json"}})):
+    for kind, kw in (
+        ("10MB", {"content": big_slow_body(), "headers": {"content-type": "application/json"}}),
+        ("tokenize", {"content": big_prompt, "headers": {"content-type": "application/json"}}),
+    ):
         t = threading.Thread(target=send_big, args=(kind,), kwargs=kw)
         t.start()
         answered = []
@@ -175,15 +207,18 @@ def test_health_answers_while_a_big_body_is_refused_or_parsed(plain):
         assert status == (413 if kind == "10MB" else 400), (kind, status)
         sent_before = [a for a in answered if a[0] < t_big - 0.05]
         assert sent_before, f"{kind}: no /health request went out while the big body was handled"
-        assert all(end < t_big for _, end in sent_before), kind    # none waited for the big one
+        assert all(end < t_big for _, end in sent_before), kind  # none waited for the big one
         assert max(end - start for start, end in sent_before) < 1.0, kind
 
 
 def test_aborted_non_streaming_handler_is_released(plain):
     """An abort (client gone) ends the waiting handler too: nothing stays in flight."""
     try:
-        httpx.post(plain.url + "/v1/completions", json={"prompt": "Once upon a time",
-                   "max_tokens": 600, "ignore_eos": True}, timeout=1.0)
+        httpx.post(
+            plain.url + "/v1/completions",
+            json={"prompt": "Once upon a time", "max_tokens": 600, "ignore_eos": True},
+            timeout=1.0,
+        )
     except httpx.TimeoutException:
         pass
     assert plain.idle(timeout=10)

@@ -1,6 +1,7 @@
 """The live page in a real headless Chromium (the OS package), driven over the DevTools
 protocol: the page loads, a prompt streams, tokens of at least two provenance kinds appear and
 the gauges update. `python -m tests.server.test_live_page OUT.png` saves a screenshot."""
+
 from __future__ import annotations
 
 import base64
@@ -35,11 +36,25 @@ class DevTools:
         import websocket  # websocket-client
 
         self.proc = subprocess.Popen(
-            [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-             "--no-first-run", "--no-default-browser-check", "--remote-debugging-address=127.0.0.1",
-             "--remote-debugging-port=0", "--remote-allow-origins=*", f"--user-data-dir={profile}",
-             "--window-size=1280,900", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            [
+                binary,
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--no-first-run",
+                "--no-default-browser-check",
+                "--remote-debugging-address=127.0.0.1",
+                "--remote-debugging-port=0",
+                "--remote-allow-origins=*",
+                f"--user-data-dir={profile}",
+                "--window-size=1280,900",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         port = None
         t0 = time.monotonic()
         while port is None and time.monotonic() - t0 < 60:
@@ -50,8 +65,9 @@ class DevTools:
             port = m and int(m.group(1))
         assert port, "chromium did not open its DevTools port"
         pages = [t for t in httpx.get(f"http://127.0.0.1:{port}/json/list").json() if t["type"] == "page"]
-        self.ws = websocket.create_connection(pages[0]["webSocketDebuggerUrl"], timeout=60,
-                                              suppress_origin=True)
+        self.ws = websocket.create_connection(
+            pages[0]["webSocketDebuggerUrl"], timeout=60, suppress_origin=True
+        )
         self.ids = itertools.count(1)
 
     def call(self, method: str, **params) -> dict:
@@ -102,12 +118,22 @@ def drive(url: str, profile: str, screenshot: Path | None = None) -> dict:
     try:
         b.call("Page.enable")
         b.call("Page.navigate", url=url)
-        b.wait(f"document.readyState === 'complete' && document.getElementById('model').textContent.includes({json.dumps(MODEL)})")
-        polls0 = int(b.wait("document.getElementById('metrics-status').dataset.polls !== '0' && document.getElementById('metrics-status').dataset.polls"))
-        b.js("document.getElementById('maxtok').value = '48'; document.getElementById('seed').value = '0';"
-             "document.getElementById('send').click(); true")
-        b.wait("document.getElementById('status').textContent === 'done' || "
-               "document.getElementById('status').textContent.startsWith('error')")
+        b.wait(
+            f"document.readyState === 'complete' && document.getElementById('model').textContent.includes({json.dumps(MODEL)})"
+        )
+        polls0 = int(
+            b.wait(
+                "document.getElementById('metrics-status').dataset.polls !== '0' && document.getElementById('metrics-status').dataset.polls"
+            )
+        )
+        b.js(
+            "document.getElementById('maxtok').value = '48'; document.getElementById('seed').value = '0';"
+            "document.getElementById('send').click(); true"
+        )
+        b.wait(
+            "document.getElementById('status').textContent === 'done' || "
+            "document.getElementById('status').textContent.startsWith('error')"
+        )
         status = b.js("document.getElementById('status').textContent")
         polls_done = int(b.js("document.getElementById('metrics-status').dataset.polls"))
         # two more metric polls after the request ended: the gauges reflect it
@@ -149,7 +175,7 @@ def test_live_page_streams_provenance_and_updates_gauges(server, tmp_path):
     assert all(p >= 0 for p in out["positions"]) and 0 in out["positions"]
     assert out["text"].strip()
     g = out["gauges"]
-    assert g["running"] == "0" and g["waiting"] == "0"   # idle again after the request
+    assert g["running"] == "0" and g["waiting"] == "0"  # idle again after the request
     assert g["acceptance"] != "-" and float(g["acceptance"]) >= 1.0
     assert g["kv"].endswith("%") and g["tps"] != "-"
     assert out["polls"] >= out["polls_done"] + 2 > out["polls0"]  # polled on after the request
@@ -193,16 +219,24 @@ def test_live_page_asks_for_the_api_key_and_keeps_it_in_the_tab(tmp_path):
     try:
         b.call("Page.enable")
         b.call("Page.navigate", url=f"http://127.0.0.1:{port}/")
-        b.wait("getComputedStyle(document.getElementById('keybox')).display !== 'none' && "
-               "document.getElementById('model').textContent === 'API key required'")
-        b.js("document.getElementById('apikey').value = 'k3y'; document.getElementById('keysave').click(); true")
+        b.wait(
+            "getComputedStyle(document.getElementById('keybox')).display !== 'none' && "
+            "document.getElementById('model').textContent === 'API key required'"
+        )
+        b.js(
+            "document.getElementById('apikey').value = 'k3y'; document.getElementById('keysave').click(); true"
+        )
         b.wait("document.getElementById('model').textContent.startsWith('fake-model')")
         assert b.js("getComputedStyle(document.getElementById('keybox')).display") == "none"
         # the fake engine's context is 64 "tokens" (one per character)
-        b.js("document.getElementById('prompt').value = 'hi'; document.getElementById('maxtok').value = '5';"
-             "document.getElementById('send').click(); true")
-        b.wait("document.getElementById('status').textContent !== 'streaming...' && "
-               "document.getElementById('status').textContent !== ''")
+        b.js(
+            "document.getElementById('prompt').value = 'hi'; document.getElementById('maxtok').value = '5';"
+            "document.getElementById('send').click(); true"
+        )
+        b.wait(
+            "document.getElementById('status').textContent !== 'streaming...' && "
+            "document.getElementById('status').textContent !== ''"
+        )
         assert b.js("document.getElementById('status').textContent") == "done"
         kinds = b.js("Array.from(document.querySelectorAll('#output .tok')).map(s => s.dataset.kind)")
         assert kinds == ["plain", "draft", "draft", "bonus"]

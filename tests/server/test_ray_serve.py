@@ -2,6 +2,7 @@
 replicas of the embedded model (requests spread over both; a killed replica's in-flight stream
 ends with an error, not a hang, and the replica is replaced; stopping the application drains
 each replica's engine: a long stream ends with finish_reason "abort" and an error event)."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,12 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from dspark_serve.server.ray_serve import RayMetricsBridge, RayServeConfig, prometheus_samples, ray_metric_name
+from dspark_serve.server.ray_serve import (
+    RayMetricsBridge,
+    RayServeConfig,
+    prometheus_samples,
+    ray_metric_name,
+)
 from tests.server.test_e2e import free_port
 
 pytestmark = pytest.mark.slow  # a real server, cluster, browser or the embedded model: -m "not slow" skips it
@@ -22,15 +28,25 @@ pytestmark = pytest.mark.slow  # a real server, cluster, browser or the embedded
 def test_config_validates_and_builds_deployment_options():
     fixed = RayServeConfig(num_replicas=3).deployment_options(shutdown_timeout=10)
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
-    assert fixed["graceful_shutdown_timeout_s"] > 10   # Ray's kill comes after the engine's own drain
+    assert fixed["graceful_shutdown_timeout_s"] > 10  # Ray's kill comes after the engine's own drain
     auto = RayServeConfig(min_replicas=1, max_replicas=4, target_ongoing_requests=6).deployment_options(5)
-    assert auto["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 1,
-                                          "target_ongoing_requests": 6, "upscale_delay_s": 30.0,
-                                          "downscale_delay_s": 600.0}
+    assert auto["autoscaling_config"] == {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "initial_replicas": 1,
+        "target_ongoing_requests": 6,
+        "upscale_delay_s": 30.0,
+        "downscale_delay_s": 600.0,
+    }
     assert "num_replicas" not in auto
-    for bad in ({"num_replicas": 0}, {"min_replicas": 3, "max_replicas": 2}, {"max_replicas": 0},
-                {"target_ongoing_requests": 0.0}, {"health_check_period_s": float("nan")},
-                {"upscale_delay_s": -1.0}):
+    for bad in (
+        {"num_replicas": 0},
+        {"min_replicas": 3, "max_replicas": 2},
+        {"max_replicas": 0},
+        {"target_ongoing_requests": 0.0},
+        {"health_check_period_s": float("nan")},
+        {"upscale_delay_s": -1.0},
+    ):
         with pytest.raises(ValueError, match=repr(next(iter(bad.values())))[:3]):
             RayServeConfig(**bad)
 
@@ -77,6 +93,7 @@ class FakeGauge:
 
 # -- a real local Ray cluster ---------------------------------------------------------------
 
+
 def _stream(url: str, body: dict, out: dict, started: threading.Event) -> None:
     lines: list[str] = []
     out["lines"] = lines
@@ -97,8 +114,16 @@ def _stream(url: str, body: dict, out: dict, started: threading.Event) -> None:
 def _long_stream(url: str, max_tokens: int = 1500) -> tuple[threading.Thread, dict, threading.Event]:
     out: dict = {}
     started = threading.Event()
-    t = threading.Thread(target=_stream, args=(url, {"prompt": "Once upon a time", "max_tokens": max_tokens,
-                                                     "ignore_eos": True}, out, started), daemon=True)
+    t = threading.Thread(
+        target=_stream,
+        args=(
+            url,
+            {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True},
+            out,
+            started,
+        ),
+        daemon=True,
+    )
     t.start()
     assert started.wait(120)
     return t, out, started
@@ -134,8 +159,14 @@ def ray_cluster():
     saved = {k: os.environ.get(k) for k in slow_ok}
     os.environ.update(slow_ok)
     # address="local": a cluster of this test's own, never one another process started
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port,
-             logging_level="error", log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        _metrics_export_port=metrics_port,
+        logging_level="error",
+        log_to_driver=False,
+    )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         yield serve, f"http://127.0.0.1:{http_port}", metrics_port
@@ -164,8 +195,12 @@ def _configs():
     from dspark_serve.server.config import ServerConfig
     from dspark_serve.verifier.config import ModelConfig
 
-    return (ModelConfig(max_model_len=2048, kv_cache_tokens=8192), DrafterConfig(drafter="none"),
-            SchedulerConfig(), ServerConfig(shutdown_timeout=3.0, log_level="warning"))
+    return (
+        ModelConfig(max_model_len=2048, kv_cache_tokens=8192),
+        DrafterConfig(drafter="none"),
+        SchedulerConfig(),
+        ServerConfig(shutdown_timeout=3.0, log_level="warning"),
+    )
 
 
 def test_two_replicas_on_a_local_ray_cluster(serve_cluster):
@@ -176,10 +211,10 @@ def test_two_replicas_on_a_local_ray_cluster(serve_cluster):
     serve, url, metrics_port = serve_cluster
     app = "dspark-test"
     model, drafter, sched, server = _configs()
-    rcfg = RayServeConfig(num_replicas=2, num_cpus=0.5, health_check_period_s=1.0,
-                          metrics_interval_s=0.5, app_name=app)
-    serve.run(deployment(model, drafter, sched, server, rcfg),
-              name=app, route_prefix="/")
+    rcfg = RayServeConfig(
+        num_replicas=2, num_cpus=0.5, health_check_period_s=1.0, metrics_interval_s=0.5, app_name=app
+    )
+    serve.run(deployment(model, drafter, sched, server, rcfg), name=app, route_prefix="/")
     assert _running_replicas(serve, app) == 2
 
     # Requests spread over both replicas, each answering through the same OpenAI app.
@@ -196,27 +231,29 @@ def test_two_replicas_on_a_local_ray_cluster(serve_cluster):
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
         rows = [l for l in text.splitlines() if l.startswith("ray_dspark_generation_tokens_total")]
         return {rid for rid in seen if any(f'replica="{rid}"' in l for l in rows)} == seen
+
     _wait(tagged, 60, "per-replica metrics on Ray's endpoint")
 
     # Kill the replica serving a long stream: the stream ends (error, not a hang), Ray
     # replaces the replica, and later requests succeed.
     t, out, _ = _long_stream(url)
     victim = out["replica"]
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].endswith(victim)]
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(victim)]
     assert names, ray.util.list_named_actors(all_namespaces=True)
     t_kill = time.monotonic()
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
     t.join(timeout=60)
     assert not t.is_alive(), "the stream on the killed replica hung"
     assert out["ended"] - t_kill < 30
-    finished_normally = any('"finish_reason": "length"' in l or '"finish_reason":"length"' in l
-                            for l in out["lines"])
-    assert not finished_normally and ("exception" in out or any("error" in l for l in out["lines"])
-                                      or out["lines"][-1:] != ["[DONE]"]), out
+    finished_normally = any(
+        '"finish_reason": "length"' in l or '"finish_reason":"length"' in l for l in out["lines"]
+    )
+    assert not finished_normally and (
+        "exception" in out or any("error" in l for l in out["lines"]) or out["lines"][-1:] != ["[DONE]"]
+    ), out
     _wait(lambda: _running_replicas(serve, app) == 2, 180, "the killed replica's replacement")
     after = set()
-    for i in range(8):   # later requests succeed, never on the killed replica
+    for i in range(8):  # later requests succeed, never on the killed replica
         r = httpx.post(url + "/v1/completions", json={"prompt": f"Again {i}", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200, r.text
         after.add(r.headers["x-dspark-replica"])
@@ -241,14 +278,21 @@ def test_autoscaling_on_ongoing_requests(serve_cluster):
     serve, url, _ = serve_cluster
     app = "dspark-autoscale"
     model, drafter, sched, server = _configs()
-    rcfg = RayServeConfig(min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=1,
-                          downscale_delay_s=2, num_cpus=0.5, app_name=app)
+    rcfg = RayServeConfig(
+        min_replicas=1,
+        max_replicas=2,
+        target_ongoing_requests=1,
+        upscale_delay_s=1,
+        downscale_delay_s=2,
+        num_cpus=0.5,
+        app_name=app,
+    )
     serve.run(deployment(model, drafter, sched, server, rcfg), name=app, route_prefix="/")
     try:
         assert _running_replicas(serve, app) == 1
-        streams = [_long_stream(url, 300) for _ in range(3)]   # 3 in flight against a target of 1
+        streams = [_long_stream(url, 300) for _ in range(3)]  # 3 in flight against a target of 1
         _wait(lambda: _running_replicas(serve, app) == 2, 180, "the scale-up to 2 replicas")
-        assert _running_replicas(serve, app) <= 2          # never past max_replicas
+        assert _running_replicas(serve, app) <= 2  # never past max_replicas
         for t, _, _ in streams:
             t.join(timeout=300)
         _wait(lambda: _running_replicas(serve, app) == 1, 180, "the scale-down to 1 replica")

@@ -1,5 +1,6 @@
 """Statistical tests build their rounds as padded [B, K+1, V] blocks (easy to write by hand);
 this runs the flat `rejection_sample` on them and pads its output back to [B, K+1]."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,8 +13,8 @@ from dspark_serve.verifier.rejection import rejection_sample
 @dataclass
 class PaddedResult:
     output_tokens: torch.Tensor  # [B, K+1] int64, new tokens left-aligned, -1 after
-    num_accepted: torch.Tensor   # [B] int64
-    num_output: torch.Tensor     # [B] int64
+    num_accepted: torch.Tensor  # [B] int64
+    num_output: torch.Tensor  # [B] int64
 
 
 def padded_rejection_sample(
@@ -27,10 +28,15 @@ def padded_rejection_sample(
     b, k1, _ = target_probs.shape
     nd = num_draft.to(torch.long)
     verify_rows = torch.arange(k1) < (nd + 1).unsqueeze(1)  # [B, K+1]
-    draft_rows = torch.arange(k1 - 1) < nd.unsqueeze(1)     # [B, K]
-    res = rejection_sample(target_probs[verify_rows], draft_tokens[draft_rows],
-                           None if draft_probs is None else draft_probs[draft_rows],
-                           nd, generators, draft_deterministic)
+    draft_rows = torch.arange(k1 - 1) < nd.unsqueeze(1)  # [B, K]
+    res = rejection_sample(
+        target_probs[verify_rows],
+        draft_tokens[draft_rows],
+        None if draft_probs is None else draft_probs[draft_rows],
+        nd,
+        generators,
+        draft_deterministic,
+    )
     assert res.output_tokens.shape == (int((nd + 1).sum()),)  # flat: no padding inside
     out = torch.full((b, k1), -1, dtype=torch.long, device=res.output_tokens.device)
     out[verify_rows.to(out.device)] = res.output_tokens

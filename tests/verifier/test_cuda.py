@@ -1,12 +1,13 @@
 """The runner on CUDA gives the CPU runner's greedy tokens (skips cleanly without CUDA)."""
+
 import pytest
 import torch
 
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
-from tests.helpers import ByteTokenizer, runner_for, tiny_model
 from dspark_serve.verifier.sampling_params import SamplingParams
+from tests.helpers import ByteTokenizer, runner_for, tiny_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

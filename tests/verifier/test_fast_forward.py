@@ -1,5 +1,6 @@
 """The fast forward against the reference forward and transformers (greedy, float32), its paged
 attention against a dense reference on random block layouts, its fallbacks and int8 option."""
+
 import random
 
 import pytest
@@ -9,24 +10,27 @@ import dspark_serve.verifier.fast_forward as ff
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
-from tests.helpers import ByteTokenizer, hf_greedy, tiny_model
 from dspark_serve.verifier.config import ModelConfig
 from dspark_serve.verifier.model_runner import ModelRunner, Segment
 from dspark_serve.verifier.sampling_params import SamplingParams
+from tests.helpers import ByteTokenizer, hf_greedy, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 def engine_outputs(model, prompts, max_tokens, **runner_kw):
     runner = ModelRunner(model, num_blocks=128, block_size=4, **runner_kw)
-    eng = Engine(runner, ByteTokenizer(), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=40),
-                 max_model_len=512)
-    reqs = [Request(f"r{i}", p, GREEDY, max_tokens=max_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
+    eng = Engine(
+        runner, ByteTokenizer(), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=40), max_model_len=512
+    )
+    reqs = [
+        Request(f"r{i}", p, GREEDY, max_tokens=max_tokens, ignore_eos=True) for i, p in enumerate(prompts)
+    ]
     for r in reqs[:2]:
         eng.add_request(r)
     steps = 0
     while eng.has_work() or steps < 3:
-        if steps == 2:                       # late arrivals join running decodes
+        if steps == 2:  # late arrivals join running decodes
             for r in reqs[2:]:
                 eng.add_request(r)
         eng.step()
@@ -51,8 +55,10 @@ def test_fast_forward_greedy_equals_reference_and_generate(kind, linear):
 
 def test_fast_logits_close_to_reference_with_taps():
     model = tiny_model("qwen3", layers=3)
-    runners = [ModelRunner(tiny_model("qwen3", layers=3), 64, 4, impl="reference"),
-               ModelRunner(model, 64, 4, impl="fast")]
+    runners = [
+        ModelRunner(tiny_model("qwen3", layers=3), 64, 4, impl="reference"),
+        ModelRunner(model, 64, 4, impl="fast"),
+    ]
     outs = []
     for r in runners:
         r.blocks.append("a", 37)
@@ -87,10 +93,10 @@ def test_paged_attention_matches_dense_reference_on_random_layouts(block_size):
     torch.manual_seed(block_size)
     model = tiny_model("llama")
     runner = ModelRunner(model, num_blocks=512 // block_size + 8, block_size=block_size)
-    rng.shuffle(runner.blocks._free)                 # block tables are not contiguous
+    rng.shuffle(runner.blocks._free)  # block tables are not contiguous
     H, Hkv, D = runner.num_heads, runner.num_kv_heads, runner.head_dim
     li = 1
-    runner.k_cache.normal_()                         # stale garbage in every slot
+    runner.k_cache.normal_()  # stale garbage in every slot
     runner.v_cache.normal_()
     hist = {f"q{i}": (torch.empty(0, Hkv, D), torch.empty(0, Hkv, D)) for i in range(5)}
     for step in range(14):
@@ -107,10 +113,10 @@ def test_paged_attention_matches_dense_reference_on_random_layouts(block_size):
         r0 = 0
         for s in segs:
             n = len(s.token_ids)
-            kh = torch.cat([hist[s.request_id][0], k[r0:r0 + n]])
-            vh = torch.cat([hist[s.request_id][1], v[r0:r0 + n]])
-            want = dense_attention(q[r0:r0 + n], kh, vh, s.start_pos, runner.scaling)
-            torch.testing.assert_close(out[r0:r0 + n].double(), want, rtol=1e-4, atol=1e-4)
+            kh = torch.cat([hist[s.request_id][0], k[r0 : r0 + n]])
+            vh = torch.cat([hist[s.request_id][1], v[r0 : r0 + n]])
+            want = dense_attention(q[r0 : r0 + n], kh, vh, s.start_pos, runner.scaling)
+            torch.testing.assert_close(out[r0 : r0 + n].double(), want, rtol=1e-4, atol=1e-4)
             hist[s.request_id] = (kh, vh)
             r0 += n
         # roll back part of some requests (rejected drafts), sometimes across a block boundary
@@ -172,9 +178,9 @@ def test_int8_weights_change_little_and_are_opt_in():
     for r in (float_runner, q_runner):
         r.blocks.append("a", 30)
         outs.append(r.forward([Segment("a", list(range(30)), 0, 0)]).logits)
-    assert not torch.equal(outs[0], outs[1])                    # the target did change ...
+    assert not torch.equal(outs[0], outs[1])  # the target did change ...
     cos = torch.nn.functional.cosine_similarity(outs[0], outs[1], dim=-1)
-    assert cos.min() > 0.98                                      # ... but only a little
+    assert cos.min() > 0.98  # ... but only a little
     with pytest.raises(ValueError, match="int8"):
         ModelRunner(tiny_model("llama"), 64, 4, impl="reference", quantize="int8")
 

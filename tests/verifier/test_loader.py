@@ -1,4 +1,5 @@
 """`--dtype auto`: bfloat16 where the hardware computes it natively, float32 elsewhere."""
+
 from __future__ import annotations
 
 import pytest

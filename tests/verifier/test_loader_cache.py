@@ -1,10 +1,10 @@
 """The GGUF conversion cache: written atomically, and a damaged copy is detected and rebuilt
 (never trusted)."""
-import torch
+
 import transformers
 
-from tests.helpers import tiny_model
 from dspark_serve.verifier import loader
+from tests.helpers import tiny_model
 
 
 class Tok:
@@ -21,7 +21,7 @@ def test_conversion_problem_spots_damage(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
     st = dest / "model.safetensors"
     data = st.read_bytes()
-    st.write_bytes(data[:-100])                                  # truncated
+    st.write_bytes(data[:-100])  # truncated
     assert "bytes" in loader.conversion_problem(dest)
     st.write_bytes(data[:5])
     assert loader.conversion_problem(dest) is not None
@@ -40,17 +40,19 @@ def test_damaged_conversion_is_rebuilt(tmp_path, monkeypatch):
         conversions.append(gguf_file)
         return tiny_model("llama")
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
-                        lambda p, gguf_file=None, dtype=None: convert(p, gguf_file) if gguf_file
-                        else tiny_model("llama"))
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda p, gguf_file=None, dtype=None: convert(p, gguf_file) if gguf_file else tiny_model("llama"),
+    )
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tok())
     cache = tmp_path / "cache"
     loader._load_gguf(gguf, cache)
     assert len(conversions) == 1
     (cached,) = [p for p in cache.iterdir() if p.is_dir()]
     loader._load_gguf(gguf, cache)
-    assert len(conversions) == 1                                 # reused
+    assert len(conversions) == 1  # reused
     st = cached / "model.safetensors"
-    st.write_bytes(st.read_bytes()[:1000])                       # a kill mid-copy, say
+    st.write_bytes(st.read_bytes()[:1000])  # a kill mid-copy, say
     loader._load_gguf(gguf, cache)
     assert len(conversions) == 2 and loader.conversion_problem(cached) is None

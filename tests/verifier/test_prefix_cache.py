@@ -1,4 +1,5 @@
 """Prefix caching in the block manager (plain Python, no torch)."""
+
 import random
 
 import pytest
@@ -15,20 +16,19 @@ def _run(bm: BlockManager, rid: str, tokens: list[int], hit_limit: int | None = 
 
 
 def _all_free(bm: BlockManager) -> bool:
-    return (bm.num_free_blocks == bm.num_blocks
-            and all(bm.refcount(b) == 0 for b in range(bm.num_blocks)))
+    return bm.num_free_blocks == bm.num_blocks and all(bm.refcount(b) == 0 for b in range(bm.num_blocks))
 
 
 def test_shared_prefix_is_shared_by_reference_and_counted_once():
     bm = BlockManager(num_blocks=16, block_size=4, enable_caching=True)
-    a = list(range(10))                      # 2 full blocks + 2 tokens
+    a = list(range(10))  # 2 full blocks + 2 tokens
     assert _run(bm, "a", a) == 0
-    b = a[:8] + [50, 51, 52]                 # shares the 2 full blocks
+    b = a[:8] + [50, 51, 52]  # shares the 2 full blocks
     assert _run(bm, "b", b) == 8
     ta, tb = bm.table("a"), bm.table("b")
     assert ta.blocks[:2] == tb.blocks[:2] and ta.blocks[2] != tb.blocks[2]
     assert [bm.refcount(x) for x in ta.blocks[:2]] == [2, 2]
-    assert bm.num_free_blocks == 16 - 4      # 2 shared + 1 private each
+    assert bm.num_free_blocks == 16 - 4  # 2 shared + 1 private each
     s = bm.stats()
     assert (s.queries, s.hits, s.cached_blocks) == (21, 8, 2)
 
@@ -37,7 +37,7 @@ def test_divergence_mid_block_shares_only_whole_blocks_before_it():
     bm = BlockManager(num_blocks=16, block_size=4, enable_caching=True)
     a = list(range(12))
     _run(bm, "a", a)
-    b = a[:6] + [99] * 6                     # diverges inside block 1
+    b = a[:6] + [99] * 6  # diverges inside block 1
     assert _run(bm, "b", b) == 4
     assert bm.table("b").blocks[0] == bm.table("a").blocks[0]
     assert bm.table("b").blocks[1] != bm.table("a").blocks[1]
@@ -67,10 +67,10 @@ def test_uncommitted_tokens_are_never_hashed():
     bm.append("a", 6)
     bm.commit("a", prompt, 6)
     drafts = [7, 8, 9, 10, 11]
-    bm.append("a", 1 + len(drafts))           # anchor + drafts: fills block 1, opens block 2
+    bm.append("a", 1 + len(drafts))  # anchor + drafts: fills block 1, opens block 2
     bm.commit("a", prompt + [6] + drafts, 7)  # only the anchor's KV was kept
     bm.truncate("a", 7)
-    assert bm.stats().cached_blocks == 1      # block 0 only: block 1 holds 3 committed tokens
+    assert bm.stats().cached_blocks == 1  # block 0 only: block 1 holds 3 committed tokens
     assert bm.match_prefix(prompt + [6] + drafts) == [bm.table("a").blocks[0]]
 
 
@@ -102,7 +102,7 @@ def test_refcounts_return_to_zero_after_requests_end_and_after_aborts():
 
 def test_eviction_is_lru_and_never_takes_a_block_in_use():
     bm = BlockManager(num_blocks=6, block_size=2, enable_caching=True)
-    _run(bm, "held", [1, 2, 3, 4])           # 2 blocks, stays in use
+    _run(bm, "held", [1, 2, 3, 4])  # 2 blocks, stays in use
     _run(bm, "old", [5, 6, 7, 8])
     bm.free("old")
     _run(bm, "new", [9, 10, 11, 12])
@@ -117,7 +117,7 @@ def test_eviction_is_lru_and_never_takes_a_block_in_use():
     bm.append("y", 4)
     assert held.isdisjoint(bm.table("y").blocks) and bm.stats().evictions == 4
     with pytest.raises(OutOfBlocks):
-        bm.append("z", 1)                    # only held blocks remain
+        bm.append("z", 1)  # only held blocks remain
     assert bm.match_prefix([1, 2, 3, 4]) == bm.table("held").blocks
 
 

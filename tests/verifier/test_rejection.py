@@ -5,12 +5,13 @@ draft both condition on the previous token) and compares the joint distribution 
 first two generated tokens with the target's. The same harness must flag samplers with
 classic bugs, which shows its threshold can fail.
 """
+
 import pytest
 import torch
 
-from tests.verifier._padded import padded_rejection_sample
 from dspark_serve.verifier.rejection import rejection_sample, verify_offsets
 from dspark_serve.verifier.sampling import probs_from_logits, sample
+from tests.verifier._padded import padded_rejection_sample
 
 V = 5  # vocabulary
 K = 3  # drafts per round
@@ -134,14 +135,23 @@ def test_greedy_hand_made():
     num_draft = torch.tensor([3, 3, 3, 0])
     offsets = verify_offsets(num_draft)
     assert offsets.tolist() == [0, 4, 8, 12, 13]
-    rows = torch.cat([argmax[: n + 1] for n in num_draft.tolist()])   # [13] argmax per verify row
+    rows = torch.cat([argmax[: n + 1] for n in num_draft.tolist()])  # [13] argmax per verify row
     target = torch.zeros(13, 4).scatter_(1, rows.unsqueeze(1), 1.0)
-    drafts = torch.tensor([2, 0, 1, 2, 3, 1, 1, 0, 1])                # [9] = sum(num_draft)
+    drafts = torch.tensor([2, 0, 1, 2, 3, 1, 1, 0, 1])  # [9] = sum(num_draft)
     res = rejection_sample(target, drafts, None, num_draft, None)
     assert res.output_tokens.tolist() == [
-        2, 0, 1, 3,  # all accepted + bonus
-        2, 0, -1, -1,  # rejected at 1, recovered = argmax
-        2, -1, -1, -1,  # rejected at 0
+        2,
+        0,
+        1,
+        3,  # all accepted + bonus
+        2,
+        0,
+        -1,
+        -1,  # rejected at 1, recovered = argmax
+        2,
+        -1,
+        -1,
+        -1,  # rejected at 0
         2,  # nothing to verify: plain decoding
     ]
     assert [res.tokens(b) for b in range(4)] == [[2, 0, 1, 3], [2, 0], [2], [2]]
@@ -153,14 +163,16 @@ def test_flat_rows_follow_each_request_length_without_padding():
     # Requests with 5, 0 and 2 drafts: 6 + 1 + 3 verify rows, 7 draft rows, never 3 x 6.
     num_draft = torch.tensor([5, 0, 2])
     target = torch.full((10, 3), 1.0 / 3)
-    res = rejection_sample(target, torch.zeros(7, dtype=torch.long), torch.full((7, 3), 1.0 / 3),
-                           num_draft, None)
+    res = rejection_sample(
+        target, torch.zeros(7, dtype=torch.long), torch.full((7, 3), 1.0 / 3), num_draft, None
+    )
     assert res.output_tokens.shape == (10,) and res.offsets.tolist() == [0, 6, 7, 10]
-    assert res.num_accepted.tolist() == [5, 0, 2]      # q == p: every draft passes
+    assert res.num_accepted.tolist() == [5, 0, 2]  # q == p: every draft passes
     assert [len(res.tokens(b)) for b in range(3)] == [6, 1, 3]
     with pytest.raises(ValueError, match=r"sum\(num_draft \+ 1\)"):
-        rejection_sample(torch.full((3 * 6, 3), 1.0 / 3), torch.zeros(7, dtype=torch.long), None,
-                         num_draft, None)
+        rejection_sample(
+            torch.full((3 * 6, 3), 1.0 / 3), torch.zeros(7, dtype=torch.long), None, num_draft, None
+        )
 
 
 def test_greedy_equals_argmax_decoding_with_stochastic_draft_probs():
@@ -168,9 +180,9 @@ def test_greedy_equals_argmax_decoding_with_stochastic_draft_probs():
     b, vocab = 64, 6
     logits = torch.randn(b * (K + 1), vocab)
     n = b * (K + 1)
-    target = probs_from_logits(
-        logits, torch.zeros(n), torch.ones(n), torch.zeros(n, dtype=torch.long)
-    ).view(b, K + 1, vocab)
+    target = probs_from_logits(logits, torch.zeros(n), torch.ones(n), torch.zeros(n, dtype=torch.long)).view(
+        b, K + 1, vocab
+    )
     argmax = logits.view(b, K + 1, vocab).argmax(-1)
     draft_probs = torch.softmax(torch.randn(b, K, vocab), -1)
     # Drafts agree with the argmax often, so every acceptance length occurs.
@@ -198,7 +210,12 @@ def test_deterministic_flag_per_row():
     flagged = torch.arange(m) % 2 == 0
     torch.manual_seed(0)
     res = padded_rejection_sample(
-        target, torch.zeros(m, 1, dtype=torch.long), draft_probs, torch.ones(m, dtype=torch.long), None, flagged
+        target,
+        torch.zeros(m, 1, dtype=torch.long),
+        draft_probs,
+        torch.ones(m, dtype=torch.long),
+        None,
+        flagged,
     )
     assert bool((res.num_accepted[~flagged] == 1).all())
     rejected = flagged & (res.num_accepted == 0)
@@ -230,14 +247,22 @@ def test_seeded_rows_reproducible_independent_of_batch():
 
     def run_alone():
         g = torch.Generator().manual_seed(11)
-        return padded_rejection_sample(
-            target[1:2, :3], drafts[1:2, :2], draft_probs[1:2, :2], torch.tensor([2]), [g]
-        ).output_tokens[0, :3].tolist()
+        return (
+            padded_rejection_sample(
+                target[1:2, :3], drafts[1:2, :2], draft_probs[1:2, :2], torch.tensor([2]), [g]
+            )
+            .output_tokens[0, :3]
+            .tolist()
+        )
 
     def run_batched():
         # Row 1 inside a wider (K = 3) batch with neighbours using other generators.
         gens = [None, torch.Generator().manual_seed(11), torch.Generator().manual_seed(99)]
-        return padded_rejection_sample(target, drafts, draft_probs, torch.tensor([3, 2, 1]), gens).output_tokens[1, :3].tolist()
+        return (
+            padded_rejection_sample(target, drafts, draft_probs, torch.tensor([3, 2, 1]), gens)
+            .output_tokens[1, :3]
+            .tolist()
+        )
 
     alone = [run_alone() for _ in range(20)]
     assert alone == [run_batched() for _ in range(20)]
@@ -247,13 +272,15 @@ def test_seeded_rows_reproducible_independent_of_batch():
 def test_zero_drafts_is_plain_sampling():
     target = torch.tensor([[[0.25, 0.75]]]).repeat(8000, 1, 1)
     torch.manual_seed(1)
-    res = padded_rejection_sample(target, torch.zeros(8000, 0, dtype=torch.long), None, torch.zeros(8000, dtype=torch.long))
+    res = padded_rejection_sample(
+        target, torch.zeros(8000, 0, dtype=torch.long), None, torch.zeros(8000, dtype=torch.long)
+    )
     assert res.output_tokens.shape == (8000, 1)
     assert abs(float(res.output_tokens.float().mean()) - 0.75) < 0.02
 
 
 def test_bad_inputs_raise():
-    target = torch.full((5, 4), 0.25)           # two requests verifying 1 and 2 drafts
+    target = torch.full((5, 4), 0.25)  # two requests verifying 1 and 2 drafts
     drafts = torch.zeros(3, dtype=torch.long)
     with pytest.raises(ValueError, match=r"\[6\] rows"):
         rejection_sample(target, drafts, None, torch.tensor([1, 3]))

@@ -36,7 +36,9 @@ def test_temperature_scales_logits():
 
 def test_greedy_is_one_hot_on_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [5.0, 0.0, 0.0, 0.0]])
-    probs = probs_from_logits(logits, torch.tensor([0.0, 0.0]), torch.tensor([0.5, 1.0]), torch.tensor([0, 3]))
+    probs = probs_from_logits(
+        logits, torch.tensor([0.0, 0.0]), torch.tensor([0.5, 1.0]), torch.tensor([0, 3])
+    )
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
 
 

@@ -1,9 +1,10 @@
 """The verification assembly: flat rows (sum of K_i + 1), per-request offsets, no padding."""
+
 import pytest
 import torch
 
-from dspark_serve.verifier.verify import VerifyRequest, build_verify_inputs, verify
 from dspark_serve.verifier.sampling_params import SamplingParams
+from dspark_serve.verifier.verify import VerifyRequest, build_verify_inputs, verify
 
 GREEDY = SamplingParams(temperature=0.0)
 V = 11
@@ -12,8 +13,7 @@ V = 11
 def _request(k: int, probs: bool, seed: int | None = None) -> VerifyRequest:
     q = torch.softmax(torch.randn(k, V), -1) if probs else None
     g = None if seed is None else torch.Generator().manual_seed(seed)
-    return VerifyRequest(SamplingParams(temperature=1.0, seed=seed), g,
-                         torch.randint(0, V, (k,)), q)
+    return VerifyRequest(SamplingParams(temperature=1.0, seed=seed), g, torch.randint(0, V, (k,)), q)
 
 
 @pytest.mark.parametrize("ks", [[7, 0, 2, 1], [0], [3], [1, 6, 0, 0, 5]])
@@ -22,7 +22,7 @@ def test_inputs_hold_exactly_sum_of_k_plus_one_rows(ks):
     reqs = [_request(k, probs=i % 2 == 0) for i, k in enumerate(ks)]
     rows = sum(k + 1 for k in ks)
     inp = build_verify_inputs(torch.randn(rows, V), reqs)
-    assert inp.target_probs.shape == (rows, V)                # not len(ks) * (max(ks) + 1)
+    assert inp.target_probs.shape == (rows, V)  # not len(ks) * (max(ks) + 1)
     assert inp.draft_tokens.shape == (sum(ks),)
     assert inp.draft_probs is None or inp.draft_probs.shape == (sum(ks), V)
     assert inp.num_draft.tolist() == ks
@@ -35,7 +35,7 @@ def test_inputs_hold_exactly_sum_of_k_plus_one_rows(ks):
     off = 0
     for r in reqs:
         if r.draft_probs is not None and inp.draft_probs is not None:
-            assert torch.equal(inp.draft_probs[off:off + r.num_draft], r.draft_probs)
+            assert torch.equal(inp.draft_probs[off : off + r.num_draft], r.draft_probs)
         off += r.num_draft
     # a request is deterministic (one-hot q) exactly when it brings no q
     assert inp.draft_deterministic.tolist() == [r.draft_probs is None or r.num_draft == 0 for r in reqs]
@@ -45,7 +45,7 @@ def test_inputs_hold_exactly_sum_of_k_plus_one_rows(ks):
 
 def test_rows_are_processed_with_their_own_request_parameters():
     logits = torch.randn(5, V)
-    greedy = VerifyRequest(GREEDY, None, torch.tensor([3, 4]))        # rows 0..2
+    greedy = VerifyRequest(GREEDY, None, torch.tensor([3, 4]))  # rows 0..2
     hot = VerifyRequest(SamplingParams(temperature=2.0), None, torch.tensor([1]))  # rows 3..4
     inp = build_verify_inputs(logits, [greedy, hot])
     onehot = torch.zeros(3, V).scatter_(1, logits[:3].argmax(-1, keepdim=True), 1.0)
@@ -57,9 +57,11 @@ def test_greedy_verdict_per_request():
     logits = torch.full((6, V), -5.0)
     argmax = [4, 5, 6, 7, 8, 9]
     logits[torch.arange(6), torch.tensor(argmax)] = 5.0
-    reqs = [VerifyRequest(GREEDY, None, torch.tensor([4, 5, 0])),   # rows 0..3: two accepted
-            VerifyRequest(GREEDY, None, torch.empty(0, dtype=torch.long)),   # row 4: plain
-            VerifyRequest(GREEDY, None, torch.empty(0, dtype=torch.long))]   # row 5: plain
+    reqs = [
+        VerifyRequest(GREEDY, None, torch.tensor([4, 5, 0])),  # rows 0..3: two accepted
+        VerifyRequest(GREEDY, None, torch.empty(0, dtype=torch.long)),  # row 4: plain
+        VerifyRequest(GREEDY, None, torch.empty(0, dtype=torch.long)),
+    ]  # row 5: plain
     res = verify(logits, reqs)
     assert [res.tokens(b) for b in range(3)] == [[4, 5, 6], [8], [9]]
     assert res.num_accepted.tolist() == [2, 0, 0]
