@@ -12,6 +12,7 @@ match at all (a deterministic function of the context). A fixed schedule sends e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -114,7 +115,7 @@ class CombinedDrafter:
 
 def build_dspark_ngram(
     path: str,
-    target_model=None,
+    target_model: Any = None,
     block_size: int | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,

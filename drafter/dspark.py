@@ -9,6 +9,7 @@ when drafts are rejected.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -281,7 +282,10 @@ class DSparkDrafter:
                 return None
             conf = conf.float().cpu()
             return [conf[j, :k] for j, k in enumerate(lengths)]
-        raw = self.model.confidence_logits(hidden, prev).float().cpu().tolist()
+        logits = self.model.confidence_logits(hidden, prev)
+        if logits is None:
+            return None
+        raw = logits.float().cpu().tolist()
         out = []
         for j, (r, k) in enumerate(zip(batch, lengths)):
             used = self.calibrator.calibrate(raw[j][:k])
@@ -304,7 +308,7 @@ def _build(
     name: str,
     use_markov: bool,
     path: str,
-    target_model=None,
+    target_model: Any = None,
     block_size: int | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
@@ -331,7 +335,7 @@ def _build(
 
 def build_dspark(
     path: str,
-    target_model=None,
+    target_model: Any = None,
     block_size: int | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
@@ -343,7 +347,7 @@ def build_dspark(
 
 def build_dflash(
     path: str,
-    target_model=None,
+    target_model: Any = None,
     block_size: int | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,

@@ -4,11 +4,15 @@ last n tokens. No weights; confidences come from its own running acceptance stat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftRequest
+
+if TYPE_CHECKING:
+    from dspark_serve.drafter.online_calibration import OnlineCalibrator
 
 
 @dataclass(frozen=True)
@@ -58,10 +62,10 @@ def lookup_continuation(tokens: np.ndarray, max_ngram: int, min_ngram: int, k: i
 class NgramDrafter:
     name = "ngram"
     tap_layers: tuple[int, ...] = ()
+    calibrator: OnlineCalibrator | None = None  # its confidences are learned from outcomes instead
     # Confidences are learned from verification outcomes, so the engine keeps verifying a
     # little even when they look poor (otherwise a low estimate could never recover).
     online_confidence = True
-    calibrator = None
 
     def __init__(self, config: NgramConfig):
         self.config = config
@@ -115,9 +119,9 @@ def build_ngram(
     prior_accept: float = 3.0,
     prior_reject: float = 1.0,
     path: str | None = None,
-    target_model=None,
-    device=None,
-    dtype=None,
+    target_model: object = None,
+    device: object = None,
+    dtype: object = None,
     online_calibration: bool = True,
 ) -> NgramDrafter:
     """block_size None = NgramConfig's default. target_model / device / dtype /

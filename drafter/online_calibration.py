@@ -114,12 +114,12 @@ class OnlineCalibrator:
         self.biases = [0.0] * block_size
         w = self.config.window
         # conditional samples (fit): raw logit z_k, outcome of draft k given k-1 accepted
-        self._z = [deque(maxlen=w) for _ in range(block_size)]
-        self._y = [deque(maxlen=w) for _ in range(block_size)]
+        self._z: list[deque[float]] = [deque(maxlen=w) for _ in range(block_size)]
+        self._y: list[deque[float]] = [deque(maxlen=w) for _ in range(block_size)]
         # live calibration (report): the cumulative survival probability used (a_k = prod c_i)
         # vs the outcome (all of 1..k accepted), per position
-        self._a_used = [deque(maxlen=w) for _ in range(block_size)]
-        self._a_out = [deque(maxlen=w) for _ in range(block_size)]
+        self._a_used: list[deque[float]] = [deque(maxlen=w) for _ in range(block_size)]
+        self._a_out: list[deque[float]] = [deque(maxlen=w) for _ in range(block_size)]
         self._since_fit = [0] * block_size
         self.rounds = 0
 

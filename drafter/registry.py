@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dspark_serve.drafter.base import Drafter
@@ -38,7 +38,8 @@ class DrafterSpec:
         if callable(self.factory):
             return self.factory
         module, _, attr = self.factory.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        factory: DrafterFactory = getattr(importlib.import_module(module), attr)
+        return factory
 
 
 _REGISTRY: dict[str, DrafterSpec] = {
@@ -96,6 +97,6 @@ def drafter_spec(name: str) -> DrafterSpec:
     return _REGISTRY[name]
 
 
-def build_drafter(name: str, **kwargs) -> Drafter:
+def build_drafter(name: str, **kwargs: Any) -> Drafter:
     """Build a drafter by registry name (see `drafter_names()`)."""
     return drafter_spec(name).load()(**kwargs)

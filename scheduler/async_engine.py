@@ -15,10 +15,11 @@ import time
 import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from dspark_serve.scheduler.builder import EngineBundle
 from dspark_serve.scheduler.client import DrainReport, EngineError, GenerationParams, RuntimeInfo, StreamDelta
-from dspark_serve.scheduler.engine import RequestRejected
+from dspark_serve.scheduler.engine import Engine, RequestRejected
 from dspark_serve.scheduler.request import Request, RequestOutput
 from dspark_serve.verifier.sampling_params import SamplingParams
 
@@ -83,7 +84,7 @@ class AsyncEngine:
         self._error: str | None = None
         self._inbox: queue.Queue[EngineMessage] = queue.Queue()
         self._settled = threading.Event()  # set once the engine loaded, or failed to
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StreamDelta | Exception]]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draining = False
@@ -174,15 +175,20 @@ class AsyncEngine:
         return self.ready
 
     # -- tokenization (thread-safe on HF fast tokenizers) ----------------------------------------
-    def tokenize_chat(self, messages: list[dict]) -> list[int]:
-        tok = self.bundle.tokenizer
+    def _bundle(self) -> EngineBundle:
+        if self.bundle is None:
+            raise EngineError("the model is still loading", 503)
+        return self.bundle
+
+    def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        tok = self._bundle().tokenizer
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self.bundle.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self._bundle().tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # -- requests --------------------------------------------------------------------------------
     async def generate(
@@ -207,7 +213,7 @@ class AsyncEngine:
         except (ValueError, TypeError, RuntimeError) as exc:
             raise EngineError(str(exc), 400, "seed" if "seed" in str(exc) else None) from exc
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        q: asyncio.Queue[StreamDelta | Exception] = asyncio.Queue()
         self._queues[request_id] = (loop, q)
         self._inbox.put(AddRequest(req))
         finished = False
@@ -229,14 +235,14 @@ class AsyncEngine:
         self._inbox.put(AbortRequest(request_id))
 
     # -- the engine thread -----------------------------------------------------------------------
-    def _send(self, request_id: str, item) -> None:
+    def _send(self, request_id: str, item: StreamDelta | Exception) -> None:
         entry = self._queues.get(request_id)
         if entry is not None:
             loop, q = entry
             loop.call_soon_threadsafe(q.put_nowait, item)
 
     def _handle(self, msg: AddRequest | AbortRequest) -> None:
-        engine = self.bundle.engine
+        engine = self._bundle().engine
         if isinstance(msg, AddRequest):
             req = msg.request
             try:
@@ -294,7 +300,7 @@ class AsyncEngine:
                 else:
                     self._send(out.request_id, _delta(out))
 
-    def _fail_all(self, engine) -> None:
+    def _fail_all(self, engine: Engine) -> None:
         for r in list(engine.running) + list(engine.waiting):
             engine.abort(r.request_id)
             self._send(r.request_id, EngineError("internal error while generating", 500))

@@ -7,13 +7,16 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from dspark_serve.drafter.base import Drafter
 from dspark_serve.drafter.config import NO_DRAFTER, DrafterConfig
 from dspark_serve.drafter.registry import build_drafter, drafter_spec
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine, HiddenCapture
+from dspark_serve.scheduler.metrics_sink import EngineMetricsSink
 from dspark_serve.scheduler.policy import DSparkPolicy, parse_policy
 from dspark_serve.verifier.config import ModelConfig
 from dspark_serve.verifier.loader import (
@@ -38,11 +41,11 @@ class EngineBundle:
     """A built engine, the tokenizer of its target, and the dtype chosen for it (and why)."""
 
     engine: Engine
-    tokenizer: object
+    tokenizer: Any
     dtype: DtypeChoice
 
 
-def kv_cache_tokens(cfg: ModelConfig, hf_config, device: torch.device, dtype: torch.dtype) -> int:
+def kv_cache_tokens(cfg: ModelConfig, hf_config: Any, device: torch.device, dtype: torch.dtype) -> int:
     if cfg.kv_cache_tokens:
         return cfg.kv_cache_tokens
     per_token = ModelRunner.kv_bytes_per_token(hf_config, dtype)
@@ -54,7 +57,9 @@ def kv_cache_tokens(cfg: ModelConfig, hf_config, device: torch.device, dtype: to
     return max(int(budget // per_token), cfg.max_model_len)
 
 
-def build_drafter_for(cfg: DrafterConfig, target, device, dtype, model_is_embedded: bool):
+def build_drafter_for(
+    cfg: DrafterConfig, target: Any, device: torch.device, dtype: torch.dtype, model_is_embedded: bool
+) -> Drafter | None:
     if cfg.drafter == NO_DRAFTER:
         return None
     path = cfg.drafter_path
@@ -79,7 +84,7 @@ def build_engine(
     model_cfg: ModelConfig,
     drafter_cfg: DrafterConfig,
     sched_cfg: SchedulerConfig,
-    metrics=None,
+    metrics: EngineMetricsSink | None = None,
     profile: bool | None = None,
     capture: Callable[[int], HiddenCapture] | None = None,
     on_stage: Callable[[str], None] | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class EngineError(ValueError):
@@ -82,7 +82,7 @@ class StreamDelta:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
-    spec: dict | None = field(default=None)
+    spec: dict[str, Any] | None = field(default=None)
     tokens: list[TokenRecord] = field(default_factory=list)
     """One record per token of token_ids, in order."""
     error: str | None = None  # set on a final delta when the server cut the request (drain)
@@ -121,7 +121,7 @@ class EngineClient(Protocol):
     @property
     def runtime_info(self) -> RuntimeInfo | None: ...
 
-    def tokenize_chat(self, messages: list[dict]) -> list[int]: ...
+    def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
 
     def tokenize(self, text: str) -> list[int]: ...
 

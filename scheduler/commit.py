@@ -5,12 +5,13 @@ tokens into text, and each token gets a `TokenRecord` with its provenance."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from dspark_serve.scheduler.client import TokenRecord
 from dspark_serve.scheduler.request import Request, RequestOutput
 
 
-def eos_token_ids(model, tokenizer) -> frozenset[int]:
+def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     """Every EOS id the target's generation config, model config or tokenizer declares."""
     ids: set[int] = set()
     for src in (getattr(model, "generation_config", None), model.config, tokenizer):
@@ -47,9 +48,11 @@ def append_tokens(r: Request, toks: list[int], eos_ids: frozenset[int]) -> Appen
             break
         r.output_ids.append(t)
         out.token_ids.append(t)
-        before = len(r.detok.text)
-        stopped = r.detok.add(t)
-        out.pieces.append(r.detok.text[before:])
+        detok = r.detok
+        assert detok is not None  # set when the request is admitted
+        before = len(detok.text)
+        stopped = detok.add(t)
+        out.pieces.append(detok.text[before:])
         if stopped:
             out.finish_reason = "stop"
             break

@@ -7,13 +7,15 @@ start of a stop string is held back until it cannot.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class IncrementalDetokenizer:
     # Tokens of left context re-decoded with each step: enough for tokenizers whose spacing
     # depends on the previous token.
     CONTEXT = 4
 
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = list(prompt_ids[-self.CONTEXT :])
         self.prefix_offset = 0
@@ -24,7 +26,8 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of self.text already returned
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return text
 
     def add(self, token_id: int) -> bool:
         """Append one token; returns True when a stop string completed (text is cut before it)."""

@@ -18,7 +18,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -88,7 +88,7 @@ class Engine:
     def __init__(
         self,
         runner: ModelRunner,
-        tokenizer,
+        tokenizer: Any,
         sched: SchedulerConfig,
         max_model_len: int,
         drafter: Drafter | None = None,
@@ -111,7 +111,7 @@ class Engine:
         self.load = LoadMonitor(runner)
         self.requests: dict[str, Request] = {}
         self.eos_ids = eos_token_ids(runner.model, tokenizer)
-        self.vocab_size = int(runner.embed.num_embeddings)
+        self.vocab_size = int(runner.embed.num_embeddings)  # type: ignore[arg-type]
 
     # -- the parts, as the rest of the code sees them ------------------------------------------
     @property
@@ -335,7 +335,8 @@ class Engine:
         load = self.load.snapshot(len(batch.decodes), len(self.waiting), batch.prefill_tokens)
         room = self.cfg.max_num_batched_tokens - batch.prefill_tokens - len(batch.decodes)
         proposal = self.speculation.propose(batch.decodes, room, load)
-        self.metrics.record_policy(proposal.decision, load)
+        if proposal.decision is not None:
+            self.metrics.record_policy(proposal.decision, load)
         return proposal
 
     # -- verify ------------------------------------------------------------------------------
@@ -397,6 +398,7 @@ class Engine:
         res = v.result
         for i, r in enumerate(batch.decodes):  # decodes are rows 0.. of the verdict
             verified = proposal.lengths[i]
+            assert res is not None  # decodes always get a verdict
             a = int(res.num_accepted[i])
             start = r.num_computed
             r.num_computed += 1 + a
@@ -439,6 +441,7 @@ class Engine:
             if r.num_computed == len(ids):
                 r.status = Status.DECODE
                 if not r.output_ids:  # completed a prompt: its first token was sampled
+                    assert res is not None
                     kept.append(Committed(r, res.tokens(row)[:1], round_provenance(0, 0), False))
                     row += 1
         return kept, contexts
@@ -454,7 +457,7 @@ class Engine:
         self.metrics.record_tokens(n)
         if c.decoding:
             self.metrics.record_realized(len(c.tokens))
-        if r.first_token_time is None:
+        if r.first_token_time is None or r.last_token_time is None:
             r.first_token_time = now
             self.metrics.record_first_token(now - r.arrival_time, len(r.prompt_ids))
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 from dspark_serve.drafter.config import DrafterConfig
 from dspark_serve.scheduler.builder import build_engine
@@ -29,7 +30,7 @@ OFFLINE_DEFAULTS = {"device": "cpu", "max_waiting": 1 << 30}
 OFFLINE_CONFIGS = (ModelConfig, DrafterConfig, SchedulerConfig)
 
 
-def offline_configs(**options) -> tuple[ModelConfig, DrafterConfig, SchedulerConfig]:
+def offline_configs(**options: Any) -> tuple[ModelConfig, DrafterConfig, SchedulerConfig]:
     """The component configs from keyword arguments named like their fields (any field of
     ModelConfig, DrafterConfig or SchedulerConfig), over OFFLINE_DEFAULTS and then the
     configs' own defaults."""
@@ -41,10 +42,15 @@ def offline_configs(**options) -> tuple[ModelConfig, DrafterConfig, SchedulerCon
             f"{', '.join(c.__name__ for c in OFFLINE_CONFIGS)}"
         )
     values = {**OFFLINE_DEFAULTS, **options}
-    model, drafter, sched = (
-        c(**{f.name: values[f.name] for f in fields(c) if f.name in values}) for c in OFFLINE_CONFIGS
+
+    def pick(c: type) -> dict[str, Any]:
+        return {f.name: values[f.name] for f in fields(c) if f.name in values}
+
+    return (
+        ModelConfig(**pick(ModelConfig)),
+        DrafterConfig(**pick(DrafterConfig)),
+        SchedulerConfig(**pick(SchedulerConfig)),
     )
-    return model, drafter, sched
 
 
 class LLM:
@@ -53,7 +59,7 @@ class LLM:
     Keyword arguments: any field of ModelConfig, DrafterConfig or SchedulerConfig (see
     `offline_configs`); capture(num_layers) builds a hidden-state capture for training data."""
 
-    def __init__(self, *, capture: Callable[[int], HiddenCapture] | None = None, **options) -> None:
+    def __init__(self, *, capture: Callable[[int], HiddenCapture] | None = None, **options: Any) -> None:
         bundle = build_engine(*offline_configs(**options), capture=capture)
         self.engine = bundle.engine
         self.tokenizer = bundle.tokenizer
@@ -64,7 +70,7 @@ class LLM:
         prompt_token_ids: list[list[int]],
         sampling_params: SamplingParams,
         max_tokens: int,
-        on_progress=None,
+        on_progress: Callable[[int, int], None] | None = None,
         ignore_eos: bool = False,
     ) -> list[GenerationOutput]:
         reqs = []
@@ -73,7 +79,7 @@ class LLM:
             r = Request(f"offline-{next(self._ids)}", list(ids), sp, max_tokens, ignore_eos=ignore_eos)
             self.engine.add_request(r)
             reqs.append(r)
-        texts = {r.request_id: [] for r in reqs}
+        texts: dict[str, list[str]] = {r.request_id: [] for r in reqs}
         done = 0
         while self.engine.has_work():
             for out in self.engine.step():

@@ -4,6 +4,10 @@ and the metrics export."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dspark_serve.verifier.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class LoadState:
 class LoadMonitor:
     """Measures what the machine is carrying right now (KV usage, accelerator memory)."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
     def snapshot(self, num_running: int, num_waiting: int, prefill_tokens: int = 0) -> LoadState:

@@ -6,7 +6,8 @@ time, so the value is stored and updated once."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
@@ -49,9 +50,9 @@ class AliasCollector:
     `dspark:num_requests_waiting`): same type, help, labels and values, read at collect time."""
 
     def __init__(self) -> None:
-        self._aliases: list[tuple[object, str, str]] = []  # (metric, its name, alias name)
+        self._aliases: list[tuple[Any, str, str]] = []  # (metric, its name, alias name)
 
-    def alias(self, metric, name: str):
+    def alias(self, metric: Any, name: str) -> Any:
         """Expose `metric` under `name` as well; returns `metric` so it wraps a definition."""
         own = metric._name  # prometheus_client strips a counter's `_total` here
         if name.endswith("_total") and metric._type == "counter":
@@ -66,7 +67,7 @@ class AliasCollector:
         """Alias name -> the metric name it mirrors."""
         return {alias: own for _, own, alias in self._aliases}
 
-    def _renamed(self, families):
+    def _renamed(self, families: Iterable[Metric]) -> Iterator[Metric]:
         for fam in families:
             for _metric, own, alias in self._aliases:
                 if fam.name == own:
@@ -74,11 +75,11 @@ class AliasCollector:
                     out.samples = [s._replace(name=alias + s.name[len(own) :]) for s in fam.samples]
                     yield out
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         for metric, _, _ in self._aliases:
             yield from self._renamed(metric.collect())
 
-    def describe(self):
+    def describe(self) -> Iterator[Metric]:
         for metric, _, _ in self._aliases:
             yield from self._renamed(metric.describe())
 

@@ -11,7 +11,7 @@ from dspark_serve.scheduler.load import LoadState
 
 if TYPE_CHECKING:
     from dspark_serve.drafter.online_calibration import OnlineCalibrator
-    from dspark_serve.scheduler.policy import PolicyDecision
+    from dspark_serve.scheduler.policy import CostTable, PolicyDecision
     from dspark_serve.verifier.block_manager import PrefixCacheStats
 
 
@@ -51,10 +51,14 @@ class EngineMetricsSink(Protocol):
     def record_realized(self, n: int) -> None: ...
     def record_finished(self, reason: str | None, seconds: float) -> None: ...
     def record_step(self, snap: EngineSnapshot) -> None: ...
+    def set_cost_table(self, table: CostTable) -> None: ...
 
 
 class NullMetrics:
     """Metrics disabled: every report is dropped."""
+
+    def set_cost_table(self, table: CostTable) -> None:
+        pass
 
     def record_forward(self, tokens: int, seconds: float) -> None:
         pass

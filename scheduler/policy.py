@@ -73,7 +73,7 @@ class CostTable:
         _check_points(self.batch_sizes, self.steps_per_second, "decode")
         if (self.block_sizes is None) != (self.block_steps_per_second is None):
             raise ValueError("block_sizes and block_steps_per_second come together, got one of them")
-        if self.block_sizes is not None:
+        if self.block_sizes is not None and self.block_steps_per_second is not None:
             object.__setattr__(self, "block_sizes", tuple(int(b) for b in self.block_sizes))
             object.__setattr__(
                 self, "block_steps_per_second", tuple(float(s) for s in self.block_steps_per_second)
@@ -87,14 +87,22 @@ class CostTable:
             self.steps_per_second,
             b if requests is None or self.block_sizes is None else requests,
         )
-        if requests is None or self.block_sizes is None or b <= requests:
+        if (
+            requests is None
+            or self.block_sizes is None
+            or self.block_steps_per_second is None
+            or b <= requests
+        ):
             return decode
         bb, bs = self.block_sizes, self.block_steps_per_second
         extra = 1.0 / _interp(bb, bs, 1 + b - requests) - 1.0 / _interp(bb, bs, 1)
         return 1.0 / (1.0 / decode + max(extra, 0.0))
 
-    def to_dict(self) -> dict[str, list]:
-        d = {"batch_sizes": list(self.batch_sizes), "steps_per_second": list(self.steps_per_second)}
+    def to_dict(self) -> dict[str, list[float]]:
+        d: dict[str, list[float]] = {
+            "batch_sizes": list(self.batch_sizes),
+            "steps_per_second": list(self.steps_per_second),
+        }
         if self.block_sizes is not None:
             d["block_sizes"] = list(self.block_sizes)
             d["block_steps_per_second"] = list(self.block_steps_per_second or ())
@@ -173,7 +181,8 @@ class PolicyDecision:
 
 
 class Policy(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def __call__(self, inp: PolicyInput, table: CostTable, load: LoadState) -> PolicyDecision: ...
 

@@ -53,6 +53,7 @@ class TapCache:
             if self.rows is not None:
                 grown[:have] = self.rows
             self.rows = grown
+        assert self.rows is not None
         self.rows[torch.tensor(slots, device=h.device)] = h
 
     def context(self, request_id: str, token_ids: list[int], num_cached: int) -> AcceptedContext:

@@ -10,6 +10,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -66,11 +67,11 @@ def _steps_per_second(runner: ModelRunner, segs: list[Segment], repeats: int) ->
 
 def measure(
     runner: ModelRunner,
-    batch_sizes=BATCH_SIZES,
-    context_lens=CONTEXT_LENS,
+    batch_sizes: tuple[int, ...] = BATCH_SIZES,
+    context_lens: tuple[int, ...] = CONTEXT_LENS,
     repeats: int = 3,
-    block_sizes=BLOCK_SIZES,
-) -> dict:
+    block_sizes: tuple[int, ...] = BLOCK_SIZES,
+) -> dict[str, Any]:
     """Time decode-shaped forwards of B tokens spread over up to 32 requests of a given context
     length, and block-shaped ones (one request carrying B tokens). Returns {"batch_sizes",
     "steps_per_second", "block_sizes", "block_steps_per_second", "by_context",
@@ -133,7 +134,7 @@ def _merge(by_ctx: dict[int, list[float]], n: int) -> list[float]:
     return merged
 
 
-def cache_key(model_name: str, config, device: torch.device, dtype: torch.dtype) -> str:
+def cache_key(model_name: str, config: Any, device: torch.device, dtype: torch.dtype) -> str:
     arch = {f: getattr(config, f, None) for f in ARCH_FIELDS}
     hw = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     threads = torch.get_num_threads() if device.type == "cpu" else None
@@ -145,11 +146,11 @@ def cache_key(model_name: str, config, device: torch.device, dtype: torch.dtype)
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def _checksum(raw: dict) -> str:
+def _checksum(raw: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
 
 
-def read_cached(path: Path) -> dict | None:
+def read_cached(path: Path) -> dict[str, Any] | None:
     """The cached profile at `path`, or None when it is missing or damaged (truncated, edited,
     another format): a damaged cache is never trusted, it is measured again."""
     try:
@@ -158,7 +159,7 @@ def read_cached(path: Path) -> dict | None:
         if doc.get("sha256") != _checksum(raw):
             raise ValueError("checksum mismatch")
         CostTable.from_dict(raw)
-        return raw
+        return dict(raw)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -166,7 +167,7 @@ def read_cached(path: Path) -> dict | None:
         return None
 
 
-def write_cached(path: Path, raw: dict) -> None:
+def write_cached(path: Path, raw: dict[str, Any]) -> None:
     """Write atomically: a temporary file, then a rename, so a kill never leaves half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -179,7 +180,7 @@ def write_cached(path: Path, raw: dict) -> None:
 
 def load_or_profile(
     runner: ModelRunner, model_name: str, cache_dir: Path | None, reprofile: bool = False
-) -> tuple[CostTable, dict, str]:
+) -> tuple[CostTable, dict[str, Any], str]:
     """Return (table, raw profile, source) where source says whether it was cached or measured."""
     path = None
     if cache_dir is not None:
@@ -201,7 +202,7 @@ def load_or_profile(
     return CostTable.from_dict(raw), raw, f"measured in {raw['seconds']:.1f}s"
 
 
-def format_table(raw: dict) -> str:
+def format_table(raw: dict[str, Any]) -> str:
     lines = ["  B(tokens)  steps/s  tokens/s   (B decode requests)"]
     for b, s in zip(raw["batch_sizes"], raw["steps_per_second"]):
         lines.append(f"  {b:9d}  {s:7.1f}  {b * s:8.0f}")

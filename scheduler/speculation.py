@@ -93,14 +93,21 @@ class Speculation:
         return self.drafter is not None and self.policy.name != "none"
 
     @property
+    def _drafting(self) -> Drafter | None:
+        """The drafter when speculating, else None."""
+        return self.drafter if self.policy.name != "none" else None
+
+    @property
     def tap_layers(self) -> tuple[int, ...]:
         """Target layers whose hidden states the drafter absorbs (empty when not speculating)."""
-        return tuple(self.drafter.tap_layers) if self.speculating else ()
+        d = self._drafting
+        return tuple(d.tap_layers) if d is not None else ()
 
     @property
     def draft_reserve(self) -> int:
         """Tokens per decoding request the scheduler leaves free for drafts the policy may admit."""
-        return min(2, self.drafter.block_size) if self.speculating else 0
+        d = self._drafting
+        return min(2, d.block_size) if d is not None else 0
 
     # -- propose -------------------------------------------------------------------------------
     def propose(self, decodes: list[Request], room: int, load: LoadState | None) -> StepProposal:
@@ -131,6 +138,7 @@ class Speculation:
         return self._max_draft(r) if self.speculating else 0
 
     def _max_draft(self, r: Request) -> int:
+        assert self.drafter is not None
         cap = min(
             self.drafter.block_size,
             r.max_tokens - len(r.output_ids) - 1,
@@ -154,7 +162,7 @@ class Speculation:
             for r in decodes
         ]
         todo = [i for i, v in enumerate(views) if v.max_draft > 0]
-        if todo:
+        if todo and self.drafter is not None:
             for i, p in zip(todo, self.drafter.propose([views[i] for i in todo])):
                 proposals[i] = p
         return proposals
@@ -187,9 +195,10 @@ class Speculation:
         """Book one decode step of `r` that verified `verified` drafts and kept `accepted`;
         True when it was a speculative round (at least one draft verified)."""
         r.spec.steps += 1
-        if not self.speculating or verified <= 0:
+        d = self._drafting
+        if d is None or verified <= 0:
             return False
-        self.drafter.observe_acceptance(r.request_id, verified, accepted)
+        d.observe_acceptance(r.request_id, verified, accepted)
         r.spec.rounds += 1
         r.spec.drafted += verified
         r.spec.accepted += accepted
@@ -197,8 +206,9 @@ class Speculation:
 
     def observe(self, contexts: list[AcceptedContext]) -> None:
         """The drafter absorbs what the target kept (only when it drafts)."""
-        if contexts and self.speculating:
-            self.drafter.observe(contexts)
+        d = self._drafting
+        if contexts and d is not None:
+            d.observe(contexts)
 
     def record_step(
         self, proposal: StepProposal, num_decodes: int, has_prefills: bool, decode_tokens: int, seconds: float

@@ -13,12 +13,20 @@ import sys
 import textwrap
 import tomllib
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from dspark_serve.drafter.config import NO_DRAFTER, DrafterConfig
 from dspark_serve.drafter.registry import drafter_names, drafter_spec
 from dspark_serve.scheduler.config import SchedulerConfig, policy_choices
 from dspark_serve.server.config import ServerConfig
 from dspark_serve.verifier.config import ModelConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from prometheus_client import CollectorRegistry
+
+    from dspark_serve.scheduler.async_engine import AsyncEngine
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "embedded"
@@ -35,7 +43,9 @@ COMPONENTS = tuple(SECTIONS.values())
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a config dataclass, whitespace collapsed."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+    node0 = tree.body[0]
+    assert isinstance(node0, ast.ClassDef)
+    body = node0.body
     docs = {}
     for node, nxt in zip(body, body[1:]):
         if (
@@ -85,7 +95,7 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--config",
-        **({} if suppress_defaults else {"default": DEFAULT_CONFIG}),
+        **({} if suppress_defaults else {"default": DEFAULT_CONFIG}),  # type: ignore[arg-type]
         help="a name under configs/ (without .toml) or a path to a TOML file; flags override it",
     )
     for name, comp, help_, typ in _flags():
@@ -108,7 +118,7 @@ def _config_path(spec: str) -> Path:
     return path
 
 
-def load_config_file(spec: str) -> dict:
+def load_config_file(spec: str) -> dict[str, Any]:
     """The values a config file sets, by field name. Each section ([model], [drafter],
     [scheduler], [server]) is checked against its own component config: an unknown section, a
     key outside any section, or a key in the wrong section is a ValueError naming the file,
@@ -120,7 +130,7 @@ def load_config_file(spec: str) -> dict:
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config {name}: {exc}") from exc
     owner = {f.name: sec for sec, comp in SECTIONS.items() for f in dataclasses.fields(comp)}
-    flat: dict = {}
+    flat: dict[str, Any] = {}
     for section, table in data.items():
         if not isinstance(table, dict):
             where = f"; it belongs in [{owner[section]}]" if section in owner else ""
@@ -165,7 +175,7 @@ def resolve(
 API_KEY_ENV = "DSPARK_API_KEY"
 
 
-def resolve_api_key(cfg: ServerConfig, environ) -> ServerConfig:
+def resolve_api_key(cfg: ServerConfig, environ: Mapping[str, str]) -> ServerConfig:
     """Fill `api_key` at start-up from `api_key_file` or, when neither is given, from the
     DSPARK_API_KEY environment variable (so the key need not be on the command line)."""
     if cfg.api_key_file is not None:
@@ -183,7 +193,7 @@ def resolve_api_key(cfg: ServerConfig, environ) -> ServerConfig:
 
 def start_engine(
     model_cfg: ModelConfig, drafter_cfg: DrafterConfig, sched_cfg: SchedulerConfig, server_cfg: ServerConfig
-):
+) -> tuple[AsyncEngine, CollectorRegistry]:
     """Start loading the engine in its background thread; returns (AsyncEngine, the metrics'
     CollectorRegistry). Shared by `dspark-serve` and each Ray Serve replica."""
     from prometheus_client import CollectorRegistry

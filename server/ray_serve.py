@@ -28,6 +28,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from dspark_serve.drafter.config import DrafterConfig
+    from dspark_serve.scheduler.config import SchedulerConfig
+    from dspark_serve.server.config import ServerConfig
+    from dspark_serve.verifier.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +100,9 @@ class RayServeConfig:
     def autoscaling(self) -> bool:
         return self.min_replicas is not None or self.max_replicas is not None
 
-    def deployment_options(self, shutdown_timeout: float) -> dict:
+    def deployment_options(self, shutdown_timeout: float) -> dict[str, Any]:
         """Keyword arguments of `serve.deployment(...).options(...)`."""
-        opts: dict = {
+        opts: dict[str, Any] = {
             "ray_actor_options": {"num_cpus": self.num_cpus},
             "health_check_period_s": self.health_check_period_s,
             "health_check_timeout_s": self.health_check_timeout_s,
@@ -121,7 +130,7 @@ class RayServeConfig:
 # -- metrics: a replica's registry copied into Ray's, tagged with the replica -----------------
 
 
-def prometheus_samples(registry) -> Iterable[tuple[str, dict[str, str], float]]:
+def prometheus_samples(registry: CollectorRegistry) -> Iterable[tuple[str, dict[str, str], float]]:
     """(name, labels, value) of every sample a Ray gauge can carry: gauges, counter totals and
     histogram/summary sums and counts (buckets stay on the replica's own /metrics). vLLM-style
     aliases are skipped: they repeat the dspark: metrics."""
@@ -145,7 +154,11 @@ class RayMetricsBridge:
     arrive as gauges holding the running total (Prometheus `rate()` works on them all the same)."""
 
     def __init__(
-        self, registry, tags: dict[str, str], interval: float, gauge_factory: Callable | None = None
+        self,
+        registry: CollectorRegistry,
+        tags: dict[str, str],
+        interval: float,
+        gauge_factory: Callable[..., Any] | None = None,
     ) -> None:
         if gauge_factory is None:
             from ray.util.metrics import Gauge
@@ -153,7 +166,7 @@ class RayMetricsBridge:
             gauge_factory = Gauge
         self.registry, self.tags, self.interval = registry, dict(tags), interval
         self._factory = gauge_factory
-        self._gauges: dict[tuple[str, tuple[str, ...]], object] = {}
+        self._gauges: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -215,10 +228,10 @@ class EngineReplica:
 
     def __init__(
         self,
-        model_cfg,
-        drafter_cfg,
-        sched_cfg,
-        server_cfg,
+        model_cfg: ModelConfig,
+        drafter_cfg: DrafterConfig,
+        sched_cfg: SchedulerConfig,
+        server_cfg: ServerConfig,
         ray_cfg: RayServeConfig,
         ready_timeout: float = 900.0,
     ) -> None:
@@ -247,13 +260,13 @@ class EngineReplica:
                 target=self._watch_stop, args=(stopping,), name="ray-stop-watch", daemon=True
             ).start()
 
-    def __serve_build_asgi_app__(self):
+    def __serve_build_asgi_app__(self) -> Any:
         from dspark_serve.server.app import build_app
 
         app = build_app(self.engine, self.server_cfg, self.registry)
 
         @app.middleware("http")
-        async def tag_replica(request, call_next):
+        async def tag_replica(request: Any, call_next: Callable[[Any], Any]) -> Any:
             response = await call_next(request)
             response.headers["x-dspark-replica"] = self.replica_id
             return response
@@ -291,12 +304,18 @@ class EngineReplica:
         self.engine.stop()
 
 
-def deployment(model_cfg, drafter_cfg, sched_cfg, server_cfg, ray_cfg: RayServeConfig):
+def deployment(
+    model_cfg: ModelConfig,
+    drafter_cfg: DrafterConfig,
+    sched_cfg: SchedulerConfig,
+    server_cfg: ServerConfig,
+    ray_cfg: RayServeConfig,
+) -> Any:
     """The bound Ray Serve application (pass to `serve.run`)."""
     from ray import serve
 
     cls = serve.ingress()(EngineReplica)
-    dep = serve.deployment(cls, name="DSparkEngine").options(
+    dep = serve.deployment(cls, name="DSparkEngine").options(  # type: ignore[attr-defined]
         **ray_cfg.deployment_options(server_cfg.shutdown_timeout)
     )
     return dep.bind(model_cfg, drafter_cfg, sched_cfg, server_cfg, ray_cfg)
@@ -314,7 +333,9 @@ def _ray_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve(argv: list[str] | None = None):
+def resolve(
+    argv: list[str] | None = None,
+) -> tuple[ModelConfig, DrafterConfig, SchedulerConfig, ServerConfig, RayServeConfig]:
     """(ModelConfig, DrafterConfig, SchedulerConfig, ServerConfig, RayServeConfig) from flags:
     the RayServeConfig fields here, everything else as `dspark-serve` reads it."""
     from dspark_serve.server import cli
@@ -342,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     import ray
     from ray import serve
 
-    ray.init(address=ray_cfg.address, logging_level=server_cfg.log_level.upper())
+    ray.init(address=ray_cfg.address, logging_level=getattr(logging, server_cfg.log_level.upper()))
     serve.start(http_options={"host": server_cfg.host, "port": server_cfg.port})
     serve.run(
         deployment(model_cfg, drafter_cfg, sched_cfg, server_cfg, ray_cfg),
@@ -356,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     stop.wait()
     log.info("stopping: replicas drain (up to %.0fs)", server_cfg.shutdown_timeout)
     serve.delete(ray_cfg.app_name)  # each replica drains its engine as it stops
-    serve.shutdown()
+    serve.shutdown()  # type: ignore[no-untyped-call]
     ray.shutdown()
 
 

@@ -11,8 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from dspark_serve.scheduler.client import DrainReport
 
 log = logging.getLogger(__name__)
 
@@ -20,19 +26,19 @@ log = logging.getLogger(__name__)
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose exit signal first drains `engine` (anything with `async drain(timeout)`)."""
 
-    def __init__(self, config: uvicorn.Config, engine, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: Any, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_task: asyncio.Future | None = None
-        self.drain_report = None
+        self._drain_task: asyncio.Future[None] | None = None
+        self.drain_report: DrainReport | None = None
 
-    async def serve(self, sockets=None) -> None:
+    async def serve(self, sockets: list[Any] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
-    def handle_exit(self, sig: int, frame) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if (
             self._drain_started()
             or self._loop is None
@@ -60,7 +66,7 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(app, engine, host: str, port: int, log_level: str, shutdown_timeout: float) -> None:
+def serve(app: Any, engine: Any, host: str, port: int, log_level: str, shutdown_timeout: float) -> None:
     config = uvicorn.Config(
         app,
         host=host,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -49,7 +50,7 @@ class PrefixCacheStats:
     cached_free_blocks: int = 0
 
 
-def chain_hash(parent: bytes | None, tokens) -> bytes:
+def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     """The content hash of one full block: its tokens and the hash of the block before it."""
     h = hashlib.blake2b(parent or b"root", digest_size=16)
     h.update(array("q", tokens).tobytes())

@@ -19,16 +19,30 @@ Greedy equality with the reference forward in float32 is what the tests hold it 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from dspark_serve.verifier.block_manager import BlockManager
+    from dspark_serve.verifier.model_runner import ForwardOutput, Segment
 
 SMALL_SEGMENT = 32
 LINEAR_KINDS = ("auto", "torch", "mkldnn")
 
 
 # -- linear layers ------------------------------------------------------------------------------
+class Linear(Protocol):
+    """One linear layer of the fast forward: [N, in] -> [N, out]."""
+
+    kind: str
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class _TorchLinear:
     kind = "torch"
 
@@ -51,7 +65,8 @@ class _MkldnnLinear:
         self.b = b
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
+        return y
 
 
 class _Int8Linear:
@@ -80,7 +95,7 @@ def mkldnn_linear_works(dtype: torch.dtype, device: torch.device) -> bool:
     if (
         device.type != "cpu"
         or dtype not in (torch.float32, torch.bfloat16)
-        or not torch.backends.mkldnn.is_available()
+        or not torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
     ):
         return False
     try:
@@ -92,7 +107,7 @@ def mkldnn_linear_works(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
-def make_linear(w: torch.Tensor, b: torch.Tensor | None, kind: str, quantize: str):
+def make_linear(w: torch.Tensor, b: torch.Tensor | None, kind: str, quantize: str) -> Linear:
     """kind: auto (mkldnn where it works: float32/bf16 on CPU; else torch), torch or mkldnn."""
     if quantize == "int8":
         return _Int8Linear(w, b)
@@ -117,26 +132,51 @@ class _FastPlan:
     g_blocks: torch.Tensor | None = None  # [G * nblk] block ids (pad -> 0)
     g_nblk: int = 0
     g_mask: torch.Tensor | None = None  # [G, 1, Q, nblk * bs] bool
-    big: list = field(default_factory=list)  # (row0, n, start, blocks [nb] | None, mask | None)
+    # (row0, n, start, blocks [nb] | None, mask | None) per segment longer than SMALL_SEGMENT
+    big: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
     logit_rows: torch.Tensor | None = None
-    logits_offsets: list = field(default_factory=list)
-    token_offsets: list = field(default_factory=list)
+    logits_offsets: list[int] = field(default_factory=list)
+    token_offsets: list[int] = field(default_factory=list)
 
 
 @dataclass
 class _FastLayer:
     in_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: object
-    o: object
-    gate_up: object
-    down: object
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
 
 
 class FastForwardMixin:
     """Mixed into ModelRunner; uses its attributes (layers, caches, blocks, sizes)."""
+
+    # Set by ModelRunner.__init__ (declared here for the type checker).
+    config: Any
+    device: torch.device
+    dtype: torch.dtype
+    quantize: str
+    embed: torch.nn.Module
+    layers: list[Any]  # the HF decoder layers
+    norm: torch.nn.Module
+    rotary: torch.nn.Module
+    lm_head: torch.nn.Linear
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    block_size: int
+    blocks: BlockManager
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    has_qk_norm: bool
+    scaling: float
+    linear_kind: str
 
     # -- build ------------------------------------------------------------------------------------
     def _build_fast(self, linear: str) -> None:
@@ -147,7 +187,7 @@ class FastForwardMixin:
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         self.eps = self._eps(self.layers[0].input_layernorm)
         self.fast_layers: list[_FastLayer] = []
-        kinds = set()
+        kinds: set[str] = set()
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             with torch.no_grad():
@@ -186,13 +226,14 @@ class FastForwardMixin:
         self.fast_lm_head = make_linear(lm_w, self.lm_head.bias, linear, "none")
         self.linear_kind = "/".join(sorted(kinds))
         self.norm_eps_final = self._eps(self.norm)
-        self.qk_eps = self._eps(self.layers[0].self_attn.q_norm) if self.has_qk_norm else None
+        self.qk_eps = self._eps(self.layers[0].self_attn.q_norm) if self.has_qk_norm else 0.0
         self._rope_dynamic = "dynamic" in str(getattr(self.rotary, "rope_type", ""))
-        self._cos_table = self._sin_table = None
+        self._cos_table: torch.Tensor | None = None
+        self._sin_table: torch.Tensor | None = None
         self._ensure_rope(min(4096, getattr(self.config, "max_position_embeddings", 4096) or 4096))
 
     @staticmethod
-    def _eps(norm) -> float:
+    def _eps(norm: torch.nn.Module) -> float:
         return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
     def _ensure_rope(self, n: int) -> None:
@@ -207,7 +248,7 @@ class FastForwardMixin:
         self._cos_table, self._sin_table = cos[0].contiguous(), sin.contiguous()
 
     # -- plan ---------------------------------------------------------------------------------------
-    def _plan_fast(self, segments) -> _FastPlan:
+    def _plan_fast(self, segments: Sequence[Segment]) -> _FastPlan:
         dev, bs = self.device, self.block_size
         lens = [len(s.token_ids) for s in segments]
         starts = [s.start_pos for s in segments]
@@ -232,6 +273,7 @@ class FastForwardMixin:
             sin[:, : self.head_dim // 2] *= -1
         else:
             self._ensure_rope(max(ends))
+            assert self._cos_table is not None and self._sin_table is not None
             pd = pos.to(dev)
             cos, sin = self._cos_table[pd], self._sin_table[pd]
         plan = _FastPlan(ids=ids.to(dev), slots=slots.to(dev), cos=cos[:, None, :], sin=sin[:, None, :])
@@ -268,7 +310,7 @@ class FastForwardMixin:
                 c = st + n
                 m = torch.arange(nblks[i] * bs)[None, :] <= torch.arange(st, c)[:, None]
                 plan.big.append((row0[i], n, st, bt[i, : nblks[i]].to(dev), m.to(dev)))
-        logit_rows = []
+        logit_rows: list[int] = []
         for s, a in zip(segments, row0):
             plan.token_offsets.append(a)
             plan.logits_offsets.append(len(logit_rows))
@@ -291,9 +333,8 @@ class FastForwardMixin:
         vb = vc.view(-1, bs, Hkv, D)
         T = q.shape[0]
         gqa = self.num_heads != Hkv
-        if plan.g_count and plan.g_row0 >= 0 and plan.g_count * plan.g_q == T and not plan.big:
-            out = None  # the whole step is one group
-        else:
+        out: torch.Tensor | None = None  # None: the whole step is one group
+        if not (plan.g_count and plan.g_row0 >= 0 and plan.g_count * plan.g_q == T and not plan.big):
             out = q.new_empty(q.shape)
         if plan.g_count:
             G, Q = plan.g_count, plan.g_q
@@ -301,7 +342,9 @@ class FastForwardMixin:
             if plan.g_row0 >= 0:
                 qs = q[plan.g_row0 : plan.g_row0 + G * Q].view(G, Q, *q.shape[1:])
             else:
+                assert plan.g_rows is not None and plan.g_valid is not None
                 qs = q[plan.g_rows]
+            assert plan.g_blocks is not None
             ks = kb.index_select(0, plan.g_blocks).view(G, C, Hkv, D)
             vs = vb.index_select(0, plan.g_blocks).view(G, C, Hkv, D)
             o = F.scaled_dot_product_attention(
@@ -318,7 +361,9 @@ class FastForwardMixin:
             if plan.g_row0 >= 0:
                 out[plan.g_row0 : plan.g_row0 + G * Q] = o.reshape(G * Q, *q.shape[1:])
             else:
+                assert plan.g_rows is not None and plan.g_valid is not None
                 out[plan.g_rows[plan.g_valid]] = o[plan.g_valid]
+        assert out is not None
         for r0, n, _st, blocks, mask in plan.big:
             qs = q[r0 : r0 + n].transpose(0, 1)[None]
             if blocks is None:  # a sequence's first chunk
@@ -328,6 +373,7 @@ class FastForwardMixin:
                     qs, ks, vs, is_causal=True, scale=self.scaling, enable_gqa=gqa
                 )
             else:
+                assert mask is not None
                 ks = kb.index_select(0, blocks).view(-1, Hkv, D).transpose(0, 1)[None]
                 vs = vb.index_select(0, blocks).view(-1, Hkv, D).transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(
@@ -341,7 +387,7 @@ class FastForwardMixin:
         return x * cos + torch.roll(x, self.head_dim // 2, dims=-1) * sin
 
     @torch.inference_mode()
-    def forward_fast(self, segments, tap_layers: tuple[int, ...] = ()):
+    def forward_fast(self, segments: Sequence[Segment], tap_layers: tuple[int, ...] = ()) -> ForwardOutput:
         from dspark_serve.verifier.model_runner import ForwardOutput
 
         plan = self._plan_fast(segments)
@@ -359,7 +405,7 @@ class FastForwardMixin:
         for li, L in enumerate(self.fast_layers):
             x = _rms_norm(h, d, L.in_norm, eps)
             qkv = L.qkv(x)
-            if self.has_qk_norm:
+            if L.q_norm is not None and L.k_norm is not None:
                 q = _rms_norm(qkv[:, :nq].view(T, H, D), D, L.q_norm, self.qk_eps)
                 k = _rms_norm(qkv[:, nq : nq + nk].view(T, Hkv, D), D, L.k_norm, self.qk_eps)
                 q = self._rope(q, cos, sin)
@@ -374,7 +420,7 @@ class FastForwardMixin:
             h = h + L.down(F.silu(g) * u)
             if li in tap_layers and li != last:
                 taps[li] = h
-        h = _rms_norm(h, d, self.norm.weight, self.norm_eps_final)
+        h = _rms_norm(h, d, self.norm.weight, self.norm_eps_final)  # type: ignore[arg-type]
         if last in tap_layers:
             taps[last] = h
         if plan.logit_rows is not None:

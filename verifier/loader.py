@@ -11,6 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -76,7 +77,7 @@ class DtypeChoice:
         return str(self.dtype).removeprefix("torch.")
 
 
-def cpu_flags(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> frozenset[str]:
+def cpu_flags(cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> frozenset[str]:
     """The CPU feature flags the kernel reports (empty where there is no /proc/cpuinfo)."""
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as f:
@@ -127,7 +128,7 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
-def _load_gguf(gguf: Path, cache_dir: Path | None):
+def _load_gguf(gguf: Path, cache_dir: Path | None) -> tuple[Any, Any]:
     """Convert a GGUF file once; later loads read the cached safetensors copy."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -186,7 +187,7 @@ def conversion_problem(path: Path) -> str | None:
     return None
 
 
-def _save_plain(model, tok, dest: Path) -> None:
+def _save_plain(model: Any, tok: Any, dest: Path) -> None:
     """Write config + safetensors + tokenizer (the GGUF model itself refuses save_pretrained)."""
     import json
     import shutil

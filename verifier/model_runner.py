@@ -10,6 +10,7 @@ modules' weights and projections and replace only attention and the cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +70,8 @@ class _AttnPlan:
     small_mask: torch.Tensor | None = None  # [G, 1, Qmax, Cmax] bool
     small_dst: torch.Tensor | None = None  # [sum n] flat row of each real padded query
     small_src: torch.Tensor | None = None  # [sum n] its index in the flattened [G * Qmax]
-    big: list = field(default_factory=list)  # (row_start, n, gather [C], mask [n, C])
+    # (row_start, n, gather [C], mask [n, C]) per segment longer than a small one
+    big: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner(FastForwardMixin):
@@ -97,14 +99,14 @@ class ModelRunner(FastForwardMixin):
         self.impl = impl
         self.quantize = quantize
         self.model = model
-        cfg = model.config
+        cfg: Any = model.config
         self.config = cfg
-        inner = model.model
+        inner: Any = model.model
         self.embed = inner.embed_tokens
         self.layers = list(inner.layers)
         self.norm = inner.norm
         self.rotary = inner.rotary_emb
-        self.lm_head = model.lm_head
+        self.lm_head = model.lm_head  # type: ignore[assignment]
         self.num_layers = len(self.layers)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -139,10 +141,10 @@ class ModelRunner(FastForwardMixin):
         return self.forward_fast(segments, tap_layers)
 
     @staticmethod
-    def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         elt = torch.tensor([], dtype=dtype).element_size()
-        return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elt
+        return int(2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elt)
 
     # -- planning --------------------------------------------------------------------------
     def _plan_reference(self, segments: list[Segment]) -> _AttnPlan:
@@ -190,9 +192,9 @@ class ModelRunner(FastForwardMixin):
             plan.small_src = valid.flatten().nonzero().squeeze(1).to(dev)
         for r0, s in big:
             n, c = len(s.token_ids), s.start_pos + len(s.token_ids)
-            g = torch.tensor(self.blocks.slots(s.request_id, 0, c), device=dev)
-            m = torch.arange(c, device=dev)[None, :] <= torch.arange(s.start_pos, c, device=dev)[:, None]
-            plan.big.append((r0, n, g, m))
+            gather = torch.tensor(self.blocks.slots(s.request_id, 0, c), device=dev)
+            mask_ = torch.arange(c, device=dev)[None, :] <= torch.arange(s.start_pos, c, device=dev)[:, None]
+            plan.big.append((r0, n, gather, mask_))
         return plan
 
     # -- forward ---------------------------------------------------------------------------
@@ -257,7 +259,10 @@ class ModelRunner(FastForwardMixin):
         # Like HF's output_hidden_states, the last layer's tap is taken after the final norm.
         if self.num_layers - 1 in tap_layers:
             taps[self.num_layers - 1] = h
-        logit_rows, logits_offsets, token_offsets, r = [], [], [], 0
+        logit_rows: list[int] = []
+        logits_offsets: list[int] = []
+        token_offsets: list[int] = []
+        r = 0
         for s in segments:
             token_offsets.append(r)
             logits_offsets.append(len(logit_rows))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -74,7 +75,7 @@ def read_calibration(path: str) -> Calibration | None:
 def _exact_device(device: torch.device | str) -> torch.device:
     """ "cuda" -> "cuda:<current>", so device identity checks are exact."""
     dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
+    if str(dev) == "cuda":  # no index given
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
@@ -101,9 +102,13 @@ def load_dspark(
         raise ValueError("pass both target_embed and target_lm_head, or neither")
     dev = _exact_device(device)
     shared = target_embed is not None
-    embed = _as_shared(target_embed, dev, dtype) if shared else None
+    embed = cast(nn.Embedding, _as_shared(target_embed, dev, dtype)) if target_embed is not None else None
     # A truncated vocabulary's head is cut from the target's once d2t is read (below).
-    head = _as_shared(target_lm_head, dev, dtype) if shared and not cfg.truncated else None
+    head = (
+        cast(nn.Linear, _as_shared(target_lm_head, dev, dtype))
+        if target_lm_head is not None and not cfg.truncated
+        else None
+    )
     with torch.device("meta"):  # no throwaway random init of ~0.5B parameters
         model = DSparkModel(cfg, embed, head)
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -138,9 +143,10 @@ def load_dspark(
     )
     if cfg.truncated:
         d2t = model.d2t
-        if d2t.min() < 0 or d2t.max() >= cfg.vocab_size or d2t.unique().numel() != d2t.numel():
+        assert d2t is not None  # a truncated config makes the buffer
+        if d2t.min() < 0 or d2t.max() >= cfg.vocab_size or torch.unique(d2t).numel() != d2t.numel():
             raise ValueError(f"{path!r}: d2t must list distinct target ids in [0, {cfg.vocab_size})")
-        if shared:
+        if target_lm_head is not None:
             model.lm_head = draft_head(target_lm_head, d2t, dev, dtype)
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
     model.calibration = read_calibration(path)
@@ -154,7 +160,7 @@ def draft_head(
     dtype: torch.dtype | None = None,
 ) -> nn.Linear:
     """The rows of a target LM head that a truncated draft vocabulary keeps (frozen copy)."""
-    w = lm_head.weight
+    w = cast(torch.Tensor, lm_head.weight)
     dev, dt = device or w.device, dtype or w.dtype
     head = nn.Linear(w.shape[1], d2t.numel(), bias=False, device=dev, dtype=dt)
     with torch.no_grad():
@@ -164,7 +170,8 @@ def draft_head(
 
 def _as_shared(mod: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The target module itself when it already lives on device/dtype, else a frozen copy."""
-    w = mod.weight
+    w = cast(torch.Tensor, mod.weight)
+    new: nn.Module
     if w.device == device and w.dtype == dtype:
         return mod
     if isinstance(mod, nn.Embedding):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -16,6 +17,9 @@ from dspark_serve.verifier.sampling_params import SamplingParams
 
 class DSparkModel(nn.Module):
     """The drafter network. embed_tokens / lm_head normally come from the target (frozen)."""
+
+    d2t: torch.Tensor | None  # a buffer when the draft vocabulary is truncated
+    inv_freq: torch.Tensor  # a buffer
 
     def __init__(
         self, config: DSparkConfig, embed_tokens: nn.Embedding | None = None, lm_head: nn.Linear | None = None
@@ -87,7 +91,8 @@ class DSparkModel(nn.Module):
         """feats: [..., n, d] projected context; positions: [..., n]
         -> k, v: [..., n, Hkv, D] (k = rope(k_norm(k_proj(feats))), v = v_proj(feats))."""
         cos, sin = rope_cos_sin(positions, self.inv_freq, feats.dtype)
-        return self.layers[layer_idx].self_attn.kv(feats, cos, sin)
+        layer = cast(DecoderLayer, self.layers[layer_idx])
+        return layer.self_attn.kv(feats, cos, sin)
 
     def block_input_ids(self, anchors: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
         """anchors: [...] -> [..., bs] = [anchor, mask, ..., mask]."""
@@ -163,7 +168,7 @@ class DSparkModel(nn.Module):
         ctx_cos, ctx_sin = rope_cos_sin(ctx_pos, self.inv_freq, feats.dtype)
         x = self.embed_tokens(block_ids).to(self.dtype)
         cos, sin = rope_cos_sin(block_pos, self.inv_freq, x.dtype)
-        for layer in self.layers:
+        for layer in cast(Sequence[DecoderLayer], self.layers):
             k, v = layer.self_attn.kv(feats, ctx_cos, ctx_sin)
             x = layer(x, cos, sin, k, v, mask)
         return self.norm(x).reshape(bsz, n, bs, -1)
@@ -184,6 +189,7 @@ class DSparkModel(nn.Module):
             return None
         feats = hidden
         if self.config.confidence_uses_markov:
+            assert self.markov_head is not None  # the config guarantees it
             e = self.markov_head.prev_embed(prev_tokens).to(hidden.dtype)
             feats = torch.cat([hidden, e], dim=-1)
         return self.confidence_head(feats).float()

@@ -122,16 +122,20 @@ class MarkovHead(nn.Module):
         return torch.zeros(*lead_shape, self.rank, device=like.device, dtype=like.dtype)
 
     def step(
-        self, state: torch.Tensor | None, prev_tokens: torch.Tensor, hidden: torch.Tensor
+        self, state: torch.Tensor | None, prev_tokens: torch.Tensor, hidden: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """prev_tokens: [...]; hidden: [..., d]; state: [..., r] or None
         -> (new state, bias [..., V])."""
         e = self.prev_embed(prev_tokens)
         if self.kind == "vanilla":
             return state, self.markov_w2(e)
+        if hidden is None:
+            raise ValueError(f"a {self.kind!r} Markov head needs the block's hidden states")
         if self.kind == "gated":
             gate = torch.sigmoid(self.gate_proj(torch.cat([hidden.to(e.dtype), e], dim=-1)))
             return state, self.markov_w2(gate * e)
+        if state is None:
+            raise ValueError("an 'rnn' Markov head needs its state (init_state)")
         z = torch.cat([state, e, hidden.to(e.dtype)], dim=-1)
         g, c, o = self.joint_proj(z).chunk(3, dim=-1)
         g = torch.sigmoid(g)

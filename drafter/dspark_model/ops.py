@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = {
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
     "gelu": F.gelu,
@@ -36,6 +37,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     """[head_dim // 2] float32 inverse frequencies (default / linear / llama3 scaling)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     kind = rope_type(scaling)
+    scaling = scaling or {}  # rope_type says "default" without one
     if kind == "linear":
         inv = inv / float(scaling["factor"])
     elif kind == "llama3":

@@ -62,6 +62,8 @@ class NeuralDrafter:
 
     @torch.no_grad()
     def observe(self, taps: torch.Tensor | None, start_pos: int, tokens: list[int]) -> None:
+        if taps is None:
+            raise ValueError("the DSpark evaluation needs the target's tap hidden states")
         feats = self.model.project_context(taps.unsqueeze(0))
         pos = torch.arange(start_pos, start_pos + taps.shape[0]).unsqueeze(0)
         for i in range(len(self.model.layers)):

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,7 +85,7 @@ def trainable_state(model: DSparkModel) -> dict[str, torch.Tensor]:
 
 
 def build_draft_model(
-    cfg: DSparkConfig, target: nn.Module, init_from_target: bool, d2t: torch.Tensor | None = None
+    cfg: DSparkConfig, target: Any, init_from_target: bool, d2t: torch.Tensor | None = None
 ) -> DSparkModel:
     """A drafter sharing the target's (frozen) embedding and LM head (its kept rows, for a
     truncated vocabulary: `d2t` lists them, cfg.draft_vocab_size = len(d2t)).
@@ -102,7 +103,7 @@ def build_draft_model(
             raise ValueError(f"a draft vocabulary of {cfg.draft_vocab_size} needs a d2t map of that size")
         head = draft_head(head, d2t)
     model = DSparkModel(cfg, embed_tokens=embed, lm_head=head)
-    if cfg.truncated:
+    if model.d2t is not None and d2t is not None:
         model.d2t.copy_(d2t)
     if model.markov_head is not None:
         nn.init.zeros_(model.markov_head.markov_w2.weight)  # starts as DFlash
@@ -111,6 +112,7 @@ def build_draft_model(
         tlayers = target.model.layers
         src = tlayers[len(tlayers) - cfg.num_hidden_layers :]
         with torch.no_grad():
+            dst: Any
             for dst, s in zip(model.layers, src):
                 for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                     mine, theirs = getattr(dst.self_attn, name), getattr(s.self_attn, name)
