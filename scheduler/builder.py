@@ -111,6 +111,7 @@ def build_engine(
         impl=model_cfg.forward,
         linear=model_cfg.linear,
         quantize=model_cfg.quantize,
+        attention=model_cfg.attention,
     )
     log.info("target forward: %s", runner.describe())
     log.info(

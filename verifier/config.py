@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ATTENTION_KINDS = ("auto", "sdpa", "matmul")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -32,6 +34,12 @@ class ModelConfig:
     linear: str = "auto"
     """Matmul kernels of the fast forward: auto (oneDNN prepacked weights on CPU for float32 and
     bfloat16 when oneDNN accepts them, else torch), torch (F.linear), or mkldnn (CPU only)."""
+    attention: str = "auto"
+    """How the fast forward attends decode/verify segments (up to 32 tokens each): sdpa
+    (torch's scaled_dot_product_attention), matmul (two batched matmuls and a float32 softmax;
+    on CPUs torch's bf16 SDPA kernel is several times slower for such short queries), or auto
+    (matmul for bf16/fp16 on CPU, sdpa elsewhere: float32 stays on the kernel the greedy-equality
+    tests hold it to). Long prefill chunks always use sdpa."""
     quantize: str = "none"
     """none, or int8: weight-only int8 with one scale per output channel (fast forward only).
     int8 CHANGES THE TARGET: outputs follow the quantised model, not the float one. On CPU it pays
@@ -54,6 +62,8 @@ class ModelConfig:
             raise ValueError(f"forward must be fast or reference, got {self.forward!r}")
         if self.linear not in ("auto", "torch", "mkldnn"):
             raise ValueError(f"linear must be auto, torch or mkldnn, got {self.linear!r}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
         if self.quantize not in ("none", "int8"):
             raise ValueError(f"quantize must be none or int8, got {self.quantize!r}")
         if self.quantize != "none" and self.forward != "fast":

@@ -177,6 +177,7 @@ class FastForwardMixin:
     has_qk_norm: bool
     scaling: float
     linear_kind: str
+    attention: str  # "sdpa" or "matmul" (resolved from "auto")
 
     # -- build ------------------------------------------------------------------------------------
     def _build_fast(self, linear: str) -> None:
@@ -347,15 +348,18 @@ class FastForwardMixin:
             assert plan.g_blocks is not None
             ks = kb.index_select(0, plan.g_blocks).view(G, C, Hkv, D)
             vs = vb.index_select(0, plan.g_blocks).view(G, C, Hkv, D)
-            o = F.scaled_dot_product_attention(
-                qs.transpose(1, 2),
-                ks.transpose(1, 2),
-                vs.transpose(1, 2),
-                attn_mask=plan.g_mask,
-                scale=self.scaling,
-                enable_gqa=gqa,
-            )
-            o = o.transpose(1, 2)  # [G, Q, H, D]
+            assert plan.g_mask is not None
+            if self.attention == "matmul":
+                o = _matmul_attention(qs, ks, vs, plan.g_mask, self.scaling)
+            else:
+                o = F.scaled_dot_product_attention(
+                    qs.transpose(1, 2),
+                    ks.transpose(1, 2),
+                    vs.transpose(1, 2),
+                    attn_mask=plan.g_mask,
+                    scale=self.scaling,
+                    enable_gqa=gqa,
+                ).transpose(1, 2)  # [G, Q, H, D]
             if out is None:
                 return o.reshape(T, -1)
             if plan.g_row0 >= 0:
@@ -432,6 +436,25 @@ class FastForwardMixin:
         return ForwardOutput(
             logits=logits, logits_offsets=plan.logits_offsets, hidden=hidden, token_offsets=plan.token_offsets
         )
+
+
+def _matmul_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Grouped-query attention of short segments as two batched matmuls.
+
+    q: [G, Q, H, D]; k, v: [G, C, Hkv, D]; mask: [G, 1, Q, C] bool (True = may attend; every
+    query row has at least one True) -> [G, Q, H, D]. Query head h reads kv head h // (H / Hkv),
+    as SDPA's enable_gqa does. Scores are float32 through the softmax."""
+    G, Q, H, D = q.shape
+    C, Hkv = k.shape[1], k.shape[2]
+    r = H // Hkv
+    qh = q.reshape(G, Q, Hkv, r, D).permute(0, 2, 3, 1, 4).reshape(G, Hkv, r * Q, D)
+    s = torch.matmul(qh, k.permute(0, 2, 3, 1)).float() * scale  # [G, Hkv, r * Q, C]
+    s = s.view(G, Hkv, r, Q, C).masked_fill(~mask.view(G, 1, 1, Q, C), float("-inf"))
+    p = torch.softmax(s, dim=-1).to(q.dtype).view(G, Hkv, r * Q, C)
+    o = torch.matmul(p, v.permute(0, 2, 1, 3))  # [G, Hkv, r * Q, D]
+    return o.view(G, Hkv, r, Q, D).permute(0, 3, 1, 2, 4).reshape(G, Q, H, D)
 
 
 def _rms_norm(x: torch.Tensor, d: int, w: torch.Tensor, eps: float) -> torch.Tensor:

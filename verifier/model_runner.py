@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark_serve.verifier.block_manager import BlockManager
+from dspark_serve.verifier.config import ATTENTION_KINDS
 from dspark_serve.verifier.fast_forward import FastForwardMixin
 
 # Segments this short (decode/verify rounds) are attended together in one padded call per layer;
@@ -85,15 +86,19 @@ class ModelRunner(FastForwardMixin):
         impl: str = "fast",
         linear: str = "auto",
         quantize: str = "none",
+        attention: str = "auto",
     ) -> None:
         """impl: "fast" (fused weights, vectorised planning, block-granular KV reads) or
         "reference" (the original per-module forward). linear: how the fast path multiplies
         (see `verifier.kernels.make_linear`). quantize: "none" or "int8" (weight-only,
-        per output channel; changes the target's numerics)."""
+        per output channel; changes the target's numerics). attention: how the fast path attends
+        decode/verify segments (auto, sdpa or matmul; see ModelConfig.attention)."""
         if impl not in ("fast", "reference"):
             raise ValueError(f"impl must be fast or reference, got {impl!r}")
         if quantize not in ("none", "int8"):
             raise ValueError(f"quantize must be none or int8, got {quantize!r}")
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
         if quantize != "none" and impl != "fast":
             raise ValueError(f"quantize {quantize!r} needs impl='fast', got {impl!r}")
         self.impl = impl
@@ -123,6 +128,10 @@ class ModelRunner(FastForwardMixin):
         self.has_qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         self.scaling = self.head_dim**-0.5
         self.linear_kind = "module"
+        if attention == "auto":
+            reduced = self.dtype in (torch.bfloat16, torch.float16)
+            attention = "matmul" if self.device.type == "cpu" and reduced else "sdpa"
+        self.attention = attention
         if impl == "fast":
             self._build_fast(linear)
 
@@ -131,7 +140,7 @@ class ModelRunner(FastForwardMixin):
         if self.impl == "reference":
             return "reference"
         q = "" if self.quantize == "none" else f", weights {self.quantize}"
-        return f"fast (linear {self.linear_kind}{q})"
+        return f"fast (linear {self.linear_kind}, attention {self.attention}{q})"
 
     def forward(self, segments: list[Segment], tap_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """Forward the new tokens of all segments. The caller has already reserved their KV slots

@@ -87,12 +87,14 @@ def dense_attention(q, keys, values, start, scale):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, -1)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_paged_attention_matches_dense_reference_on_random_layouts(block_size):
+def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, attention):
     rng = random.Random(block_size)
     torch.manual_seed(block_size)
     model = tiny_model("llama")
-    runner = ModelRunner(model, num_blocks=512 // block_size + 8, block_size=block_size)
+    runner = ModelRunner(model, num_blocks=512 // block_size + 8, block_size=block_size, attention=attention)
+    assert runner.attention == attention
     rng.shuffle(runner.blocks._free)  # block tables are not contiguous
     H, Hkv, D = runner.num_heads, runner.num_kv_heads, runner.head_dim
     li = 1
@@ -191,3 +193,28 @@ def test_model_config_rejects_bad_kernel_choices(field, value):
         ModelConfig(**{field: value})
     with pytest.raises(ValueError, match="'reference'"):
         ModelConfig(forward="reference", quantize="int8")
+
+
+def test_attention_auto_keeps_float32_on_sdpa_and_moves_cpu_bf16_to_matmul():
+    assert ModelRunner(tiny_model("llama"), 64, 4).attention == "sdpa"
+    bf16 = ModelRunner(tiny_model("qwen3", dtype=torch.bfloat16), 64, 4)
+    assert bf16.attention == "matmul" and "attention matmul" in bf16.describe()
+    with pytest.raises(ValueError, match="'flash'"):
+        ModelRunner(tiny_model("llama"), 64, 4, attention="flash")
+    with pytest.raises(ValueError, match="'flash'"):
+        ModelConfig(attention="flash")
+
+
+def test_matmul_attention_greedy_matches_sdpa_in_bf16_closely():
+    """bf16 is not batch-invariant, so the two kernels are compared on logits, not held to bit
+    equality: the decode logits agree within bf16 rounding."""
+    outs = []
+    for attention in ("sdpa", "matmul"):
+        r = ModelRunner(tiny_model("qwen3", dtype=torch.bfloat16), 64, 4, attention=attention)
+        r.blocks.append("a", 9)
+        r.blocks.append("b", 4)
+        r.forward([Segment("a", list(range(1, 10)), 0, 9), Segment("b", [5, 6, 7, 8], 0, 4)])
+        r.blocks.append("a", 3)
+        r.blocks.append("b", 1)
+        outs.append(r.forward([Segment("a", [1, 2, 3], 9, 0), Segment("b", [4], 4, 0)]).logits)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0.05, atol=0.05)
