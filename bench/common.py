@@ -8,7 +8,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspark_serve.drafter.training.data import dev_sets, read_prompts
+from dspark_serve.drafter.training.data import PROMPTS_DIR, dev_sets, read_prompts
+
+DATA = PROMPTS_DIR  # the vendored prompt sets (the benchmarks' default --data)
 
 DOMAINS = ("gsm8k", "math500", "humaneval", "livecodebench", "mt-bench", "arena-hard")
 

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))  # runnable from a plain checkout, whatever is ins
 
 import torch  # noqa: E402
 
+import bench.replay  # noqa: E402, F401  (registers the "replay" drafter)
 from bench.common import machine, median, run_engine_closed_loop  # noqa: E402
 from bench.models import SHAPES, CharTokenizer, TargetShape, random_dspark, random_qwen3  # noqa: E402
 from dspark_serve.drafter.base import AcceptedContext, DraftRequest  # noqa: E402
