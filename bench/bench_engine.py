@@ -103,8 +103,9 @@ def plain(args) -> dict:
     """Plain decoding (no drafter) for every forward variant x dtype at every concurrency, plus
     transformers' generate on the same prompts. Variants of one dtype live in one process and
     take turns (`--rounds` times, medians kept), so a noisy machine hits them alike.
-    A variant name is ModelConfig.forward (`reference`, `fast`), optionally with `+linear` or
-    `+int8` (`fast+torch`), or `default` (pass nothing: for running this script on older code)."""
+    A variant name is ModelConfig.forward (`reference`, `fast`), optionally with `+linear`,
+    `+int8` (`fast+torch`) or `+attention` (`fast+matmul`, `fast+sdpa`), or `default` (pass
+    nothing: for running this script on older code)."""
     from dspark_serve.scheduler.llm import LLM
 
     rows = []
@@ -116,7 +117,8 @@ def plain(args) -> dict:
                 fwd, *mods = var.split("+")
                 kw["forward"] = fwd
                 for m in mods:
-                    kw.update({"quantize": m} if m == "int8" else {"linear": m})
+                    key = "quantize" if m == "int8" else "attention" if m in ("sdpa", "matmul") else "linear"
+                    kw[key] = m
             llms[var] = LLM(
                 drafter="none", dtype=dtype, max_num_seqs=max(args.concurrency), max_model_len=2048, **kw
             )
@@ -334,7 +336,7 @@ def main() -> None:
         "--forwards",
         type=lambda s: s.split(","),
         default=["reference", "fast"],
-        help="plain mode: forward variants (reference, fast, fast+torch, fast+int8, default)",
+        help="plain mode: forward variants (reference, fast, fast+torch, fast+int8, fast+matmul, default)",
     )
     ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
     ap.add_argument("--rounds", type=int, default=1, help="plain mode: turns per variant")
