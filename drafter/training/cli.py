@@ -119,6 +119,7 @@ def cmd_train(a: argparse.Namespace) -> None:
 
     import torch
 
+    from dspark_serve.drafter.training.cache import load_cache
     from dspark_serve.drafter.training.loss import LossConfig
     from dspark_serve.drafter.training.train import (
         TrainConfig,
@@ -177,6 +178,11 @@ def cmd_train(a: argparse.Namespace) -> None:
         tcfg = replace(tcfg, steps=a.finalize_at)
     else:
         bar = Progress(a.out, f"train-{a.name}", tcfg.steps, "step")
+        held_out = (
+            load_cache(Path(a.out) / "cache", holdout=True, holdout_every=a.holdout_every)[: a.held_out_seqs]
+            if a.held_out_seqs
+            else []
+        )
         run_train(
             model,
             data,
@@ -194,6 +200,7 @@ def cmd_train(a: argparse.Namespace) -> None:
                 s_per_step=s.seconds,
             ),
             target_head=target.model.get_output_embeddings(),
+            held_out=held_out,
         )
         bar.close()
     path = save_final(model, work)
@@ -371,6 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--confidence-alpha", type=float, default=1.0)
     t.add_argument("--decay-gamma", type=float, default=None, help="default: the block size")
     t.add_argument("--holdout-every", type=int, default=10)
+    t.add_argument(
+        "--held-out-seqs",
+        type=int,
+        default=32,
+        help="held-out sequences scored at every checkpoint (teacher-forced acceptance; 0 = none)",
+    )
     t.add_argument("--fp32", action="store_true", help="no bfloat16 autocast")
     t.add_argument("--no-init-from-target", action="store_true")
     t.add_argument(

@@ -179,6 +179,55 @@ def forward_loss(
     )
 
 
+@dataclass
+class HeldOutStats:
+    """Teacher-forced acceptance on held-out sequences at one checkpoint (no gradient).
+
+    tau: mean expected tokens per block (1 + sum_k prod_{i<=k} c*_i); accept_rate: mean c*_k
+    per draft position k; blocks: how many (sequence, anchor) blocks were scored."""
+
+    step: int
+    tau: float
+    accept_rate: list[float]
+    blocks: int
+
+
+@torch.no_grad()
+def evaluate_held_out(
+    model: DSparkModel,
+    seqs: Sequence[CachedSequence],
+    num_anchors: int,
+    loss_cfg: LossConfig,
+    bf16: bool,
+    step: int,
+    target_head: nn.Module | None = None,
+    batch_seqs: int = 4,
+) -> HeldOutStats:
+    """The same teacher-forced metrics training logs, on sequences it never trains on, with
+    anchors fixed by a seed independent of the step (so checkpoints are scored alike)."""
+    was_training = model.training
+    model.eval()
+    gen = torch.Generator().manual_seed(12345)
+    taus: list[tuple[float, int]] = []
+    rates: list[tuple[torch.Tensor, int]] = []
+    bs = model.config.block_size
+    for i in range(0, len(seqs), batch_seqs):
+        batch = make_batch(list(seqs[i : i + batch_seqs]), num_anchors, bs, gen)
+        out = forward_loss(model, batch, loss_cfg, bf16, target_head)
+        n = int(batch.anchor_valid.sum())
+        taus.append((float(out.tau), n))
+        rates.append((out.accept_rate.detach().float().cpu(), n))
+    model.train(was_training)
+    total = sum(n for _, n in taus) or 1
+    rate = sum((r * n for r, n in rates), torch.zeros(bs)) / total
+    return HeldOutStats(
+        step=step,
+        tau=sum(t * n for t, n in taus) / total,
+        accept_rate=[round(float(x), 4) for x in rate],
+        blocks=sum(n for _, n in taus),
+    )
+
+
 def run_train(
     model: DSparkModel,
     data: Sequence[CachedSequence],
@@ -187,8 +236,11 @@ def run_train(
     work_dir: str | os.PathLike,
     progress: Callable[[StepStats], None] | None = None,
     target_head: nn.Module | None = None,
+    held_out: Sequence[CachedSequence] = (),
 ) -> list[StepStats]:
-    """Train (resuming from `work_dir/ckpt.pt` when present); returns this run's step stats."""
+    """Train (resuming from `work_dir/ckpt.pt` when present); returns this run's step stats.
+    With `held_out` sequences, every checkpoint also logs their teacher-forced acceptance
+    (a `{"held_out": ...}` line in log.jsonl), so overfitting shows as training goes."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     ckpt_path = work / "ckpt.pt"
@@ -247,6 +299,12 @@ def run_train(
             os.replace(tmp, ckpt_path)
             # Weights alone per checkpoint, so runs can be compared at an equal step.
             torch.save(trainable_state(model), work / f"weights_step{step + 1}.pt")
+            if held_out:
+                ho = evaluate_held_out(
+                    model, held_out, cfg.num_anchors, loss_cfg, cfg.bf16, step + 1, target_head
+                )
+                log.write(json.dumps({"held_out": asdict(ho)}) + "\n")
+                log.flush()
     log.close()
     model.eval()
     return history
