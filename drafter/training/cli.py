@@ -152,15 +152,16 @@ def cmd_train(a: argparse.Namespace) -> None:
         confidence_alpha=a.confidence_alpha,
         decay_gamma=a.decay_gamma,
     )
-    data = load_train_data(a.out, a.holdout_every)
+    work = Path(a.out) / "train" / a.name
+    ckpt = work / "ckpt.pt"
+    # Scoring saved checkpoints needs no training data (the vocabulary comes from the run).
+    data = [] if a.score_checkpoints and ckpt.exists() else load_train_data(a.out, a.holdout_every)
     print(
         f"train {a.name}: {len(data)} sequences, {sum(len(s.input_ids) - s.num_prompt for s in data)} "
         f"response tokens; drafter {cfg.num_hidden_layers} layers, markov_rank {cfg.markov_rank}"
     )
     d2t = None
-    work = Path(a.out) / "train" / a.name
     if a.draft_vocab:
-        ckpt = work / "ckpt.pt"
         # A resumed run keeps the vocabulary it started with (the data may have grown since).
         d2t = (
             torch.load(ckpt, weights_only=False)["model"]["d2t"]
@@ -168,11 +169,15 @@ def cmd_train(a: argparse.Namespace) -> None:
             else draft_vocabulary(data, a.draft_vocab, always=[target.tokenizer.eos_token_id])
         )
         cfg = cfg.replace(draft_vocab_size=int(d2t.numel()))
+    if d2t is not None and data:
         print(
             f"train {a.name}: draft vocabulary of {d2t.numel()} ids covers "
             f"{vocabulary_coverage(data, d2t):.2%} of the response tokens"
         )
     model = build_draft_model(cfg, target.model, tcfg.init_from_target, d2t).to(a.device)
+    if a.score_checkpoints:
+        _score_checkpoints(a, model, work, tcfg, lcfg, target.model.get_output_embeddings())
+        return
     if a.finalize_at:
         load_step_weights(model, work, a.finalize_at)
         tcfg = replace(tcfg, steps=a.finalize_at)
@@ -208,6 +213,26 @@ def cmd_train(a: argparse.Namespace) -> None:
         json.dumps({"train": tcfg.__dict__, "loss": lcfg.__dict__, "sequences": len(data)}, indent=1)
     )
     print(f"train {a.name}: saved {path}")
+
+
+def _score_checkpoints(a: argparse.Namespace, model, work: Path, tcfg, lcfg, target_head) -> None:
+    """Held-out teacher-forced acceptance of every weights_step<N>.pt a run saved (a run
+    started before held-out scoring existed gets its curve afterwards) -> <work>/held_out.json."""
+    from dspark_serve.drafter.training.cache import load_cache
+    from dspark_serve.drafter.training.train import evaluate_held_out, load_step_weights
+
+    held = load_cache(Path(a.out) / "cache", holdout=True, holdout_every=a.holdout_every)[: a.held_out_seqs]
+    if not held:
+        raise SystemExit("train --score-checkpoints: no held-out cache shards")
+    steps = sorted(int(p.stem.removeprefix("weights_step")) for p in work.glob("weights_step*.pt"))
+    rows = []
+    for step in steps:
+        load_step_weights(model, work, step)
+        ho = evaluate_held_out(model, held, tcfg.num_anchors, lcfg, tcfg.bf16, step, target_head)
+        rows.append(ho.__dict__)
+        print(json.dumps(ho.__dict__), flush=True)
+    doc = {"run": a.name, "held_out_sequences": len(held), "checkpoints": rows}
+    (work / "held_out.json").write_text(json.dumps(doc, indent=1))
 
 
 def _load_drafter(path: str, target, device: str):
@@ -391,6 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="keep only the N ids the target writes most (truncated draft vocabulary; 0 = all)",
+    )
+    t.add_argument(
+        "--score-checkpoints",
+        action="store_true",
+        help="skip training; score every saved checkpoint on the held-out sequences (held_out.json)",
     )
     t.add_argument(
         "--finalize-at",
