@@ -47,10 +47,12 @@ class GrammarSpec:
     """A constraint on the output, as the server parsed it.
 
     kind: "json_object" (any JSON object) or "json_schema" (`schema` holds the JSON schema text).
-    schema: the JSON schema, serialized (kind "json_schema" only)."""
+    schema: the JSON schema, serialized (kind "json_schema" only).
+    param: the request parameter it came from (named in errors: response_format, tools)."""
 
     kind: str
     schema: str | None = None
+    param: str = "response_format"
 
     def __post_init__(self) -> None:
         if self.kind not in ("json_object", "json_schema"):

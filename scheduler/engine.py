@@ -15,6 +15,7 @@ Single-threaded and synchronous; `scheduler.async_engine` runs it off the HTTP e
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from dspark_serve.scheduler.prefix import TapCache
 from dspark_serve.scheduler.request import Request, RequestOutput, Status
 from dspark_serve.scheduler.scheduler import ScheduledBatch, Scheduler
 from dspark_serve.scheduler.speculation import Speculation, StepProposal
+from dspark_serve.verifier.grammar import Grammar, GrammarCompiler, GrammarConfig
 from dspark_serve.verifier.model_runner import ForwardOutput, ModelRunner, Segment
 from dspark_serve.verifier.processors import TokenContext, needs_processing
 from dspark_serve.verifier.rejection import RejectionResult
@@ -115,6 +117,22 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.eos_ids = eos_token_ids(runner.model, tokenizer)
         self.vocab_size = int(runner.embed.num_embeddings)
+        # Structured output: built on the first request that needs it (llguidance reads the
+        # whole tokenizer, about a second); tests may set their own.
+        self.grammars: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+        self.grammar_config = GrammarConfig()
+
+    def compile_grammar(self, kind: str, schema: str | None) -> Grammar:
+        """A request's grammar (thread-safe; the server calls it off the engine thread).
+        Raises GrammarError for a schema it refuses, ValueError when the tokenizer has no
+        llguidance support."""
+        with self._grammar_lock:
+            if self.grammars is None:
+                self.grammars = GrammarCompiler.for_hf(
+                    self.tokenizer, self.vocab_size, sorted(self.eos_ids), self.grammar_config
+                )
+        return self.grammars.compile(kind, schema)
 
     # -- the parts, as the rest of the code sees them ------------------------------------------
     @property
