@@ -54,9 +54,12 @@ JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 class Grammar:
     """One request's grammar state (llguidance `LLMatcher`); see the module docstring."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: frozenset[int]) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        # EOS ends the request: a draft block is never consumed past it (consuming EOS stops
+        # the matcher, and positions after it are never used).
+        self.eos_ids = eos_ids
 
     def _mask(self, vocab: int) -> torch.Tensor:  # [V] bool
         raw = self.matcher.compute_logit_bias()
@@ -78,6 +81,8 @@ class Grammar:
         for k in range(n + 1):
             rows[k] = self._mask(vocab_size)
             if k < n:
+                if drafts[k] in self.eos_ids:
+                    break
                 if not self.matcher.consume_token(drafts[k]):
                     raise RuntimeError(f"grammar refused a validated token: {self.matcher.get_error()}")
                 consumed += 1
@@ -88,7 +93,7 @@ class Grammar:
 
     def allowed_after(self, drafts: Sequence[int], vocab_size: int) -> torch.Tensor:  # [V] bool
         drafts = [int(t) for t in drafts]
-        if self.valid_prefix(drafts) < len(drafts):
+        if self.valid_prefix(drafts) < len(drafts) or any(t in self.eos_ids for t in drafts):
             return torch.ones(vocab_size, dtype=torch.bool)
         if drafts and not self.matcher.consume_tokens(drafts):
             raise RuntimeError(f"grammar refused validated tokens: {self.matcher.get_error()}")
@@ -153,7 +158,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the JSON schema cannot be compiled: {matcher.get_error()}")
-        g = Grammar(matcher, self.vocab_size)
+        g = Grammar(matcher, self.vocab_size, frozenset(int(t) for t in self.tokenizer.eos_tokens))
         g._mask(self.vocab_size)  # the first mask is part of the cost
         took = time.perf_counter() - t0
         if took > self.config.max_compile_seconds:
