@@ -19,10 +19,13 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import torch
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 
 class GrammarError(ValueError):
@@ -48,7 +51,7 @@ class GrammarConfig:
 
 
 # Compact JSON (no optional whitespace): a model cannot loop on blanks between tokens.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 class Grammar:
@@ -148,7 +151,7 @@ class GrammarCompiler:
             parsed = json.loads(text)
         except json.JSONDecodeError as exc:
             raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
-        if not isinstance(parsed, (dict, bool)):
+        if not isinstance(parsed, dict):
             raise GrammarError("the JSON schema must be an object")
         t0 = time.perf_counter()
         try:

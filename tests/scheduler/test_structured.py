@@ -55,14 +55,16 @@ def constrained(engine, prompts, sp, schema, max_tokens=80):
     return reqs
 
 
-@pytest.mark.parametrize("drafter", ["dspark", "ngram"])
-def test_twenty_greedy_constrained_requests_validate_and_equal_plain_under_static_7(tmp_path, drafter):
+@pytest.mark.parametrize(
+    "drafter,policy", [("dspark", "static:7"), ("ngram", "static:7"), ("dspark", "dspark")]
+)
+def test_twenty_greedy_constrained_requests_validate_and_equal_plain(tmp_path, drafter, policy):
     model = tiny_model("qwen3", seed=1)
     prompts = [list(range(33 + i, 40 + 2 * i)) for i in range(20)]
     greedy = SamplingParams(temperature=0.0, repetition_penalty=1.1)
     plain = constrained(engine_for(model), prompts, greedy, SCHEMA)
     dr = dspark_drafter(model, tmp_path) if drafter == "dspark" else build_drafter("ngram", block_size=7)
-    spec = constrained(engine_for(model, dr, "static:7"), prompts, greedy, SCHEMA)
+    spec = constrained(engine_for(model, dr, policy), prompts, greedy, SCHEMA)
     for p, s in zip(plain, spec):
         assert s.output_ids == p.output_ids
         assert s.finish_reason == "stop", s.finish_reason  # the grammar closed and EOS followed
