@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from dspark_serve.verifier.processors import TokenConstraint, TokenContext
 from dspark_serve.verifier.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ class DraftRequest:
     generator: the request's torch.Generator (seeded requests are reproducible) or None.
     max_draft: the most draft tokens that can be useful (remaining max_tokens, room left in
         the context); a drafter may propose fewer, never more.
+    constraint: the request's grammar, or None. A drafter that samples masks q with it; a
+        deterministic one (prompt lookup) cuts its block at the first token it forbids.
     """
 
     request_id: str
@@ -38,6 +41,12 @@ class DraftRequest:
     sampling: SamplingParams
     generator: torch.Generator | None
     max_draft: int
+    constraint: TokenConstraint | None = None
+
+    def context(self) -> TokenContext:
+        """What penalties and the grammar read at the first draft position."""
+        n = self.num_prompt_tokens
+        return TokenContext(self.token_ids[:n], self.token_ids[n:], self.constraint)
 
 
 @dataclass

@@ -255,8 +255,9 @@ class DSparkDrafter:
             hidden = self.block_hidden(batch)[:, :kmax]
             base = self.model.lm_head(hidden)
             anchors = torch.tensor([r.token_ids[-1] for r in batch], dtype=torch.long, device=dev)
+            contexts = [r.context() for r in batch]
             drafted = self.model.sample_block(
-                base, anchors, [r.sampling for r in batch], [r.generator for r in batch], hidden
+                base, anchors, [r.sampling for r in batch], [r.generator for r in batch], hidden, contexts
             )
             conf = self._confidences(hidden, drafted.prev_tokens, batch, lengths)
             # Tokens and confidences go to the host once per step (the engine and the policy

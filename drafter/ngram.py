@@ -88,6 +88,10 @@ class NgramDrafter:
             cont = lookup_continuation(
                 np.asarray(req.token_ids, dtype=np.int64), self.config.max_ngram, self.config.min_ngram, k
             )
+            if req.constraint is not None and len(cont):
+                # q is one-hot: cutting the block at the first token the grammar forbids is
+                # exact (that token could only be rejected), and saves verifying it.
+                cont = cont[: req.constraint.valid_prefix(cont.tolist())]
             tokens = torch.from_numpy(cont.copy())
             out.append(DraftProposal(tokens=tokens, probs=None, confidences=self.confidences(len(cont))))
         return out

@@ -48,6 +48,17 @@ def _delta(out: RequestOutput) -> StreamDelta:
     )
 
 
+# Parameters whose range errors (SamplingParams' messages start with the name) name them.
+_PARAMS = (
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "top_p",
+    "top_k",
+)
+
 DRAIN_MESSAGE = "the server is shutting down; this request was cut off"
 
 
@@ -200,7 +211,15 @@ class AsyncEngine:
             raise EngineError("the model is still loading", 503)
         try:
             sp = SamplingParams(
-                temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                seed=params.seed,
+                min_p=params.min_p,
+                presence_penalty=params.presence_penalty,
+                frequency_penalty=params.frequency_penalty,
+                repetition_penalty=params.repetition_penalty,
+                logit_bias=params.logit_bias,
             )
             req = Request(
                 request_id,
@@ -209,10 +228,21 @@ class AsyncEngine:
                 params.max_tokens,
                 stop=params.stop,
                 ignore_eos=params.ignore_eos,
+                logprobs=params.logprobs,
             )
         except (ValueError, TypeError, RuntimeError) as exc:
-            raise EngineError(str(exc), 400, "seed" if "seed" in str(exc) else None) from exc
+            msg = str(exc)
+            param = next((p for p in _PARAMS if msg.startswith(p)), "seed" if "seed" in msg else None)
+            raise EngineError(msg, 400, param) from exc
         loop = asyncio.get_running_loop()
+        if params.grammar is not None:
+            g = params.grammar
+            try:  # off the event loop and off the engine thread (bounded by GrammarConfig)
+                req.constraint = await loop.run_in_executor(
+                    None, self._bundle().engine.compile_grammar, g.kind, g.schema
+                )
+            except ValueError as exc:
+                raise EngineError(str(exc), 400, g.param) from exc
         q: asyncio.Queue[StreamDelta | Exception] = asyncio.Queue()
         self._queues[request_id] = (loop, q)
         self._inbox.put(AddRequest(req))

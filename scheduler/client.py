@@ -31,6 +31,56 @@ class GenerationParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    """None: no logprobs; k >= 0: each token's logprob and its k most likely alternatives."""
+    grammar: GrammarSpec | None = None
+    """Constrain the output (structured output, required tool calls), or None."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the output, as the server parsed it.
+
+    kind: "json_object" (any JSON object) or "json_schema" (`schema` holds the JSON schema text).
+    schema: the JSON schema, serialized (kind "json_schema" only).
+    param: the request parameter it came from (named in errors: response_format, tools)."""
+
+    kind: str
+    schema: str | None = None
+    param: str = "response_format"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_object", "json_schema"):
+            raise ValueError(f"grammar kind must be json_object or json_schema, got {self.kind!r}")
+        if (self.kind == "json_schema") != (self.schema is not None):
+            raise ValueError(f"a schema goes with kind json_schema only (kind {self.kind!r})")
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One alternative at a position: token id, its text on its own, its log-probability."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of a generated token and of the most likely tokens at its
+    position, from the raw logits (before penalties, temperature, top-k/top-p and grammar).
+
+    token: the token's text on its own (OpenAI's `token` field).
+    top: the `top_logprobs` most likely tokens, most likely first (empty when 0 were asked)."""
+
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
 
 
 # How a generated token came to be (TokenRecord.kind).
@@ -53,6 +103,8 @@ class TokenRecord:
     verified none)."""
     draft_position: int | None = None
     """For "draft": its 0-based position in the drafted block; else None."""
+    logprob: TokenLogprob | None = None
+    """Its log-probability (and the top alternatives) when the request asked for logprobs."""
 
     def __post_init__(self) -> None:
         if self.kind not in PROVENANCE_KINDS:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dspark_serve.scheduler.client import TokenRecord
+from dspark_serve.scheduler.client import TokenLogprob, TokenRecord
 from dspark_serve.scheduler.request import Request, RequestOutput
 
 
@@ -62,11 +62,16 @@ def append_tokens(r: Request, toks: list[int], eos_ids: frozenset[int]) -> Appen
     return out
 
 
-def token_records(appended: Appended, provenance: list[tuple[str, int | None]]) -> list[TokenRecord]:
-    """One TokenRecord per appended token: id, text, and where it came from."""
+def token_records(
+    appended: Appended,
+    provenance: list[tuple[str, int | None]],
+    logprobs: list[TokenLogprob] | None = None,
+) -> list[TokenRecord]:
+    """One TokenRecord per appended token: id, text, where it came from (and its logprob)."""
+    lps: list[TokenLogprob | None] = list(logprobs) if logprobs is not None else [None] * len(provenance)
     return [
-        TokenRecord(t, text, kind, pos)
-        for t, text, (kind, pos) in zip(appended.token_ids, appended.pieces, provenance)
+        TokenRecord(t, text, kind, pos, lp)
+        for t, text, (kind, pos), lp in zip(appended.token_ids, appended.pieces, provenance, lps)
     ]
 
 

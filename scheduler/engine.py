@@ -15,6 +15,7 @@ Single-threaded and synchronous; `scheduler.async_engine` runs it off the HTTP e
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from dspark_serve.drafter.base import AcceptedContext, Drafter
-from dspark_serve.scheduler.client import EngineError, TokenRecord, round_provenance
+from dspark_serve.scheduler.client import EngineError, TokenLogprob, TokenRecord, TopLogprob, round_provenance
 from dspark_serve.scheduler.commit import append_tokens, eos_token_ids, request_output, token_records
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.detokenizer import IncrementalDetokenizer
@@ -35,7 +36,9 @@ from dspark_serve.scheduler.prefix import TapCache
 from dspark_serve.scheduler.request import Request, RequestOutput, Status
 from dspark_serve.scheduler.scheduler import ScheduledBatch, Scheduler
 from dspark_serve.scheduler.speculation import Speculation, StepProposal
+from dspark_serve.verifier.grammar import Grammar, GrammarCompiler, GrammarConfig
 from dspark_serve.verifier.model_runner import ForwardOutput, ModelRunner, Segment
+from dspark_serve.verifier.processors import TokenContext, needs_processing
 from dspark_serve.verifier.rejection import RejectionResult
 from dspark_serve.verifier.sampling import SamplingTensors
 from dspark_serve.verifier.verify import VerifyRequest, verify
@@ -67,12 +70,14 @@ class Committed:
     tokens: the new tokens (accepted drafts + the target's own; the first token after a prompt).
     provenance: (kind, draft position) per token (`round_provenance`).
     decoding: it was a decode (not a completing prefill) this step.
+    logprobs: per token, the target's logprobs (requests that asked for them), else None.
     """
 
     request: Request
     tokens: list[int]
     provenance: list[tuple[str, int | None]]
     decoding: bool
+    logprobs: list[TokenLogprob] | None = None
 
 
 class HiddenCapture(Protocol):
@@ -112,6 +117,22 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.eos_ids = eos_token_ids(runner.model, tokenizer)
         self.vocab_size = int(runner.embed.num_embeddings)  # type: ignore[arg-type]
+        # Structured output: built on the first request that needs it (llguidance reads the
+        # whole tokenizer, about a second); tests may set their own.
+        self.grammars: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+        self.grammar_config = GrammarConfig()
+
+    def compile_grammar(self, kind: str, schema: str | None) -> Grammar:
+        """A request's grammar (thread-safe; the server calls it off the engine thread).
+        Raises GrammarError for a schema it refuses, ValueError when the tokenizer has no
+        llguidance support."""
+        with self._grammar_lock:
+            if self.grammars is None:
+                self.grammars = GrammarCompiler.for_hf(
+                    self.tokenizer, self.vocab_size, sorted(self.eos_ids), self.grammar_config
+                )
+        return self.grammars.compile(kind, schema)
 
     # -- the parts, as the rest of the code sees them ------------------------------------------
     @property
@@ -211,6 +232,15 @@ class Engine:
             SamplingTensors.from_params([sp], torch.device("cpu"))
         except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
             raise RequestRejected(f"sampling parameters out of range: {exc}", 400) from exc
+        bad_bias = [t for t, _ in sp.logit_bias if t >= V]
+        if bad_bias:
+            raise RequestRejected(
+                f"logit_bias token id {bad_bias[0]} is out of range [0, {V})", 400, "logit_bias"
+            )
+        if req.logprobs is not None and not (0 <= req.logprobs <= 20):
+            raise RequestRejected(
+                f"top_logprobs must be in [0, 20], got {req.logprobs!r}", 400, "top_logprobs"
+            )
         if n + req.max_tokens > self.max_model_len:
             raise RequestRejected(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
@@ -349,7 +379,9 @@ class Engine:
             toks = [r.output_ids[-1]] + drafts.tolist()
             blocks.append(r.request_id, len(toks))
             segments.append(Segment(r.request_id, toks, r.num_computed, 0))
-            checks.append(VerifyRequest(r.sampling, r.generator, drafts, proposal.draft_probs(i)))
+            checks.append(
+                VerifyRequest(r.sampling, r.generator, drafts, proposal.draft_probs(i), self._context(r))
+            )
         for r, n in batch.prefills:
             blocks.append(r.request_id, n)
             # A resumed (preempted) request recomputes its prompt and output but the last
@@ -364,13 +396,50 @@ class Engine:
                 )
             )
             if done:  # its last prompt row samples the first token
-                checks.append(VerifyRequest(r.sampling, r.generator, torch.empty(0, dtype=torch.long)))
+                checks.append(
+                    VerifyRequest(
+                        r.sampling, r.generator, torch.empty(0, dtype=torch.long), None, self._context(r)
+                    )
+                )
         t0 = time.perf_counter()
         fwd = self.runner.forward(segments, self.tap_layers)
         self.metrics.record_forward(sum(len(s.token_ids) for s in segments), time.perf_counter() - t0)
         if not checks:
             return Verification(fwd, None)
         return Verification(fwd, verify(fwd.logits, checks))
+
+    @staticmethod
+    def _context(r: Request) -> TokenContext | None:
+        """What r's penalties, logit bias and grammar read (None when it has none)."""
+        ctx = TokenContext(r.prompt_ids, r.output_ids, r.constraint)
+        return ctx if needs_processing(r.sampling, ctx) else None
+
+    def _logprobs(
+        self, r: Request, v: Verification, row: int, tokens: list[int]
+    ) -> list[TokenLogprob] | None:
+        """The target's raw log-probabilities of `tokens`, sampled at verify rows row.. of the
+        step (the verdict's request row `row`): the same rows whether a token was an accepted
+        draft, a correction or a bonus, so the values are those plain decoding gives."""
+        if r.logprobs is None or v.result is None:
+            return None
+        start = int(v.result.offsets[row])
+        logits = v.forward.logits[start : start + len(tokens)].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+        k = min(r.logprobs, lp.shape[1])
+        top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+        text = self._token_text
+        return [
+            TokenLogprob(
+                text(t),
+                float(c),
+                tuple(TopLogprob(int(i), text(int(i)), float(x)) for i, x in zip(ti, tv)),
+            )
+            for t, c, ti, tv in zip(tokens, chosen, top_i.tolist(), top_v.tolist())
+        ]
+
+    def _token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
     # -- commit ------------------------------------------------------------------------------
     def _commit(self, batch: ScheduledBatch, proposal: StepProposal, v: Verification) -> list[RequestOutput]:
@@ -419,8 +488,15 @@ class Engine:
                 )
             if self.speculation.settle(r, verified, a):
                 self.metrics.record_round(verified, a)
+            toks = res.tokens(i)
             kept.append(
-                Committed(r, res.tokens(i), round_provenance(a, verified if self.speculating else 0), True)
+                Committed(
+                    r,
+                    toks,
+                    round_provenance(a, verified if self.speculating else 0),
+                    True,
+                    self._logprobs(r, v, i, toks),
+                )
             )
         nd = len(batch.decodes)
         row = nd
@@ -442,7 +518,10 @@ class Engine:
                 r.status = Status.DECODE
                 if not r.output_ids:  # completed a prompt: its first token was sampled
                     assert res is not None
-                    kept.append(Committed(r, res.tokens(row)[:1], round_provenance(0, 0), False))
+                    toks = res.tokens(row)[:1]
+                    kept.append(
+                        Committed(r, toks, round_provenance(0, 0), False, self._logprobs(r, v, row, toks))
+                    )
                     row += 1
         return kept, contexts
 
@@ -450,9 +529,11 @@ class Engine:
         """Append a request's kept tokens under its stop conditions; its delta for the client."""
         r = c.request
         appended = append_tokens(r, c.tokens, self.eos_ids)
+        if r.constraint is not None and appended.token_ids:
+            r.constraint.commit(appended.token_ids)
         if appended.finish_reason is not None:
             self._finish(r, appended.finish_reason)
-        records = token_records(appended, c.provenance)
+        records = token_records(appended, c.provenance, c.logprobs)
         n = len(appended.token_ids)
         self.metrics.record_tokens(n)
         if c.decoding:

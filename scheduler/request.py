@@ -10,6 +10,7 @@ import torch
 
 from dspark_serve.scheduler.client import TokenRecord
 from dspark_serve.scheduler.detokenizer import IncrementalDetokenizer
+from dspark_serve.verifier.processors import TokenConstraint
 from dspark_serve.verifier.sampling_params import SamplingParams
 
 
@@ -46,6 +47,8 @@ class Request:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    logprobs: int | None = None  # None: none; k: each token's logprob and its top k alternatives
+    constraint: TokenConstraint | None = None  # grammar state; advanced as tokens are committed
 
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)

@@ -157,7 +157,13 @@ class Speculation:
             return proposals
         views = [
             DraftRequest(
-                r.request_id, r.token_ids, len(r.prompt_ids), r.sampling, r.generator, self._max_draft(r)
+                r.request_id,
+                r.token_ids,
+                len(r.prompt_ids),
+                r.sampling,
+                r.generator,
+                self._max_draft(r),
+                r.constraint,
             )
             for r in decodes
         ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -21,14 +22,31 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dspark_serve.scheduler.client import EngineClient, EngineError, GenerationParams, StreamDelta
+from dspark_serve.scheduler.client import (
+    EngineClient,
+    EngineError,
+    GenerationParams,
+    GrammarSpec,
+    StreamDelta,
+)
 from dspark_serve.server.config import ServerConfig
 from dspark_serve.server.protocol import (
+    SEED_MAX,
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
+    NamedToolChoice,
     check_content_parts,
     check_extras,
+)
+from dspark_serve.server.tools import (
+    Function,
+    ToolCall,
+    ToolMode,
+    call_schema,
+    parse_call,
+    render_call,
+    with_tools,
 )
 
 log = logging.getLogger(__name__)
@@ -183,12 +201,20 @@ def _narrow_schema(props: dict, model: str, max_len: int, vocab: int | None) -> 
     valid requests when it means to. Anything outside still gets a 400 naming the parameter."""
     null = {"type": "null"}
     props["model"] = {"anyOf": [{"type": "string", "enum": [model]}, null], "default": None}
-    props["n"] = {"type": "integer", "minimum": 1, "maximum": 1, "default": 1}
+    props["n"] = {"type": "integer", "minimum": 1, "maximum": 16, "default": 1}
     for k in ("presence_penalty", "frequency_penalty"):
-        props[k] = {"type": "number", "minimum": 0, "maximum": 0, "default": 0}
-    props["logprobs"] = {"anyOf": [{"type": "boolean", "enum": [False]}, null], "default": None}
-    if "top_logprobs" in props:
-        props["top_logprobs"] = {"anyOf": [{"type": "integer", "enum": [0]}, null], "default": None}
+        props[k] = {"type": "number", "minimum": -2, "maximum": 2, "default": 0}
+    if "top_logprobs" in props:  # chat: logprobs is a flag, top_logprobs the count
+        props["logprobs"] = {"anyOf": [{"type": "boolean"}, null], "default": None}
+        props["top_logprobs"] = {
+            "anyOf": [{"type": "integer", "minimum": 0, "maximum": 20}, null],
+            "default": None,
+        }
+    else:
+        props["logprobs"] = {
+            "anyOf": [{"type": "integer", "minimum": 0, "maximum": 20}, null],
+            "default": None,
+        }
     word = {"type": "string", "minLength": 1}
     props["stop"] = {"anyOf": [word, {"type": "array", "items": word, "maxItems": 16}, null], "default": None}
     for k in ("max_tokens", "max_completion_tokens"):
@@ -357,24 +383,84 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             raise ApiError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
         if not engine.ready:
             raise ApiError(503, "model is loading")
-        if req.n != 1:
-            raise ApiError(400, f"n={req.n} is not supported; only n=1", "n")
-        if req.presence_penalty or req.frequency_penalty:
-            raise ApiError(
-                400,
-                "presence_penalty and frequency_penalty are not supported",
-                "presence_penalty" if req.presence_penalty else "frequency_penalty",
-            )
-        if req.logprobs:
-            raise ApiError(400, "logprobs are not supported", "logprobs")
-        if getattr(req, "top_logprobs", None):
-            raise ApiError(400, "top_logprobs is not supported", "top_logprobs")
+        if getattr(req, "top_logprobs", None) is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if req.logit_bias:
+            for key, bias in req.logit_bias.items():
+                if not key.isdigit():
+                    raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+                if not -100.0 <= bias <= 100.0:
+                    raise ApiError(
+                        400, f"logit_bias values must be in [-100, 100], got {bias!r}", "logit_bias"
+                    )
+                vocab = getattr(engine, "vocab_size", None)
+                if vocab is not None and int(key) >= vocab:
+                    raise ApiError(
+                        400, f"logit_bias token id {key} is out of range [0, {vocab})", "logit_bias"
+                    )
+        rf = req.response_format
+        if (
+            rf is not None
+            and rf.type == "json_schema"
+            and (rf.json_schema is None or rf.json_schema.schema_ is None)
+        ):
+            raise ApiError(400, "response_format json_schema needs json_schema.schema", "response_format")
+        if rf is not None and rf.type != "json_schema" and rf.json_schema is not None:
+            raise ApiError(400, "json_schema goes with response_format type json_schema", "response_format")
         stops = req.stop_list()
         if len(stops) > 16 or any(not s for s in stops):
             raise ApiError(400, "stop must be up to 16 non-empty strings", "stop")
         return req
 
-    def gen_params(req, prompt_len: int, max_tokens: int | None) -> GenerationParams:
+    def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
+        """What the request's tools and tool_choice ask for (None: no tools in play)."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice is not None and choice != "none":
+                raise ApiError(400, "tool_choice needs tools", "tool_choice")
+            return None
+        functions = [
+            Function(t.function.name, t.function.description, t.function.parameters or {"type": "object"})
+            for t in req.tools
+        ]
+        names = [f.name for f in functions]
+        if len(set(names)) != len(names):
+            raise ApiError(400, "tools must have distinct function names", "tools")
+        if choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            named = [f for f in functions if f.name == choice.function.name]
+            if not named:
+                raise ApiError(
+                    400, f"tool_choice names an unknown function {choice.function.name!r}", "tool_choice"
+                )
+            return ToolMode(functions, named, True, True)
+        return ToolMode(functions, functions, choice == "required", True)
+
+    def logprobs_of(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+        if isinstance(req, ChatCompletionRequest):
+            return (req.top_logprobs or 0) if req.logprobs else None
+        return req.logprobs
+
+    def grammar_of(
+        req: ChatCompletionRequest | CompletionRequest, tools: ToolMode | None
+    ) -> GrammarSpec | None:
+        if tools is not None and tools.constrained:
+            return GrammarSpec("json_schema", json.dumps(call_schema(tools.allowed)), "tools")
+        rf = req.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return GrammarSpec("json_object")
+        assert rf.json_schema is not None and rf.json_schema.schema_ is not None
+        return GrammarSpec("json_schema", json.dumps(rf.json_schema.schema_), "response_format")
+
+    def gen_params(
+        req: ChatCompletionRequest | CompletionRequest,
+        prompt_len: int,
+        max_tokens: int | None,
+        tools: ToolMode | None = None,
+    ) -> GenerationParams:
         limit = engine.max_model_len
         if max_tokens is None:
             max_tokens = max(1, limit - prompt_len)
@@ -395,7 +481,21 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             seed=req.seed,
             stop=req.stop_list(),
             ignore_eos=req.ignore_eos,
+            min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=tuple(sorted((int(k), float(v)) for k, v in (req.logit_bias or {}).items())),
+            logprobs=logprobs_of(req),
+            grammar=grammar_of(req, tools),
         )
+
+    def sample_params(params: GenerationParams, i: int) -> GenerationParams:
+        """The i-th of n samples: its own seed (seed + i) when the request is seeded."""
+        if i == 0 or params.seed is None:
+            return params
+        seed = params.seed + i if params.seed + i <= SEED_MAX else params.seed - i
+        return dataclasses.replace(params, seed=seed)
 
     def usage(d: StreamDelta | None, prompt_len: int, completion: int) -> dict:
         u = {
@@ -433,6 +533,48 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             ]
         )
 
+    def logprob_items(d: StreamDelta) -> list[dict]:
+        """OpenAI chat `logprobs.content` entries for a delta's tokens."""
+        out = []
+        for t in d.tokens:
+            lp = t.logprob
+            if lp is None:
+                continue
+            out.append(
+                {
+                    "token": lp.token,
+                    "logprob": lp.logprob,
+                    "bytes": list(lp.token.encode("utf-8")),
+                    "top_logprobs": [
+                        {"token": a.token, "logprob": a.logprob, "bytes": list(a.token.encode("utf-8"))}
+                        for a in lp.top
+                    ],
+                }
+            )
+        return out
+
+    def completion_logprobs(deltas: list[StreamDelta], offset: int) -> dict:
+        """OpenAI completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset)."""
+        tokens, lps, tops, offsets = [], [], [], []
+        for d in deltas:
+            for t in d.tokens:
+                if t.logprob is None:
+                    continue
+                tokens.append(t.logprob.token)
+                lps.append(t.logprob.logprob)
+                tops.append({a.token: a.logprob for a in t.logprob.top})
+                offsets.append(offset)
+                offset += len(t.text)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
+        body = {
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+        return body if index is None else {"index": index, **body}
+
     async def run(
         request: Request,
         kind: str,
@@ -441,66 +583,116 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         stream: bool,
         include_usage: bool,
         provenance: bool = False,
+        n: int = 1,
+        tools: ToolMode | None = None,
     ):
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
-        gen = engine.generate(rid, prompt_ids, params)
+        want_logprobs = params.logprobs is not None
+        # n independent samples: one engine request each (its own drafter state; the prompt's
+        # KV shared through the prefix cache); a seeded request's i-th sample uses seed + i.
+        ids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        gens = [engine.generate(ids[i], prompt_ids, sample_params(params, i)) for i in range(n)]
+
+        async def abort_all() -> None:
+            """Close every stream (an unfinished one aborts its engine request)."""
+            for i, g in zip(ids, gens):
+                try:
+                    await g.aclose()
+                except RuntimeError:  # still being iterated by a task that is going away
+                    engine.abort(i)
+
         # Watch for the client going away from the start: while queued and prefilling too.
-        watcher = asyncio.create_task(watch_disconnect(request, rid))
-        try:
-            first = await first_delta(gen)
-        except BaseException:
-            watcher.cancel()
-            raise
+        watchers = [asyncio.create_task(watch_disconnect(request, i)) for i in ids]
+        firsts = await asyncio.gather(*(first_delta(g) for g in gens), return_exceptions=True)
+        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is not None:
+            for w in watchers:
+                w.cancel()
+            await abort_all()
+            raise failed
         name = served_name()
 
-        def choice(text: str, finish: str | None, delta: bool) -> dict:
+        def choice(i: int, text: str, finish: str | None, delta: bool, logprobs: dict | None = None) -> dict:
             if kind == "chat":
                 body = {"content": text} if delta else {"role": "assistant", "content": text}
                 return {
-                    "index": 0,
+                    "index": i,
                     ("delta" if delta else "message"): body,
-                    "logprobs": None,
+                    "logprobs": logprobs,
                     "finish_reason": finish,
                 }
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+        def final_choice(i: int, text: str, finish: str | None, deltas: list[StreamDelta]) -> dict:
+            call = parse_call(text, tools.functions) if tools is not None and tools.parse else None
+            if call is not None and finish == "stop":
+                return {
+                    "index": i,
+                    "message": {"role": "assistant", "content": None, "tool_calls": [tool_call_json(call)]},
+                    "logprobs": None,
+                    "finish_reason": "tool_calls",
+                }
+            lp = None
+            if want_logprobs:
+                lp = (
+                    {"content": [x for d in deltas for x in logprob_items(d)]}
+                    if kind == "chat"
+                    else completion_logprobs(deltas, 0)
+                )
+            return choice(i, text, finish, False, lp)
 
         if not stream:
-            parts, last = [], first
-            records = token_records(first) if provenance else []
-            try:
+
+            async def collect(
+                first: StreamDelta | None, gen: AsyncIterator[StreamDelta]
+            ) -> list[StreamDelta]:
+                got = [] if first is None else [first]
                 if first is not None and not first.finished:
-                    parts.append(first.text)
                     async for d in gen:
-                        parts.append(d.text)
-                        if provenance:
-                            records += token_records(d)
-                        last = d
-                elif first is not None:
-                    parts.append(first.text)
+                        got.append(d)
+                return got
+
+            tasks = [asyncio.create_task(collect(f, g)) for f, g in zip(firsts, gens)]
+            try:
+                results = await asyncio.gather(*tasks)
             except EngineError as exc:
                 raise ApiError(exc.status, str(exc), exc.param, exc.code) from exc
             finally:
-                watcher.cancel()
-                await gen.aclose()
-            if last is not None and last.error:
-                raise ApiError(503, last.error, code="draining")
-            completion = last.completion_tokens if last else 0
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for w in watchers:
+                    w.cancel()
+                await abort_all()
+            choices, records, completion = [], [], 0
+            lasts = []
+            for i, deltas in enumerate(results):
+                last = deltas[-1] if deltas else None
+                if last is not None and last.error:
+                    raise ApiError(503, last.error, code="draining")
+                completion += last.completion_tokens if last else 0
+                text = "".join(d.text for d in deltas)
+                choices.append(final_choice(i, text, last.finish_reason if last else "stop", deltas))
+                if provenance:
+                    records += [t for d in deltas for t in token_records(d)]
+                lasts.append(last)
             body = {
                 "id": rid,
                 "object": obj,
                 "created": created,
                 "model": name,
-                "choices": [choice("".join(parts), last.finish_reason if last else "stop", False)],
-                "usage": usage(last, len(prompt_ids), completion),
+                "choices": choices,
+                "usage": usage(lasts[0] if n == 1 else None, len(prompt_ids), completion),
             }
             if provenance:
                 body["dspark"] = {"tokens": records}
             return body
 
-        # From here the streaming response notices a disconnect itself (and closes `gen`).
-        watcher.cancel()
+        # From here the streaming response notices a disconnect itself (and closes the streams).
+        for w in watchers:
+            w.cancel()
         chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def sse(payload: dict) -> str:
@@ -514,52 +706,109 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                 p["dspark"] = {"tokens": tokens}
             return sse(p)
 
+        # Tool calls are recognised on the whole reply: a request that may call a tool streams
+        # its reply when it is complete (as content, or as one tool-call delta with its name and
+        # arguments), the way OpenAI streams a tool call's chunks, only in one piece.
+        buffered = tools is not None and tools.parse
+
+        async def merged() -> AsyncIterator[tuple[int, StreamDelta]]:
+            """(choice index, delta) from all n streams as they come."""
+            q: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i: int, first: StreamDelta | None, gen: AsyncIterator[StreamDelta]) -> None:
+                try:
+                    if first is not None:
+                        await q.put((i, first))
+                    if first is not None and not first.finished:
+                        async for d in gen:
+                            await q.put((i, d))
+                except Exception as exc:  # handed to the consumer
+                    await q.put((i, exc))
+                finally:
+                    await q.put((i, None))
+
+            tasks = [asyncio.create_task(pump(i, f, g)) for i, (f, g) in enumerate(zip(firsts, gens))]
+            try:
+                open_ = n
+                while open_:
+                    i, item = await q.get()
+                    if item is None:
+                        open_ -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        yield i, item
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        stream_all = merged()
+
         async def events():
-            last = first
+            completion = [0] * n
+            texts: list[list[str]] = [[] for _ in range(n)]
+            offsets = [0] * n
+            last_spec = None
             try:
                 if kind == "chat":
-                    yield chunk(
-                        [
-                            {
-                                "index": 0,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ]
-                    )
-                pending = [first] if first is not None else []
-                while True:
-                    for d in pending:
-                        last = d
-                        tokens = token_records(d) if provenance else None
-                        if d.text or tokens:
-                            yield chunk([choice(d.text, None, True)], tokens=tokens)
-                        if d.finished:
-                            yield chunk(
-                                [
-                                    {
-                                        **choice("", d.finish_reason, True),
-                                        **({"delta": {}} if kind == "chat" else {}),
-                                    }
-                                ]
-                            )
-                        if d.error:  # cut by a drain: say so after the finish_reason
-                            yield sse(
+                    for i in range(n):
+                        yield chunk(
+                            [
                                 {
-                                    "error": {
-                                        "message": d.error,
-                                        "type": ERROR_TYPES[503],
-                                        "param": None,
-                                        "code": "draining",
-                                    }
+                                    "index": i,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
                                 }
+                            ]
+                        )
+                async for i, d in stream_all:
+                    completion[i] = d.completion_tokens
+                    last_spec = d
+                    tokens = token_records(d) if provenance else None
+                    if buffered:
+                        texts[i].append(d.text)
+                    elif d.text or tokens or (want_logprobs and d.tokens):
+                        lp = None
+                        if want_logprobs:
+                            lp = (
+                                {"content": logprob_items(d)}
+                                if kind == "chat"
+                                else completion_logprobs([d], offsets[i])
                             )
-                    if last is None or last.finished:
-                        break
-                    pending = [await gen.__anext__()]
-                if include_usage and last is not None:
-                    yield chunk([], usage(last, len(prompt_ids), last.completion_tokens))
+                        offsets[i] += sum(len(t.text) for t in d.tokens)
+                        yield chunk([choice(i, d.text, None, True, lp)], tokens=tokens)
+                    if d.finished:
+                        finish = d.finish_reason
+                        if buffered:
+                            text = "".join(texts[i])
+                            call = parse_call(text, tools.functions) if tools is not None else None
+                            if call is not None and finish == "stop":
+                                delta = {"tool_calls": [tool_call_json(call, 0)]}
+                                yield chunk(
+                                    [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]
+                                )
+                                finish = "tool_calls"
+                            elif text:
+                                yield chunk([choice(i, text, None, True)])
+                        yield chunk(
+                            [{**choice(i, "", finish, True), **({"delta": {}} if kind == "chat" else {})}]
+                        )
+                    if d.error:  # cut by a drain: say so after the finish_reason
+                        yield sse(
+                            {
+                                "error": {
+                                    "message": d.error,
+                                    "type": ERROR_TYPES[503],
+                                    "param": None,
+                                    "code": "draining",
+                                }
+                            }
+                        )
+                if include_usage:
+                    spec = last_spec if n == 1 else None
+                    yield chunk([], usage(spec, len(prompt_ids), sum(completion)))
                 yield "data: [DONE]\n\n"
             except EngineError as exc:
                 count_error(exc.status)
@@ -575,7 +824,8 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                 )
                 yield "data: [DONE]\n\n"
             finally:
-                await gen.aclose()  # a client that went away aborts its request here
+                await stream_all.aclose()
+                await abort_all()  # a client that went away aborts its requests here
 
         return StreamingResponse(
             events(),
@@ -604,15 +854,22 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
     @app.post("/v1/chat/completions", responses=gen_responses, openapi_extra=body_doc(ChatCompletionRequest))
     async def chat(request: Request):
         req = await parse(request, ChatCompletionRequest)
-        messages = [
-            {"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages
-        ]
+        messages = []
+        for m in req.messages:
+            content = m.text()
+            if m.role == "assistant" and m.tool_calls:
+                calls = [render_call(c.function.name, c.function.arguments) for c in m.tool_calls]
+                content = "\n".join(([content] if content else []) + calls)
+            messages.append({"role": m.role if m.role != "developer" else "system", "content": content})
+        tools = tool_mode(req)
+        if tools is not None and tools.parse:
+            messages = with_tools(messages, tools.functions)
         try:  # off the event loop: a long conversation must not hold up other requests
             prompt_ids = await run_in_threadpool(engine.tokenize_chat, messages)
         except Exception as exc:  # templates reject odd role orders
             raise ApiError(400, f"messages could not be formatted: {exc}", "messages") from exc
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = gen_params(req, len(prompt_ids), max_tokens)
+        params = gen_params(req, len(prompt_ids), max_tokens, tools)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await run(
             request,
@@ -622,6 +879,8 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             req.stream,
             include_usage,
             bool(req.dspark and req.dspark.provenance),
+            req.n,
+            tools,
         )
 
     @app.post("/v1/completions", responses=gen_responses, openapi_extra=body_doc(CompletionRequest))
@@ -657,6 +916,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             req.stream,
             include_usage,
             bool(req.dspark and req.dspark.provenance),
+            req.n,
         )
 
     def openapi() -> dict:

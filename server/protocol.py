@@ -33,12 +33,31 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCallMsg(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    name: str
+    arguments: str
+
+
+class ToolCallMsg(BaseModel):
+    """An earlier tool call in the conversation (an assistant message's `tool_calls`)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallMsg
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMsg] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -65,6 +84,53 @@ class DsparkOptions(BaseModel):
     its id, text, kind (draft / correction / bonus / plain) and draft position."""
 
 
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`text`, `json_object` (any JSON object) or `json_schema` (output valid against it)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -75,12 +141,15 @@ class _Sampling(BaseModel):
     top_k: Int = Field(default=0, ge=-1, le=2**31 - 1)
     seed: Int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    n: Int = Field(default=1, ge=1, le=128)
+    n: Int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logprobs: bool | int | None = None
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     ignore_eos: bool = False
     user: str | None = None
     dspark: DsparkOptions | None = None
@@ -94,13 +163,18 @@ class _Sampling(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
-    top_logprobs: Int | None = None
+    logprobs: bool | None = None
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
+    tools: list[ToolDef] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[Int]
     # OpenAI's default; `null` means the default too (not "up to the context limit").
     max_tokens: Int | None = Field(default=16, ge=1)
+    logprobs: Int | None = Field(default=None, ge=0, le=20)
 
 
 class ErrorDetail(BaseModel):
@@ -119,13 +193,8 @@ class ErrorResponse(BaseModel):
 # OpenAI parameters this server does not implement. A request that sets one to anything but its
 # neutral value (listed here; a missing entry means only null) is refused with a 400 naming it.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),
     "functions": ([],),
     "function_call": ("none",),
-    "logit_bias": ({},),
     "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),

@@ -24,11 +24,13 @@ class SamplingTensors:
     temperature: [N] float32, 0 = greedy.
     top_p:       [N] float32 in (0, 1], 1 = off.
     top_k:       [N] int64, 0 = off.
+    min_p:       [N] float32 in [0, 1], 0 = off.
     """
 
     temperature: torch.Tensor
     top_p: torch.Tensor
     top_k: torch.Tensor
+    min_p: torch.Tensor | None = None
 
     @classmethod
     def from_params(
@@ -38,6 +40,7 @@ class SamplingTensors:
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
         )
 
     def repeat_interleave(self, repeats: torch.Tensor | int) -> SamplingTensors:
@@ -46,6 +49,7 @@ class SamplingTensors:
             temperature=self.temperature.repeat_interleave(repeats),
             top_p=self.top_p.repeat_interleave(repeats),
             top_k=self.top_k.repeat_interleave(repeats),
+            min_p=None if self.min_p is None else self.min_p.repeat_interleave(repeats),
         )
 
 
@@ -54,8 +58,9 @@ def probs_from_logits(
     temperature: torch.Tensor,  # [N] float, 0 = greedy
     top_p: torch.Tensor,  # [N] float in (0, 1], 1 = off
     top_k: torch.Tensor,  # [N] int64, 0 = off
+    min_p: torch.Tensor | None = None,  # [N] float in [0, 1], 0 = off
 ) -> torch.Tensor:  # [N, V] float32, rows sum to 1
-    """Apply temperature, top-k then top-p; greedy rows become one-hot on the argmax.
+    """Apply temperature, min-p, top-k then top-p; greedy rows become one-hot on the argmax.
 
     Only the rows that actually filter pay for the sort over the vocabulary.
     """
@@ -71,6 +76,15 @@ def probs_from_logits(
     greedy = temperature < GREEDY_EPS
     # Greedy rows divide by 1 here and are overwritten by a one-hot below.
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
+    if min_p is not None:
+        min_p = min_p.to(device=device, dtype=torch.float32)
+        m_on = (min_p > 0) & ~greedy
+        if bool(m_on.any()):
+            rows = m_on.nonzero(as_tuple=True)[0]
+            sub = scaled[rows]
+            # p < min_p * p_max  <=>  logit < max logit + log(min_p)
+            cut = sub.max(dim=-1, keepdim=True).values + min_p[rows].log().unsqueeze(1)
+            scaled[rows] = sub.masked_fill(sub < cut, float("-inf"))
 
     k_on = (top_k > 0) & (top_k < vocab)
     p_on = top_p < 1.0

@@ -16,12 +16,25 @@ class SamplingParams:
     top_p: keep the smallest set of tokens whose probability mass reaches top_p (1.0 = off).
     top_k: keep the k most likely tokens (0 = off).
     seed: per-request seed; the same seed and prompt give the same output.
+    min_p: drop tokens whose probability (after temperature) is below min_p times the most
+        likely token's (0.0 = off).
+    presence_penalty: subtracted once from the logit of every token already generated (0 = off).
+    frequency_penalty: subtracted from a generated token's logit per occurrence (0 = off).
+    repetition_penalty: tokens of the prompt or the output get positive logits divided by it and
+        negative ones multiplied by it (1.0 = off).
+    logit_bias: (token id, bias) pairs added to the raw logits (empty = off).
+    The penalties and the bias apply to the raw logits, before temperature (verifier/processors.py).
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature <= 100.0):
@@ -32,7 +45,30 @@ class SamplingParams:
             raise ValueError(f"top_k must be in [0, 2**63), got {self.top_k!r}")
         if self.seed is not None and not (SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (-2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not (0.0 < self.repetition_penalty <= 10.0):
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        for pair in self.logit_bias:
+            if len(pair) != 2 or type(pair[0]) is not int or pair[0] < 0 or not (-100.0 <= pair[1] <= 100.0):
+                raise ValueError(
+                    f"logit_bias entries must be (token id >= 0, bias in [-100, 100]), got {pair!r}"
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def penalized_by_history(self) -> bool:
+        """A penalty that depends on the tokens before a position is on."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def penalized(self) -> bool:
+        """The raw logits are changed before temperature (a penalty or a logit bias)."""
+        return self.penalized_by_history or bool(self.logit_bias)

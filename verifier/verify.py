@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_serve.verifier.processors import TokenContext, needs_processing, process_block
 from dspark_serve.verifier.rejection import RejectionResult, rejection_sample, verify_offsets
 from dspark_serve.verifier.sampling import SamplingTensors, probs_from_logits
 from dspark_serve.verifier.sampling_params import SamplingParams
@@ -27,12 +28,15 @@ class VerifyRequest:
     generator: its torch.Generator (seeded requests) or None (global RNG).
     draft_tokens: [K] int64, the drafts it verifies (K may be 0: plain decoding / first token).
     draft_probs: [K, V] float, the draft q each was sampled from, or None (one-hot q).
+    context: the tokens (and grammar) its penalties / logit bias / constraint read, or None
+        when it has none (`verifier/processors.py`; row k sees drafts 0..k-1 too).
     """
 
     sampling: SamplingParams
     generator: torch.Generator | None
     draft_tokens: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    context: TokenContext | None = None
 
     @property
     def num_draft(self) -> int:
@@ -77,7 +81,8 @@ def build_verify_inputs(
     num_draft = torch.tensor(counts, dtype=torch.long)
     st = SamplingTensors.from_params([r.sampling for r in requests], device)
     e = st.repeat_interleave(torch.tensor([n + 1 for n in counts], device=device))
-    target = probs_from_logits(logits, e.temperature, e.top_p, e.top_k)
+    logits = process_rows(logits, requests)
+    target = probs_from_logits(logits, e.temperature, e.top_p, e.top_k, e.min_p)
     drafted = [r for r in requests if r.num_draft > 0]
     tokens = (
         torch.cat([r.draft_tokens.reshape(-1).to(torch.long).cpu() for r in drafted])
@@ -100,6 +105,27 @@ def build_verify_inputs(
     return VerifyInputs(
         target, tokens, draft_probs, num_draft, [r.generator for r in requests], deterministic
     )
+
+
+def process_rows(
+    logits: torch.Tensor,  # [T, V] float, T = sum(K_i + 1), requests in order
+    requests: Sequence[VerifyRequest],
+) -> torch.Tensor:  # [T, V]: the same tensor when nobody needs processing
+    """Penalties, logit bias and grammar masks, position by position: request b's row k sees
+    its tokens so far plus its drafts 0..k-1 (`process_block`)."""
+    if not any(needs_processing(r.sampling, r.context) for r in requests):
+        return logits
+    out = logits.float().clone()
+    start = 0
+    for r in requests:
+        n = r.num_draft + 1
+        if needs_processing(r.sampling, r.context):
+            ctx = r.context if r.context is not None else TokenContext((), ())
+            out[start : start + n] = process_block(
+                logits[start : start + n], r.sampling, ctx, r.draft_tokens.reshape(-1).tolist()
+            )
+        start += n
+    return out
 
 
 def verify(

@@ -12,6 +12,7 @@ from dspark_serve.drafter.dspark_model.config import Calibration, DSparkConfig
 from dspark_serve.drafter.dspark_model.modules import ConfidenceHead, DecoderLayer, MarkovHead, RMSNorm
 from dspark_serve.drafter.dspark_model.ops import rope_cos_sin, rope_inv_freq
 from dspark_serve.drafter.dspark_model.sampling import SampledBlock, sample_block
+from dspark_serve.verifier.processors import TokenContext, process_next
 from dspark_serve.verifier.sampling_params import SamplingParams
 
 
@@ -214,8 +215,39 @@ class DSparkModel(nn.Module):
         sampling: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         hidden: torch.Tensor | None = None,
+        contexts: Sequence[TokenContext | None] | None = None,
     ) -> SampledBlock:
-        """Left-to-right sampling with this drafter's Markov head (`sampling.sample_block`)."""
+        """Left-to-right sampling with this drafter's Markov head (`sampling.sample_block`);
+        rows with penalties, a logit bias or a grammar (`contexts`) are processed in the
+        target's vocabulary, exactly as the verifier processes p."""
+        shape = None
+        if contexts is not None:
+
+            def shape(i: int, row: torch.Tensor, drafted: list[int]) -> torch.Tensor:
+                ctx = contexts[i]
+                assert ctx is not None
+                full = row if self.d2t is None else self.to_target_logits(row)
+                out = process_next(full.unsqueeze(0), sampling[i], ctx, drafted)[0]
+                if self.d2t is not None:
+                    out = out[self.d2t]
+                # Nothing left in the draft vocabulary (a grammar allowing only dropped ids):
+                # keep the unprocessed q, a proper distribution; the verifier rejects its draft.
+                return out if bool(torch.isfinite(out).any()) else row
+
         return sample_block(
-            base_logits, anchor, sampling, generators, self.markov_head, self.to_target_ids, hidden
+            base_logits,
+            anchor,
+            sampling,
+            generators,
+            self.markov_head,
+            self.to_target_ids,
+            hidden,
+            contexts,
+            shape,
         )
+
+    def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[output_size] draft logits -> [vocab_size] (-inf off the kept ids)."""
+        if self.d2t is None:
+            return logits
+        return logits.new_full((self.config.vocab_size,), float("-inf")).index_copy_(0, self.d2t, logits)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark_serve.drafter.dspark_model.modules import MarkovHead
+from dspark_serve.verifier.processors import TokenContext, needs_processing
 from dspark_serve.verifier.sampling import SamplingTensors, probs_from_logits, sample
 from dspark_serve.verifier.sampling_params import SamplingParams
 
@@ -37,6 +38,8 @@ def sample_block(
     head: MarkovHead | None,
     to_target_ids: Callable[[torch.Tensor], torch.Tensor],
     hidden: torch.Tensor | None = None,
+    contexts: Sequence[TokenContext | None] | None = None,
+    shape: Callable[[int, torch.Tensor, list[int]], torch.Tensor] | None = None,
 ) -> SampledBlock:
     """Left-to-right sampling with the Markov head.
 
@@ -45,7 +48,11 @@ def sample_block(
     hidden: [B, K, d] (needed by gated / rnn heads) -> SampledBlock.
     q_k = probs_from_logits(corrected logits_k) with the row's temperature/top-p/top-k,
     the same function the verifier shapes p with. Greedy rows take the argmax (q one-hot)
-    and skip the vocabulary-wide work."""
+    and skip the vocabulary-wide work.
+    contexts / shape: rows whose request has penalties, a logit bias or a grammar
+    (`needs_processing`) get their step-k logits passed through shape(row, logits [V'],
+    tokens drafted so far) before anything else, so q (and a greedy argmax) is the processed
+    distribution the verifier's p is compared with (verifier/processors.py)."""
     b, steps, vocab = base_logits.shape  # vocab: the draft vocabulary (output_size)
     dev = base_logits.device
     if head is not None and head.kind != "vanilla" and hidden is None:
@@ -58,14 +65,22 @@ def sample_block(
     state = head.init_state((b,), head.markov_w1.weight) if head is not None else None
     prev = anchor.long().to(dev)
     tokens, probs, prevs = [], [], []
+    shaped: list[int] = []
+    if contexts is not None and shape is not None:
+        shaped = [i for i, s in enumerate(sampling) if needs_processing(s, contexts[i])]
     for k in range(steps):
         logits = base_logits[:, k].float()
         if head is not None:
             state, bias = head.step(state, prev, hidden[:, k] if hidden is not None else None)
             logits = logits + bias.float()
+        if shaped and shape is not None:
+            logits = logits.clone()
+            drafted = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in range(b)]
+            for i in shaped:
+                logits[i] = shape(i, logits[i], drafted[i])
         tok = logits.argmax(-1)
         if rows:
-            q = probs_from_logits(logits[row_idx], st.temperature, st.top_p, st.top_k)
+            q = probs_from_logits(logits[row_idx], st.temperature, st.top_p, st.top_k, st.min_p)
             tok[row_idx] = sample(q, row_gens)
             full = torch.zeros(b, vocab, dtype=torch.float32, device=dev)
             full.scatter_(1, tok.unsqueeze(1), 1.0)

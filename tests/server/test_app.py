@@ -118,7 +118,7 @@ def test_errors_have_openai_shape_and_right_status():
     assert_error(chat(c, temperature=3.5), 400, "temperature")
     assert_error(chat(c, top_p=0), 400, "top_p")
     assert_error(chat(c, max_tokens=0), 400, "max_tokens")
-    assert_error(chat(c, n=2), 400, "n")
+    assert_error(chat(c, n=17), 400, "n")
     assert_error(chat(c, messages=[]), 400, "messages")
     assert_error(chat(c, model="gpt-17"), 404, "model")
     err = assert_error(
@@ -208,16 +208,27 @@ def test_prompt_token_ids_range_checked():
 def test_unsupported_parameters_are_named():
     c = client()
     for key, value in (
-        ("response_format", {"type": "json_object"}),
-        ("tools", [{"type": "function"}]),
-        ("tool_choice", "auto"),
-        ("logit_bias", {"5": 1}),
-        ("top_logprobs", 2),
-        ("parallel_tool_calls", 1),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+        ("audio", {"voice": "x"}),
+        ("prediction", {"type": "content", "content": "x"}),
     ):
         err = assert_error(chat(c, **{key: value}), 400, key)
         assert key in err["message"]
-    for key, value in (("echo", True), ("suffix", "x"), ("best_of", 3), ("logit_bias", {"1": 2})):
+    # supported now, but malformed values are named
+    for key, value in (
+        ("response_format", {"type": "xml"}),
+        ("tools", [{"type": "function"}]),
+        ("tool_choice", "auto"),  # without tools
+        ("logit_bias", {"five": 1}),
+        ("logit_bias", {"5": 101}),
+        ("top_logprobs", 2),  # without logprobs: true
+        ("top_logprobs", 21),
+        ("parallel_tool_calls", 1),
+    ):
+        err = assert_error(chat(c, **{key: value}), 400)
+        assert err["param"].split(".")[0] == key, (key, err)
+    for key, value in (("echo", True), ("suffix", "x"), ("best_of", 3), ("tools", [])):
         assert_error(c.post("/v1/completions", json={"prompt": "hi", key: value}), 400, key)
     err = assert_error(chat(c, frobnicate=1), 400, "frobnicate")
     assert "Unrecognized" in err["message"]
@@ -313,7 +324,7 @@ def test_errors_are_counted_in_metrics():
     c = client()
     chat(c, max_tokens=13)
     chat(c, max_tokens=13)
-    chat(c, n=5)
+    chat(c, n=50)
     text = c.get("/metrics").text
     assert 'dspark:http_errors_total{status="429"} 2.0' in text
     assert 'dspark:http_errors_total{status="400"} 1.0' in text

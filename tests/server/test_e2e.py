@@ -177,7 +177,7 @@ def test_errors(live):
         c.chat.completions.create(model=MODEL, messages=MSG, temperature=5)
     assert e.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model=MODEL, messages=MSG, n=3)
+        c.chat.completions.create(model=MODEL, messages=MSG, n=17)
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         c.chat.completions.create(model="no-such-model", messages=MSG)

@@ -75,7 +75,7 @@ def malicious(url: str) -> list[tuple[str, int]]:
         post(
             "unsupported parameter",
             path="/v1/chat/completions",
-            json={**chat_body("hi"), "response_format": {"type": "json_object"}},
+            json={**chat_body("hi"), "functions": [{"name": "f"}]},
         )
         post("string max_tokens", json={"prompt": "hi", "max_tokens": "10"})
         post(
@@ -87,6 +87,17 @@ def malicious(url: str) -> list[tuple[str, int]]:
             },
         )
         post("huge top_k", json={"prompt": "hi", "max_tokens": 4, "top_k": 10**30})
+        post(
+            "schema that does not compile",
+            json={
+                "prompt": "hi",
+                "max_tokens": 4,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": 7}},
+                },
+            },
+        )
         try:  # a client that goes away mid-request (non-streaming)
             c.post(
                 "/v1/completions", json={"prompt": "hi", "max_tokens": 400, "ignore_eos": True}, timeout=0.5

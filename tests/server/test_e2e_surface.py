@@ -1,0 +1,197 @@
+"""The OpenAI surface under speculation, end to end on the embedded SmolLM2-135M-Instruct
+(float32) over real HTTP with the official `openai` client: logprobs, penalties, n,
+structured output and tools, against plain decoding and a direct forward of the target."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from dspark_serve.drafter.config import DrafterConfig
+from dspark_serve.scheduler.builder import build_engine
+from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.verifier.config import ModelConfig
+from tests.server.test_e2e import MAX_LEN, MODEL, LiveServer
+
+pytestmark = pytest.mark.slow
+
+
+def server(drafter: str, policy: str) -> LiveServer:
+    def build(metrics):
+        return build_engine(
+            ModelConfig(max_model_len=MAX_LEN, kv_cache_tokens=16384, dtype="float32"),
+            DrafterConfig(drafter=drafter),
+            SchedulerConfig(max_num_seqs=8, max_waiting=64, verify_policy=policy),
+            metrics=metrics,
+            profile=False,
+        )
+
+    return LiveServer(build=build)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    s = server("dspark+ngram", "static:7")  # the shipped DSpark drafter (block 7) and prompt lookup
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def plain():
+    s = server("none", "none")
+    yield s
+    s.close()
+
+
+MSG = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+REPEAT = [{"role": "user", "content": "Count from 1 to 40, separated by commas."}]
+
+
+def test_logprobs_equal_plain_decoding_and_a_direct_forward(spec, plain):
+    # repeated text: prompt lookup drafts whole blocks that pass (bonus tokens) and others fail
+    kw = dict(model=MODEL, messages=REPEAT, max_tokens=60, temperature=0, logprobs=True, top_logprobs=5)
+    s = spec.client().chat.completions.create(**kw, extra_body={"dspark": {"provenance": True}})
+    p = plain.client().chat.completions.create(**kw)
+    sc, pc = s.choices[0].logprobs.content, p.choices[0].logprobs.content
+    assert s.choices[0].message.content == p.choices[0].message.content
+    assert [x.token for x in sc] == [x.token for x in pc] and len(sc) == s.usage.completion_tokens
+    kinds = [t["kind"] for t in s.model_extra["dspark"]["tokens"]]
+    assert {"draft", "bonus"} <= set(kinds) and "correction" in kinds, kinds
+    ids = [t["id"] for t in s.model_extra["dspark"]["tokens"]]
+    eng = spec.engine.bundle.engine
+    prompt = spec.engine.tokenize_chat(REPEAT)
+    with torch.no_grad():
+        logits = eng.runner.model(torch.tensor([prompt + ids])).logits[0].double()
+    ref = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
+    for j, (a, b) in enumerate(zip(sc, pc)):
+        assert abs(a.logprob - b.logprob) < 1e-3, (j, kinds[j])
+        assert abs(a.logprob - ref[j, ids[j]].item()) < 1e-3, (j, kinds[j])
+        assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
+        assert len(a.top_logprobs) == 5
+    streamed = [
+        x.logprob
+        for ch in spec.client().chat.completions.create(**kw, stream=True)
+        if ch.choices and ch.choices[0].logprobs
+        for x in ch.choices[0].logprobs.content
+    ]
+    assert len(streamed) == len(sc) and max(abs(a - b.logprob) for a, b in zip(streamed, sc)) < 1e-3
+    comp = spec.client().completions.create(
+        model=MODEL, prompt="The sea is", max_tokens=8, temperature=0, logprobs=2
+    )
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == comp.usage.completion_tokens
+
+
+def test_greedy_penalties_equal_plain_decoding(spec, plain):
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Repeat the word sea ten times."}],
+        max_tokens=40,
+        temperature=0,
+        presence_penalty=0.6,
+        frequency_penalty=0.4,
+        logit_bias={"1": -100},
+        extra_body={"repetition_penalty": 1.2, "min_p": 0.05},
+    )
+    a = spec.client().chat.completions.create(**kw)
+    b = plain.client().chat.completions.create(**kw)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    unpenalised = plain.client().chat.completions.create(
+        model=MODEL, messages=kw["messages"], max_tokens=40, temperature=0
+    )
+    assert unpenalised.choices[0].message.content != b.choices[0].message.content
+    assert a.usage.model_extra["spec_decode"]["draft_tokens"] > 0
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 24},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+def test_twenty_schema_constrained_requests_under_static_7_all_validate(spec):
+    c = spec.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for i in range(20):
+        r = c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Invent person number {i} and describe them as JSON."}],
+            max_tokens=120,
+            temperature=0 if i % 2 == 0 else 0.8,
+            seed=i,
+            response_format=fmt,
+        )
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    r = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": 'Reply with the JSON object {"ok": true, "n": 3}.'}],
+        max_tokens=120,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_required_tool_call_returns_parseable_arguments(spec):
+    c = spec.client()
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        max_tokens=80,
+        temperature=0,
+        tools=[WEATHER],
+        tool_choice="required",
+    )
+    r = c.chat.completions.create(**kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls
+    call = ch.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    chunks = list(c.chat.completions.create(**kw, stream=True))
+    deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == json.loads(
+        call.function.arguments
+    )
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
+        "tool_calls"
+    ]
+
+
+def test_n_three_returns_three_choices_and_usage_counts_all(spec):
+    r = spec.client().chat.completions.create(
+        model=MODEL, messages=MSG, max_tokens=16, temperature=1.0, seed=3, n=3, logprobs=True
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+    assert len({c.message.content for c in r.choices}) > 1  # independent samples
+    assert spec.idle()

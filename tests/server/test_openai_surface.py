@@ -1,0 +1,204 @@
+"""The HTTP side of logprobs, n, structured output and tools over a fake engine: what reaches
+the engine, and the OpenAI shapes that come back (streamed and not)."""
+
+from __future__ import annotations
+
+import json
+
+from dspark_serve.scheduler.client import StreamDelta, TokenLogprob, TokenRecord, TopLogprob
+from tests.server.test_app import FakeEngine, assert_error, chat, client
+
+
+class ScriptEngine(FakeEngine):
+    """Replies with `words` (one token each), with logprobs when asked; records every call."""
+
+    max_model_len = 4096
+
+    def __init__(self, words=("Hel", "lo")):
+        super().__init__()
+        self.words = list(words)
+        self.calls = []
+
+    async def generate(self, request_id, prompt_ids, params):
+        self.calls.append((request_id, prompt_ids, params))
+        n = len(self.words)
+        for i, w in enumerate(self.words):
+            lp = None
+            if params.logprobs is not None:
+                top = tuple(TopLogprob(j, f"t{j}", -0.5 * (j + 1)) for j in range(params.logprobs))
+                lp = TokenLogprob(w, -0.25 * (i + 1), top)
+            yield StreamDelta(
+                w,
+                [i],
+                i == n - 1,
+                "stop" if i == n - 1 else None,
+                len(prompt_ids),
+                i + 1,
+                tokens=[TokenRecord(i, w, "plain", None, lp)],
+            )
+
+
+def sse(resp):
+    return [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+
+
+def test_n_returns_n_choices_with_their_own_seeds_and_usage_counts_all():
+    eng = ScriptEngine()
+    r = chat(client(eng), n=3, seed=7)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == "Hello" for c in body["choices"])
+    assert body["usage"]["completion_tokens"] == 6 and body["usage"]["prompt_tokens"] == 2
+    assert sorted(p.seed for _, _, p in eng.calls) == [7, 8, 9]
+    assert len({rid for rid, _, _ in eng.calls}) == 3
+    chunks = sse(chat(client(ScriptEngine()), n=2, stream=True, stream_options={"include_usage": True}))
+    text = {0: "", 1: ""}
+    for c in chunks:
+        for ch in c["choices"]:
+            text[ch["index"]] += ch["delta"].get("content") or ""
+    assert text == {0: "Hello", 1: "Hello"}
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_chat_logprobs_shape_streamed_and_not():
+    eng = ScriptEngine()
+    body = chat(client(eng), logprobs=True, top_logprobs=2).json()
+    assert eng.calls[0][2].logprobs == 2
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [x["token"] for x in content] == ["Hel", "lo"]
+    assert [x["logprob"] for x in content] == [-0.25, -0.5]
+    assert content[0]["bytes"] == list(b"Hel")
+    assert [a["token"] for a in content[0]["top_logprobs"]] == ["t0", "t1"]
+    assert (
+        chat(client(ScriptEngine()), logprobs=True).json()["choices"][0]["logprobs"]["content"][0][
+            "top_logprobs"
+        ]
+        == []
+    )
+    assert chat(client(ScriptEngine())).json()["choices"][0]["logprobs"] is None
+    chunks = sse(chat(client(ScriptEngine()), logprobs=True, top_logprobs=1, stream=True))
+    got = [
+        x["logprob"]
+        for c in chunks
+        for ch in c["choices"]
+        if ch["logprobs"]
+        for x in ch["logprobs"]["content"]
+    ]
+    assert got == [-0.25, -0.5]
+
+
+def test_completion_logprobs_shape():
+    c = client(ScriptEngine())
+    lp = c.post("/v1/completions", json={"prompt": "hi", "logprobs": 1}).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["Hel", "lo"] and lp["token_logprobs"] == [-0.25, -0.5]
+    assert lp["top_logprobs"] == [{"t0": -0.5}, {"t0": -0.5}] and lp["text_offset"] == [0, 3]
+    assert_error(c.post("/v1/completions", json={"prompt": "hi", "logprobs": 21}), 400, "logprobs")
+
+
+def test_penalties_bias_and_min_p_reach_the_engine():
+    eng = ScriptEngine()
+    chat(
+        client(eng),
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        min_p=0.1,
+        logit_bias={"7": 3, "2": -100},
+    )
+    p = eng.calls[0][2]
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == (0.5, -0.5, 1.2, 0.1)
+    assert p.logit_bias == ((2, -100.0), (7, 3.0))
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def test_response_format_becomes_a_grammar():
+    eng = ScriptEngine()
+    c = client(eng)
+    chat(
+        c,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
+        },
+    )
+    g = eng.calls[-1][2].grammar
+    assert g.kind == "json_schema" and json.loads(g.schema) == SCHEMA and g.param == "response_format"
+    chat(c, response_format={"type": "json_object"})
+    assert eng.calls[-1][2].grammar.kind == "json_object"
+    chat(c, response_format={"type": "text"})
+    assert eng.calls[-1][2].grammar is None
+    assert_error(chat(c, response_format={"type": "json_schema"}), 400, "response_format")
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": SCHEMA}},
+    {"type": "function", "function": {"name": "noop"}},
+]
+CALL = '{"name": "get_weather", "arguments": {"a": 3}}'
+
+
+def test_required_and_named_tool_choice_constrain_the_reply_and_return_tool_calls():
+    eng = ScriptEngine([CALL[:10], CALL[10:]])
+    c = client(eng)
+    body = chat(c, tools=TOOLS, tool_choice="required").json()
+    prompt = eng.calls[-1][1]
+    g = eng.calls[-1][2].grammar
+    assert g.param == "tools" and len(json.loads(g.schema)["anyOf"]) == 2
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    call = choice["message"]["tool_calls"][0]
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"a": 3} and call["id"].startswith("call_")
+    # the tools are described to the model (the fake tokenizer counts characters)
+    assert len(prompt) > 200
+    chat(c, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    named = json.loads(eng.calls[-1][2].grammar.schema)
+    assert named["properties"]["name"] == {"const": "get_weather"}
+    assert_error(
+        chat(c, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "zz"}}), 400, "tool_choice"
+    )
+    # auto: not constrained, but a reply that is a call comes back as one
+    body = chat(c, tools=TOOLS).json()
+    assert eng.calls[-1][2].grammar is None and body["choices"][0]["finish_reason"] == "tool_calls"
+    # none: plain content, the tools not described
+    body = chat(c, tools=TOOLS, tool_choice="none").json()
+    assert body["choices"][0]["message"]["content"] == CALL and len(eng.calls[-1][1]) < 20
+
+
+def test_tool_call_streams_as_openai_streams_it():
+    chunks = sse(
+        chat(client(ScriptEngine([CALL[:10], CALL[10:]])), tools=TOOLS, tool_choice="required", stream=True)
+    )
+    deltas = [ch for c in chunks for ch in c["choices"]]
+    calls = [d["delta"]["tool_calls"] for d in deltas if "tool_calls" in d.get("delta", {})]
+    assert len(calls) == 1 and calls[0][0]["index"] == 0 and calls[0][0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0][0]["function"]["arguments"]) == {"a": 3}
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    assert not any(d["delta"].get("content") for d in deltas)
+
+
+def test_earlier_tool_calls_and_results_are_rendered():
+    eng = ScriptEngine(["ok"])
+    chat(
+        client(eng),
+        tools=TOOLS,
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"a": 1}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ],
+    )
+    assert eng.calls[-1][2].grammar is None

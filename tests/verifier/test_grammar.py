@@ -1,0 +1,88 @@
+"""The llguidance constraint: masks for a verified block follow its drafts and leave the
+committed state as it was (rollback); commits advance it; schemas are bounded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from llguidance import LLTokenizer
+from llguidance._tokenizer import TokenizerWrapper
+
+from dspark_serve.verifier.grammar import GrammarCompiler, GrammarConfig, GrammarError
+
+EOS = 256
+
+
+class _Bytes:
+    """The byte-level test tokenizer (tests.helpers.ByteTokenizer) as llguidance sees it."""
+
+    eos_token_id, bos_token_id = EOS, None
+    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+    special_token_ids = [EOS]
+
+    def __call__(self, s: bytes | str) -> list[int]:
+        return list(s) if isinstance(s, bytes) else list(s.encode())
+
+
+def byte_compiler(config: GrammarConfig | None = None) -> GrammarCompiler:
+    return GrammarCompiler(LLTokenizer(TokenizerWrapper(_Bytes())), 257, config or GrammarConfig())
+
+
+SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "boolean"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+)
+
+
+def allowed_ids(mask: torch.Tensor) -> set[int]:
+    return set(mask.nonzero().flatten().tolist())
+
+
+def test_block_masks_follow_the_drafts_and_roll_back():
+    g = byte_compiler().compile("json_schema", SCHEMA)
+    drafts = list(b'{"a":7')
+    rows = g.allowed(drafts, 257)
+    assert rows.shape == (len(drafts) + 1, 257)
+    for k in range(len(drafts) + 1):
+        assert torch.equal(rows[k], g.allowed_after(drafts[:k], 257))
+        if k < len(drafts):
+            assert rows[k, drafts[k]]  # each draft is allowed where it stands
+    assert allowed_ids(rows[0]) == {ord("{")}
+    assert ord(",") in allowed_ids(rows[-1]) and ord("}") not in allowed_ids(rows[-1])  # b is required
+    # nothing was committed: the same block validates again from the start
+    assert g.valid_prefix(drafts) == len(drafts)
+    # a forbidden draft: its own row forbids it, later rows are never used (all allowed)
+    bad = list(b'{"z')
+    rows = g.allowed(bad, 257)
+    assert g.valid_prefix(bad) == 2 and not rows[2, ord("z")] and bool(rows[3].all())
+    g.commit(list(b'{"a":12,"b":'))
+    assert allowed_ids(g.allowed_after([], 257)) == {ord("t"), ord("f")}
+    g.commit(list(b"true}"))
+    assert allowed_ids(g.allowed_after([], 257)) == {EOS} and g.accepting
+
+
+def test_json_object_allows_any_object_only():
+    g = byte_compiler().compile("json_object", None)
+    assert g.valid_prefix(list(b'{"x":[1,{"y":null}]}')) == 20
+    assert g.valid_prefix(list(b"[1]")) == 0
+
+
+def test_schema_size_compile_time_and_validity_are_bounded():
+    with pytest.raises(GrammarError, match="limit is 100"):
+        byte_compiler(GrammarConfig(max_schema_bytes=100)).compile(
+            "json_schema", json.dumps({"enum": ["x" * 200]})
+        )
+    with pytest.raises(GrammarError, match="to compile"):
+        byte_compiler(GrammarConfig(max_compile_seconds=1e-9)).compile("json_schema", SCHEMA)
+    with pytest.raises(GrammarError):
+        byte_compiler().compile("json_schema", "{not json")
+    with pytest.raises(GrammarError):
+        byte_compiler().compile("json_schema", json.dumps({"type": "frobnicate"}))
+    with pytest.raises(ValueError, match="0"):
+        GrammarConfig(max_schema_bytes=0)

@@ -1,0 +1,75 @@
+"""Position-dependent logits processing: each row of a verified block sees exactly the tokens
+before it (the request's output plus the block's earlier drafts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_serve.verifier.processors import TokenContext, process_block, process_next
+from dspark_serve.verifier.sampling import SamplingTensors, probs_from_logits
+from dspark_serve.verifier.sampling_params import SamplingParams
+
+
+def naive(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], history: list[int]) -> torch.Tensor:
+    """One position, written out token by token (the definition the batched code must match)."""
+    out = logits.clone().float()
+    for t, b in sp.logit_bias:
+        out[t] += b
+    for t in set(prompt) | set(history):
+        if sp.repetition_penalty != 1.0:
+            out[t] = out[t] / sp.repetition_penalty if out[t] > 0 else out[t] * sp.repetition_penalty
+    for t in set(history):
+        out[t] -= sp.frequency_penalty * history.count(t) + sp.presence_penalty
+    return out
+
+
+SP = SamplingParams(
+    presence_penalty=0.7,
+    frequency_penalty=0.4,
+    repetition_penalty=1.6,
+    logit_bias=((3, 5.0), (9, -100.0)),
+)
+
+
+@pytest.mark.parametrize(
+    "sp", [SP, SamplingParams(frequency_penalty=-1.5), SamplingParams(logit_bias=((0, 2.0),))]
+)
+def test_every_row_sees_the_drafts_before_it(sp):
+    torch.manual_seed(0)
+    vocab, prompt, output, drafts = 16, [1, 2, 2], [4, 5, 4], [4, 7, 4, 1]
+    logits = torch.randn(len(drafts) + 1, vocab) * 3
+    got = process_block(logits, sp, TokenContext(prompt, output), drafts)
+    for k in range(len(drafts) + 1):
+        want = naive(logits[k], sp, prompt, output + drafts[:k])
+        torch.testing.assert_close(got[k], want)
+        # a drafter's next position after drafts[:k]: the same processing
+        nxt = process_next(logits[k : k + 1], sp, TokenContext(prompt, output), drafts[:k])[0]
+        torch.testing.assert_close(nxt, want)
+    # penalties really changed something (the test could fail)
+    assert not torch.allclose(got, logits)
+
+
+def test_min_p_drops_tokens_below_the_fraction_of_the_top_one():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    st = SamplingTensors.from_params([SamplingParams(min_p=0.25)])
+    p = probs_from_logits(logits, st.temperature, st.top_p, st.top_k, st.min_p)
+    want = torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95  # 0.05 < 0.25 * 0.5 <= 0.15
+    torch.testing.assert_close(p, want)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -3.0},
+        {"repetition_penalty": 0.0},
+        {"min_p": 1.5},
+        {"logit_bias": ((-1, 1.0),)},
+        {"logit_bias": ((1, 101.0),)},
+    ],
+)
+def test_out_of_range_parameters_are_refused_with_the_value(kwargs):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert repr(next(iter(kwargs.values()))).strip("()").split(",")[0] in str(e.value)

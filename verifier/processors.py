@@ -1,0 +1,140 @@
+"""Logits processing that depends on the tokens before a position: logit_bias, repetition /
+frequency / presence penalties and a grammar constraint (`TokenConstraint`).
+
+Under speculation one verified block holds several positions of one request; position k sees
+the request's tokens so far plus the block's drafts 0..k-1, exactly the tokens that precede it
+if those drafts are accepted. Rows after a rejected draft are never used, so every token the
+request keeps was drawn from the distribution plain decoding would have used at its position:
+rejection sampling stays lossless with respect to the processed distribution. The drafter
+shapes its q with the same functions (its drafted prefix standing in for the drafts).
+
+Semantics follow vLLM and the OpenAI API: logit_bias is added to the raw logits; repetition
+penalty (HF style: positive logits divided, negative multiplied) covers prompt and output
+tokens; frequency (times the count) and presence (once) penalties cover output tokens only;
+then temperature, min_p, top-k, top-p (verifier/sampling.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from dspark_serve.verifier.sampling_params import SamplingParams
+
+
+class TokenConstraint(Protocol):
+    """A per-request constraint on the next tokens (a grammar): which tokens may follow.
+
+    `allowed(drafts)` answers for len(drafts) + 1 positions at once: row k allows the tokens
+    that may follow the committed tokens and drafts[:k]; drafts that are themselves not allowed
+    make every later row all-False (those rows can never be used). It never changes the
+    constraint's committed state."""
+
+    def allowed(self, drafts: Sequence[int], vocab_size: int) -> torch.Tensor:  # [len+1, V] bool
+        ...
+
+    def allowed_after(self, drafts: Sequence[int], vocab_size: int) -> torch.Tensor:  # [V] bool
+        """The last row of `allowed(drafts)` alone (what a drafter masks its next token with)."""
+        ...
+
+    def valid_prefix(self, drafts: Sequence[int]) -> int:
+        """How many leading drafts the constraint accepts, in order."""
+        ...
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Advance the committed state past tokens the request kept (EOS never comes here)."""
+        ...
+
+
+@dataclass(frozen=True)
+class TokenContext:
+    """What position-dependent processing of one request reads.
+
+    prompt_ids: the prompt (repetition penalty covers it).
+    output_ids: the tokens generated so far (all penalties cover them).
+    constraint: the request's grammar, or None.
+    """
+
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    constraint: TokenConstraint | None = None
+
+
+def needs_processing(sp: SamplingParams, ctx: TokenContext | None) -> bool:
+    """True when the request's logits change with its tokens (penalties, bias, grammar)."""
+    return sp.penalized or (ctx is not None and ctx.constraint is not None)
+
+
+def process_block(
+    logits: torch.Tensor,  # [n, V] float: one request's consecutive positions
+    sp: SamplingParams,
+    ctx: TokenContext,
+    drafts: Sequence[int],  # the tokens between the positions: row k follows drafts[:k]
+) -> torch.Tensor:  # [n, V] float32
+    """logit_bias, penalties and the grammar mask for one request's n positions (n - 1 <= len(drafts))."""
+    n, vocab = logits.shape
+    if len(drafts) < n - 1:
+        raise ValueError(f"{n} positions need {n - 1} drafts before them, got {len(drafts)}")
+    drafts = list(drafts[: n - 1])
+    out = logits.float().clone()
+    device = out.device
+    if sp.logit_bias:
+        ids = torch.tensor([t for t, _ in sp.logit_bias], dtype=torch.long, device=device)
+        vals = torch.tensor([b for _, b in sp.logit_bias], dtype=torch.float32, device=device)
+        keep = ids < vocab
+        out[:, ids[keep]] += vals[keep]
+    if sp.penalized_by_history:
+        counts = _counts(ctx.output_ids, drafts, n, vocab, device)  # [n, V]
+        if sp.repetition_penalty != 1.0:
+            seen = counts > 0
+            if len(ctx.prompt_ids):
+                prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+                prompt[_ids(ctx.prompt_ids, vocab, device)] = True
+                seen = seen | prompt
+            rp = sp.repetition_penalty
+            out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
+        if sp.frequency_penalty:
+            out = out - sp.frequency_penalty * counts
+        if sp.presence_penalty:
+            out = out - sp.presence_penalty * (counts > 0).float()
+    if ctx.constraint is not None:
+        allowed = ctx.constraint.allowed(drafts, vocab).to(device)
+        out = out.masked_fill(~allowed, float("-inf"))
+    return out
+
+
+def process_next(
+    logits: torch.Tensor,  # [m, V] float: rows of requests at the position after their drafts
+    sp: SamplingParams,
+    ctx: TokenContext,
+    drafted: Sequence[int],  # the tokens drafted before this position
+) -> torch.Tensor:  # [m, V] float32
+    """The processing of the one position that follows `drafted` (a drafter's next token):
+    the same result as the last row of `process_block`, without computing the earlier rows."""
+    history = TokenContext(ctx.prompt_ids, list(ctx.output_ids) + list(drafted), None)
+    out = process_block(logits, sp, history, []) if sp.penalized else logits.float()
+    if ctx.constraint is not None:
+        allowed = ctx.constraint.allowed_after(list(drafted), logits.shape[-1]).to(out.device)
+        out = out.masked_fill(~allowed, float("-inf"))
+    return out
+
+
+def _ids(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(ids), dtype=torch.long, device=device).clamp(0, vocab - 1)
+
+
+def _counts(
+    output_ids: Sequence[int], drafts: Sequence[int], n: int, vocab: int, device: torch.device
+) -> torch.Tensor:  # [n, V] float32
+    """Occurrences of each token among the output so far and, at row k, drafts[:k] too."""
+    base = torch.zeros(vocab, dtype=torch.float32, device=device)
+    if len(output_ids):
+        base = torch.bincount(_ids(output_ids, vocab, device), minlength=vocab)[:vocab].float()
+    counts = base.unsqueeze(0).repeat(n, 1)
+    if n > 1:
+        onehot = torch.nn.functional.one_hot(_ids(drafts[: n - 1], vocab, device), vocab).float()
+        counts[1:] += onehot.cumsum(0)
+    return counts
