@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,7 +204,7 @@ class AsyncEngine:
     # -- requests --------------------------------------------------------------------------------
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: GenerationParams
-    ) -> AsyncIterator[StreamDelta]:
+    ) -> AsyncGenerator[StreamDelta, None]:
         if self._draining:
             raise EngineError("the server is draining (shutting down)", 503, code="draining")
         if not self.ready:

@@ -3,7 +3,7 @@ server stays importable (and testable) without the model stack."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -179,7 +179,7 @@ class EngineClient(Protocol):
 
     def generate(
         self, request_id: str, prompt_ids: list[int], params: GenerationParams
-    ) -> AsyncIterator[StreamDelta]: ...
+    ) -> AsyncGenerator[StreamDelta, None]: ...
 
     def abort(self, request_id: str) -> None: ...
 

@@ -9,9 +9,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import asdict
 from importlib import resources
+from typing import Any, TypeVar, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dspark_serve.scheduler.client import (
     EngineClient,
@@ -35,6 +37,7 @@ from dspark_serve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
+    GenerationRequest,
     NamedToolChoice,
     check_content_parts,
     check_extras,
@@ -49,6 +52,7 @@ from dspark_serve.server.tools import (
     with_tools,
 )
 
+RequestT = TypeVar("RequestT", bound=GenerationRequest)
 log = logging.getLogger(__name__)
 
 ERROR_TYPES = {
@@ -66,7 +70,11 @@ RETRY_AFTER_S = 1  # told to clients answered 429 (the queue drains in about a r
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
     headers = dict(headers or {})
     if status == 429:
@@ -89,7 +97,12 @@ def error_response(
     )
 
 
-def _json_depth_exceeds(obj, limit: int) -> bool:
+def live_page_html() -> str:
+    """The live page, read from the installed package's static/ folder."""
+    return resources.files("dspark_serve.server").joinpath("static", "index.html").read_text(encoding="utf-8")
+
+
+def _json_depth_exceeds(obj: object, limit: int) -> bool:
     """True when arrays/objects nest deeper than `limit` (iterative: no recursion to exhaust)."""
     stack = [(obj, 1)]
     while stack:
@@ -109,20 +122,21 @@ class Guard:
     the routes): the API key on /v1/*, and the request body limit, checked on the declared
     length before anything is read and again while the body is buffered."""
 
-    def __init__(self, app, config: ServerConfig, on_error) -> None:
+    def __init__(self, app: ASGIApp, config: ServerConfig, on_error: Callable[[int], None]) -> None:
         self.app, self.config, self.on_error = app, config, on_error
         self._key = config.api_key.encode() if config.api_key else None
 
-    def _authorized(self, scope) -> bool:
+    def _authorized(self, scope: Scope) -> bool:
         header = b""
         for k, v in scope.get("headers", ()):
             if k == b"authorization":
                 header = v
                 break
         scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+        key = self._key
+        return key is not None and scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if self._key is not None and scope["path"].startswith("/v1/") and not self._authorized(scope):
@@ -155,7 +169,7 @@ class Guard:
         body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         sent = False
 
-        async def replay():
+        async def replay() -> Message:
             nonlocal sent
             if not sent:
                 sent = True
@@ -168,7 +182,7 @@ class Guard:
         got = f" ({declared} bytes)" if declared is not None else ""
         return f"request body too large{got}; the limit is {self.config.max_body_bytes} bytes"
 
-    async def _reply(self, scope, receive, send, status: int, message: str) -> None:
+    async def _reply(self, scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
         self.on_error(status)
         await error_response(status, message)(scope, receive, send)
 
@@ -182,7 +196,7 @@ class ApiError(Exception):
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "StreamOptions", "TextPart"}
 
 
-def _param_of(err: dict) -> str | None:
+def _param_of(err: Mapping[str, Any]) -> str | None:
     # pydantic names the union member tried (`prompt.str`, `prompt.list[str]`): not a parameter
     loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
     loc = [x for x in loc if x not in _TYPE_TAGS and "[" not in x and not x.startswith("function-")]
@@ -195,7 +209,7 @@ def _validation_error(exc: ValidationError | RequestValidationError) -> ApiError
     return ApiError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param)
 
 
-def _narrow_schema(props: dict, model: str, max_len: int, vocab: int | None) -> None:
+def _narrow_schema(props: dict[str, Any], model: str, max_len: int, vocab: int | None) -> None:
     """Document what is accepted, not merely what parses: the values checked after parsing
     (n, penalties, logprobs, stop, model, token ids) so a schema-driven client or fuzzer sends
     valid requests when it means to. Anything outside still gets a 400 naming the parameter."""
@@ -255,7 +269,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         message: str,
         param: str | None = None,
         code: str | None = None,
-        headers: dict | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> JSONResponse:
         count_error(status)
         return error_response(status, message, param, code, headers)
@@ -269,20 +283,20 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         return bool(getattr(engine, "draining", False))
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError):
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return fail(exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _req_validation(_: Request, exc: RequestValidationError):
+    async def _req_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         e = _validation_error(exc)
         return fail(e.status, e.message, e.param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return fail(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(Exception)
-    async def _any(_: Request, exc: Exception):
+    async def _any(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         return fail(500, "internal server error")
 
@@ -299,14 +313,13 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
     }
 
     @app.get("/", include_in_schema=False)
-    async def live_page():
+    async def live_page() -> HTMLResponse:
         """The live page: a chat box streaming token provenance and gauges from /metrics
         (server/static/index.html; everything it needs is in that one file)."""
-        page = resources.files("server").joinpath("static", "index.html").read_text(encoding="utf-8")
-        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+        return HTMLResponse(live_page_html(), headers={"Cache-Control": "no-cache"})
 
-    @app.get("/health", responses={503: errs[503]})
-    async def health():
+    @app.get("/health", responses={503: errs[503]}, response_model=None)
+    async def health() -> JSONResponse | dict[str, str]:
         if draining():
             return fail(503, "the server is draining (shutting down)", code="draining")
         if engine.ready:
@@ -326,10 +339,10 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             }
         },
     )
-    async def metrics():
+    async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    def model_card() -> dict:
+    def model_card() -> dict[str, Any]:
         entry = {
             "id": served_name(),
             "object": "model",
@@ -342,17 +355,17 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             entry["runtime"] = asdict(info)
         return entry
 
-    @app.get("/v1/models", responses={401: errs[401]})
-    async def models():
+    @app.get("/v1/models", responses={401: errs[401]}, response_model=None)
+    async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}", responses={401: errs[401], 404: errs[404]})
-    async def model(model_id: str):
+    @app.get("/v1/models/{model_id:path}", responses={401: errs[401], 404: errs[404]}, response_model=None)
+    async def model(model_id: str) -> dict[str, Any]:
         if model_id != served_name():
             raise ApiError(404, f"The model `{model_id}` does not exist.", "model", "model_not_found")
         return model_card()
 
-    def decode(raw: bytes, schema):
+    def decode(raw: bytes, schema: type[RequestT]) -> RequestT:
         """JSON -> validated request; runs in a worker thread, never on the event loop."""
         try:
             body = json.loads(raw)
@@ -366,16 +379,16 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             raise ApiError(400, f"request body nests deeper than {config.max_json_depth} levels")
         param, msg = check_content_parts(body)
         if param is not None:
-            raise ApiError(400, msg, param)
+            raise ApiError(400, str(msg), param)
         body, param, msg = check_extras(body, schema)
         if param is not None:
-            raise ApiError(400, msg, param, "unsupported_parameter")
+            raise ApiError(400, str(msg), param, "unsupported_parameter")
         try:
             return schema.model_validate(body)
         except ValidationError as exc:
             raise _validation_error(exc) from exc
 
-    async def parse(request: Request, schema):
+    async def parse(request: Request, schema: type[RequestT]) -> RequestT:
         if draining():
             raise ApiError(503, "the server is draining (shutting down)", code="draining")
         req = await run_in_threadpool(decode, await request.body(), schema)
@@ -383,7 +396,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             raise ApiError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
         if not engine.ready:
             raise ApiError(503, "model is loading")
-        if getattr(req, "top_logprobs", None) is not None and not req.logprobs:
+        if getattr(req, "top_logprobs", None) is not None and not getattr(req, "logprobs", None):
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if req.logit_bias:
             for key, bias in req.logit_bias.items():
@@ -497,8 +510,8 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         seed = params.seed + i if params.seed + i <= SEED_MAX else params.seed - i
         return dataclasses.replace(params, seed=seed)
 
-    def usage(d: StreamDelta | None, prompt_len: int, completion: int) -> dict:
-        u = {
+    def usage(d: StreamDelta | None, prompt_len: int, completion: int) -> dict[str, Any]:
+        u: dict[str, Any] = {
             "prompt_tokens": prompt_len,
             "completion_tokens": completion,
             "total_tokens": prompt_len + completion,
@@ -514,7 +527,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                 engine.abort(request_id)
                 return
 
-    async def first_delta(stream: AsyncIterator[StreamDelta]):
+    async def first_delta(stream: AsyncIterator[StreamDelta]) -> StreamDelta | None:
         """Start the request so engine-side rejections become HTTP errors before any SSE byte."""
         try:
             return await stream.__anext__()
@@ -523,7 +536,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         except StopAsyncIteration:
             return None
 
-    def token_records(d: StreamDelta | None) -> list[dict]:
+    def token_records(d: StreamDelta | None) -> list[dict[str, Any]]:
         return (
             []
             if d is None
@@ -533,7 +546,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             ]
         )
 
-    def logprob_items(d: StreamDelta) -> list[dict]:
+    def logprob_items(d: StreamDelta) -> list[dict[str, Any]]:
         """OpenAI chat `logprobs.content` entries for a delta's tokens."""
         out = []
         for t in d.tokens:
@@ -553,7 +566,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             )
         return out
 
-    def completion_logprobs(deltas: list[StreamDelta], offset: int) -> dict:
+    def completion_logprobs(deltas: list[StreamDelta], offset: int) -> dict[str, Any]:
         """OpenAI completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset)."""
         tokens, lps, tops, offsets = [], [], [], []
         for d in deltas:
@@ -567,7 +580,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                 offset += len(t.text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
+    def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
         body = {
             "id": call.id,
             "type": "function",
@@ -585,7 +598,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         provenance: bool = False,
         n: int = 1,
         tools: ToolMode | None = None,
-    ):
+    ) -> Response | dict[str, Any]:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
@@ -612,9 +625,12 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                 w.cancel()
             await abort_all()
             raise failed
+        first_deltas = [cast(StreamDelta | None, f) for f in firsts]
         name = served_name()
 
-        def choice(i: int, text: str, finish: str | None, delta: bool, logprobs: dict | None = None) -> dict:
+        def choice(
+            i: int, text: str, finish: str | None, delta: bool, logprobs: dict[str, Any] | None = None
+        ) -> dict[str, Any]:
             if kind == "chat":
                 body = {"content": text} if delta else {"role": "assistant", "content": text}
                 return {
@@ -625,7 +641,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                 }
             return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-        def final_choice(i: int, text: str, finish: str | None, deltas: list[StreamDelta]) -> dict:
+        def final_choice(i: int, text: str, finish: str | None, deltas: list[StreamDelta]) -> dict[str, Any]:
             call = parse_call(text, tools.functions) if tools is not None and tools.parse else None
             if call is not None and finish == "stop":
                 return {
@@ -654,7 +670,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                         got.append(d)
                 return got
 
-            tasks = [asyncio.create_task(collect(f, g)) for f, g in zip(firsts, gens)]
+            tasks = [asyncio.create_task(collect(f, g)) for f, g in zip(first_deltas, gens)]
             try:
                 results = await asyncio.gather(*tasks)
             except EngineError as exc:
@@ -695,10 +711,14 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             w.cancel()
         chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-        def sse(payload: dict) -> str:
+        def sse(payload: dict[str, Any]) -> str:
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-        def chunk(choices: list, u: dict | None = None, tokens: list[dict] | None = None) -> str:
+        def chunk(
+            choices: list[dict[str, Any]],
+            u: dict[str, Any] | None = None,
+            tokens: list[dict[str, Any]] | None = None,
+        ) -> str:
             p = {"id": rid, "object": chunk_obj, "created": created, "model": name, "choices": choices}
             if include_usage:
                 p["usage"] = u
@@ -711,9 +731,9 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         # arguments), the way OpenAI streams a tool call's chunks, only in one piece.
         buffered = tools is not None and tools.parse
 
-        async def merged() -> AsyncIterator[tuple[int, StreamDelta]]:
+        async def merged() -> AsyncGenerator[tuple[int, StreamDelta], None]:
             """(choice index, delta) from all n streams as they come."""
-            q: asyncio.Queue = asyncio.Queue()
+            q: asyncio.Queue[Any] = asyncio.Queue()
 
             async def pump(i: int, first: StreamDelta | None, gen: AsyncIterator[StreamDelta]) -> None:
                 try:
@@ -727,7 +747,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                 finally:
                     await q.put((i, None))
 
-            tasks = [asyncio.create_task(pump(i, f, g)) for i, (f, g) in enumerate(zip(firsts, gens))]
+            tasks = [asyncio.create_task(pump(i, f, g)) for i, (f, g) in enumerate(zip(first_deltas, gens))]
             try:
                 open_ = n
                 while open_:
@@ -745,7 +765,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
 
         stream_all = merged()
 
-        async def events():
+        async def events() -> AsyncGenerator[str, None]:
             completion = [0] * n
             texts: list[list[str]] = [[] for _ in range(n)]
             offsets = [0] * n
@@ -833,7 +853,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    gen_responses = {
+    gen_responses: dict[int | str, dict[str, Any]] = {
         **{k: errs[k] for k in (400, 401, 404, 413, 429, 503)},
         200: {
             "content": {"application/json": {}, "text/event-stream": {}},
@@ -841,7 +861,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         },
     }
 
-    def body_doc(schema: type[BaseModel]) -> dict:
+    def body_doc(schema: type[BaseModel]) -> dict[str, Any]:
         return {
             "requestBody": {
                 "required": True,
@@ -851,8 +871,13 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             }
         }
 
-    @app.post("/v1/chat/completions", responses=gen_responses, openapi_extra=body_doc(ChatCompletionRequest))
-    async def chat(request: Request):
+    @app.post(
+        "/v1/chat/completions",
+        responses=gen_responses,
+        openapi_extra=body_doc(ChatCompletionRequest),
+        response_model=None,
+    )
+    async def chat(request: Request) -> Response | dict[str, Any]:
         req = await parse(request, ChatCompletionRequest)
         messages = []
         for m in req.messages:
@@ -883,12 +908,18 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             tools,
         )
 
-    @app.post("/v1/completions", responses=gen_responses, openapi_extra=body_doc(CompletionRequest))
-    async def completions(request: Request):
+    @app.post(
+        "/v1/completions",
+        responses=gen_responses,
+        openapi_extra=body_doc(CompletionRequest),
+        response_model=None,
+    )
+    async def completions(request: Request) -> Response | dict[str, Any]:
         req = await parse(request, CompletionRequest)
         p = req.prompt
+        prompt_ids: list[int]
         if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
-            prompt_ids = list(p)
+            prompt_ids = [int(x) for x in p]
             vocab = getattr(engine, "vocab_size", None)
             bad = [x for x in prompt_ids if x < 0 or (vocab is not None and x >= vocab)]
             if bad:
@@ -899,11 +930,12 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                     "prompt",
                 )
         else:
+            text: object = p
             if isinstance(p, list):
                 if len(p) != 1:
                     raise ApiError(400, "only one prompt per request is supported", "prompt")
-                p = p[0]
-            prompt_ids = await run_in_threadpool(engine.tokenize, p)
+                text = p[0]
+            prompt_ids = await run_in_threadpool(engine.tokenize, str(text))
         if not prompt_ids:
             raise ApiError(400, "prompt must not be empty", "prompt")
         params = gen_params(req, len(prompt_ids), 16 if req.max_tokens is None else req.max_tokens)
@@ -919,7 +951,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             req.n,
         )
 
-    def openapi() -> dict:
+    def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
             comps = doc.setdefault("components", {}).setdefault("schemas", {})
@@ -946,5 +978,5 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             app.openapi_schema = doc
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

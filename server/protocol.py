@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 
-def _no_text_or_bool(v):
+def _no_text_or_bool(v: object) -> object:
     # JSON has one number type: 10.0 is a valid integer (JSON Schema agrees), "10" and true are not.
     if isinstance(v, (str, bool)):
         raise ValueError(f"Input should be a valid integer, got {type(v).__name__}")
@@ -160,6 +160,9 @@ class _Sampling(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+GenerationRequest = _Sampling  # the fields every generation request has
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
@@ -209,11 +212,13 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 ACCEPTED_UNUSED = ("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
 
 
-def check_extras(body: dict, schema: type[BaseModel]) -> tuple[dict, str | None, str | None]:
+def check_extras(
+    body: dict[str, Any], schema: type[BaseModel]
+) -> tuple[dict[str, Any], str | None, str | None]:
     """Drop accepted-but-unused keys and neutral unsupported ones from a raw request body.
 
     Returns (cleaned body, offending parameter or None, message)."""
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in body.items():
         if key in schema.model_fields:
             out[key] = value
@@ -228,7 +233,7 @@ def check_extras(body: dict, schema: type[BaseModel]) -> tuple[dict, str | None,
     return out, None, None
 
 
-def check_content_parts(body: dict) -> tuple[str | None, str | None]:
+def check_content_parts(body: dict[str, Any]) -> tuple[str | None, str | None]:
     """A readable error for non-text content parts (images, audio, files): (param, message)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list):

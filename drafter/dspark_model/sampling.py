@@ -64,7 +64,9 @@ def sample_block(
         row_gens = [generators[i] for i in rows]
     state = head.init_state((b,), head.markov_w1.weight) if head is not None else None
     prev = anchor.long().to(dev)
-    tokens, probs, prevs = [], [], []
+    tokens: list[torch.Tensor] = []
+    probs: list[torch.Tensor] = []
+    prevs: list[torch.Tensor] = []
     shaped: list[int] = []
     if contexts is not None and shape is not None:
         shaped = [i for i, s in enumerate(sampling) if needs_processing(s, contexts[i])]

@@ -103,6 +103,7 @@ def test_console_scripts_work_from_an_install_reusing_the_installed_dependencies
         assert proc.returncode == 0 and "usage:" in proc.stdout, (script, proc.stderr[-2000:])
     probe = (
         "import importlib.util, dspark_serve.server.cli as c; print(c.__file__); "
+        "from dspark_serve.server.app import live_page_html; assert '</html>' in live_page_html(); "
         "print([n for n in ('server', 'scheduler', 'drafter', 'verifier', 'configs') "
         "if importlib.util.find_spec(n)])"
     )
