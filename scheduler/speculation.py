@@ -88,14 +88,14 @@ class Speculation:
         )
 
     @property
-    def speculating(self) -> bool:
-        """A drafter is loaded and the policy may verify drafts (policy `none` = plain decoding)."""
-        return self.drafter is not None and self.policy.name != "none"
+    def _drafting(self) -> Drafter | None:
+        """The drafter when speculating (one is loaded and the policy is not `none`), else None."""
+        return self.drafter if self.policy.name != "none" else None
 
     @property
-    def _drafting(self) -> Drafter | None:
-        """The drafter when speculating, else None."""
-        return self.drafter if self.policy.name != "none" else None
+    def speculating(self) -> bool:
+        """A drafter is loaded and the policy may verify drafts (policy `none` = plain decoding)."""
+        return self._drafting is not None
 
     @property
     def tap_layers(self) -> tuple[int, ...]:

@@ -218,6 +218,8 @@ def cmd_train(a: argparse.Namespace) -> None:
 def _score_checkpoints(a: argparse.Namespace, model, work: Path, tcfg, lcfg, target_head) -> None:
     """Held-out teacher-forced acceptance of every weights_step<N>.pt a run saved (a run
     started before held-out scoring existed gets its curve afterwards) -> <work>/held_out.json."""
+    from dataclasses import asdict
+
     from dspark_serve.drafter.training.cache import load_cache
     from dspark_serve.drafter.training.train import evaluate_held_out, load_step_weights
 
@@ -229,8 +231,8 @@ def _score_checkpoints(a: argparse.Namespace, model, work: Path, tcfg, lcfg, tar
     for step in steps:
         load_step_weights(model, work, step)
         ho = evaluate_held_out(model, held, tcfg.num_anchors, lcfg, tcfg.bf16, step, target_head)
-        rows.append(ho.__dict__)
-        print(json.dumps(ho.__dict__), flush=True)
+        rows.append(asdict(ho))
+        print(json.dumps(rows[-1]), flush=True)
     doc = {"run": a.name, "held_out_sequences": len(held), "checkpoints": rows}
     (work / "held_out.json").write_text(json.dumps(doc, indent=1))
 
