@@ -252,7 +252,9 @@ class DSparkDrafter:
             batch = [requests[i] for i in live]
             lengths = [min(self.block_size, r.max_draft) for r in batch]
             kmax = max(lengths)
-            hidden = self.block_hidden(batch)[:, :kmax]
+            # contiguous: a strided [B, k, d] input sends nn.Linear down a batched-matmul
+            # path that copies the LM head's weight once per request.
+            hidden = self.block_hidden(batch)[:, :kmax].contiguous()
             base = self.model.lm_head(hidden)
             anchors = torch.tensor([r.token_ids[-1] for r in batch], dtype=torch.long, device=dev)
             contexts = [r.context() for r in batch]
