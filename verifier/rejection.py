@@ -167,6 +167,49 @@ def rejection_sample(
     )
 
 
+def greedy_verify(
+    target_argmax: torch.Tensor,  # [T] int64, T = sum(num_draft + 1): the processed target's argmax per verify row
+    draft_tokens: torch.Tensor,  # [D] int64, D = sum(num_draft): request b's drafts, in order
+    num_draft: torch.Tensor,  # [B] int64 >= 0, drafts request b verifies
+) -> RejectionResult:
+    """`rejection_sample` for a batch whose every request is greedy (one-hot target p): draft
+    k is accepted while it equals the argmax of its row and every earlier draft was accepted;
+    the recovered or bonus token is the argmax at the first row not accepted. Exactly what
+    `rejection_sample` returns for one-hot p (whatever q), without a vocabulary-wide
+    probability or a random draw."""
+    if target_argmax.dim() != 1 or num_draft.dim() != 1:
+        raise ValueError(
+            f"target_argmax must be [T] and num_draft [B], got {tuple(target_argmax.shape)} "
+            f"and {tuple(num_draft.shape)}"
+        )
+    device = target_argmax.device
+    nd = num_draft.to(device=device, dtype=torch.long)  # [B]
+    b, d = int(nd.shape[0]), int(nd.sum())
+    if int(target_argmax.shape[0]) != d + b or tuple(draft_tokens.shape) != (d,):
+        raise ValueError(
+            f"need {d + b} verify rows and {d} drafts, got {tuple(target_argmax.shape)} and "
+            f"{tuple(draft_tokens.shape)}"
+        )
+    offsets = verify_offsets(nd)  # [B+1]
+    starts = offsets[:-1]
+    req = torch.repeat_interleave(torch.arange(b, device=device), nd)  # [D]
+    vrow = torch.arange(d, device=device) + req  # [D] verify row judging each draft
+    pos = vrow - starts[req]  # [D]
+    tokens = draft_tokens.to(device=device, dtype=torch.long)
+    accept = tokens == target_argmax[vrow]  # [D]
+    num_accepted = nd.clone()
+    if d > 0:
+        num_accepted.scatter_reduce_(0, req[~accept], pos[~accept], reduce="amin")
+    final_rows = starts + num_accepted  # [B]
+    output = torch.full((d + b,), -1, dtype=torch.long, device=device)
+    kept = pos < num_accepted[req]
+    output[vrow[kept]] = tokens[kept]
+    output[final_rows] = target_argmax[final_rows].long()
+    return RejectionResult(
+        output_tokens=output, num_accepted=num_accepted, num_output=num_accepted + 1, offsets=offsets
+    )
+
+
 def _uniforms(
     n_list: list[int],
     generators: Sequence[torch.Generator | None] | None,

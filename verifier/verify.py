@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark_serve.verifier.processors import TokenContext, needs_processing, process_block
-from dspark_serve.verifier.rejection import RejectionResult, rejection_sample, verify_offsets
+from dspark_serve.verifier.rejection import RejectionResult, greedy_verify, rejection_sample, verify_offsets
 from dspark_serve.verifier.sampling import SamplingTensors, probs_from_logits
 from dspark_serve.verifier.sampling_params import SamplingParams
 
@@ -134,6 +134,19 @@ def verify(
 ) -> RejectionResult:
     """Accept / reject every request's drafts; the result comes back on the host (one
     device-to-host copy per step: the engine reads it request by request)."""
+    if all(r.sampling.greedy for r in requests):
+        # One-hot p: the verdict is the argmax of each processed row; no probabilities needed.
+        counts = [r.num_draft for r in requests]
+        if logits.dim() != 2 or logits.shape[0] != sum(counts) + len(counts):
+            raise ValueError(
+                f"logits must be [sum(K_i + 1) = {sum(counts) + len(counts)}, V], got shape {tuple(logits.shape)}"
+            )
+        drafts = [r.draft_tokens.reshape(-1).to(torch.long).cpu() for r in requests if r.num_draft]
+        return greedy_verify(
+            process_rows(logits, requests).argmax(dim=-1),
+            torch.cat(drafts).to(logits.device) if drafts else torch.zeros(0, dtype=torch.long, device=logits.device),
+            torch.tensor(counts, dtype=torch.long),
+        ).cpu()
     inp = build_verify_inputs(logits, requests)
     return rejection_sample(
         inp.target_probs,

@@ -9,7 +9,7 @@ classic bugs, which shows its threshold can fail.
 import pytest
 import torch
 
-from dspark_serve.verifier.rejection import rejection_sample, verify_offsets
+from dspark_serve.verifier.rejection import greedy_verify, rejection_sample, verify_offsets
 from dspark_serve.verifier.sampling import probs_from_logits, sample
 from tests.verifier._padded import padded_rejection_sample
 
@@ -199,6 +199,31 @@ def test_greedy_equals_argmax_decoding_with_stochastic_draft_probs():
         got = [t for t in res.output_tokens[r].tolist() if t >= 0]
         assert got == expected, r
     assert len(set(res.num_accepted.tolist())) == K + 1
+
+
+def test_greedy_verify_equals_rejection_sampling_on_one_hot_targets():
+    """The all-greedy fast path returns exactly what the general sampler returns for one-hot p
+    (flat layout, uneven blocks, empty blocks, every acceptance length)."""
+    torch.manual_seed(5)
+    b, vocab = 48, 7
+    num_draft = torch.randint(0, K + 1, (b,))
+    t = int(num_draft.sum()) + b
+    logits = torch.randn(t, vocab)
+    argmax = logits.argmax(-1)
+    offsets = verify_offsets(num_draft)
+    vrows = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1]) - 1) for i in range(b)])
+    drafts = torch.where(torch.rand(len(vrows)) < 0.7, argmax[vrows], torch.randint(0, vocab, (len(vrows),)))
+    target = probs_from_logits(logits, torch.zeros(t), torch.ones(t), torch.zeros(t, dtype=torch.long))
+    q = torch.softmax(torch.randn(len(vrows), vocab), -1)
+    ref = rejection_sample(target, drafts, q, num_draft)
+    got = greedy_verify(argmax, drafts, num_draft)
+    assert torch.equal(got.output_tokens, ref.output_tokens)
+    assert torch.equal(got.num_accepted, ref.num_accepted)
+    assert torch.equal(got.offsets, ref.offsets)
+    assert len(set(got.num_accepted.tolist())) == K + 1
+    # A broken fast path (accepting one draft too many) would differ.
+    broken = greedy_verify(argmax, torch.where(drafts == argmax[vrows], drafts, argmax[vrows]), num_draft)
+    assert not torch.equal(broken.num_accepted, ref.num_accepted)
 
 
 def test_deterministic_flag_per_row():
