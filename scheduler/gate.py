@@ -25,15 +25,45 @@ class _Rate:
 
 @dataclass
 class DraftGate:
-    """warmup: steps of each mode measured per load level before choosing.
-    explore_every: after warm-up, every n-th step at a load level runs the mode not chosen.
-    alpha: EMA weight of a new step."""
+    """Per load level, the faster of drafting and plain steps, with exploration whose cost is
+    bounded.
+
+    Exploring (running the mode not in favour) keeps both estimates current, but a step of the
+    slower mode costs throughput: when it yields `ratio` times fewer tokens per second, one such
+    step every n steps loses about (ratio - 1) / n of the level's throughput. So the interval
+    grows with the measured gap, to keep that loss under `regret`.
+
+    A level not yet measured borrows a neighbour's verdict: the cost of verification grows with
+    the batch, so if drafting lost at a lower load it starts off here, and if it won at a higher
+    load it starts on; its own measurements (taken as exploration) take over once `warmup`
+    steps of each mode are in. Without a verdict to borrow, it alternates the two modes.
+    """
 
     warmup: int = 4
+    """Steps of each mode measured at a level before its own verdict is used."""
     explore_every: int = 16
+    """Shortest interval (in steps at a level) between two steps of the mode not in favour."""
+    max_explore_every: int = 256
+    """Longest interval between exploration steps, however large the measured gap."""
+    regret: float = 0.02
+    """Share of a level's throughput exploration may cost; sets the interval from the gap."""
     alpha: float = 0.2
+    """EMA weight of a new step's rate."""
     _rates: dict[tuple[int, bool], _Rate] = field(default_factory=dict)
     _steps: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.warmup < 1:
+            raise ValueError(f"warmup must be >= 1, got {self.warmup!r}")
+        if not (1 <= self.explore_every <= self.max_explore_every):
+            raise ValueError(
+                f"need 1 <= explore_every <= max_explore_every, got {self.explore_every!r} "
+                f"and {self.max_explore_every!r}"
+            )
+        if not (0.0 < self.regret < 1.0):
+            raise ValueError(f"regret must be in (0, 1), got {self.regret!r}")
+        if not (0.0 < self.alpha <= 1.0):
+            raise ValueError(f"alpha must be in (0, 1], got {self.alpha!r}")
 
     @staticmethod
     def level(num_decodes: int) -> int:
@@ -43,16 +73,42 @@ class DraftGate:
     def rate(self, num_decodes: int, drafting: bool) -> float:
         return self._rates.get((self.level(num_decodes), drafting), _Rate()).value
 
+    def verdict(self, level: int) -> tuple[bool, float] | None:
+        """(drafting is faster, the rate ratio faster / slower) at a measured level, else None."""
+        on = self._rates.get((level, True), _Rate())
+        off = self._rates.get((level, False), _Rate())
+        if on.samples < self.warmup or off.samples < self.warmup:
+            return None
+        best = on.value >= off.value
+        lo = min(on.value, off.value)
+        return best, (max(on.value, off.value) / lo if lo > 0 else math.inf)
+
+    def borrowed(self, level: int) -> tuple[bool, float] | None:
+        """A neighbour's verdict that carries over: drafting lost at a lower level (so it loses
+        here too) or won at a higher one (so it wins here too); the nearest such level."""
+        measured = sorted({lvl for lvl, _ in self._rates}, key=lambda lvl: abs(lvl - level))
+        for lvl in measured:
+            v = self.verdict(lvl)
+            if v is not None and ((lvl < level and not v[0]) or (lvl > level and v[0])):
+                return v
+        return None
+
+    def interval(self, ratio: float) -> int:
+        """Steps between explorations when the mode not in favour is `ratio` times slower."""
+        n = math.ceil((ratio - 1.0) / self.regret) if math.isfinite(ratio) else self.max_explore_every
+        return min(self.max_explore_every, max(self.explore_every, n))
+
     def should_draft(self, num_decodes: int) -> bool:
         lvl = self.level(num_decodes)
         n = self._steps.get(lvl, 0)
         self._steps[lvl] = n + 1
-        on = self._rates.get((lvl, True), _Rate())
-        off = self._rates.get((lvl, False), _Rate())
-        if on.samples < self.warmup or off.samples < self.warmup:
-            return on.samples <= off.samples  # alternate until both are measured
-        best = on.value >= off.value
-        return (not best) if n % self.explore_every == 0 else best
+        v = self.verdict(lvl) or self.borrowed(lvl)
+        if v is None:  # alternate until both modes are measured here
+            on = self._rates.get((lvl, True), _Rate())
+            off = self._rates.get((lvl, False), _Rate())
+            return on.samples <= off.samples
+        best, ratio = v
+        return (not best) if n % self.interval(ratio) == self.interval(ratio) - 1 else best
 
     def record(self, num_decodes: int, drafting: bool, decode_tokens: int, seconds: float) -> None:
         if num_decodes <= 0 or seconds <= 0:

@@ -168,7 +168,7 @@ def rejection_sample(
 
 
 def greedy_verify(
-    target_argmax: torch.Tensor,  # [T] int64, T = sum(num_draft + 1): the processed target's argmax per verify row
+    target_argmax: torch.Tensor,  # [T] int64, T = sum(num_draft + 1): processed target argmax per row
     draft_tokens: torch.Tensor,  # [D] int64, D = sum(num_draft): request b's drafts, in order
     num_draft: torch.Tensor,  # [B] int64 >= 0, drafts request b verifies
 ) -> RejectionResult:

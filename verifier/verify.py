@@ -137,16 +137,13 @@ def verify(
     if all(r.sampling.greedy for r in requests):
         # One-hot p: the verdict is the argmax of each processed row; no probabilities needed.
         counts = [r.num_draft for r in requests]
-        if logits.dim() != 2 or logits.shape[0] != sum(counts) + len(counts):
-            raise ValueError(
-                f"logits must be [sum(K_i + 1) = {sum(counts) + len(counts)}, V], got shape {tuple(logits.shape)}"
-            )
+        rows = sum(counts) + len(counts)
+        if logits.dim() != 2 or logits.shape[0] != rows:
+            raise ValueError(f"logits must be [sum(K_i + 1) = {rows}, V], got shape {tuple(logits.shape)}")
         drafts = [r.draft_tokens.reshape(-1).to(torch.long).cpu() for r in requests if r.num_draft]
-        return greedy_verify(
-            process_rows(logits, requests).argmax(dim=-1),
-            torch.cat(drafts).to(logits.device) if drafts else torch.zeros(0, dtype=torch.long, device=logits.device),
-            torch.tensor(counts, dtype=torch.long),
-        ).cpu()
+        flat = torch.cat(drafts) if drafts else torch.zeros(0, dtype=torch.long)
+        argmax = process_rows(logits, requests).argmax(dim=-1)
+        return greedy_verify(argmax, flat.to(logits.device), torch.tensor(counts, dtype=torch.long)).cpu()
     inp = build_verify_inputs(logits, requests)
     return rejection_sample(
         inp.target_probs,

@@ -17,7 +17,7 @@ from dspark_serve.drafter.registry import build_drafter
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
-from dspark_serve.verifier.rejection import rejection_sample
+from dspark_serve.verifier.rejection import greedy_verify, rejection_sample
 from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
 
@@ -338,7 +338,12 @@ def test_engine_verifies_flat_rows_without_padding_to_the_longest_block(monkeypa
             target_probs, draft_tokens, draft_probs, num_draft, generators, draft_deterministic
         )
 
+    def recording_greedy(target_argmax, draft_tokens, num_draft):  # the all-greedy path
+        seen.append((tuple(target_argmax.shape) + (None,), tuple(draft_tokens.shape), num_draft.tolist()))
+        return greedy_verify(target_argmax, draft_tokens, num_draft)
+
     monkeypatch.setattr(verify_mod, "rejection_sample", recording)
+    monkeypatch.setattr(verify_mod, "greedy_verify", recording_greedy)
     engine = Engine(
         runner_for(model),
         ByteTokenizer(),
