@@ -73,6 +73,7 @@ class Speculation:
         self.cfg = cfg
         self.max_model_len = max_model_len
         self.cost_table = cost_table
+        self._gate: DraftGate | None = None
         policy = cfg.verify_policy
         if policy == "auto":
             policy = "dspark" if drafter is not None else "none"
@@ -81,11 +82,12 @@ class Speculation:
     def use_policy(self, spec: str) -> None:
         self.policy: Policy = parse_policy(spec)
         # The load-aware policy also decides whether drafting pays at all (scheduler/gate.py).
-        self.gate = (
-            DraftGate()
-            if (self.drafter is not None and self.cfg.draft_gate and self.policy.name == "dspark")
-            else None
-        )
+        # What the gate learned is about this drafter on this machine, not about the policy:
+        # it is kept across policy switches.
+        on = self.drafter is not None and self.cfg.draft_gate and self.policy.name == "dspark"
+        if on and self._gate is None:
+            self._gate = DraftGate()
+        self.gate = self._gate if on else None
 
     @property
     def _drafting(self) -> Drafter | None:

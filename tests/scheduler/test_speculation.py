@@ -132,3 +132,17 @@ def test_pure_decode_steps_teach_the_gate():
     assert spec.gate.rate(1, p.drafting) == 0.0  # a prefill chunk was in the step
     spec.record_step(p, num_decodes=1, has_prefills=False, decode_tokens=5, seconds=0.1)
     assert abs(spec.gate.rate(1, p.drafting) - 50.0) < 1e-9
+
+
+def test_the_gate_keeps_what_it_learned_across_policy_switches():
+    spec = Speculation(FakeDrafter(), SchedulerConfig(verify_policy="dspark"), max_model_len=512)
+    gate = spec.gate
+    assert gate is not None
+    p = spec.propose([decoding("a")], room=100, load=LoadState(num_running=1))
+    spec.record_step(p, num_decodes=1, has_prefills=False, decode_tokens=5, seconds=0.1)
+    spec.use_policy("none")
+    assert spec.gate is None  # plain decoding has no gate
+    spec.use_policy("static:2")
+    assert spec.gate is None  # a static length is not load-aware
+    spec.use_policy("dspark")
+    assert spec.gate is gate and abs(gate.rate(1, p.drafting) - 50.0) < 1e-9
