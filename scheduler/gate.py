@@ -31,7 +31,8 @@ class DraftGate:
     Exploring (running the mode not in favour) keeps both estimates current, but a step of the
     slower mode costs throughput: when it yields `ratio` times fewer tokens per second, one such
     step every n steps loses about (ratio - 1) / n of the level's throughput. So the interval
-    grows with the measured gap, to keep that loss under `regret`.
+    grows with the measured gap, to keep that loss under `regret` (1%: a 1.5x slower mode runs
+    once every 50 steps).
 
     A level not yet measured borrows a neighbour's verdict: the cost of verification grows with
     the batch, so if drafting lost at a lower load it starts off here, and if it won at a higher
@@ -41,11 +42,11 @@ class DraftGate:
 
     warmup: int = 4
     """Steps of each mode measured at a level before its own verdict is used."""
-    explore_every: int = 16
+    explore_every: int = 32
     """Shortest interval (in steps at a level) between two steps of the mode not in favour."""
-    max_explore_every: int = 256
+    max_explore_every: int = 512
     """Longest interval between exploration steps, however large the measured gap."""
-    regret: float = 0.02
+    regret: float = 0.01
     """Share of a level's throughput exploration may cost; sets the interval from the gap."""
     alpha: float = 0.2
     """EMA weight of a new step's rate."""
