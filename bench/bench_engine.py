@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -241,21 +242,54 @@ def sweep(args) -> dict:
     for temp in args.temperatures:
         for c in args.concurrency:
             prompts = prompts_all[: max(args.min_prompts, args.waves * c)]
-            for p in policies:
-                eng.set_policy(p)
-                r = dataclasses.asdict(run_engine_closed_loop(eng, prompts, c, args.max_tokens, temp, p))
-                rows.append(r)
-                print(
-                    f"T={temp} c={c:3d} {p:14s} per-user {r['per_user_tps']:7.1f} agg "
-                    f"{r['aggregate_tps']:7.1f} tau {r['tau'] or 0:4.2f} budget {r['mean_budget'] or 0:4.2f}",
-                    flush=True,
-                )
+            # Rounds interleave the policies (none, dspark, none, dspark, ...) so a slow spell of
+            # the shared machine hits both sides; the medians compare them.
+            for rnd in range(args.rounds):
+                for p in policies:
+                    eng.set_policy(p)
+                    r = dataclasses.asdict(run_engine_closed_loop(eng, prompts, c, args.max_tokens, temp, p))
+                    r["round"] = rnd
+                    rows.append(r)
+                    print(
+                        f"T={temp} c={c:3d} {p:14s} per-user {r['per_user_tps']:7.1f} agg "
+                        f"{r['aggregate_tps']:7.1f} tau {r['tau'] or 0:4.2f} "
+                        f"budget {r['mean_budget'] or 0:4.2f}",
+                        flush=True,
+                    )
     return {
         "rows": rows,
+        "medians": sweep_medians(rows),
         "drafter": args.drafter,
         "block_size": block,
         "cost_table": eng.cost_table.to_dict() if eng.cost_table else None,
     }
+
+
+def sweep_medians(rows: list[dict]) -> list[dict]:
+    """Per (temperature, concurrency, policy): the median over rounds of per-user and aggregate
+    tokens/s, and each one's ratio to plain decoding (policy `none`) at the same point."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["temperature"], r["concurrency"], r["label"]), []).append(r)
+    med = {
+        k: {
+            "temperature": k[0],
+            "concurrency": k[1],
+            "label": k[2],
+            "rounds": len(v),
+            "per_user_tps": statistics.median(x["per_user_tps"] for x in v),
+            "aggregate_tps": statistics.median(x["aggregate_tps"] for x in v),
+            "tau": statistics.median(x["tau"] for x in v) if all(x["tau"] for x in v) else None,
+            "mean_budget": statistics.median((x["mean_budget"] or 0) for x in v),
+        }
+        for k, v in groups.items()
+    }
+    for (t, c, _), m in med.items():
+        base = med.get((t, c, "none"))
+        if base is not None:
+            m["per_user_vs_plain"] = m["per_user_tps"] / base["per_user_tps"]
+            m["aggregate_vs_plain"] = m["aggregate_tps"] / base["aggregate_tps"]
+    return list(med.values())
 
 
 def plot(result: dict, out: Path) -> list[str]:
@@ -264,7 +298,7 @@ def plot(result: dict, out: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
+    rows = result.get("medians") or result["rows"]
     paths = []
     for temp in sorted({r["temperature"] for r in rows}):
         fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -339,7 +373,9 @@ def main() -> None:
         help="plain mode: forward variants (reference, fast, fast+torch, fast+int8, fast+matmul, default)",
     )
     ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
-    ap.add_argument("--rounds", type=int, default=1, help="plain mode: turns per variant")
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="plain: turns per variant; sweep: interleaved rounds per point"
+    )
     ap.add_argument("--no-hf", action="store_true", help="plain mode: skip transformers' generate")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
