@@ -8,7 +8,7 @@ when drafts are rejected.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,17 +26,22 @@ class DSparkDrafterConfig:
     initial_capacity: context slots preallocated per request before the first doubling.
     online_calibration: refit the confidence head's per-position temperatures from
         verification outcomes while serving (drafter/online_calibration.py).
+    max_pending: positions of a request whose tap states may wait, unprojected, for its next
+        draft (the context is absorbed lazily); beyond this they are projected at once.
     """
 
     block_size: int | None = None
     initial_capacity: int = 256
     online_calibration: bool = True
+    max_pending: int = 256
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {self.block_size!r}")
         if self.initial_capacity <= 0:
             raise ValueError(f"initial_capacity must be > 0, got {self.initial_capacity!r}")
+        if self.max_pending <= 0:
+            raise ValueError(f"max_pending must be > 0, got {self.max_pending!r}")
 
 
 class ContextKVCache:
@@ -139,6 +144,32 @@ class ContextKVCache:
             self._free.append(slot)
 
 
+@dataclass
+class _Pending:
+    """Tap states of positions start .. end - 1 of one request, not yet projected."""
+
+    start: int
+    hidden: list[torch.Tensor] = field(default_factory=list)  # [n_i, m * d] chunks, in order
+    end: int = -1
+
+    def __post_init__(self) -> None:
+        self.end = self.start
+
+    def truncate(self, pos: int) -> None:
+        """Keep positions < pos (a rollback re-sends them from pos on)."""
+        while self.hidden and self.end > pos:
+            last = self.hidden.pop()
+            keep = max(0, last.shape[0] - (self.end - pos))
+            self.end -= last.shape[0]
+            if keep:
+                self.hidden.append(last[:keep])
+                self.end += keep
+
+    def append(self, hidden: torch.Tensor) -> None:
+        self.hidden.append(hidden)
+        self.end += hidden.shape[0]
+
+
 class DSparkDrafter:
     """DSpark (Markov + confidence heads) or DFlash (parallel only) behind the Drafter API."""
 
@@ -169,16 +200,19 @@ class DSparkDrafter:
             self.calibrator = OnlineCalibrator(bs, offline)
         # per request: the raw confidence logits and the confidences used in its last proposal
         self._last: dict[str, tuple[list[float], list[float]]] = {}
+        # per request: tap states observed but not yet projected into the context K/V
+        self._pending: dict[str, _Pending] = {}
 
     # -- context ------------------------------------------------------------------------
 
-    @torch.no_grad()
     def observe(self, contexts: list[AcceptedContext]) -> None:
-        """Append the projected context K/V of the kept tokens, batched across requests.
+        """Take the kept tokens' tap states; they are projected into the context K/V only when
+        the request next drafts (`_absorb`), batched with everything pending then. While the
+        draft gate keeps drafting off (high load), steps pay nothing here, and a request that
+        finishes without drafting again never pays at all.
 
-        A context starting before the cached length overwrites from there on (the target
-        rolled back); one starting after it is a gap and an error."""
-        slots, positions, hiddens = [], [], []
+        A context starting before what is held (cached + pending) replaces from there on (the
+        target rolled back); one starting after it is a gap and an error."""
         for ctx in contexts:
             n = len(ctx.token_ids)
             if n == 0:
@@ -192,18 +226,39 @@ class DSparkDrafter:
                 raise ValueError(
                     f"request {ctx.request_id!r}: hidden has {ctx.hidden.shape[0]} rows for {n} tokens"
                 )
-            slot = self.cache.slot(ctx.request_id)
-            cached = self.cache.lengths[slot]
-            if ctx.start_pos > cached:
+            pend = self._pending.get(ctx.request_id)
+            held = pend.end if pend is not None else self.cache.length(ctx.request_id)
+            if ctx.start_pos > held:
                 raise ValueError(
                     f"request {ctx.request_id!r}: context starts at {ctx.start_pos} but "
-                    f"only {cached} positions are cached"
+                    f"only {held} positions are held"
                 )
-            self.cache.reserve(ctx.start_pos + n)
-            self.cache.lengths[slot] = ctx.start_pos + n
+            if pend is None or ctx.start_pos < pend.start:
+                pend = self._pending[ctx.request_id] = _Pending(ctx.start_pos)
+            pend.truncate(ctx.start_pos)
+            # A copy: a view would keep the whole step's tap tensor alive while it waits.
+            pend.append(ctx.hidden.clone())
+            if pend.end - pend.start >= self.config.max_pending:
+                self._absorb([ctx.request_id])  # bounds the memory pending states take
+
+    @torch.no_grad()
+    def _absorb(self, request_ids: list[str]) -> None:
+        """Project the pending tap states of these requests into their context K/V, in one
+        batch across requests."""
+        slots: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        hiddens: list[torch.Tensor] = []
+        for rid in request_ids:
+            pend = self._pending.pop(rid, None)
+            if pend is None or pend.end == pend.start:
+                continue
+            slot = self.cache.slot(rid)
+            self.cache.reserve(pend.end)
+            self.cache.lengths[slot] = pend.end
+            n = pend.end - pend.start
             slots.append(torch.full((n,), slot, dtype=torch.long))
-            positions.append(torch.arange(ctx.start_pos, ctx.start_pos + n))
-            hiddens.append(ctx.hidden.to(self.model.device))
+            positions.append(torch.arange(pend.start, pend.end))
+            hiddens.extend(h.to(self.model.device) for h in pend.hidden)
         if not hiddens:
             return
         dev = self.model.device
@@ -218,6 +273,7 @@ class DSparkDrafter:
     @torch.no_grad()
     def block_hidden(self, requests: list[DraftRequest]) -> torch.Tensor:
         """Final hidden states of each request's block: [B, block_size, d]."""
+        self._absorb([r.request_id for r in requests])
         slots, anchors, starts = [], [], []
         for req in requests:
             start = len(req.token_ids) - 1
@@ -304,6 +360,7 @@ class DSparkDrafter:
 
     def free(self, request_id: str) -> None:
         self.cache.free(request_id)
+        self._pending.pop(request_id, None)
         self._last.pop(request_id, None)
 
 

@@ -119,6 +119,56 @@ def test_rollback_overwrite_and_errors():
         dr.propose([req])
 
 
+def test_context_is_absorbed_lazily_at_the_next_draft(monkeypatch):
+    """Steps that do not draft only queue the kept tokens' tap states: nothing is projected
+    until the request drafts, then everything pending goes in one batch, rollbacks included,
+    and the block equals the training forward on the final sequence."""
+    model = tiny_model()
+    dr = make_drafter(model)
+    g = torch.Generator().manual_seed(4)
+    hid = torch.randn(1, 12, 3 * D, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, V - 1, (1, 12), generator=g)
+    train = model.forward_train(hid, ids, torch.tensor([[11]]), torch.tensor([[True]]))
+    calls = []
+    project = model.project_context
+    monkeypatch.setattr(model, "project_context", lambda h: calls.append(h.shape[0]) or project(h))
+    ctx = lambda a, b, h=None: AcceptedContext("a", ids[0, a:b].tolist(), a, hid[0, a:b] if h is None else h)
+    dr.observe([ctx(0, 5)])  # a prompt chunk
+    wrong = torch.cat([hid[0, 5:6], torch.randn(2, 3 * D, dtype=torch.float64)])
+    dr.observe([ctx(5, 8, wrong)])  # an anchor and two drafts kept, then...
+    dr.observe([ctx(6, 9)])  # ...rolled back to 6 and re-sent
+    dr.observe([ctx(9, 10)])
+    dr.observe([ctx(10, 11)])
+    assert calls == [] and dr.cache.length("a") == 0  # no draft yet: no projection
+    req = DraftRequest("a", ids[0, :12].tolist(), 3, GREEDY, None, 100)
+    got = dr.block_hidden([req])[0]
+    assert calls == [11] and dr.cache.length("a") == 11  # one batch, rolled-back rows replaced
+    torch.testing.assert_close(got, train[0, 0], rtol=1e-10, atol=1e-10)
+    # a rollback into what was already projected overwrites it, lazily as well
+    dr.observe([ctx(9, 11)])
+    assert calls == [11]
+    torch.testing.assert_close(dr.block_hidden([req])[0], train[0, 0], rtol=1e-10, atol=1e-10)
+    assert calls == [11, 2]
+    with pytest.raises(ValueError, match="starts at 13"):
+        dr.observe([AcceptedContext("a", [1], 13, hid[0, :1])])
+    dr.observe([ctx(11, 12)])
+    dr.free("a")  # pending states go with the request
+    assert dr.cache.length("a") == 0 and "a" not in dr._pending
+
+
+def test_pending_states_are_bounded():
+    model = tiny_model()
+    dr = DSparkDrafter(model, DSparkDrafterConfig(initial_capacity=4, max_pending=4), "dspark")
+    hid = torch.randn(6, 3 * D, dtype=torch.float64)
+    for i in range(3):
+        dr.observe([AcceptedContext("a", [1], i, hid[i : i + 1])])
+    assert dr.cache.length("a") == 0
+    dr.observe([AcceptedContext("a", [1], 3, hid[3:4])])  # the 4th pending position: projected
+    assert dr.cache.length("a") == 4 and "a" not in dr._pending
+    with pytest.raises(ValueError, match="max_pending"):
+        DSparkDrafterConfig(max_pending=0)
+
+
 @pytest.mark.parametrize("head_type", ["vanilla", "rnn"])
 def test_propose_mixed_sampling_truncation(head_type):
     model = tiny_model(head_type)
