@@ -131,7 +131,11 @@ class _FastPlan:
     g_valid: torch.Tensor | None = None  # [G, Q] bool (with g_rows)
     g_blocks: torch.Tensor | None = None  # [G * nblk] block ids (pad -> 0)
     g_nblk: int = 0
-    g_mask: torch.Tensor | None = None  # [G, 1, Q, nblk * bs] bool
+    g_mask: torch.Tensor | None = None  # [G, 1, Q, keys] bool; None: every key (one 1-token segment)
+    # One segment alone (G == 1): its blocks as a view when they are consecutive in the pool
+    # (no gather), and exactly its keys (no padding to whole blocks to mask away).
+    g_first: int = -1  # >= 0: its blocks are g_first .. g_first + nblk - 1
+    g_keys: int = 0  # > 0: attend to keys [0, g_keys) only
     # (row0, n, start, blocks [nb] | None, mask | None) per segment longer than SMALL_SEGMENT
     big: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
     logit_rows: torch.Tensor | None = None
@@ -293,7 +297,13 @@ class FastForwardMixin:
             kpos = torch.arange(nb * bs)
             mask = kpos[None, None, :] <= qpos[:, :, None]
             mask[:, :, 0] |= ~valid  # padded query rows see key 0
-            plan.g_mask = mask[:, None].to(dev)
+            if G == 1:
+                blocks = tables[small[0]][:nb]
+                if blocks == list(range(blocks[0], blocks[0] + nb)):
+                    plan.g_first = blocks[0]
+                plan.g_keys = ends[small[0]]
+                mask = mask[:, :, : plan.g_keys]
+            plan.g_mask = None if G == 1 and Q == 1 else mask[:, None].to(dev)
             contiguous = all(lens[i] == Q for i in small) and small == list(range(small[0], small[-1] + 1))
             if contiguous:
                 plan.g_row0 = row0[small[0]]
@@ -345,10 +355,15 @@ class FastForwardMixin:
             else:
                 assert plan.g_rows is not None and plan.g_valid is not None
                 qs = q[plan.g_rows]
-            assert plan.g_blocks is not None
-            ks = kb.index_select(0, plan.g_blocks).view(G, C, Hkv, D)
-            vs = vb.index_select(0, plan.g_blocks).view(G, C, Hkv, D)
-            assert plan.g_mask is not None
+            if plan.g_first >= 0:  # one segment on consecutive blocks: read the pool in place
+                ks = kb[plan.g_first : plan.g_first + plan.g_nblk].view(G, C, Hkv, D)
+                vs = vb[plan.g_first : plan.g_first + plan.g_nblk].view(G, C, Hkv, D)
+            else:
+                assert plan.g_blocks is not None
+                ks = kb.index_select(0, plan.g_blocks).view(G, C, Hkv, D)
+                vs = vb.index_select(0, plan.g_blocks).view(G, C, Hkv, D)
+            if plan.g_keys:
+                ks, vs = ks[:, : plan.g_keys], vs[:, : plan.g_keys]
             if self.attention == "matmul":
                 o = _matmul_attention(qs, ks, vs, plan.g_mask, self.scaling)
             else:
@@ -439,19 +454,20 @@ class FastForwardMixin:
 
 
 def _matmul_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """Grouped-query attention of short segments as two batched matmuls.
 
     q: [G, Q, H, D]; k, v: [G, C, Hkv, D]; mask: [G, 1, Q, C] bool (True = may attend; every
-    query row has at least one True) -> [G, Q, H, D]. Query head h reads kv head h // (H / Hkv),
-    as SDPA's enable_gqa does. Scores are float32 through the softmax."""
+    query row has at least one True), or None (every key) -> [G, Q, H, D]. Query head h reads
+    kv head h // (H / Hkv), as SDPA's enable_gqa does. Scores are float32 through the softmax."""
     G, Q, H, D = q.shape
     C, Hkv = k.shape[1], k.shape[2]
     r = H // Hkv
     qh = q.reshape(G, Q, Hkv, r, D).permute(0, 2, 3, 1, 4).reshape(G, Hkv, r * Q, D)
     s = torch.matmul(qh, k.permute(0, 2, 3, 1)).float() * scale  # [G, Hkv, r * Q, C]
-    s = s.view(G, Hkv, r, Q, C).masked_fill(~mask.view(G, 1, 1, Q, C), float("-inf"))
+    if mask is not None:
+        s = s.view(G, Hkv, r, Q, C).masked_fill(~mask.view(G, 1, 1, Q, C), float("-inf"))
     p = torch.softmax(s, dim=-1).to(q.dtype).view(G, Hkv, r * Q, C)
     o = torch.matmul(p, v.permute(0, 2, 1, 3))  # [G, Hkv, r * Q, D]
     return o.view(G, Hkv, r, Q, D).permute(0, 3, 1, 2, 4).reshape(G, Q, H, D)

@@ -87,15 +87,21 @@ def dense_attention(q, keys, values, start, scale):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, -1)
 
 
+@pytest.mark.parametrize("ordered", [False, True], ids=["shuffled-pool", "ordered-pool"])
 @pytest.mark.parametrize("attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, attention):
+def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, attention, ordered):
+    """Shuffled pool: block tables are not contiguous (every segment gathers its blocks).
+    Ordered pool with one segment a step now and then: a lone segment on consecutive blocks
+    is read in place, with exactly its keys (no mask for one query)."""
     rng = random.Random(block_size)
     torch.manual_seed(block_size)
     model = tiny_model("llama")
     runner = ModelRunner(model, num_blocks=512 // block_size + 8, block_size=block_size, attention=attention)
     assert runner.attention == attention
-    rng.shuffle(runner.blocks._free)  # block tables are not contiguous
+    if not ordered:
+        rng.shuffle(runner.blocks._free)  # block tables are not contiguous
+    in_place = 0
     H, Hkv, D = runner.num_heads, runner.num_kv_heads, runner.head_dim
     li = 1
     runner.k_cache.normal_()  # stale garbage in every slot
@@ -103,7 +109,8 @@ def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, a
     hist = {f"q{i}": (torch.empty(0, Hkv, D), torch.empty(0, Hkv, D)) for i in range(5)}
     for step in range(14):
         segs = []
-        for rid in rng.sample(sorted(hist), rng.randint(1, len(hist))):
+        alone = ordered and step % 2 == 1
+        for rid in rng.sample(sorted(hist), 1 if alone else rng.randint(1, len(hist))):
             have = hist[rid][0].shape[0]
             n = rng.choice([1, 1, 2, 5, 8, 33, 40]) if have else rng.choice([3, 35, 50])
             runner.blocks.append(rid, n)
@@ -111,6 +118,7 @@ def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, a
         T = sum(len(s.token_ids) for s in segs)
         q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
         plan = runner._plan_fast(segs)
+        in_place += plan.g_first >= 0
         out = runner._attention(li, q, k, v, plan)
         r0 = 0
         for s in segs:
@@ -134,7 +142,10 @@ def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, a
             runner.blocks.free(victim)
             hist[victim] = (torch.empty(0, Hkv, D), torch.empty(0, Hkv, D))
     tables = [runner.blocks.table(r).blocks for r in hist if runner.blocks.has(r)]
-    assert any(any(b - a != 1 for a, b in zip(t, t[1:])) for t in tables if len(t) > 1)
+    if ordered:
+        assert in_place > 0
+    else:
+        assert any(any(b - a != 1 for a, b in zip(t, t[1:])) for t in tables if len(t) > 1)
 
 
 def test_torch_linear_fallback_when_onednn_is_unavailable(monkeypatch):
