@@ -13,13 +13,23 @@ from dataclasses import dataclass, field
 
 @dataclass
 class _Rate:
-    """Exponential moving average of decode tokens per second."""
+    """Decode tokens per second of one mode's recent steps: exponentially decayed sums of tokens
+    and of seconds, and their ratio. A ratio of sums, not an average of per-step rates: how many
+    drafts a step keeps varies a lot (1 to 8 tokens), and an average of ratios would swing with
+    every lucky or unlucky step."""
 
-    value: float = 0.0
+    tokens: float = 0.0
+    seconds: float = 0.0
     samples: int = 0
 
-    def update(self, x: float, alpha: float) -> None:
-        self.value = x if self.samples == 0 else (1 - alpha) * self.value + alpha * x
+    @property
+    def value(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def update(self, tokens: float, seconds: float, alpha: float) -> None:
+        keep = 1.0 - alpha if self.samples else 0.0
+        self.tokens = keep * self.tokens + tokens
+        self.seconds = keep * self.seconds + seconds
         self.samples += 1
 
 
@@ -40,16 +50,20 @@ class DraftGate:
     steps of each mode are in. Without a verdict to borrow, it alternates the two modes.
     """
 
-    warmup: int = 4
+    warmup: int = 6
     """Steps of each mode measured at a level before its own verdict is used."""
-    explore_every: int = 32
+    explore_every: int = 16
     """Shortest interval (in steps at a level) between two steps of the mode not in favour."""
     max_explore_every: int = 512
     """Longest interval between exploration steps, however large the measured gap."""
     regret: float = 0.01
     """Share of a level's throughput exploration may cost; sets the interval from the gap."""
-    alpha: float = 0.2
-    """EMA weight of a new step's rate."""
+    alpha: float = 0.05
+    """Decay of each mode's sums per new step of that mode (~1/alpha steps remembered)."""
+    margin: float = 0.03
+    """Drafting stays on unless plain steps measure this much faster: near break-even the
+    verdict would otherwise flip on noise, and each flip strands the other mode's estimate
+    until the next exploration."""
     _rates: dict[tuple[int, bool], _Rate] = field(default_factory=dict)
     _steps: dict[int, int] = field(default_factory=dict)
 
@@ -65,6 +79,8 @@ class DraftGate:
             raise ValueError(f"regret must be in (0, 1), got {self.regret!r}")
         if not (0.0 < self.alpha <= 1.0):
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha!r}")
+        if not (0.0 <= self.margin < 1.0):
+            raise ValueError(f"margin must be in [0, 1), got {self.margin!r}")
 
     @staticmethod
     def level(num_decodes: int) -> int:
@@ -80,7 +96,7 @@ class DraftGate:
         off = self._rates.get((level, False), _Rate())
         if on.samples < self.warmup or off.samples < self.warmup:
             return None
-        best = on.value >= off.value
+        best = on.value >= off.value * (1.0 - self.margin)
         lo = min(on.value, off.value)
         return best, (max(on.value, off.value) / lo if lo > 0 else math.inf)
 
@@ -115,4 +131,4 @@ class DraftGate:
         if num_decodes <= 0 or seconds <= 0:
             return
         key = (self.level(num_decodes), drafting)
-        self._rates.setdefault(key, _Rate()).update(decode_tokens / seconds, self.alpha)
+        self._rates.setdefault(key, _Rate()).update(decode_tokens, seconds, self.alpha)

@@ -61,7 +61,14 @@ def test_unmeasured_level_borrows_a_neighbours_verdict():
 
 
 def test_gate_config_rejects_bad_values():
-    bads = (dict(warmup=0), dict(explore_every=0), dict(explore_every=600), dict(regret=0.0), dict(alpha=2.0))
+    bads = (
+        dict(warmup=0),
+        dict(explore_every=0),
+        dict(explore_every=600),
+        dict(regret=0.0),
+        dict(alpha=2.0),
+        dict(margin=1.5),
+    )
     for bad in bads:
         with pytest.raises(ValueError, match=repr(next(iter(bad.values())))):
             DraftGate(**bad)
@@ -136,3 +143,20 @@ def test_seeded_requests_do_not_depend_on_the_gate():
         return r.output_ids
 
     assert run(0) == run(7)
+
+
+def test_rates_are_ratios_of_sums_and_near_ties_keep_drafting():
+    g = DraftGate(warmup=2, alpha=1e-9)  # (almost) no decay: plain sums
+    # drafting steps keep 1 token in 30 ms or 7 in 50 ms; plain steps 1 token in 27 ms
+    for toks, sec in ((1, 0.03), (7, 0.05), (1, 0.03), (7, 0.05)):
+        g.record(1, True, decode_tokens=toks, seconds=sec)
+    for _ in range(4):
+        g.record(1, False, decode_tokens=1, seconds=0.027)
+    # tokens / seconds over the steps (16 / 0.16 = 100 tok/s), not the mean of the per-step
+    # rates (86.7 tok/s)
+    assert abs(g.rate(1, True) - 100.0) < 1e-6 and g.verdict(0)[0] is True
+    tie = DraftGate(warmup=2, margin=0.03)
+    _warm(tie, 1, on_rate=98, off_rate=100)  # plain 2% faster: within the margin
+    assert tie.verdict(0)[0] is True
+    _warm(tie, 2, on_rate=90, off_rate=100)  # plain 11% faster: drafting goes off
+    assert tie.verdict(1)[0] is False
