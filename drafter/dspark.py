@@ -8,10 +8,13 @@ when drafts are rejected.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftRequest
 from dspark_serve.drafter.dspark_model import DSparkModel, load_dspark
@@ -144,6 +147,33 @@ class ContextKVCache:
             self._free.append(slot)
 
 
+def _prepack_linears(model: DSparkModel) -> None:
+    """bf16 on a CPU with oneDNN: every Linear's weight reordered once into oneDNN's blocked
+    layout, as the target's fast forward does (nn.Linear would reorder it on every call; the
+    drafter's small matmuls are dominated by that). Serving only: the module must not train
+    afterwards (its prepacked copy would go stale)."""
+    from dspark_serve.verifier.fast_forward import make_linear, mkldnn_linear_works
+
+    if model.dtype != torch.bfloat16 or not mkldnn_linear_works(model.dtype, model.device):
+        return
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.forward = _Packed(m, make_linear(m.weight.detach(), m.bias, "mkldnn", "none"))  # type: ignore[method-assign,assignment]
+
+
+class _Packed:
+    """A prepacked linear taking [..., in] like nn.Linear (oneDNN's op takes 2-D input)."""
+
+    def __init__(self, module: nn.Linear, linear: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.module, self.linear = module, linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return F.linear(x, self.module.weight, self.module.bias)
+        lead = x.shape[:-1]
+        return self.linear(x.reshape(-1, x.shape[-1])).view(*lead, -1)
+
+
 @dataclass
 class _Pending:
     """Tap states of positions start .. end - 1 of one request, not yet projected."""
@@ -182,6 +212,7 @@ class DSparkDrafter:
             raise ValueError(f"block_size {bs!r} exceeds the checkpoint's block_size {trained}")
         self.name = name
         self.model = model.eval()
+        _prepack_linears(self.model)
         self.config = config
         self.block_size = bs
         self.tap_layers: tuple[int, ...] = tuple(model.config.target_layer_ids)

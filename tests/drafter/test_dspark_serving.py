@@ -252,3 +252,29 @@ def test_factories_share_target_modules(tmp_path):
     assert prop.tokens.shape == (3,) and prop.confidences.shape == (3,)
     with pytest.raises(ValueError, match="exceeds"):
         build_drafter("dspark", path=str(tmp_path), target_model=target, block_size=6)
+
+
+def test_bf16_drafter_on_cpu_prepacks_its_linears_and_matches_the_modules(monkeypatch):
+    import copy
+
+    import dspark_serve.drafter.dspark as dspark_mod
+    from dspark_serve.verifier.fast_forward import mkldnn_linear_works
+
+    if not mkldnn_linear_works(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("this CPU's oneDNN has no bf16 linear")
+    model = tiny_model().to(torch.bfloat16)
+    plain_model = copy.deepcopy(model)
+    packed = make_drafter(model)
+    assert all(
+        isinstance(m.forward, dspark_mod._Packed) for m in model.modules() if isinstance(m, torch.nn.Linear)
+    )
+    monkeypatch.setattr(dspark_mod, "_prepack_linears", lambda m: None)
+    plain = make_drafter(plain_model)
+    hid = torch.randn(9, 3 * D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    ids = list(range(1, 10))
+    for dr in (packed, plain):
+        dr.observe([AcceptedContext("a", ids, 0, hid)])
+    req = DraftRequest("a", ids + [3], 3, GREEDY, None, 100)
+    a, b = packed.block_hidden([req]).float(), plain.block_hidden([req]).float()
+    torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)  # the same maths, bf16 rounding apart
+    assert len(packed.propose([req])[0]) == BS
