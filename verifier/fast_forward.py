@@ -335,13 +335,15 @@ class FastForwardMixin:
         self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _FastPlan
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (new tokens) -> [T, H * D]. New K/V are written to their
-        slots, then every segment attends to its blocks, read whole from the paged cache."""
+        slots, then every segment attends to its blocks in the paged cache. The cache is
+        head-major ([Hkv, slots, D] per layer), so the blocks of a segment, gathered or read in
+        place, are already each head's [C, D] key matrix: no further copy before the matmuls."""
         bs, Hkv, D = self.block_size, self.num_kv_heads, self.head_dim
-        kc, vc = self.k_cache[li], self.v_cache[li]
-        kc.index_copy_(0, plan.slots, k)
-        vc.index_copy_(0, plan.slots, v)
-        kb = kc.view(-1, bs, Hkv, D)
-        vb = vc.view(-1, bs, Hkv, D)
+        kc, vc = self.k_cache[li], self.v_cache[li]  # [Hkv, num_blocks * bs, D]
+        kc.index_copy_(1, plan.slots, k.transpose(0, 1))
+        vc.index_copy_(1, plan.slots, v.transpose(0, 1))
+        kb = kc.view(Hkv, -1, bs, D)
+        vb = vc.view(Hkv, -1, bs, D)
         T = q.shape[0]
         gqa = self.num_heads != Hkv
         out: torch.Tensor | None = None  # None: the whole step is one group
@@ -356,21 +358,22 @@ class FastForwardMixin:
                 assert plan.g_rows is not None and plan.g_valid is not None
                 qs = q[plan.g_rows]
             if plan.g_first >= 0:  # one segment on consecutive blocks: read the pool in place
-                ks = kb[plan.g_first : plan.g_first + plan.g_nblk].view(G, C, Hkv, D)
-                vs = vb[plan.g_first : plan.g_first + plan.g_nblk].view(G, C, Hkv, D)
+                lo = plan.g_first * bs
+                ks = kc[:, lo : lo + C].view(Hkv, G, C, D)
+                vs = vc[:, lo : lo + C].view(Hkv, G, C, D)
             else:
                 assert plan.g_blocks is not None
-                ks = kb.index_select(0, plan.g_blocks).view(G, C, Hkv, D)
-                vs = vb.index_select(0, plan.g_blocks).view(G, C, Hkv, D)
+                ks = kb.index_select(1, plan.g_blocks).view(Hkv, G, C, D)
+                vs = vb.index_select(1, plan.g_blocks).view(Hkv, G, C, D)
             if plan.g_keys:
-                ks, vs = ks[:, : plan.g_keys], vs[:, : plan.g_keys]
+                ks, vs = ks[:, :, : plan.g_keys], vs[:, :, : plan.g_keys]
             if self.attention == "matmul":
                 o = _matmul_attention(qs, ks, vs, plan.g_mask, self.scaling)
             else:
                 o = F.scaled_dot_product_attention(
                     qs.transpose(1, 2),
-                    ks.transpose(1, 2),
-                    vs.transpose(1, 2),
+                    ks.transpose(0, 1),
+                    vs.transpose(0, 1),
                     attn_mask=plan.g_mask,
                     scale=self.scaling,
                     enable_gqa=gqa,
@@ -393,8 +396,8 @@ class FastForwardMixin:
                 )
             else:
                 assert mask is not None
-                ks = kb.index_select(0, blocks).view(-1, Hkv, D).transpose(0, 1)[None]
-                vs = vb.index_select(0, blocks).view(-1, Hkv, D).transpose(0, 1)[None]
+                ks = kb.index_select(1, blocks).view(Hkv, -1, D)[None]
+                vs = vb.index_select(1, blocks).view(Hkv, -1, D)[None]
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=mask[None, None], scale=self.scaling, enable_gqa=gqa
                 )
@@ -458,19 +461,22 @@ def _matmul_attention(
 ) -> torch.Tensor:
     """Grouped-query attention of short segments as two batched matmuls.
 
-    q: [G, Q, H, D]; k, v: [G, C, Hkv, D]; mask: [G, 1, Q, C] bool (True = may attend; every
-    query row has at least one True), or None (every key) -> [G, Q, H, D]. Query head h reads
-    kv head h // (H / Hkv), as SDPA's enable_gqa does. Scores are float32 through the softmax."""
+    q: [G, Q, H, D]; k, v: [Hkv, G, C, D] (head-major, as the cache holds them); mask:
+    [G, 1, Q, C] bool (True = may attend; every query row has at least one True), or None (every
+    key) -> [G, Q, H, D]. Query head h reads kv head h // (H / Hkv), as SDPA's enable_gqa does.
+    The batch runs over (kv head, segment) so k and v are used as they are; only the (small)
+    queries and output are rearranged. Scores are float32 through the softmax."""
     G, Q, H, D = q.shape
-    C, Hkv = k.shape[1], k.shape[2]
+    Hkv, C = k.shape[0], k.shape[2]
     r = H // Hkv
-    qh = q.reshape(G, Q, Hkv, r, D).permute(0, 2, 3, 1, 4).reshape(G, Hkv, r * Q, D)
-    s = torch.matmul(qh, k.permute(0, 2, 3, 1)).float() * scale  # [G, Hkv, r * Q, C]
+    qh = q.reshape(G, Q, Hkv, r, D).permute(2, 0, 3, 1, 4).reshape(Hkv * G, r * Q, D)
+    kf, vf = k.reshape(Hkv * G, C, D), v.reshape(Hkv * G, C, D)
+    s = torch.matmul(qh, kf.transpose(1, 2)).float() * scale  # [Hkv * G, r * Q, C]
     if mask is not None:
-        s = s.view(G, Hkv, r, Q, C).masked_fill(~mask.view(G, 1, 1, Q, C), float("-inf"))
-    p = torch.softmax(s, dim=-1).to(q.dtype).view(G, Hkv, r * Q, C)
-    o = torch.matmul(p, v.permute(0, 2, 1, 3))  # [G, Hkv, r * Q, D]
-    return o.view(G, Hkv, r, Q, D).permute(0, 3, 1, 2, 4).reshape(G, Q, H, D)
+        s = s.view(Hkv, G, r, Q, C).masked_fill(~mask.view(1, G, 1, Q, C), float("-inf"))
+    p = torch.softmax(s, dim=-1).to(q.dtype).view(Hkv * G, r * Q, C)
+    o = torch.matmul(p, vf)  # [Hkv * G, r * Q, D]
+    return o.view(Hkv, G, r, Q, D).permute(1, 3, 0, 2, 4).reshape(G, Q, H, D)
 
 
 def _rms_norm(x: torch.Tensor, d: int, w: torch.Tensor, eps: float) -> torch.Tensor:

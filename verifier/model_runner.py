@@ -122,7 +122,9 @@ class ModelRunner(FastForwardMixin):
         self.device, self.dtype = p.device, p.dtype
         self.block_size = block_size
         self.blocks = BlockManager(num_blocks, block_size)
-        shape = (self.num_layers, num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        # Head-major: each layer's cache is [Hkv, slots, D], so a head's keys of a run of blocks
+        # are one [C, D] matrix (the attention matmuls read them without rearranging).
+        shape = (self.num_layers, self.num_kv_heads, num_blocks * block_size, self.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.has_qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
@@ -212,7 +214,7 @@ class ModelRunner(FastForwardMixin):
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (new tokens) -> out [T, H*D]; gathers every request's
         whole context into padded buffers (the reference the fast path is tested against)."""
-        kc, vc = self.k_cache[li], self.v_cache[li]
+        kc, vc = self.k_cache[li].transpose(0, 1), self.v_cache[li].transpose(0, 1)  # [slots, Hkv, D] views
         kc.index_copy_(0, plan.slots, k)
         vc.index_copy_(0, plan.slots, v)
         out = q.new_empty(q.shape)
