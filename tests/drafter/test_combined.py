@@ -1,0 +1,71 @@
+"""The per-request choice between DSpark and prompt lookup (and none), from past rounds only."""
+
+import pytest
+import torch
+
+from dspark_serve.drafter.base import DraftProposal, DraftRequest
+from dspark_serve.drafter.combined import CombinedConfig, CombinedDrafter
+from dspark_serve.verifier.sampling_params import SamplingParams
+
+
+class Fake:
+    tap_layers, calibrator, online_confidence = (), None, False
+
+    def __init__(self, name, block=4, hit=True):
+        self.name, self.block_size, self.hit = name, block, hit
+        self.asked, self.feedback = 0, []
+
+    def propose(self, requests):
+        self.asked += len(requests)
+        n = self.block_size if self.hit else 0
+        return [DraftProposal(torch.arange(n)) for _ in requests]
+
+    def observe(self, contexts):
+        pass
+
+    def observe_acceptance(self, rid, proposed, accepted):
+        self.feedback.append((rid, proposed, accepted))
+
+    def free(self, rid):
+        pass
+
+
+def req(rid="a"):
+    return DraftRequest(rid, [1, 2, 3], 2, SamplingParams(temperature=0.0), None, 4)
+
+
+def test_a_primary_that_does_not_pay_stops_drafting_but_is_retried():
+    primary, lookup = Fake("dspark"), Fake("ngram", hit=False)
+    comb = CombinedDrafter(primary, lookup, CombinedConfig(explore_every=4, primary_floor=0.5, decay=1.0))
+    assert len(comb.propose([req()])[0]) == 4  # the prior (1.0) says it pays: it drafts
+    comb.observe_acceptance("a", 4, 0)  # nothing accepted: its score drops to 0
+    sizes = [len(comb.propose([req()])[0]) for _ in range(7)]
+    # plain steps (no draft), but every 4th step of the request tries the primary again
+    assert sizes == [0, 0, 4, 0, 0, 0, 4], sizes
+    comb.observe_acceptance("a", 4, 3)  # it did well on that retry: drafting resumes
+    assert len(comb.propose([req()])[0]) == 4
+    assert comb.uses[0] == 4 and comb.uses[1] == 0 and primary.asked == 4
+
+
+def test_lookup_match_wins_when_its_rounds_are_better_or_the_primary_does_not_pay():
+    primary, lookup = Fake("dspark"), Fake("ngram", hit=True, block=3)
+    comb = CombinedDrafter(primary, lookup, CombinedConfig(explore_every=100, primary_floor=0.5, decay=1.0))
+    comb.propose([req()])  # tie at the prior: lookup (it is free)
+    assert comb._state["a"].last == 1
+    comb.observe_acceptance("a", 3, 0)  # lookup's round failed
+    comb.propose([req()])
+    assert comb._state["a"].last == 0  # primary's prior 1.0 beats 0
+    comb.observe_acceptance("a", 4, 0)  # primary failed too: below the floor
+    comb.propose([req()])
+    assert comb._state["a"].last == 1  # a lookup match is taken while the primary does not pay
+
+
+def test_floor_zero_always_drafts_with_the_primary_and_bad_values_are_rejected():
+    comb = CombinedDrafter(
+        Fake("dspark"), Fake("ngram", hit=False), CombinedConfig(primary_floor=0.0, decay=1.0)
+    )
+    comb.propose([req()])
+    comb.observe_acceptance("a", 4, 0)
+    assert all(len(comb.propose([req()])[0]) == 4 for _ in range(5))
+    with pytest.raises(ValueError, match="-0.1"):
+        CombinedConfig(primary_floor=-0.1)
