@@ -60,7 +60,7 @@ class DraftGate:
     """Share of a level's throughput exploration may cost; sets the interval from the gap."""
     alpha: float = 0.03
     """Decay of each mode's sums per new step of that mode (~1/alpha steps remembered)."""
-    margin: float = 0.08
+    margin: float = 0.02
     """Drafting stays on unless plain steps measure this much faster: near break-even the
     verdict would otherwise flip on noise, and each flip strands the other mode's estimate
     until the next exploration."""
