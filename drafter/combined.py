@@ -1,5 +1,7 @@
 """Two drafters that complement each other: prompt lookup (n-gram) wins on code and repeated
-text, the parallel DSpark drafter on free text. Each request's step uses one of them.
+text, the parallel DSpark drafter on free text. Each request's step uses one of them, or
+neither: where DSpark's recent rounds on the request do not pay for their cost and lookup has
+no match, the step is a plain one.
 
 The choice must not look at this step's drafted tokens, nor at confidences computed from them:
 that would bias sampled output (the Appendix A argument). It uses only quantities fixed before
