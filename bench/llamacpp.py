@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -118,7 +119,9 @@ def main() -> None:
         "machine": machine(),
         "gguf": gguf.name,
         "dtype": str(eng.runner.dtype),
-        "args": {k: str(v) for k, v in vars(args).items()},
+        "args": {
+            k: (os.path.relpath(v, ROOT) if isinstance(v, Path) else str(v)) for k, v in vars(args).items()
+        },
         "rows": rows,
         "median_per_user_tps": medians,
         "default_vs_llamacpp": medians["default"] / medians["llama.cpp"] if medians["llama.cpp"] else None,
