@@ -73,10 +73,7 @@ def build_verify_inputs(
 ) -> VerifyInputs:
     """Target p for every verify row at once (each request's parameters repeated over its
     K_i + 1 rows) and the drafts concatenated in the same order."""
-    counts = [r.num_draft for r in requests]
-    rows = sum(counts) + len(counts)
-    if logits.dim() != 2 or logits.shape[0] != rows:
-        raise ValueError(f"logits must be [sum(K_i + 1) = {rows}, V], got shape {tuple(logits.shape)}")
+    counts = _draft_counts(logits, requests)
     device, vocab = logits.device, logits.shape[1]
     num_draft = torch.tensor(counts, dtype=torch.long)
     st = SamplingTensors.from_params([r.sampling for r in requests], device)
@@ -84,11 +81,7 @@ def build_verify_inputs(
     logits = process_rows(logits, requests)
     target = probs_from_logits(logits, e.temperature, e.top_p, e.top_k, e.min_p)
     drafted = [r for r in requests if r.num_draft > 0]
-    tokens = (
-        torch.cat([r.draft_tokens.reshape(-1).to(torch.long).cpu() for r in drafted])
-        if drafted
-        else torch.zeros(0, dtype=torch.long)
-    )
+    tokens = _flat_drafts(requests)
     deterministic = torch.tensor(
         [r.draft_probs is None or r.num_draft == 0 for r in requests], dtype=torch.bool
     )
@@ -105,6 +98,21 @@ def build_verify_inputs(
     return VerifyInputs(
         target, tokens, draft_probs, num_draft, [r.generator for r in requests], deterministic
     )
+
+
+def _draft_counts(logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> list[int]:
+    """K_i per request, after checking the logits hold exactly sum(K_i + 1) rows."""
+    counts = [r.num_draft for r in requests]
+    rows = sum(counts) + len(counts)
+    if logits.dim() != 2 or logits.shape[0] != rows:
+        raise ValueError(f"logits must be [sum(K_i + 1) = {rows}, V], got shape {tuple(logits.shape)}")
+    return counts
+
+
+def _flat_drafts(requests: Sequence[VerifyRequest]) -> torch.Tensor:  # [D] int64, on the host
+    """Every request's drafts, request after request."""
+    drafts = [r.draft_tokens.reshape(-1).to(torch.long).cpu() for r in requests if r.num_draft]
+    return torch.cat(drafts) if drafts else torch.zeros(0, dtype=torch.long)
 
 
 def process_rows(
@@ -136,14 +144,10 @@ def verify(
     device-to-host copy per step: the engine reads it request by request)."""
     if all(r.sampling.greedy for r in requests):
         # One-hot p: the verdict is the argmax of each processed row; no probabilities needed.
-        counts = [r.num_draft for r in requests]
-        rows = sum(counts) + len(counts)
-        if logits.dim() != 2 or logits.shape[0] != rows:
-            raise ValueError(f"logits must be [sum(K_i + 1) = {rows}, V], got shape {tuple(logits.shape)}")
-        drafts = [r.draft_tokens.reshape(-1).to(torch.long).cpu() for r in requests if r.num_draft]
-        flat = torch.cat(drafts) if drafts else torch.zeros(0, dtype=torch.long)
+        counts = _draft_counts(logits, requests)
         argmax = process_rows(logits, requests).argmax(dim=-1)
-        return greedy_verify(argmax, flat.to(logits.device), torch.tensor(counts, dtype=torch.long)).cpu()
+        drafts = _flat_drafts(requests).to(logits.device)
+        return greedy_verify(argmax, drafts, torch.tensor(counts, dtype=torch.long)).cpu()
     inp = build_verify_inputs(logits, requests)
     return rejection_sample(
         inp.target_probs,
