@@ -125,7 +125,8 @@ class DraftGate:
             off = self._rates.get((lvl, False), _Rate())
             return on.samples <= off.samples
         best, ratio = v
-        return (not best) if n % self.interval(ratio) == self.interval(ratio) - 1 else best
+        every = self.interval(ratio)
+        return (not best) if n % every == every - 1 else best
 
     def record(self, num_decodes: int, drafting: bool, decode_tokens: int, seconds: float) -> None:
         if num_decodes <= 0 or seconds <= 0:
