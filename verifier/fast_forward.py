@@ -19,6 +19,7 @@ Greedy equality with the reference forward in float32 is what the tests hold it 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -145,14 +146,14 @@ class _FastPlan:
 
 @dataclass
 class _FastLayer:
-    in_norm: torch.Tensor
-    post_norm: torch.Tensor
+    in_norm: _RMSNorm
+    post_norm: _RMSNorm
     qkv: Linear
     o: Linear
     gate_up: Linear
     down: Linear
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
+    q_norm: _RMSNorm | None
+    k_norm: _RMSNorm | None
 
 
 class FastForwardMixin:
@@ -190,7 +191,6 @@ class FastForwardMixin:
         if linear == "mkldnn" and not mkldnn_linear_works(self.dtype, self.device):
             raise ValueError("linear 'mkldnn' needs float32/bfloat16 weights on a CPU with oneDNN")
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        self.eps = self._eps(self.layers[0].input_layernorm)
         self.fast_layers: list[_FastLayer] = []
         kinds: set[str] = set()
         for layer in self.layers:
@@ -215,14 +215,14 @@ class FastForwardMixin:
                     m.gate_proj.weight.data = wgu[:ni]
                     m.up_proj.weight.data = wgu[ni:]
             fl = _FastLayer(
-                in_norm=layer.input_layernorm.weight,
-                post_norm=layer.post_attention_layernorm.weight,
+                in_norm=_RMSNorm.of(layer.input_layernorm),
+                post_norm=_RMSNorm.of(layer.post_attention_layernorm),
                 qkv=make_linear(wqkv, bqkv, linear, self.quantize),
                 o=make_linear(a.o_proj.weight, a.o_proj.bias, linear, self.quantize),
                 gate_up=make_linear(wgu, None, linear, self.quantize),
                 down=make_linear(m.down_proj.weight, m.down_proj.bias, linear, self.quantize),
-                q_norm=a.q_norm.weight if self.has_qk_norm else None,
-                k_norm=a.k_norm.weight if self.has_qk_norm else None,
+                q_norm=_RMSNorm.of(a.q_norm) if self.has_qk_norm else None,
+                k_norm=_RMSNorm.of(a.k_norm) if self.has_qk_norm else None,
             )
             kinds.add(fl.qkv.kind)
             self.fast_layers.append(fl)
@@ -230,16 +230,11 @@ class FastForwardMixin:
         lm_w = self.lm_head.weight
         self.fast_lm_head = make_linear(lm_w, self.lm_head.bias, linear, "none")
         self.linear_kind = "/".join(sorted(kinds))
-        self.norm_eps_final = self._eps(self.norm)
-        self.qk_eps = self._eps(self.layers[0].self_attn.q_norm) if self.has_qk_norm else 0.0
+        self.fast_norm = _RMSNorm.of(self.norm)
         self._rope_dynamic = "dynamic" in str(getattr(self.rotary, "rope_type", ""))
         self._cos_table: torch.Tensor | None = None
         self._sin_table: torch.Tensor | None = None
         self._ensure_rope(min(4096, getattr(self.config, "max_position_embeddings", 4096) or 4096))
-
-    @staticmethod
-    def _eps(norm: torch.nn.Module) -> float:
-        return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
     def _ensure_rope(self, n: int) -> None:
         if self._cos_table is not None and self._cos_table.shape[0] >= n:
@@ -415,21 +410,19 @@ class FastForwardMixin:
         plan = self._plan_fast(segments)
         T = plan.ids.numel()
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        d = self.hidden_size
         nq, nk = H * D, Hkv * D
         h = self.embed(plan.ids)
         taps: dict[int, torch.Tensor] = {}
         if -1 in tap_layers:
             taps[-1] = h
         cos, sin = plan.cos, plan.sin
-        eps = self.eps
         last = self.num_layers - 1
         for li, L in enumerate(self.fast_layers):
-            x = _rms_norm(h, d, L.in_norm, eps)
+            x = L.in_norm(h)
             qkv = L.qkv(x)
             if L.q_norm is not None and L.k_norm is not None:
-                q = _rms_norm(qkv[:, :nq].view(T, H, D), D, L.q_norm, self.qk_eps)
-                k = _rms_norm(qkv[:, nq : nq + nk].view(T, Hkv, D), D, L.k_norm, self.qk_eps)
+                q = L.q_norm(qkv[:, :nq].view(T, H, D))
+                k = L.k_norm(qkv[:, nq : nq + nk].view(T, Hkv, D))
                 q = self._rope(q, cos, sin)
                 k = self._rope(k, cos, sin)
             else:
@@ -437,12 +430,12 @@ class FastForwardMixin:
                 q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, nq + nk :].view(T, Hkv, D)
             h = h + L.o(self._attention(li, q, k, v, plan))
-            gu = L.gate_up(_rms_norm(h, d, L.post_norm, eps))
+            gu = L.gate_up(L.post_norm(h))
             g, u = gu.chunk(2, dim=-1)
             h = h + L.down(F.silu(g) * u)
             if li in tap_layers and li != last:
                 taps[li] = h
-        h = _rms_norm(h, d, self.norm.weight, self.norm_eps_final)  # type: ignore[arg-type]
+        h = self.fast_norm(h)
         if last in tap_layers:
             taps[last] = h
         if plan.logit_rows is not None:
@@ -465,22 +458,50 @@ def _matmul_attention(
     [G, 1, Q, C] bool (True = may attend; every query row has at least one True), or None (every
     key) -> [G, Q, H, D]. Query head h reads kv head h // (H / Hkv), as SDPA's enable_gqa does.
     The batch runs over (kv head, segment) so k and v are used as they are; only the (small)
-    queries and output are rearranged. Scores are float32 through the softmax."""
+    queries and output are rearranged. Scores are float32 through the softmax.
+
+    Two CPU details decide the speed: oneDNN's batched matmul copies any operand whose batch
+    stride is not rows x cols (a view into the cache), and copies a transposed view element by
+    element (4-5x slower than a row copy at 4K keys), so k is made contiguous before it is
+    transposed; and a power-of-two scale (head_dim 64: 1/8) is folded into q, which is exact,
+    so the scores need no separate scaling pass."""
     G, Q, H, D = q.shape
     Hkv, C = k.shape[0], k.shape[2]
     r = H // Hkv
+    exact_scale = math.frexp(scale)[0] == 0.5  # a power of two: multiplying by it is exact
+    if exact_scale:
+        q = q * scale
     qh = q.reshape(G, Q, Hkv, r, D).permute(2, 0, 3, 1, 4).reshape(Hkv * G, r * Q, D)
-    kf, vf = k.reshape(Hkv * G, C, D), v.reshape(Hkv * G, C, D)
-    s = torch.matmul(qh, kf.transpose(1, 2)).float() * scale  # [Hkv * G, r * Q, C]
+    kf, vf = k.reshape(Hkv * G, C, D).contiguous(), v.reshape(Hkv * G, C, D)
+    s = torch.bmm(qh, kf.transpose(1, 2))  # [Hkv * G, r * Q, C]
+    if not exact_scale:
+        s = s.float() * scale
     if mask is not None:
         s = s.view(Hkv, G, r, Q, C).masked_fill(~mask.view(1, G, 1, Q, C), float("-inf"))
-    p = torch.softmax(s, dim=-1).to(q.dtype).view(Hkv * G, r * Q, C)
-    o = torch.matmul(p, vf)  # [Hkv * G, r * Q, D]
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype).view(Hkv * G, r * Q, C)
+    o = torch.bmm(p, vf)  # [Hkv * G, r * Q, D]
     return o.view(Hkv, G, r, Q, D).permute(1, 3, 0, 2, 4).reshape(G, Q, H, D)
 
 
-def _rms_norm(x: torch.Tensor, d: int, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as one fused kernel. float32: HF's maths; bf16/fp16: the statistics are float32 as
-    in HF, only the rounding of the weight product may differ by an ulp (bf16 is not held to
-    bit equality anyway)."""
-    return F.rms_norm(x, (d,), w, eps)
+class _RMSNorm:
+    """RMSNorm as few kernels as the dtype allows. float32, and every CUDA dtype: F.rms_norm (HF's
+    maths; fused on CUDA). bf16/fp16 on a CPU, where F.rms_norm runs as ~10 small kernels:
+    RMSNorm(x) is LayerNorm([x, -x]) cut to its first half (the mirrored vector has mean 0 and
+    the same mean square), and LayerNorm is one fused kernel with float32 statistics and one
+    rounding of the output (HF rounds twice; bf16 is not held to bit equality anyway)."""
+
+    def __init__(self, w: torch.Tensor, eps: float) -> None:
+        self.w, self.eps, self.d = w, eps, w.shape[0]
+        mirrored = w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16)
+        self.w2 = torch.cat([w, w]) if mirrored else None
+
+    @classmethod
+    def of(cls, norm: torch.nn.Module) -> _RMSNorm:
+        eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        return cls(norm.weight, eps)  # type: ignore[arg-type]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w2 is None:
+            return F.rms_norm(x, (self.d,), self.w, self.eps)
+        y = F.layer_norm(torch.cat([x, -x], dim=-1), (2 * self.d,), self.w2, None, self.eps)
+        return y[..., : self.d]

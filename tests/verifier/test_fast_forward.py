@@ -229,3 +229,48 @@ def test_matmul_attention_greedy_matches_sdpa_in_bf16_closely():
         r.blocks.append("b", 1)
         outs.append(r.forward([Segment("a", [1, 2, 3], 9, 0), Segment("b", [4], 4, 0)]).logits)
     torch.testing.assert_close(outs[0], outs[1], rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 24])  # scale 1/4 (exact, folded into q) and 1/sqrt(24)
+def test_matmul_attention_matches_dense_on_cache_views(head_dim, dtype):
+    """k/v are views into a head-major pool (batch stride = the whole pool, as a lone segment
+    read in place gives), queries padded and masked; the folded power-of-two scale and the
+    float32 scaling path both agree with a dense float64 softmax attention."""
+    torch.manual_seed(head_dim)
+    G, Q, H, Hkv, C = 2, 3, 6, 2, 13
+    scale = head_dim**-0.5
+    pool_k = torch.randn(Hkv, 200, head_dim).to(dtype)
+    pool_v = torch.randn(Hkv, 200, head_dim).to(dtype)
+    k = pool_k[:, 50 : 50 + G * C].view(Hkv, G, C, head_dim)
+    v = pool_v[:, 50 : 50 + G * C].view(Hkv, G, C, head_dim)
+    q = torch.randn(G, Q, H, head_dim).to(dtype)
+    mask = torch.rand(G, 1, Q, C) < 0.7
+    mask[..., 0] = True
+    out = ff._matmul_attention(q, k, v, mask, scale)
+    assert out.shape == (G, Q, H, head_dim) and out.dtype == dtype
+    kd, vd = k.double(), v.double()
+    for g in range(G):
+        for h in range(H):
+            s = q[g, :, h].double() @ kd[h // (H // Hkv), g].T * scale
+            s = s.masked_fill(~mask[g, 0], float("-inf"))
+            want = s.softmax(-1) @ vd[h // (H // Hkv), g]
+            tol = 1e-5 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(out[g, :, h].double(), want, rtol=tol, atol=tol)
+    everything = torch.ones(G, 1, Q, C, dtype=torch.bool)
+    assert torch.equal(
+        ff._matmul_attention(q, k, v, None, scale), ff._matmul_attention(q, k, v, everything, scale)
+    )
+
+
+def test_rms_norm_float32_is_functional_rms_norm_and_bf16_mirrors_layer_norm():
+    torch.manual_seed(0)
+    w = torch.rand(48) + 0.5
+    x = torch.randn(5, 48) * 3
+    f32 = ff._RMSNorm(w, 1e-6)
+    assert f32.w2 is None and torch.equal(f32(x), torch.nn.functional.rms_norm(x, (48,), w, 1e-6))
+    bf = ff._RMSNorm(w.bfloat16(), 1e-6)
+    assert bf.w2 is not None  # LayerNorm over [x, -x]: one fused kernel on CPU
+    got = bf(x.bfloat16())
+    assert got.shape == (5, 48) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), f32(x.bfloat16().float()), rtol=1e-2, atol=1e-2)
