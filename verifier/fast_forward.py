@@ -132,7 +132,9 @@ class _FastPlan:
     g_valid: torch.Tensor | None = None  # [G, Q] bool (with g_rows)
     g_blocks: torch.Tensor | None = None  # [G * nblk] block ids (pad -> 0)
     g_nblk: int = 0
-    g_mask: torch.Tensor | None = None  # [G, 1, Q, keys] bool; None: every key (one 1-token segment)
+    # [G, 1, Q, keys]: bool for SDPA, additive 0 / -inf in the model dtype for the matmul
+    # attention; None: every key (one 1-token segment)
+    g_mask: torch.Tensor | None = None
     # One segment alone (G == 1): its blocks as a view when they are consecutive in the pool
     # (no gather), and exactly its keys (no padding to whole blocks to mask away).
     g_first: int = -1  # >= 0: its blocks are g_first .. g_first + nblk - 1
@@ -298,7 +300,12 @@ class FastForwardMixin:
                     plan.g_first = blocks[0]
                 plan.g_keys = ends[small[0]]
                 mask = mask[:, :, : plan.g_keys]
-            plan.g_mask = None if G == 1 and Q == 1 else mask[:, None].to(dev)
+            if not (G == 1 and Q == 1):
+                if self.attention == "matmul":  # additive: one in-place add per layer
+                    bias = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
+                    plan.g_mask = bias[:, None].to(dev)
+                else:
+                    plan.g_mask = mask[:, None].to(dev)
             contiguous = all(lens[i] == Q for i in small) and small == list(range(small[0], small[-1] + 1))
             if contiguous:
                 plan.g_row0 = row0[small[0]]
@@ -450,13 +457,14 @@ class FastForwardMixin:
 
 
 def _matmul_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """Grouped-query attention of short segments as two batched matmuls.
 
-    q: [G, Q, H, D]; k, v: [Hkv, G, C, D] (head-major, as the cache holds them); mask:
-    [G, 1, Q, C] bool (True = may attend; every query row has at least one True), or None (every
-    key) -> [G, Q, H, D]. Query head h reads kv head h // (H / Hkv), as SDPA's enable_gqa does.
+    q: [G, Q, H, D]; k, v: [Hkv, G, C, D] (head-major, as the cache holds them); bias:
+    [G, 1, Q, C], 0 where a query may attend and -inf where not (every query row has at least
+    one 0; adding it is exact, and half the cost of a masked fill), or None (every key)
+    -> [G, Q, H, D]. Query head h reads kv head h // (H / Hkv), as SDPA's enable_gqa does.
     The batch runs over (kv head, segment) so k and v are used as they are; only the (small)
     queries and output are rearranged. Scores are float32 through the softmax.
 
@@ -476,8 +484,8 @@ def _matmul_attention(
     s = torch.bmm(qh, kf.transpose(1, 2))  # [Hkv * G, r * Q, C]
     if not exact_scale:
         s = s.float() * scale
-    if mask is not None:
-        s = s.view(Hkv, G, r, Q, C).masked_fill(~mask.view(1, G, 1, Q, C), float("-inf"))
+    if bias is not None:
+        s.view(Hkv, G, r, Q, C).add_(bias.view(1, G, 1, Q, C))
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype).view(Hkv * G, r * Q, C)
     o = torch.bmm(p, vf)  # [Hkv * G, r * Q, D]
     return o.view(Hkv, G, r, Q, D).permute(1, 3, 0, 2, 4).reshape(G, Q, H, D)

@@ -235,7 +235,7 @@ def test_matmul_attention_greedy_matches_sdpa_in_bf16_closely():
 @pytest.mark.parametrize("head_dim", [16, 24])  # scale 1/4 (exact, folded into q) and 1/sqrt(24)
 def test_matmul_attention_matches_dense_on_cache_views(head_dim, dtype):
     """k/v are views into a head-major pool (batch stride = the whole pool, as a lone segment
-    read in place gives), queries padded and masked; the folded power-of-two scale and the
+    read in place gives), queries padded and masked by an additive bias; the folded power-of-two scale and the
     float32 scaling path both agree with a dense float64 softmax attention."""
     torch.manual_seed(head_dim)
     G, Q, H, Hkv, C = 2, 3, 6, 2, 13
@@ -247,7 +247,8 @@ def test_matmul_attention_matches_dense_on_cache_views(head_dim, dtype):
     q = torch.randn(G, Q, H, head_dim).to(dtype)
     mask = torch.rand(G, 1, Q, C) < 0.7
     mask[..., 0] = True
-    out = ff._matmul_attention(q, k, v, mask, scale)
+    bias = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+    out = ff._matmul_attention(q, k, v, bias, scale)
     assert out.shape == (G, Q, H, head_dim) and out.dtype == dtype
     kd, vd = k.double(), v.double()
     for g in range(G):
@@ -257,7 +258,7 @@ def test_matmul_attention_matches_dense_on_cache_views(head_dim, dtype):
             want = s.softmax(-1) @ vd[h // (H // Hkv), g]
             tol = 1e-5 if dtype == torch.float32 else 3e-2
             torch.testing.assert_close(out[g, :, h].double(), want, rtol=tol, atol=tol)
-    everything = torch.ones(G, 1, Q, C, dtype=torch.bool)
+    everything = torch.zeros(G, 1, Q, C, dtype=dtype)
     assert torch.equal(
         ff._matmul_attention(q, k, v, None, scale), ff._matmul_attention(q, k, v, everything, scale)
     )
