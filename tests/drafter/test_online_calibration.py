@@ -56,6 +56,26 @@ def test_recalibration_lowers_the_ece_of_an_overconfident_head():
     assert cal.survival_ece()[0] < before
 
 
+def test_cumulative_ece_covers_every_round_while_the_window_keeps_the_last():
+    cal = OnlineCalibrator(3, config=OnlineCalibrationConfig(window=256, refit_every=64, min_samples=128))
+    used_all: list[list[float]] = [[], [], []]
+    out_all: list[list[float]] = [[], [], []]
+    for raw, acc in overconfident_rounds(1500, seed=2):
+        used = cal.calibrate(raw)
+        cal.record(raw, used, 3, acc)
+        a = 1.0
+        for k in range(3):
+            a *= used[k]
+            used_all[k].append(a)
+            out_all[k].append(1.0 if k < acc else 0.0)
+    cum = cal.cumulative_ece()
+    for k in range(3):
+        want = expected_calibration_error(np.array(used_all[k]), np.array(out_all[k]), 10)
+        assert cum[k][1] == 1500 and cum[k][0] == pytest.approx(want, abs=1e-9)
+        last = expected_calibration_error(np.array(used_all[k][-256:]), np.array(out_all[k][-256:]), 10)
+        assert cal.samples(k) == 256 and cal.survival_ece()[k] == pytest.approx(last, abs=1e-9)
+
+
 def test_fit_is_bounded_and_config_validated():
     cfg = OnlineCalibrationConfig()
     z = np.linspace(-3, 3, 200)
