@@ -65,6 +65,7 @@ class CombinedDrafter:
     """`primary` (DSpark/DFlash) and `lookup` (n-gram) behind one Drafter interface."""
 
     online_confidence = True  # the n-gram side learns its confidences online
+    decides_per_request = True  # drafts nothing for a request whose rounds do not pay
 
     def __init__(self, primary: Drafter, lookup: Drafter, config: CombinedConfig | None = None) -> None:
         self.config = config or CombinedConfig()

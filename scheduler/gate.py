@@ -44,14 +44,24 @@ class DraftGate:
     grows with the measured gap, to keep that loss under `regret` (1%: a 1.5x slower mode runs
     once every 50 steps).
 
+    A mode runs in bursts of `burst` steps, and the first step after a switch is not measured:
+    it pays for the switch, not for the mode. Drafting after plain steps first projects the
+    context those steps kept (the DSpark drafter absorbs it lazily), and a request's first
+    drafting step after plain ones may draft only a short block: measured, such a step makes
+    drafting look slower than it is in steady state, and a gate that explores one step at a
+    time can then stay closed for good.
+
     A level not yet measured borrows a neighbour's verdict: the cost of verification grows with
     the batch, so if drafting lost at a lower load it starts off here, and if it won at a higher
     load it starts on; its own measurements (taken as exploration) take over once `warmup`
-    steps of each mode are in. Without a verdict to borrow, it alternates the two modes.
+    steps of each mode are in. Without a verdict to borrow, it alternates the two modes in
+    bursts.
     """
 
     warmup: int = 6
     """Steps of each mode measured at a level before its own verdict is used."""
+    burst: int = 3
+    """Consecutive steps a mode runs when explored (or alternated); the first is not measured."""
     explore_every: int = 16
     """Shortest interval (in steps at a level) between two steps of the mode not in favour."""
     max_explore_every: int = 512
@@ -59,13 +69,15 @@ class DraftGate:
     regret: float = 0.01
     """Share of a level's throughput exploration may cost; sets the interval from the gap."""
     alpha: float = 0.03
-    """Decay of each mode's sums per new step of that mode (~1/alpha steps remembered)."""
+    """Decay of both modes' sums per measured step at the level (~1/alpha steps remembered)."""
     margin: float = 0.02
     """Drafting stays on unless plain steps measure this much faster: near break-even the
     verdict would otherwise flip on noise, and each flip strands the other mode's estimate
     until the next exploration."""
     _rates: dict[tuple[int, bool], _Rate] = field(default_factory=dict)
     _steps: dict[int, int] = field(default_factory=dict)
+    _last: dict[int, bool] = field(default_factory=dict)  # mode of the last recorded step per level
+    _since: dict[int, int] = field(default_factory=dict)  # steps since an exploration began
 
     def __post_init__(self) -> None:
         if self.warmup < 1:
@@ -75,6 +87,8 @@ class DraftGate:
                 f"need 1 <= explore_every <= max_explore_every, got {self.explore_every!r} "
                 f"and {self.max_explore_every!r}"
             )
+        if not (2 <= self.burst <= self.explore_every):
+            raise ValueError(f"burst must be in [2, explore_every], got {self.burst!r}")
         if not (0.0 < self.regret < 1.0):
             raise ValueError(f"regret must be in (0, 1), got {self.regret!r}")
         if not (0.0 < self.alpha <= 1.0):
@@ -111,8 +125,11 @@ class DraftGate:
         return None
 
     def interval(self, ratio: float) -> int:
-        """Steps between explorations when the mode not in favour is `ratio` times slower."""
-        n = math.ceil((ratio - 1.0) / self.regret) if math.isfinite(ratio) else self.max_explore_every
+        """Steps between the starts of two explorations (a burst each) when the mode not in
+        favour is `ratio` times slower."""
+        if not math.isfinite(ratio):
+            return self.max_explore_every
+        n = math.ceil(self.burst * (ratio - 1.0) / self.regret)
         return min(self.max_explore_every, max(self.explore_every, n))
 
     def should_draft(self, num_decodes: int) -> bool:
@@ -120,16 +137,30 @@ class DraftGate:
         n = self._steps.get(lvl, 0)
         self._steps[lvl] = n + 1
         v = self.verdict(lvl) or self.borrowed(lvl)
-        if v is None:  # alternate until both modes are measured here
-            on = self._rates.get((lvl, True), _Rate())
-            off = self._rates.get((lvl, False), _Rate())
-            return on.samples <= off.samples
+        if v is None:  # alternate, in bursts, until both modes are measured here
+            return (n // self.burst) % 2 == 0
         best, ratio = v
-        every = self.interval(ratio)
-        return (not best) if n % every == every - 1 else best
+        # steps since the last exploration burst began; a burst is never cut short, even when
+        # the interval (which follows the measured gap) shrinks or grows meanwhile
+        k = self._since.get(lvl, self.burst)
+        if k >= self.interval(ratio):
+            k = 0
+        self._since[lvl] = k + 1
+        return (not best) if k < self.burst else best
 
     def record(self, num_decodes: int, drafting: bool, decode_tokens: int, seconds: float) -> None:
         if num_decodes <= 0 or seconds <= 0:
             return
-        key = (self.level(num_decodes), drafting)
-        self._rates.setdefault(key, _Rate()).update(decode_tokens, seconds, self.alpha)
+        lvl = self.level(num_decodes)
+        switched = self._last.get(lvl, drafting) != drafting
+        self._last[lvl] = drafting
+        if switched:  # the switch's own cost, not the mode's
+            return
+        # Both modes' memories age with the level's steps, not only with their own: the mode not
+        # in favour is measured a few steps per interval, and what it measured long ago (another
+        # request, another text) must give way to its latest bursts.
+        other = self._rates.get((lvl, not drafting))
+        if other is not None:
+            other.tokens *= 1.0 - self.alpha
+            other.seconds *= 1.0 - self.alpha
+        self._rates.setdefault((lvl, drafting), _Rate()).update(decode_tokens, seconds, self.alpha)

@@ -120,7 +120,11 @@ class Speculation:
         load: the engine's load this step (the policy reads it)."""
         if not decodes:
             return StepProposal([], [])
-        drafting = self.gate is None or self.gate.should_draft(len(decodes))
+        # One decoding request: a drafter that already decides per request whether its drafts pay
+        # (the combined drafter drafts nothing where its rounds do not) is not second-guessed by
+        # the gate, whose load-level verdict would carry one request's text over to the next.
+        own_choice = len(decodes) == 1 and getattr(self.drafter, "decides_per_request", False)
+        drafting = self.gate is None or own_choice or self.gate.should_draft(len(decodes))
         if drafting:
             proposals = self._draft(decodes)
         else:
@@ -188,8 +192,9 @@ class Speculation:
         inp = PolicyInput(confidences=[p.confidences for p in proposals], max_lengths=caps)
         decision = self.policy(inp, self.cost_table or DEFAULT_COST, load or LoadState(len(decodes)))
         lengths = list(decision.lengths)
-        for r, n in zip(decodes, lengths):
-            r.last_budget = n
+        for r, p, n in zip(decodes, proposals, lengths):
+            if len(p):  # a step the gate kept plain says nothing about the budget
+                r.last_budget = n
         if self.drafter is not None and self.drafter.online_confidence and self.policy.name != "none":
             # Exploration on a fixed schedule: it depends on the step count only, never on the
             # drafted tokens, so it cannot bias the output.

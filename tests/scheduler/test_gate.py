@@ -27,31 +27,50 @@ def _warm(g, level_decodes, on_rate, off_rate):
 def test_gate_alternates_then_picks_the_faster_mode_and_explores():
     g = DraftGate(warmup=2, explore_every=5)
     seen = _warm(g, 1, on_rate=3, off_rate=1)
-    assert seen.count(True) == 2 and seen.count(False) == 2  # warm-up measures both
+    # warm-up alternates in bursts of 3; the first step after the switch is not measured
+    assert seen == [True, True, True, False, False, False]
     assert g.verdict(0) == (True, pytest.approx(3.0))
-    picks = [g.should_draft(1) for _ in range(200)]
-    # drafting is 3x faster: a plain step costs 2 steps' worth, so with 1% regret the mode not
-    # in favour runs once every 200 steps
-    assert g.interval(3.0) == 200 and picks.count(False) == 1
+    picks = [g.should_draft(1) for _ in range(512)]
+    # drafting is 3x faster: a burst of 3 plain steps costs 6 steps' worth, so with 1% regret
+    # it would run every 600 steps; the longest interval, 512, bounds it
+    assert g.interval(3.0) == 512 and picks.count(False) == 3
+    first = picks.index(False)
+    assert picks[first : first + 3] == [False] * 3  # one burst, not three scattered steps
     assert g.level(1) != g.level(16) and g.rate(16, True) == 0.0  # levels are learned apart
+
+
+def test_switch_steps_are_not_measured():
+    """The first step of a mode after the other one pays the switch (a drafter catching up on
+    context the plain steps kept): recording it would make drafting look slower than it is."""
+    g = DraftGate(warmup=2, explore_every=8)
+    for _ in range(3):
+        g.record(1, False, decode_tokens=10, seconds=1.0)
+    g.record(1, True, decode_tokens=1, seconds=10.0)  # the switch step: slow, not measured
+    for _ in range(3):
+        g.record(1, True, decode_tokens=30, seconds=1.0)
+    assert g.rate(1, True) == pytest.approx(30.0) and g.verdict(0) == (True, pytest.approx(3.0))
+    g.record(1, False, decode_tokens=0, seconds=5.0)  # switching back: not measured either
+    assert g.rate(1, False) == pytest.approx(10.0)
 
 
 def test_exploration_interval_follows_the_gap_within_bounds():
     g = DraftGate(explore_every=16, max_explore_every=256, regret=0.02)
     assert g.interval(1.05) == 16  # a small gap: explore at the shortest interval
-    assert g.interval(1.9) == 45  # ceil(0.9 / 0.02)
+    assert g.interval(1.9) == 135  # ceil(3 steps x 0.9 / 0.02)
     assert g.interval(50.0) == 256 and g.interval(float("inf")) == 256
     close = DraftGate(warmup=2, explore_every=4, regret=0.02)
     _warm(close, 1, on_rate=105, off_rate=100)
-    assert [close.should_draft(1) for _ in range(40)].count(False) == 10  # every 4th step
+    assert close.interval(1.05) == 8
+    picks = [close.should_draft(1) for _ in range(40)]
+    assert picks.count(False) == 15  # a burst of 3 in every 8 steps
 
 
 def test_unmeasured_level_borrows_a_neighbours_verdict():
     g = DraftGate(warmup=2, explore_every=4, regret=0.1)
     _warm(g, 2, on_rate=50, off_rate=100)  # drafting loses 2x at 2 decodes (level 1)
-    # 16 decodes (level 4): no alternation, it starts plain and explores every 10 steps
-    picks = [g.should_draft(16) for _ in range(20)]
-    assert picks[0] is False and picks.count(True) == 2
+    # 16 decodes (level 4): no alternation, it starts plain and explores in a burst every 30 steps
+    picks = [g.should_draft(16) for _ in range(30)]
+    assert picks[0] is False and picks.count(True) == 3 and picks[-3:] == [True] * 3
     # ...and a lower level does not borrow a loss (drafting may still win with less load)
     assert g.borrowed(0) is None and g.should_draft(1) is True
     h = DraftGate(warmup=2)
@@ -68,6 +87,7 @@ def test_gate_config_rejects_bad_values():
         dict(regret=0.0),
         dict(alpha=2.0),
         dict(margin=1.5),
+        dict(burst=1),
     )
     for bad in bads:
         with pytest.raises(ValueError, match=repr(next(iter(bad.values())))):
@@ -120,6 +140,40 @@ def test_engine_stops_drafting_when_it_does_not_pay_and_stays_lossless():
     drafted_steps = r.spec.rounds
     assert drafted_steps < 0.35 * r.spec.steps, (drafted_steps, r.spec.steps)
     assert engine.gate.rate(1, False) > engine.gate.rate(1, True)
+
+
+class SlowWrongChooser(SlowWrongDrafter):
+    """The same drafter, declaring that it decides per request whether to draft."""
+
+    decides_per_request = True
+
+
+def test_one_request_is_left_to_a_drafter_that_decides_per_request():
+    """At one decoding request the step is that request's: a drafter with its own per-request
+    choice (the combined drafter) is not overruled by the load-level gate; with two requests
+    the gate decides again."""
+    model = tiny_model("llama")
+    engine = Engine(
+        runner_for(model),
+        ByteTokenizer(),
+        SchedulerConfig(verify_policy="dspark"),
+        max_model_len=256,
+        drafter=SlowWrongChooser(),
+    )
+    prompt = list(b"gate test")
+    r = Request("one", prompt, SamplingParams(temperature=0), 40, ignore_eos=True)
+    engine.add_request(r)
+    while engine.has_work():
+        engine.step()
+    assert r.output_ids == hf_greedy(model, prompt, 40)
+    assert r.spec.rounds >= r.spec.steps - 1  # drafted every step however slow
+    for i in range(2):
+        engine.add_request(Request(f"two{i}", prompt, SamplingParams(temperature=0), 80, ignore_eos=True))
+    pair = [engine.requests["two0"], engine.requests["two1"]]
+    while engine.has_work():
+        engine.step()
+    assert all(p.output_ids == hf_greedy(model, prompt, 80) for p in pair)
+    assert sum(p.spec.rounds for p in pair) < 0.5 * sum(p.spec.steps for p in pair)
 
 
 def test_seeded_requests_do_not_depend_on_the_gate():
