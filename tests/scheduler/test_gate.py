@@ -121,16 +121,20 @@ class SlowWrongDrafter:
         pass
 
 
-def test_engine_stops_drafting_when_it_does_not_pay_and_stays_lossless():
-    model = tiny_model("llama")
-    prompt = list(b"gate test")
-    engine = Engine(
+def gated_engine(model, drafter) -> Engine:
+    return Engine(
         runner_for(model),
         ByteTokenizer(),
         SchedulerConfig(verify_policy="dspark"),
         max_model_len=256,
-        drafter=SlowWrongDrafter(),
+        drafter=drafter,
     )
+
+
+def test_engine_stops_drafting_when_it_does_not_pay_and_stays_lossless():
+    model = tiny_model("llama")
+    prompt = list(b"gate test")
+    engine = gated_engine(model, SlowWrongDrafter())
     assert engine.gate is not None
     r = Request("g", prompt, SamplingParams(temperature=0), 80, ignore_eos=True)
     engine.add_request(r)
@@ -153,13 +157,7 @@ def test_one_request_is_left_to_a_drafter_that_decides_per_request():
     choice (the combined drafter) is not overruled by the load-level gate; with two requests
     the gate decides again."""
     model = tiny_model("llama")
-    engine = Engine(
-        runner_for(model),
-        ByteTokenizer(),
-        SchedulerConfig(verify_policy="dspark"),
-        max_model_len=256,
-        drafter=SlowWrongChooser(),
-    )
+    engine = gated_engine(model, SlowWrongChooser())
     prompt = list(b"gate test")
     r = Request("one", prompt, SamplingParams(temperature=0), 40, ignore_eos=True)
     engine.add_request(r)
@@ -180,13 +178,7 @@ def test_seeded_requests_do_not_depend_on_the_gate():
     model = tiny_model("llama")
 
     def run(seed_gate_state: int) -> list[int]:
-        engine = Engine(
-            runner_for(model),
-            ByteTokenizer(),
-            SchedulerConfig(verify_policy="dspark"),
-            max_model_len=256,
-            drafter=SlowWrongDrafter(),
-        )
+        engine = gated_engine(model, SlowWrongDrafter())
         for i in range(seed_gate_state):  # teach the gate different things first
             engine.gate.record(1, i % 2 == 0, decode_tokens=1 + (i % 3), seconds=0.01)
         r = Request("s", list(b"seeded"), SamplingParams(temperature=1.0, seed=11), 20, ignore_eos=True)
