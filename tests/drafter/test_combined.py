@@ -6,28 +6,21 @@ import torch
 from dspark_serve.drafter.base import DraftProposal, DraftRequest
 from dspark_serve.drafter.combined import CombinedConfig, CombinedDrafter
 from dspark_serve.verifier.sampling_params import SamplingParams
+from tests.helpers import FakeDrafterBase
 
 
-class Fake:
+class Fake(FakeDrafterBase):
     tap_layers, calibrator, online_confidence = (), None, False
 
     def __init__(self, name, block=4, hit=True):
+        super().__init__()
         self.name, self.block_size, self.hit = name, block, hit
-        self.asked, self.feedback = 0, []
+        self.asked = 0
 
     def propose(self, requests):
         self.asked += len(requests)
         n = self.block_size if self.hit else 0
         return [DraftProposal(torch.arange(n)) for _ in requests]
-
-    def observe(self, contexts):
-        pass
-
-    def observe_acceptance(self, rid, proposed, accepted):
-        self.feedback.append((rid, proposed, accepted))
-
-    def free(self, rid):
-        pass
 
 
 def req(rid="a"):

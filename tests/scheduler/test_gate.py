@@ -11,7 +11,7 @@ from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.gate import DraftGate
 from dspark_serve.scheduler.request import Request
 from dspark_serve.verifier.sampling_params import SamplingParams
-from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
+from tests.helpers import ByteTokenizer, FakeDrafterBase, hf_greedy, runner_for, tiny_model
 
 
 def _warm(g, level_decodes, on_rate, off_rate):
@@ -94,7 +94,7 @@ def test_gate_config_rejects_bad_values():
             DraftGate(**bad)
 
 
-class SlowWrongDrafter:
+class SlowWrongDrafter(FakeDrafterBase):
     """Drafts a constant token (almost always rejected) and takes 30 ms: drafting loses."""
 
     name, tap_layers, block_size, calibrator = "slow-wrong", (), 4, None
@@ -110,15 +110,6 @@ class SlowWrongDrafter:
             )
             for r in requests
         ]
-
-    def observe(self, contexts):
-        pass
-
-    def observe_acceptance(self, *a):
-        pass
-
-    def free(self, rid):
-        pass
 
 
 def gated_engine(model, drafter) -> Engine:

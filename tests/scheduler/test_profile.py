@@ -11,7 +11,7 @@ from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.policy import CostTable
 from dspark_serve.scheduler.request import Request
 from dspark_serve.verifier.sampling_params import SamplingParams
-from tests.helpers import ByteTokenizer, runner_for, tiny_model
+from tests.helpers import ByteTokenizer, FakeDrafterBase, runner_for, tiny_model
 
 
 def test_profile_is_measured_cached_and_reprofiled(tmp_path, monkeypatch):
@@ -41,7 +41,7 @@ def test_profile_is_measured_cached_and_reprofiled(tmp_path, monkeypatch):
     assert "steps/s" in profile.format_table(raw)
 
 
-class ConstantConfidenceDrafter:
+class ConstantConfidenceDrafter(FakeDrafterBase):
     """Drafts token 0 with confidence 0.9 at every position."""
 
     name, tap_layers, block_size, calibrator = "const", (), 6, None
@@ -60,15 +60,6 @@ class ConstantConfidenceDrafter:
             )
             for r in requests
         ]
-
-    def observe(self, contexts):
-        pass
-
-    def observe_acceptance(self, *a):
-        pass
-
-    def free(self, rid):
-        pass
 
 
 def mean_budget(concurrency: int) -> float:

@@ -9,14 +9,16 @@ from dspark_serve.scheduler.load import LoadState
 from dspark_serve.scheduler.request import Request, Status
 from dspark_serve.scheduler.speculation import Speculation
 from dspark_serve.verifier.sampling_params import SamplingParams
+from tests.helpers import FakeDrafterBase
 
 
-class FakeDrafter:
+class FakeDrafter(FakeDrafterBase):
     name, tap_layers, calibrator = "fake", (), None
 
     def __init__(self, block_size=4, confidence=0.9, online=False):
         self.block_size, self.confidence, self.online_confidence = block_size, confidence, online
-        self.asked, self.feedback = [], []
+        super().__init__()
+        self.asked = []
 
     def propose(self, requests):
         self.asked.append({r.request_id: r.max_draft for r in requests})
@@ -28,15 +30,6 @@ class FakeDrafter:
             )
             for r in requests
         ]
-
-    def observe(self, contexts):
-        pass
-
-    def observe_acceptance(self, rid, proposed, accepted):
-        self.feedback.append((rid, proposed, accepted))
-
-    def free(self, rid):
-        pass
 
 
 class ClosedGate:

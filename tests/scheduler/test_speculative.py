@@ -19,7 +19,7 @@ from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
 from dspark_serve.verifier.rejection import greedy_verify, rejection_sample
 from dspark_serve.verifier.sampling_params import SamplingParams
-from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
+from tests.helpers import ByteTokenizer, FakeDrafterBase, hf_greedy, runner_for, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -134,13 +134,14 @@ class LetterTokenizer:
         return "".join(chr(97 + i) for i in ids)
 
 
-class FixedQDrafter:
+class FixedQDrafter(FakeDrafterBase):
     """Drafts from a fixed distribution q that differs from the target's p."""
 
     name, tap_layers, block_size, calibrator = "fixed-q", (), 2, None
     online_confidence = False
 
     def __init__(self, q: torch.Tensor):
+        super().__init__()
         self.q = q
 
     def propose(self, requests):
@@ -150,15 +151,6 @@ class FixedQDrafter:
             toks = torch.multinomial(self.q, k, replacement=True, generator=r.generator)
             out.append(DraftProposal(toks, self.q.expand(k, -1).clone(), None))
         return out
-
-    def observe(self, contexts):
-        pass
-
-    def observe_acceptance(self, *a):
-        pass
-
-    def free(self, request_id):
-        pass
 
 
 def exact_marginals(model, prompt):
