@@ -66,7 +66,8 @@ def load_cache(
     for path in shard_paths(cache_dir):
         if holdout is not None and is_holdout(shard_index(path), holdout_every) != holdout:
             continue
-        shard = torch.load(path)
+        # Memory-mapped: the page cache holds the tap states, so data larger than RAM still trains.
+        shard = torch.load(path, mmap=True)
         for ids, n_p, taps, last in zip(
             shard["input_ids"], shard["num_prompt"], shard["taps"], shard["last"]
         ):

@@ -155,7 +155,11 @@ def cmd_train(a: argparse.Namespace) -> None:
     work = Path(a.out) / "train" / a.name
     ckpt = work / "ckpt.pt"
     # Scoring saved checkpoints needs no training data (the vocabulary comes from the run).
-    data = [] if a.score_checkpoints and ckpt.exists() else load_train_data(a.out, a.holdout_every)
+    data = []
+    if not (a.score_checkpoints and ckpt.exists()):
+        # The held-out sequences always come from --out; --extra-data folders add training shards.
+        for folder in [a.out, *a.extra_data]:
+            data += load_train_data(folder, a.holdout_every)
     print(
         f"train {a.name}: {len(data)} sequences, {sum(len(s.input_ids) - s.num_prompt for s in data)} "
         f"response tokens; drafter {cfg.num_hidden_layers} layers, markov_rank {cfg.markov_rank}"
@@ -405,6 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--confidence-alpha", type=float, default=1.0)
     t.add_argument("--decay-gamma", type=float, default=None, help="default: the block size")
     t.add_argument("--holdout-every", type=int, default=10)
+    t.add_argument(
+        "--extra-data",
+        action="append",
+        default=[],
+        help="another gen-data work directory whose training shards join (repeatable; held-out from --out)",
+    )
     t.add_argument(
         "--held-out-seqs",
         type=int,

@@ -288,3 +288,37 @@ def test_eval_loop_is_lossless_greedy(kind):
     assert stats.new_tokens == 20
     assert 0 < len(stats.accepted) <= 19
     assert stats.generated == ref
+
+
+def test_training_data_joins_work_directories_and_keeps_held_out_shards_apart(tmp_path):
+    """`dspark-train train --extra-data`: every folder's training shards join, held-out shards
+    (every n-th) stay out, and the memory-mapped load gives back exactly what was saved."""
+    from dspark_serve.drafter.training.cli import build_parser
+    from dspark_serve.drafter.training.data import SHARD_PATTERN, save_atomic
+    from dspark_serve.drafter.training.train import load_train_data
+
+    def shard(first_id: int) -> dict:
+        ids = [torch.arange(first_id, first_id + 6), torch.arange(first_id, first_id + 5)]
+        return {
+            "tap_ids": [0],
+            "input_ids": ids,
+            "num_prompt": [2, 2],
+            "taps": [torch.randn(len(x), 8, dtype=torch.float16) for x in ids],
+            "last": [torch.randn(len(x), 4, dtype=torch.float16) for x in ids],
+        }
+
+    saved = {}
+    for folder in ("a", "b"):
+        (tmp_path / folder / "cache").mkdir(parents=True)
+        for i in range(3):  # holdout_every=3: shard 2 is held out
+            saved[folder, i] = shard(100 * i + (0 if folder == "a" else 1000))
+            save_atomic(saved[folder, i], tmp_path / folder / "cache" / SHARD_PATTERN.format(i))
+    data = []
+    for folder in ("a", "b"):
+        data += load_train_data(tmp_path / folder, holdout_every=3)
+    firsts = sorted(int(s.input_ids[0]) for s in data)
+    assert firsts == [0, 0, 100, 100, 1000, 1000, 1100, 1100]
+    got = next(s for s in data if int(s.input_ids[0]) == 1100 and len(s.input_ids) == 5)
+    assert torch.equal(got.taps, saved["b", 1]["taps"][1]) and got.num_prompt == 2
+    args = build_parser().parse_args(["train", "--out", "a", "--extra-data", "b", "--extra-data", "c"])
+    assert args.extra_data == ["b", "c"]
