@@ -466,7 +466,8 @@ def _matmul_attention(
     one 0; adding it is exact, and half the cost of a masked fill), or None (every key)
     -> [G, Q, H, D]. Query head h reads kv head h // (H / Hkv), as SDPA's enable_gqa does.
     The batch runs over (kv head, segment) so k and v are used as they are; only the (small)
-    queries and output are rearranged. Scores are float32 through the softmax.
+    queries and output are rearranged. The softmax computes in float32 (CPU kernels for
+    bf16/fp16 widen internally) and rounds its output once to the model dtype.
 
     Two CPU details decide the speed: oneDNN's batched matmul copies any operand whose batch
     stride is not rows x cols (a view into the cache), and copies a transposed view element by
@@ -486,7 +487,11 @@ def _matmul_attention(
         s = s.float() * scale
     if bias is not None:
         s.view(Hkv, G, r, Q, C).add_(bias.view(1, G, 1, Q, C))
-    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype).view(Hkv * G, r * Q, C)
+    if s.dtype == q.dtype:  # the kernel computes in float32 and rounds once: one pass, no copy
+        p = torch.softmax(s, dim=-1)
+    else:
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    p = p.view(Hkv * G, r * Q, C)
     o = torch.bmm(p, vf)  # [Hkv * G, r * Q, D]
     return o.view(Hkv, G, r, Q, D).permute(1, 3, 0, 2, 4).reshape(G, Q, H, D)
 
