@@ -18,6 +18,8 @@ from torch import nn
 
 from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftRequest
 from dspark_serve.drafter.dspark_model import DSparkModel, load_dspark
+from dspark_serve.drafter.dspark_model.fast import FastDraftBackbone
+from dspark_serve.drafter.dspark_model.fast import applies as fast_backbone_applies
 from dspark_serve.drafter.online_calibration import OnlineCalibrator
 
 
@@ -147,17 +149,18 @@ class ContextKVCache:
             self._free.append(slot)
 
 
-def _prepack_linears(model: DSparkModel) -> None:
-    """bf16 on a CPU with oneDNN: every Linear's weight reordered once into oneDNN's blocked
-    layout, as the target's fast forward does (nn.Linear would reorder it on every call; the
-    drafter's small matmuls are dominated by that). Serving only: the module must not train
-    afterwards (its prepacked copy would go stale)."""
+def _prepack_linears(model: DSparkModel, skip: tuple[nn.Module, ...] = ()) -> None:
+    """bf16 on a CPU with oneDNN: every Linear's weight (outside the `skip` modules) reordered
+    once into oneDNN's blocked layout, as the target's fast forward does (nn.Linear would reorder
+    it on every call; the drafter's small matmuls are dominated by that). Serving only: the
+    module must not train afterwards (its prepacked copy would go stale)."""
     from dspark_serve.verifier.fast_forward import make_linear, mkldnn_linear_works
 
     if model.dtype != torch.bfloat16 or not mkldnn_linear_works(model.dtype, model.device):
         return
+    skipped = {id(m) for s in skip for m in s.modules()}
     for m in model.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear) and id(m) not in skipped:
             m.forward = _Packed(m, make_linear(m.weight.detach(), m.bias, "mkldnn", "none"))  # type: ignore[method-assign,assignment]
 
 
@@ -212,7 +215,12 @@ class DSparkDrafter:
             raise ValueError(f"block_size {bs!r} exceeds the checkpoint's block_size {trained}")
         self.name = name
         self.model = model.eval()
-        _prepack_linears(self.model)
+        # bf16/fp16 on a CPU: the layers run through fused, prepacked copies (fast.py); the
+        # heads keep their modules, prepacked in place.
+        self.backbone: DSparkModel | FastDraftBackbone = model
+        if fast_backbone_applies(model):
+            self.backbone = FastDraftBackbone(model)
+        _prepack_linears(self.model, skip=() if self.backbone is model else (model.layers, model.fc))
         self.config = config
         self.block_size = bs
         self.tap_layers: tuple[int, ...] = tuple(model.config.target_layer_ids)
@@ -294,9 +302,9 @@ class DSparkDrafter:
             return
         dev = self.model.device
         slot_t, pos_t = torch.cat(slots).to(dev), torch.cat(positions).to(dev)
-        feats = self.model.project_context(torch.cat(hiddens))  # [T, d]
+        feats = self.backbone.project_context(torch.cat(hiddens))  # [T, d]
         for layer in range(len(self.model.layers)):
-            k, v = self.model.context_kv(layer, feats, pos_t)
+            k, v = self.backbone.context_kv(layer, feats, pos_t)
             self.cache.write(layer, slot_t, pos_t, k, v)
 
     # -- drafting -----------------------------------------------------------------------
@@ -325,7 +333,7 @@ class DSparkDrafter:
         ids = self.model.block_input_ids(anchor_t, self.block_size)
         pos = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(self.block_size, device=dev)
         ctx_kv, ctx_mask = self.cache.gather(slots)
-        return self.model.forward_block(ids, pos, ctx_kv, ctx_mask)
+        return self.backbone.forward_block(ids, pos, ctx_kv, ctx_mask)
 
     @torch.no_grad()
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:

@@ -148,14 +148,14 @@ class _FastPlan:
 
 @dataclass
 class _FastLayer:
-    in_norm: _RMSNorm
-    post_norm: _RMSNorm
+    in_norm: FastRMSNorm
+    post_norm: FastRMSNorm
     qkv: Linear
     o: Linear
     gate_up: Linear
     down: Linear
-    q_norm: _RMSNorm | None
-    k_norm: _RMSNorm | None
+    q_norm: FastRMSNorm | None
+    k_norm: FastRMSNorm | None
 
 
 class FastForwardMixin:
@@ -217,14 +217,14 @@ class FastForwardMixin:
                     m.gate_proj.weight.data = wgu[:ni]
                     m.up_proj.weight.data = wgu[ni:]
             fl = _FastLayer(
-                in_norm=_RMSNorm.of(layer.input_layernorm),
-                post_norm=_RMSNorm.of(layer.post_attention_layernorm),
+                in_norm=FastRMSNorm.of(layer.input_layernorm),
+                post_norm=FastRMSNorm.of(layer.post_attention_layernorm),
                 qkv=make_linear(wqkv, bqkv, linear, self.quantize),
                 o=make_linear(a.o_proj.weight, a.o_proj.bias, linear, self.quantize),
                 gate_up=make_linear(wgu, None, linear, self.quantize),
                 down=make_linear(m.down_proj.weight, m.down_proj.bias, linear, self.quantize),
-                q_norm=_RMSNorm.of(a.q_norm) if self.has_qk_norm else None,
-                k_norm=_RMSNorm.of(a.k_norm) if self.has_qk_norm else None,
+                q_norm=FastRMSNorm.of(a.q_norm) if self.has_qk_norm else None,
+                k_norm=FastRMSNorm.of(a.k_norm) if self.has_qk_norm else None,
             )
             kinds.add(fl.qkv.kind)
             self.fast_layers.append(fl)
@@ -232,7 +232,7 @@ class FastForwardMixin:
         lm_w = self.lm_head.weight
         self.fast_lm_head = make_linear(lm_w, self.lm_head.bias, linear, "none")
         self.linear_kind = "/".join(sorted(kinds))
-        self.fast_norm = _RMSNorm.of(self.norm)
+        self.fast_norm = FastRMSNorm.of(self.norm)
         self._rope_dynamic = "dynamic" in str(getattr(self.rotary, "rope_type", ""))
         self._cos_table: torch.Tensor | None = None
         self._sin_table: torch.Tensor | None = None
@@ -496,7 +496,7 @@ def _matmul_attention(
     return o.view(Hkv, G, r, Q, D).permute(1, 3, 0, 2, 4).reshape(G, Q, H, D)
 
 
-class _RMSNorm:
+class FastRMSNorm:
     """RMSNorm as few kernels as the dtype allows. float32, and every CUDA dtype: F.rms_norm (HF's
     maths; fused on CUDA). bf16/fp16 on a CPU, where F.rms_norm runs as ~10 small kernels:
     RMSNorm(x) is LayerNorm([x, -x]) cut to its first half (the mirrored vector has mean 0 and
@@ -509,7 +509,7 @@ class _RMSNorm:
         self.w2 = torch.cat([w, w]) if mirrored else None
 
     @classmethod
-    def of(cls, norm: torch.nn.Module) -> _RMSNorm:
+    def of(cls, norm: torch.nn.Module) -> FastRMSNorm:
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         return cls(norm.weight, eps)  # type: ignore[arg-type]
 

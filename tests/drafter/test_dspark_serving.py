@@ -9,6 +9,7 @@ import torch
 from dspark_serve.drafter.base import AcceptedContext, DraftRequest
 from dspark_serve.drafter.dspark import DSparkDrafter, DSparkDrafterConfig
 from dspark_serve.drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
+from dspark_serve.drafter.dspark_model.fast import FastDraftBackbone
 from dspark_serve.drafter.registry import build_drafter
 from dspark_serve.verifier.sampling import probs_from_logits
 from dspark_serve.verifier.sampling_params import SamplingParams
@@ -46,13 +47,25 @@ def tiny_model(head_type="vanilla", seed=0) -> DSparkModel:
     return model.eval()
 
 
-def make_drafter(model, capacity=4) -> DSparkDrafter:
-    return DSparkDrafter(model, DSparkDrafterConfig(initial_capacity=capacity), "dspark")
+def make_drafter(model, capacity=4, fast=False) -> DSparkDrafter:
+    """fast: serve through the fused backbone (what bf16 on a CPU picks), here in float64."""
+    dr = DSparkDrafter(model, DSparkDrafterConfig(initial_capacity=capacity), "dspark")
+    if fast:
+        dr.backbone = FastDraftBackbone(model)
+    return dr
 
 
-def test_batched_serving_equals_training_forward():
+def tol(fast: bool) -> dict:
+    """The modules' RMSNorm computes in float32 whatever the dtype (Qwen3RMSNorm's maths), the
+    fast backbone's in the input dtype, so in float64 the two agree to ~1e-7, not to rounding;
+    a wrong mask, head mapping or rotary sign would be off by orders of magnitude more."""
+    return {"rtol": 1e-5, "atol": 1e-5} if fast else {"rtol": 1e-10, "atol": 1e-10}
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["modules", "fast-backbone"])
+def test_batched_serving_equals_training_forward(fast):
     model = tiny_model()
-    dr = make_drafter(model, capacity=4)  # forces capacity doubling and slot growth
+    dr = make_drafter(model, capacity=4, fast=fast)  # forces capacity doubling and slot growth
     g = torch.Generator().manual_seed(1)
     lengths = [3, 11, 7, 1, 9]  # context positions before each request's final anchor
     seq = max(lengths) + 1
@@ -92,12 +105,13 @@ def test_batched_serving_equals_training_forward():
     train = model.forward_train(hidden, ids, anchors, valid)
     for (r, a), h in got.items():
         j = (stages[r] or [0]).index(a)
-        torch.testing.assert_close(h, train[r, j], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(h, train[r, j], **tol(fast))
 
 
-def test_rollback_overwrite_and_errors():
+@pytest.mark.parametrize("fast", [False, True], ids=["modules", "fast-backbone"])
+def test_rollback_overwrite_and_errors(fast):
     model = tiny_model()
-    dr = make_drafter(model)
+    dr = make_drafter(model, fast=fast)
     g = torch.Generator().manual_seed(2)
     hid = torch.randn(1, 8, 3 * D, generator=g, dtype=torch.float64)
     ids = torch.randint(0, V - 1, (1, 8), generator=g)
@@ -107,7 +121,7 @@ def test_rollback_overwrite_and_errors():
     dr.observe([AcceptedContext("a", ids[0, 2:6].tolist(), 2, hid[0, 2:6])])
     req = DraftRequest("a", ids[0, :7].tolist(), 3, GREEDY, None, 100)
     train = model.forward_train(hid, ids, torch.tensor([[6]]), torch.tensor([[True]]))
-    torch.testing.assert_close(dr.block_hidden([req])[0], train[0, 0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dr.block_hidden([req])[0], train[0, 0], **tol(fast))
     with pytest.raises(ValueError, match="starts at 9"):
         dr.observe([AcceptedContext("a", [1], 9, hid[0, :1])])
     with pytest.raises(ValueError, match="holds 6 positions"):
@@ -254,7 +268,9 @@ def test_factories_share_target_modules(tmp_path):
         build_drafter("dspark", path=str(tmp_path), target_model=target, block_size=6)
 
 
-def test_bf16_drafter_on_cpu_prepacks_its_linears_and_matches_the_modules(monkeypatch):
+def test_bf16_drafter_on_cpu_runs_the_fast_backbone_and_matches_the_modules(monkeypatch):
+    """bf16 on a CPU: the layers run through the fused backbone (their modules left alone),
+    the heads through prepacked linears; the same maths as the modules, bf16 rounding apart."""
     import copy
 
     import dspark_serve.drafter.dspark as dspark_mod
@@ -264,17 +280,21 @@ def test_bf16_drafter_on_cpu_prepacks_its_linears_and_matches_the_modules(monkey
         pytest.skip("this CPU's oneDNN has no bf16 linear")
     model = tiny_model().to(torch.bfloat16)
     plain_model = copy.deepcopy(model)
-    packed = make_drafter(model)
-    assert all(
-        isinstance(m.forward, dspark_mod._Packed) for m in model.modules() if isinstance(m, torch.nn.Linear)
-    )
-    monkeypatch.setattr(dspark_mod, "_prepack_linears", lambda m: None)
+    fast = make_drafter(model)
+    assert isinstance(fast.backbone, FastDraftBackbone)
+    layer_linears = {id(m) for m in [*model.layers.modules(), model.fc]}
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            assert isinstance(m.forward, dspark_mod._Packed) == (id(m) not in layer_linears)
+    monkeypatch.setattr(dspark_mod, "_prepack_linears", lambda m, skip=(): None)
+    monkeypatch.setattr(dspark_mod, "fast_backbone_applies", lambda m: False)
     plain = make_drafter(plain_model)
+    assert plain.backbone is plain_model
     hid = torch.randn(9, 3 * D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     ids = list(range(1, 10))
-    for dr in (packed, plain):
+    for dr in (fast, plain):
         dr.observe([AcceptedContext("a", ids, 0, hid)])
     req = DraftRequest("a", ids + [3], 3, GREEDY, None, 100)
-    a, b = packed.block_hidden([req]).float(), plain.block_hidden([req]).float()
-    torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)  # the same maths, bf16 rounding apart
-    assert len(packed.propose([req])[0]) == BS
+    a, b = fast.block_hidden([req]).float(), plain.block_hidden([req]).float()
+    torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+    assert len(fast.propose([req])[0]) == BS

@@ -268,9 +268,9 @@ def test_rms_norm_float32_is_functional_rms_norm_and_bf16_mirrors_layer_norm():
     torch.manual_seed(0)
     w = torch.rand(48) + 0.5
     x = torch.randn(5, 48) * 3
-    f32 = ff._RMSNorm(w, 1e-6)
+    f32 = ff.FastRMSNorm(w, 1e-6)
     assert f32.w2 is None and torch.equal(f32(x), torch.nn.functional.rms_norm(x, (48,), w, 1e-6))
-    bf = ff._RMSNorm(w.bfloat16(), 1e-6)
+    bf = ff.FastRMSNorm(w.bfloat16(), 1e-6)
     assert bf.w2 is not None  # LayerNorm over [x, -x]: one fused kernel on CPU
     got = bf(x.bfloat16())
     assert got.shape == (5, 48) and got.dtype == torch.bfloat16

@@ -1,0 +1,167 @@
+"""The drafter's serving backbone in bf16 on a CPU: DSparkModel's maths (project_context,
+context_kv, forward_block) with the kernels the target's fast forward uses.
+
+- q/k/v (and, for context rows, k/v) and gate/up run as one prepacked linear each;
+- RMSNorm is the target's fused CPU kernel (`FastRMSNorm`), not ~8 elementwise kernels;
+- rotary tables are built once and read by position (the sign of rotate_half folded into sin);
+- attention is two batched matmuls over (segment, kv head), the query heads of a group stacked
+  as rows, instead of repeat_interleave'd K/V and SDPA (slow on CPU for short bf16 queries).
+
+The modules stay the reference (training, float32 serving, CUDA); this path is chosen where
+`applies` says so and is tested against them to bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dspark_serve.drafter.dspark_model.model import DSparkModel
+from dspark_serve.drafter.dspark_model.modules import DecoderLayer
+from dspark_serve.drafter.dspark_model.ops import ACTIVATIONS, rope_cos_sin
+from dspark_serve.verifier.fast_forward import FastRMSNorm, Linear, make_linear, mkldnn_linear_works
+
+
+def applies(model: DSparkModel) -> bool:
+    """bf16 weights on a CPU whose oneDNN takes them (where the target's fast forward moves to
+    prepacked matmuls and matmul attention too)."""
+    return model.dtype == torch.bfloat16 and mkldnn_linear_works(model.dtype, model.device)
+
+
+@dataclass
+class _Layer:
+    in_norm: FastRMSNorm
+    post_norm: FastRMSNorm
+    q_norm: FastRMSNorm
+    k_norm: FastRMSNorm
+    qkv: Linear
+    kv: Linear  # the k/v rows of qkv alone, for context rows (no queries there)
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _linear(ws: Sequence[torch.Tensor], bs: Sequence[torch.Tensor | None]) -> Linear:
+    w = torch.cat([x.detach() for x in ws]).contiguous()
+    b = None if bs[0] is None else torch.cat([x.detach() for x in bs if x is not None]).contiguous()
+    return make_linear(w, b, "auto", "none")
+
+
+class FastDraftBackbone:
+    """Built once from a serving (frozen) DSparkModel; the weights are fused copies, so the
+    model must not train afterwards."""
+
+    def __init__(self, model: DSparkModel) -> None:
+        cfg = model.config
+        self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = 1.0 / math.sqrt(self.D)  # SDPA's default, as the modules use
+        self.dtype, self.device = model.dtype, model.device
+        self.embed = model.embed_tokens
+        self.inv_freq = model.inv_freq
+        self.fc = _linear([model.fc.weight], [model.fc.bias])
+        self.hidden_norm = FastRMSNorm.of(model.hidden_norm)
+        self.norm = FastRMSNorm.of(model.norm)
+        self.layers: list[_Layer] = []
+        for layer in model.layers:
+            assert isinstance(layer, DecoderLayer)
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append(
+                _Layer(
+                    in_norm=FastRMSNorm.of(layer.input_layernorm),
+                    post_norm=FastRMSNorm.of(layer.post_attention_layernorm),
+                    q_norm=FastRMSNorm.of(a.q_norm),
+                    k_norm=FastRMSNorm.of(a.k_norm),
+                    qkv=_linear(
+                        [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
+                        [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias],
+                    ),
+                    kv=_linear([a.k_proj.weight, a.v_proj.weight], [a.k_proj.bias, a.v_proj.bias]),
+                    o=_linear([a.o_proj.weight], [a.o_proj.bias]),
+                    gate_up=_linear([m.gate_proj.weight, m.up_proj.weight], [None]),
+                    down=_linear([m.down_proj.weight], [None]),
+                    act=ACTIVATIONS[cfg.hidden_act],
+                )
+            )
+        self._cos = self._sin = torch.empty(0, self.D, dtype=self.dtype, device=self.device)
+        self._rope_upto(256)
+
+    def _rope_upto(self, n: int) -> None:
+        if self._cos.shape[0] >= n:
+            return
+        size = max(n, 2 * self._cos.shape[0])
+        cos, sin = rope_cos_sin(torch.arange(size, device=self.device), self.inv_freq, self.dtype)
+        sin = sin.clone()
+        sin[:, : self.D // 2] *= -1  # rotate_half(x) * sin == roll(x, D/2) * signed sin
+        self._cos, self._sin = cos, sin
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [..., n, heads, D]; positions: [..., n]."""
+        self._rope_upto(int(positions.max()) + 1)
+        cos, sin = self._cos[positions].unsqueeze(-2), self._sin[positions].unsqueeze(-2)
+        return x * cos + torch.roll(x, self.D // 2, dims=-1) * sin
+
+    # -- the DSparkModel methods the serving drafter calls ---------------------------------------
+    def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[n, m*d] taps -> [n, d] context features."""
+        return self.hidden_norm(self.fc(target_hidden.to(self.dtype)))
+
+    def context_kv(
+        self, layer_idx: int, feats: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """feats: [n, d]; positions: [n] -> k, v: [n, Hkv, D]."""
+        L, n, nk = self.layers[layer_idx], feats.shape[0], self.Hkv * self.D
+        kv = L.kv(feats)
+        k = self._rope(L.k_norm(kv[:, :nk].view(n, self.Hkv, self.D)), positions)
+        return k, kv[:, nk:].view(n, self.Hkv, self.D)
+
+    def forward_block(
+        self,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        ctx_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """block_ids, block_positions: [B, L]; ctx_kv: per layer (k, v) [B, Lc, Hkv, D];
+        ctx_mask: [B, Lc] bool -> hidden [B, L, d] (final norm applied)."""
+        B, Lb = block_ids.shape
+        H, Hkv, D = self.H, self.Hkv, self.D
+        nq, nk = H * D, Hkv * D
+        x = self.embed(block_ids).to(self.dtype)
+        d = x.shape[-1]
+        # Additive mask over [context keys, block keys]: the block sees itself whole.
+        bias = None
+        if not bool(ctx_mask.all()):
+            bias = torch.zeros(B, 1, 1, ctx_mask.shape[1] + Lb, dtype=self.dtype, device=self.device)
+            bias[:, 0, 0, : ctx_mask.shape[1]].masked_fill_(~ctx_mask, float("-inf"))
+        for L, (ck, cv) in zip(self.layers, ctx_kv):
+            qkv = L.qkv(L.in_norm(x).view(B * Lb, d))
+            q = self._rope(L.q_norm(qkv[:, :nq].view(B, Lb, H, D)), block_positions)
+            k = self._rope(L.k_norm(qkv[:, nq : nq + nk].view(B, Lb, Hkv, D)), block_positions)
+            v = qkv[:, nq + nk :].view(B, Lb, Hkv, D)
+            # [B, Hkv, Lc + L, D]: one copy of the context, head-major, as the matmuls read it
+            keys = torch.cat([ck.transpose(1, 2), k.transpose(1, 2)], dim=2)
+            values = torch.cat([cv.transpose(1, 2), v.transpose(1, 2)], dim=2)
+            a = self._attend(q, keys, values, bias)
+            x = x + L.o(a.view(B * Lb, nq)).view(B, Lb, d)
+            g, u = L.gate_up(L.post_norm(x).view(B * Lb, d)).chunk(2, dim=-1)
+            x = x + L.down(L.act(g) * u).view(B, Lb, d)
+        return self.norm(x)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q: [B, L, H, D]; k, v: [B, Hkv, Lk, D] contiguous; bias: [B, 1, 1, Lk] additive or
+        None -> [B, L, H * D]. Query head h reads kv head h // (H / Hkv)."""
+        B, Lb, H, D = q.shape
+        Hkv, r = self.Hkv, self.H // self.Hkv
+        qg = (q * self.scale).view(B, Lb, Hkv, r, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, r * Lb, D)
+        s = torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, r*L, Lk]
+        if bias is not None:
+            s = s + bias
+        p = torch.softmax(s, dim=-1)  # float32 inside, one rounding out
+        o = torch.matmul(p, v)  # [B, Hkv, r*L, D]
+        return o.view(B, Hkv, r, Lb, D).permute(0, 3, 1, 2, 4).reshape(B, Lb, H * D)
