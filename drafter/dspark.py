@@ -215,7 +215,7 @@ class DSparkDrafter:
             raise ValueError(f"block_size {bs!r} exceeds the checkpoint's block_size {trained}")
         self.name = name
         self.model = model.eval()
-        # bf16/fp16 on a CPU: the layers run through fused, prepacked copies (fast.py); the
+        # bf16 on a CPU: the layers run through fused, prepacked copies (fast.py); the
         # heads keep their modules, prepacked in place.
         self.backbone: DSparkModel | FastDraftBackbone = model
         if fast_backbone_applies(model):

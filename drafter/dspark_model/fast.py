@@ -98,10 +98,13 @@ class FastDraftBackbone:
         sin[:, : self.D // 2] *= -1  # rotate_half(x) * sin == roll(x, D/2) * signed sin
         self._cos, self._sin = cos, sin
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [..., n, heads, D]; positions: [..., n]."""
+    def _rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [..., n] -> cos, signed sin: [..., n, 1, D] (broadcast over heads)."""
         self._rope_upto(int(positions.max()) + 1)
-        cos, sin = self._cos[positions].unsqueeze(-2), self._sin[positions].unsqueeze(-2)
+        return self._cos[positions].unsqueeze(-2), self._sin[positions].unsqueeze(-2)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [..., n, heads, D]; cos, sin from `_rope_at`."""
         return x * cos + torch.roll(x, self.D // 2, dims=-1) * sin
 
     # -- the DSparkModel methods the serving drafter calls ---------------------------------------
@@ -115,7 +118,7 @@ class FastDraftBackbone:
         """feats: [n, d]; positions: [n] -> k, v: [n, Hkv, D]."""
         L, n, nk = self.layers[layer_idx], feats.shape[0], self.Hkv * self.D
         kv = L.kv(feats)
-        k = self._rope(L.k_norm(kv[:, :nk].view(n, self.Hkv, self.D)), positions)
+        k = self._rope(L.k_norm(kv[:, :nk].view(n, self.Hkv, self.D)), *self._rope_at(positions))
         return k, kv[:, nk:].view(n, self.Hkv, self.D)
 
     def forward_block(
@@ -137,10 +140,11 @@ class FastDraftBackbone:
         if not bool(ctx_mask.all()):
             bias = torch.zeros(B, 1, 1, ctx_mask.shape[1] + Lb, dtype=self.dtype, device=self.device)
             bias[:, 0, 0, : ctx_mask.shape[1]].masked_fill_(~ctx_mask, float("-inf"))
+        cos, sin = self._rope_at(block_positions)  # once for every layer's q and k
         for L, (ck, cv) in zip(self.layers, ctx_kv):
             qkv = L.qkv(L.in_norm(x).view(B * Lb, d))
-            q = self._rope(L.q_norm(qkv[:, :nq].view(B, Lb, H, D)), block_positions)
-            k = self._rope(L.k_norm(qkv[:, nq : nq + nk].view(B, Lb, Hkv, D)), block_positions)
+            q = self._rope(L.q_norm(qkv[:, :nq].view(B, Lb, H, D)), cos, sin)
+            k = self._rope(L.k_norm(qkv[:, nq : nq + nk].view(B, Lb, Hkv, D)), cos, sin)
             v = qkv[:, nq + nk :].view(B, Lb, Hkv, D)
             # [B, Hkv, Lc + L, D]: one copy of the context, head-major, as the matmuls read it
             keys = torch.cat([ck.transpose(1, 2), k.transpose(1, 2)], dim=2)
