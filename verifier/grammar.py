@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import llguidance
 import torch
 
 if TYPE_CHECKING:
+    import llguidance
     from llguidance._lib import JsonCompileOptions
 
 
@@ -129,6 +129,8 @@ class GrammarCompiler:
         cls, hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], config: GrammarConfig
     ) -> GrammarCompiler:
         """From a fast Hugging Face tokenizer (raises ValueError for a slow one)."""
+        # Imported on first use, not at module import: an engine that serves no structured
+        # output (the GPU suite's machine has no llguidance) must not need the package.
         import llguidance.hf
 
         eos = sorted(eos_ids) or None
@@ -153,6 +155,8 @@ class GrammarCompiler:
             raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
         if not isinstance(parsed, dict):
             raise GrammarError("the JSON schema must be an object")
+        import llguidance
+
         t0 = time.perf_counter()
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(parsed, overrides=JSON_OPTIONS)

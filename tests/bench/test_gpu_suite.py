@@ -1,6 +1,7 @@
 """The GPU suite in its tiny CPU mode, run the way the GPU machine runs it: a plain
 `python bench/gpu_suite.py` from another folder, with the server stack (fastapi, pydantic,
-prometheus_client, uvicorn, httpx) made unimportable. Plus its guards, config and summary."""
+prometheus_client, uvicorn, httpx) and llguidance made unimportable. Plus its guards, config
+and summary."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from bench.models import SHAPES
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = ROOT / "bench" / "gpu_suite.py"
-BLOCKED = ("fastapi", "pydantic", "prometheus_client", "uvicorn", "httpx")
+BLOCKED = ("fastapi", "pydantic", "prometheus_client", "uvicorn", "httpx", "llguidance")
 
 RUNNER = r"""
 import importlib.abc, runpy, sys
