@@ -295,7 +295,8 @@ class Engine:
             if not batch:
                 return failed
         try:
-            return failed + self._step(batch)
+            with self.runner.attention_backends():
+                return failed + self._step(batch)
         except Exception:
             log.exception(
                 "engine step failed; failing its %d requests", len(batch.decodes) + len(batch.prefills)

@@ -9,6 +9,7 @@ modules' weights and projections and replace only attention and the cache.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,9 +148,22 @@ class ModelRunner(FastForwardMixin):
     def forward(self, segments: list[Segment], tap_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """Forward the new tokens of all segments. The caller has already reserved their KV slots
         with `self.blocks.append` (so a failed allocation never leaves half a forward)."""
-        if self.impl == "reference":
-            return self.forward_reference(segments, tap_layers)
-        return self.forward_fast(segments, tap_layers)
+        with self.attention_backends():
+            if self.impl == "reference":
+                return self.forward_reference(segments, tap_layers)
+            return self.forward_fast(segments, tap_layers)
+
+    def attention_backends(self) -> contextlib.AbstractContextManager[object]:
+        """Where torch's SDPA may run: on CUDA, anything but its cuDNN backend. cuDNN builds an
+        execution plan per new input shape (tens of milliseconds each), and in serving the
+        shapes change every step (every request's context grows), so it would plan almost every
+        step; the flash, memory-efficient and math kernels need no plan. The engine enters this
+        around a whole step, so the drafter's attention follows the same rule."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
     @staticmethod
     def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:

@@ -275,3 +275,19 @@ def test_rms_norm_float32_is_functional_rms_norm_and_bf16_mirrors_layer_norm():
     got = bf(x.bfloat16())
     assert got.shape == (5, 48) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), f32(x.bfloat16().float()), rtol=1e-2, atol=1e-2)
+
+
+def test_cuda_attention_leaves_out_cudnn_and_cpu_changes_nothing():
+    """cuDNN's SDPA plans per input shape; serving shapes change every step (see
+    ModelRunner.attention_backends). The switch is torch's global backend flags, so it can be
+    checked without a GPU: only the flags inside the context change, and they are restored."""
+    runner = ModelRunner(tiny_model("llama"), num_blocks=8, block_size=4)
+    flags = torch.backends.cuda
+    before = (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled())
+    with runner.attention_backends():  # CPU: nothing changes
+        assert (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled()) == before[:2]
+    runner.device = torch.device("cuda")
+    with runner.attention_backends():
+        assert not flags.cudnn_sdp_enabled()
+        assert flags.flash_sdp_enabled() and flags.mem_efficient_sdp_enabled() and flags.math_sdp_enabled()
+    assert (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled()) == before
