@@ -23,17 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # runnable from a plain checkout, whatever is installed
 
-import torch  # noqa: E402
 
 import bench.replay  # noqa: E402, F401  (registers the "replay" drafter)
 from bench.common import machine, run_engine_closed_loop  # noqa: E402
-from bench.gpu_suite import Suite, SuiteConfig  # noqa: E402
+from bench.gpu_suite import Suite, SuiteConfig, _sync  # noqa: E402
 from dspark_serve.drafter.registry import build_drafter  # noqa: E402
-
-
-def _sync(dev: str) -> None:
-    if dev.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def run(device: str, shape: str, concurrency: list[int], tokens: int, rounds: int, scratch: Path) -> dict:
@@ -64,12 +58,12 @@ def run(device: str, shape: str, concurrency: list[int], tokens: int, rounds: in
                         replay.references.update({tuple(r.prompt_ids): r.output_ids for r in done})
                     eng = suite.engine(m, replay)
                     eng.set_policy(policy)
-                    _sync(device)
+                    _sync(suite.dev)
                     t0 = time.perf_counter()
                     run_engine_closed_loop(
                         eng, prompts, conc, tokens, 0.0, f"{rnd}{variant}{policy}", ignore_eos=True
                     )
-                    _sync(device)
+                    _sync(suite.dev)
                     rows.setdefault(f"{variant}/{policy}", []).append(
                         round(conc * tokens / (time.perf_counter() - t0), 1)
                     )
