@@ -105,9 +105,10 @@ def plain(args) -> dict:
     transformers' generate on the same prompts. Variants of one dtype live in one process and
     take turns (`--rounds` times, medians kept), so a noisy machine hits them alike.
     A variant name is ModelConfig.forward (`reference`, `fast`), optionally with `+linear`,
-    `+int8` (`fast+torch`) or `+attention` (`fast+matmul`, `fast+sdpa`), or `default` (pass
+    `+int8` (`fast+torch`) or `+attention` (`fast+matmul`, `fast+sdpa`, `fast+paged`), or `default` (pass
     nothing: for running this script on older code)."""
     from dspark_serve.scheduler.llm import LLM
+    from dspark_serve.verifier.config import ATTENTION_KINDS
 
     rows = []
     for dtype in args.dtypes:
@@ -118,7 +119,7 @@ def plain(args) -> dict:
                 fwd, *mods = var.split("+")
                 kw["forward"] = fwd
                 for m in mods:
-                    key = "quantize" if m == "int8" else "attention" if m in ("sdpa", "matmul") else "linear"
+                    key = "quantize" if m == "int8" else "attention" if m in ATTENTION_KINDS else "linear"
                     kw[key] = m
             llms[var] = LLM(
                 drafter="none", dtype=dtype, max_num_seqs=max(args.concurrency), max_model_len=2048, **kw

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ATTENTION_KINDS = ("auto", "sdpa", "matmul")
+ATTENTION_KINDS = ("auto", "sdpa", "matmul", "paged")
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,12 @@ class ModelConfig:
     """Matmul kernels of the fast forward: auto (oneDNN prepacked weights on CPU for float32 and
     bfloat16 when oneDNN accepts them, else torch), torch (F.linear), or mkldnn (CPU only)."""
     attention: str = "auto"
-    """How the fast forward attends decode/verify segments (up to 32 tokens each): sdpa
-    (torch's scaled_dot_product_attention), matmul (two batched matmuls and a float32 softmax;
-    on CPUs torch's bf16 SDPA kernel is several times slower for such short queries), or auto
-    (matmul for bf16/fp16 on CPU, sdpa elsewhere: float32 stays on the kernel the greedy-equality
-    tests hold it to). Long prefill chunks always use sdpa."""
+    """How the fast forward attends decode/verify segments (up to 32 tokens each): paged (a C
+    kernel, built on first use with the system compiler, that reads the paged KV cache in place;
+    float32/bfloat16 on CPU), sdpa (torch's scaled_dot_product_attention), matmul (two batched
+    matmuls and a float32 softmax; on CPUs torch's bf16 SDPA kernel is several times slower for
+    such short queries), or auto (paged on a CPU where it builds; else matmul for bf16/fp16 on
+    CPU and sdpa elsewhere). Long prefill chunks always use sdpa."""
     quantize: str = "none"
     """none, or int8: weight-only int8 with one scale per output channel (fast forward only).
     int8 CHANGES THE TARGET: outputs follow the quantised model, not the float one. On CPU it pays

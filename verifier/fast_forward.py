@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from dspark_serve.verifier.block_manager import BlockManager
+    from dspark_serve.verifier.cpu_kernels import PagedAttention
     from dspark_serve.verifier.model_runner import ForwardOutput, Segment
 
 SMALL_SEGMENT = 32
@@ -139,6 +140,9 @@ class _FastPlan:
     # (no gather), and exactly its keys (no padding to whole blocks to mask away).
     g_first: int = -1  # >= 0: its blocks are g_first .. g_first + nblk - 1
     g_keys: int = 0  # > 0: attend to keys [0, g_keys) only
+    # attention "paged": the C kernel reads the cache in place; int32 [G] rows, counts and start
+    # positions of the small segments and their [G, nblk] block table (None: not this path)
+    p_segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # (row0, n, start, blocks [nb] | None, mask | None) per segment longer than SMALL_SEGMENT
     big: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
     logit_rows: torch.Tensor | None = None
@@ -184,7 +188,8 @@ class FastForwardMixin:
     has_qk_norm: bool
     scaling: float
     linear_kind: str
-    attention: str  # "sdpa" or "matmul" (resolved from "auto")
+    attention: str  # "sdpa", "matmul" or "paged" (resolved from "auto")
+    paged_attention: PagedAttention | None  # the C kernel, when attention is "paged"
 
     # -- build ------------------------------------------------------------------------------------
     def _build_fast(self, linear: str) -> None:
@@ -281,7 +286,15 @@ class FastForwardMixin:
         plan = _FastPlan(ids=ids.to(dev), slots=slots.to(dev), cos=cos[:, None, :], sin=sin[:, None, :])
 
         small = [i for i in range(S) if lens[i] <= SMALL_SEGMENT]
-        if small:
+        if small and self.attention == "paged":
+            sel = torch.tensor(small)
+            plan.p_segments = (
+                torch.tensor(row0, dtype=torch.int32)[sel],
+                lens_t.to(torch.int32)[sel],
+                torch.tensor(starts, dtype=torch.int32)[sel],
+                bt[sel, : max(nblks[i] for i in small)].to(torch.int32).contiguous(),
+            )
+        elif small:
             G = len(small)
             Q = max(lens[i] for i in small)
             nb = max(nblks[i] for i in small)
@@ -349,7 +362,11 @@ class FastForwardMixin:
         T = q.shape[0]
         gqa = self.num_heads != Hkv
         out: torch.Tensor | None = None  # None: the whole step is one group
-        if not (plan.g_count and plan.g_row0 >= 0 and plan.g_count * plan.g_q == T and not plan.big):
+        if plan.p_segments is not None:
+            assert self.paged_attention is not None
+            out = q.new_empty(q.shape)
+            self.paged_attention(q, kc, vc, out, *plan.p_segments, scale=self.scaling)
+        elif not (plan.g_count and plan.g_row0 >= 0 and plan.g_count * plan.g_q == T and not plan.big):
             out = q.new_empty(q.shape)
         if plan.g_count:
             G, Q = plan.g_count, plan.g_q

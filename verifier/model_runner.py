@@ -18,6 +18,12 @@ import torch.nn.functional as F
 
 from dspark_serve.verifier.block_manager import BlockManager
 from dspark_serve.verifier.config import ATTENTION_KINDS
+from dspark_serve.verifier.cpu_kernels import (
+    PagedAttention,
+    find_compiler,
+    load_paged_attention,
+    paged_attention_supports,
+)
 from dspark_serve.verifier.fast_forward import FastForwardMixin
 
 # Segments this short (decode/verify rounds) are attended together in one padded call per layer;
@@ -131,12 +137,29 @@ class ModelRunner(FastForwardMixin):
         self.has_qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         self.scaling = self.head_dim**-0.5
         self.linear_kind = "module"
+        self.attention, self.paged_attention = self._resolve_attention(attention, impl)
+        if impl == "fast":
+            self._build_fast(linear)
+
+    def _resolve_attention(self, attention: str, impl: str) -> tuple[str, PagedAttention | None]:
+        """auto: the paged C kernel on a CPU (float32/bfloat16) where it builds; else matmul for
+        bf16/fp16 on CPU and sdpa elsewhere. "paged" asked for where it cannot run is an error."""
+        paged_ok = impl == "fast" and paged_attention_supports(self.dtype, self.device)
+        if attention in ("auto", "paged") and paged_ok:
+            lib = load_paged_attention()
+            if lib is not None:
+                geometry = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+                return "paged", PagedAttention(lib, *geometry)
+        if attention == "paged":
+            raise ValueError(
+                f"attention 'paged' needs the fast forward with float32/bfloat16 on a CPU and a C "
+                f"compiler; got impl {impl!r}, {self.dtype} on {self.device} "
+                f"({find_compiler() or 'no compiler'})"
+            )
         if attention == "auto":
             reduced = self.dtype in (torch.bfloat16, torch.float16)
             attention = "matmul" if self.device.type == "cpu" and reduced else "sdpa"
-        self.attention = attention
-        if impl == "fast":
-            self._build_fast(linear)
+        return attention, None
 
     def describe(self) -> str:
         """One line for logs and benchmarks: which forward runs and how it multiplies."""

@@ -6,11 +6,13 @@ import random
 import pytest
 import torch
 
+import dspark_serve.verifier.cpu_kernels as kernels
 import dspark_serve.verifier.fast_forward as ff
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
 from dspark_serve.verifier.config import ModelConfig
+from dspark_serve.verifier.cpu_kernels import PagedAttention, load_paged_attention
 from dspark_serve.verifier.model_runner import ModelRunner, Segment
 from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, hf_greedy, tiny_model
@@ -39,15 +41,21 @@ def engine_outputs(model, prompts, max_tokens, **runner_kw):
     return [r.output_ids for r in reqs]
 
 
-@pytest.mark.parametrize("linear", ["torch", "auto"])
+def needs_paged_kernel():
+    if load_paged_attention() is None:
+        pytest.skip("the paged attention kernel needs a C compiler")
+
+
+@pytest.mark.parametrize("linear,attention", [("torch", "sdpa"), ("auto", "sdpa"), ("auto", "auto")])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_fast_forward_greedy_equals_reference_and_generate(kind, linear):
+def test_fast_forward_greedy_equals_reference_and_generate(kind, linear, attention):
+    """attention auto is the paged C kernel where a compiler is found (as on a user's CPU)."""
     model = tiny_model(kind)
     g = torch.Generator().manual_seed(3)
     # no token 0: hf_greedy passes pad_token_id=0, and generate would mask it out of the prompt
     prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (3, 45, 17, 70)]
     ref = engine_outputs(tiny_model(kind), prompts, 14, impl="reference")
-    fast = engine_outputs(model, prompts, 14, impl="fast", linear=linear)
+    fast = engine_outputs(model, prompts, 14, impl="fast", linear=linear, attention=attention)
     assert fast == ref
     for p, out in zip(prompts, fast):
         assert out == hf_greedy(model, p, 14)
@@ -88,12 +96,15 @@ def dense_attention(q, keys, values, start, scale):
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["shuffled-pool", "ordered-pool"])
-@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+@pytest.mark.parametrize("attention", ["sdpa", "matmul", "paged"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, attention, ordered):
     """Shuffled pool: block tables are not contiguous (every segment gathers its blocks).
     Ordered pool with one segment a step now and then: a lone segment on consecutive blocks
-    is read in place, with exactly its keys (no mask for one query)."""
+    is read in place, with exactly its keys (no mask for one query). The paged C kernel reads
+    every segment in place, whatever its layout."""
+    if attention == "paged":
+        needs_paged_kernel()
     rng = random.Random(block_size)
     torch.manual_seed(block_size)
     model = tiny_model("llama")
@@ -142,7 +153,7 @@ def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, a
             runner.blocks.free(victim)
             hist[victim] = (torch.empty(0, Hkv, D), torch.empty(0, Hkv, D))
     tables = [runner.blocks.table(r).blocks for r in hist if runner.blocks.has(r)]
-    if ordered:
+    if ordered and attention != "paged":
         assert in_place > 0
     else:
         assert any(any(b - a != 1 for a, b in zip(t, t[1:])) for t in tables if len(t) > 1)
@@ -206,10 +217,21 @@ def test_model_config_rejects_bad_kernel_choices(field, value):
         ModelConfig(forward="reference", quantize="int8")
 
 
-def test_attention_auto_keeps_float32_on_sdpa_and_moves_cpu_bf16_to_matmul():
+def test_attention_auto_picks_the_paged_kernel_on_cpu_and_falls_back_without_it(monkeypatch):
+    if load_paged_attention() is not None:
+        for dtype in (torch.float32, torch.bfloat16):
+            r = ModelRunner(tiny_model("qwen3", dtype=dtype), 64, 4)
+            assert r.attention == "paged" and "attention paged" in r.describe()
+        assert ModelRunner(tiny_model("llama"), 64, 4, impl="reference").paged_attention is None
+        assert ModelRunner(tiny_model("qwen3", dtype=torch.float16), 64, 4).attention == "matmul"
+    # a machine without a C compiler keeps torch's kernels (and refuses an explicit "paged")
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(kernels, "_loaded", {})
     assert ModelRunner(tiny_model("llama"), 64, 4).attention == "sdpa"
     bf16 = ModelRunner(tiny_model("qwen3", dtype=torch.bfloat16), 64, 4)
     assert bf16.attention == "matmul" and "attention matmul" in bf16.describe()
+    with pytest.raises(ValueError, match="no compiler"):
+        ModelRunner(tiny_model("llama"), 64, 4, attention="paged")
     with pytest.raises(ValueError, match="'flash'"):
         ModelRunner(tiny_model("llama"), 64, 4, attention="flash")
     with pytest.raises(ValueError, match="'flash'"):
@@ -291,3 +313,46 @@ def test_cuda_attention_leaves_out_cudnn_and_cpu_changes_nothing():
         assert not flags.cudnn_sdp_enabled()
         assert flags.flash_sdp_enabled() and flags.mem_efficient_sdp_enabled() and flags.math_sdp_enabled()
     assert (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled()) == before
+
+
+def test_paged_kernel_build_failure_falls_back(monkeypatch, tmp_path, caplog):
+    """A compiler that fails (or a broken cache entry) leaves the kernel out with a warning."""
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setattr(kernels, "find_compiler", lambda: "false")  # exits 1, compiles nothing
+    assert load_paged_attention(tmp_path) is None
+    assert "unavailable" in caplog.text
+    assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 24])  # 64: the unrolled build; 24: the generic one
+@pytest.mark.parametrize("heads", [(4, 4), (12, 2)])  # per-head items and whole-group items
+def test_paged_kernel_on_strided_queries_matches_dense(dtype, head_dim, heads):
+    """The kernel alone: queries read through a token stride (a view of a fused qkv row), many or
+    few segments, outputs rounded once to the dtype (bf16: within one rounding of float64)."""
+    needs_paged_kernel()
+    H, Hkv = heads
+    bs, nblocks = 8, 64
+    kern = PagedAttention(load_paged_attention(), H, Hkv, head_dim, bs)
+    g = torch.Generator().manual_seed(head_dim + H)
+    kc = torch.randn(Hkv, nblocks * bs, head_dim, generator=g).to(dtype)
+    vc = torch.randn(Hkv, nblocks * bs, head_dim, generator=g).to(dtype)
+    for segs in ([(0, 1), (13, 5), (40, 32), (7, 1)], [(s, 1) for s in range(0, 90, 7)]):
+        T = sum(n for _, n in segs)
+        fused = torch.randn(T, (H + 3) * head_dim, generator=g).to(dtype)
+        q = fused[:, : H * head_dim].view(T, H, head_dim)  # token stride (H + 3) * head_dim
+        nbs = [-(-(st + n) // bs) for st, n in segs]
+        # any blocks of the pool, in any order (segments may even share one: reads only)
+        table = torch.randint(0, nblocks, (len(segs), max(nbs)), generator=g, dtype=torch.int32)
+        row0 = [sum(n for _, n in segs[:i]) for i in range(len(segs))]
+        out = torch.full((T, H, head_dim), float("nan"), dtype=dtype)
+        i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
+        kern(q, kc, vc, out, i32(row0), i32([n for _, n in segs]), i32([s for s, _ in segs]), table, 0.3)
+        for i, (st, n) in enumerate(segs):
+            keys = torch.arange(st + n)
+            slots = table[i, keys // bs].long() * bs + keys % bs
+            keys_v = kc[:, slots].transpose(0, 1), vc[:, slots].transpose(0, 1)
+            want = dense_attention(q[row0[i] : row0[i] + n], *keys_v, st, 0.3)
+            got = out[row0[i] : row0[i] + n].reshape(n, -1).double()
+            tol = 1e-5 if dtype == torch.float32 else 2**-7 * want.abs().clamp(min=1).max().item()
+            torch.testing.assert_close(got, want, rtol=0, atol=tol)

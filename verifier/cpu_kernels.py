@@ -1,0 +1,169 @@
+"""Small C kernels for the CPU forward, built on first use with the system C compiler.
+
+`paged_attention` (csrc/paged_attention.c) attends short decode/verify segments straight from the
+paged KV cache: no per-layer gather of each request's context, no padded mask tensors, one call
+per layer. It is compiled once per machine (-O3 -march=native, OpenMP) into the user cache
+directory and called through ctypes, so it needs no torch headers and builds in about a second.
+Where no compiler is found or the build fails, `load_paged_attention()` returns None and the
+forward keeps torch's kernels: the kernel is an accelerator, never a requirement.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dspark_serve.verifier.loader import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+# -fassociative-math and friends let the compiler vectorise the float32 dot products and sums
+# (a fixed, deterministic order per build); no -ffinite-math-only: masked scores stay exact.
+CFLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-ffp-contract=fast",
+)
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def find_compiler() -> str | None:
+    """The system C compiler (cc, gcc or clang on PATH), or None."""
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _build(compiler: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        so = Path(tmp) / out.name
+        subprocess.run(
+            [compiler, *CFLAGS, str(SOURCE), "-o", str(so), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        os.replace(so, out)  # atomic: a concurrent process sees the old file or the whole new one
+
+
+def load_paged_attention(cache_dir: Path | None = None) -> ctypes.CDLL | None:
+    """The compiled kernel library (built once, cached by source, flags and machine), or None
+    where it cannot be built here."""
+    compiler = find_compiler()
+    if compiler is None:
+        log.info("no C compiler found: CPU attention stays on torch's kernels")
+        return None
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join(CFLAGS).encode() + compiler.encode() + platform.machine().encode()
+    ).hexdigest()[:16]
+    if key in _loaded:
+        return _loaded[key]
+    path = (cache_dir or default_cache_dir()) / "kernels" / f"paged_attention-{key}.so"
+    lib: ctypes.CDLL | None = None
+    try:
+        if not path.exists():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+        fn = lib.paged_attention
+        fn.restype = ctypes.c_int
+        ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        # q, q_stride, k, v, out, dtype, G, row0, n, start, table, max_blocks, block_shift,
+        # num_slots, H, Hkv, D, scale
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, i32, i32, i64]
+        fn.argtypes += [i32, i32, i32, ctypes.c_float]
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        detail = getattr(e, "stderr", None) or e
+        log.warning("CPU attention kernel unavailable (%s): using torch's kernels", str(detail)[:500])
+        lib = None
+    _loaded[key] = lib
+    return lib
+
+
+def paged_attention_supports(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernel handles this dtype and device (float32 or bfloat16 on a CPU)."""
+    return device.type == "cpu" and dtype in _DTYPES
+
+
+class PagedAttention:
+    """Callable wrapper of the kernel for one cache geometry.
+
+    __call__(q, k_cache, v_cache, out, row0, n, start, block_table, scale): q [T, H, D] (each
+    token's heads contiguous, tokens at any stride); k_cache / v_cache [Hkv, num_slots, D];
+    out [T, H, D]; row0 / n / start [G] and block_table [G, max_blocks], int32 and contiguous.
+    Writes out rows row0[g] .. row0[g] + n[g] - 1 of every segment g; other rows are left."""
+
+    def __init__(self, lib: ctypes.CDLL, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads!r} is not a multiple of num_kv_heads {num_kv_heads!r}")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size!r}")
+        self.fn = lib.paged_attention
+        self.block_shift = block_size.bit_length() - 1
+        self.H, self.Hkv, self.D, self.bs = num_heads, num_kv_heads, head_dim, block_size
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        row0: torch.Tensor,
+        n: torch.Tensor,
+        start: torch.Tensor,
+        block_table: torch.Tensor,
+        scale: float,
+    ) -> None:
+        for t in (k_cache, v_cache, out, row0, n, start, block_table):
+            if not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError("paged_attention needs contiguous CPU tensors")
+        if q.device.type != "cpu" or q.stride(2) != 1 or q.stride(1) != self.D:
+            raise ValueError(f"paged_attention needs q's heads contiguous, got strides {q.stride()}")
+        for t in (row0, n, start, block_table):
+            if t.dtype != torch.int32:
+                raise ValueError(f"paged_attention needs int32 segment tensors, got {t.dtype}")
+        if not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype) or q.dtype not in _DTYPES:
+            raise ValueError(f"paged_attention needs one dtype of {list(_DTYPES)}, got {q.dtype}")
+        rc = self.fn(
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            out.data_ptr(),
+            _DTYPES[q.dtype],
+            row0.numel(),
+            row0.data_ptr(),
+            n.data_ptr(),
+            start.data_ptr(),
+            block_table.data_ptr(),
+            block_table.shape[1],
+            self.block_shift,
+            k_cache.shape[1],
+            self.H,
+            self.Hkv,
+            self.D,
+            scale,
+        )
+        if rc != 0:
+            raise MemoryError("paged_attention could not allocate its work buffers")

@@ -1,0 +1,192 @@
+/* Attention of short query segments over a paged, head-major KV cache, read in place.
+ *
+ * The fast forward's decode/verify path: every segment g has n[g] query tokens at positions
+ * start[g] .. start[g] + n[g] - 1 (rows row0[g] .. of q and out) and attends causally to its
+ * keys 0 .. start[g] + i, which live in the blocks listed by its row of the block table. The
+ * cache is [Hkv, num_slots, D] per layer (slot = block * block_size + offset), so each key row
+ * is read where it lies: no gather of a request's context, no padding, no mask tensor.
+ *
+ * A work item is a segment and the query heads that share one kv head: scores for its queries in
+ * float32, a float32 softmax, then the weighted sum of value rows, rounded once to the model
+ * dtype. Items run in parallel on the OpenMP pool torch already uses (the same libgomp).
+ *
+ * dtype: 0 float32, 1 bfloat16 (round to nearest even on output). Built with -O3 and
+ * -march=native by verifier/cpu_kernels.py; no torch headers, called through ctypes. */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN */
+    v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)(v.u >> 16);
+}
+
+/* exp for x <= 0 (softmax inputs after subtracting the max): Cody-Waite range reduction and a
+ * degree-6 polynomial, ~1 ulp on [-87, 0]; pure arithmetic, so the compiler vectorises it. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { uint32_t u; float f; } s;
+    s.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * s.f;
+}
+
+/* D elements starting at element `offset` of base, widened to float32 */
+static inline void load_at(const void *base, int dtype, int64_t offset, int D, float *dst) {
+    if (dtype == 0) {
+        memcpy(dst, (const float *)base + offset, (size_t)D * sizeof(float));
+    } else {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        for (int d = 0; d < D; d++) dst[d] = bf16_to_f32(src[d]);
+    }
+}
+
+/* D floats to `base` from element `offset` on, rounded to the model dtype */
+static inline void store_at(void *base, int dtype, int64_t offset, int D, const float *src) {
+    if (dtype == 0) {
+        memcpy((float *)base + offset, src, (size_t)D * sizeof(float));
+    } else {
+        uint16_t *dst = (uint16_t *)base + offset;
+        for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(src[d]);
+    }
+}
+
+/* One work item: query heads h0 .. h0 + nh - 1 (all reading kv head hk) of segment g. Key and
+ * value rows are widened once and used by every query row of the item. Inlined with D a
+ * constant where it is 64 or 128, so the compiler unrolls and vectorises the row loops. */
+static inline __attribute__((always_inline)) void attend_item(
+    const void *q, int64_t q_stride, const void *kh, const void *vh, void *out, int dtype, int H,
+    int D, float scale, int r0, int nq, int s0, const int32_t *blocks, int block_shift, int h0,
+    int nh, int64_t max_keys, float *scores, float *qf, float *acc, float *row) {
+    int block_size = 1 << block_shift;
+    int nkeys = s0 + nq;
+    for (int hi = 0; hi < nh; hi++)
+        for (int i = 0; i < nq; i++) {
+            float *dst = qf + ((size_t)hi * nq + i) * D;
+            load_at(q, dtype, (int64_t)(r0 + i) * q_stride + (int64_t)(h0 + hi) * D, D, dst);
+            for (int d = 0; d < D; d++) dst[d] *= scale;
+        }
+    /* scores[row][j] = q_row . k_j for the keys the row's query may see (j <= s0 + i) */
+    int64_t slot = 0; /* the cache slot of key j, advanced key by key */
+    for (int j = 0; j < nkeys; j++) {
+        slot = (j & (block_size - 1)) ? slot + 1 : (int64_t)blocks[j >> block_shift] * block_size;
+        load_at(kh, dtype, slot * D, D, row);
+        int first = j - s0 > 0 ? j - s0 : 0; /* the first query that sees key j */
+        for (int hi = 0; hi < nh; hi++)
+            for (int i = first; i < nq; i++) {
+                const float *qi = qf + ((size_t)hi * nq + i) * D;
+                float s = 0.0f;
+                for (int d = 0; d < D; d++) s += qi[d] * row[d];
+                scores[((size_t)hi * nq + i) * max_keys + j] = s;
+            }
+    }
+    for (int r = 0; r < nh * nq; r++) {
+        float *sr = scores + (size_t)r * max_keys;
+        int len = s0 + r % nq + 1;
+        float m = sr[0];
+        for (int j = 1; j < len; j++) m = sr[j] > m ? sr[j] : m;
+        float sum = 0.0f;
+        for (int j = 0; j < len; j++) {
+            float e = exp_nonpos(sr[j] - m);
+            sr[j] = e;
+            sum += e;
+        }
+        float inv = 1.0f / sum;
+        for (int j = 0; j < len; j++) sr[j] *= inv;
+        memset(acc + (size_t)r * D, 0, sizeof(float) * (size_t)D);
+    }
+    for (int j = 0; j < nkeys; j++) {
+        slot = (j & (block_size - 1)) ? slot + 1 : (int64_t)blocks[j >> block_shift] * block_size;
+        load_at(vh, dtype, slot * D, D, row);
+        int first = j - s0 > 0 ? j - s0 : 0;
+        for (int hi = 0; hi < nh; hi++)
+            for (int i = first; i < nq; i++) {
+                size_t r = (size_t)hi * nq + i;
+                float p = scores[r * max_keys + j];
+                float *ar = acc + r * D;
+                for (int d = 0; d < D; d++) ar[d] += p * row[d];
+            }
+    }
+    for (int hi = 0; hi < nh; hi++)
+        for (int i = 0; i < nq; i++)
+            store_at(out, dtype, ((int64_t)(r0 + i) * H + h0 + hi) * D, D,
+                     acc + ((size_t)hi * nq + i) * D);
+}
+
+/* q: [T, H, D] with token stride q_stride (elements; heads contiguous at stride D), out:
+ * [T, H, D] contiguous; k_cache, v_cache: [Hkv, num_slots, D]; block_table: [G, max_blocks];
+ * row0, n, start: [G]; block_shift: log2 of the block size. Work items are (segment, kv head)
+ * with all its query heads, or (segment, query head) when that is too few items to share
+ * between the threads. Returns 0, or -1 when a work buffer could not be allocated. */
+int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                    void *out, int dtype, int G, const int32_t *row0, const int32_t *n,
+                    const int32_t *start, const int32_t *block_table, int max_blocks,
+                    int block_shift, int64_t num_slots, int H, int Hkv, int D, float scale) {
+    int failed = 0;
+    int group = H / Hkv;
+    int nh = G * Hkv >= 4 * omp_get_max_threads() ? group : 1; /* query heads per item */
+    int items = G * H / nh;
+    int max_q = 0;
+    int64_t max_keys = 0;
+    for (int g = 0; g < G; g++) {
+        if (n[g] > max_q) max_q = n[g];
+        if (start[g] + n[g] > max_keys) max_keys = start[g] + n[g];
+    }
+    size_t esize = dtype == 0 ? 4 : 2;
+    size_t head_bytes = (size_t)num_slots * (size_t)D * esize;
+#pragma omp parallel
+    {
+        size_t rows = (size_t)nh * (size_t)max_q;
+        float *scores = malloc(sizeof(float) * rows * (size_t)max_keys);
+        float *qf = malloc(sizeof(float) * rows * (size_t)D);
+        float *acc = malloc(sizeof(float) * rows * (size_t)D);
+        float *row = malloc(sizeof(float) * (size_t)D);
+        if (!scores || !qf || !acc || !row) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < items; item++) {
+            if (failed) continue;
+            int per_seg = H / nh;
+            int g = item / per_seg, h0 = (item % per_seg) * nh, hk = h0 / group;
+            const void *kh = (const char *)k_cache + (size_t)hk * head_bytes;
+            const void *vh = (const char *)v_cache + (size_t)hk * head_bytes;
+            const int32_t *blocks = block_table + (int64_t)g * max_blocks;
+            if (D == 64)
+                attend_item(q, q_stride, kh, vh, out, dtype, H, 64, scale, row0[g], n[g], start[g],
+                            blocks, block_shift, h0, nh, max_keys, scores, qf, acc, row);
+            else if (D == 128)
+                attend_item(q, q_stride, kh, vh, out, dtype, H, 128, scale, row0[g], n[g],
+                            start[g], blocks, block_shift, h0, nh, max_keys, scores, qf, acc, row);
+            else
+                attend_item(q, q_stride, kh, vh, out, dtype, H, D, scale, row0[g], n[g], start[g],
+                            blocks, block_shift, h0, nh, max_keys, scores, qf, acc, row);
+        }
+        free(scores);
+        free(qf);
+        free(acc);
+        free(row);
+    }
+    return failed ? -1 : 0;
+}
