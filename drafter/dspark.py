@@ -150,9 +150,10 @@ class ContextKVCache:
 
 
 def _prepack_linears(model: DSparkModel, skip: tuple[nn.Module, ...] = ()) -> None:
-    """bf16 on a CPU with oneDNN: every Linear's weight (outside the `skip` modules) reordered
-    once into oneDNN's blocked layout, as the target's fast forward does (nn.Linear would reorder
-    it on every call; the drafter's small matmuls are dominated by that). Serving only: the
+    """bf16 on a CPU with oneDNN: every Linear's weight (outside the `skip` modules) prepacked once,
+    as the target's fast forward does (the C small-row kernel where it builds, else oneDNN's
+    blocked layout; nn.Linear would reorder it on every call, and the drafter's small matmuls
+    are dominated by that). Serving only: the
     module must not train afterwards (its prepacked copy would go stale)."""
     from dspark_serve.verifier.fast_forward import make_linear, mkldnn_linear_works
 
@@ -161,7 +162,7 @@ def _prepack_linears(model: DSparkModel, skip: tuple[nn.Module, ...] = ()) -> No
     skipped = {id(m) for s in skip for m in s.modules()}
     for m in model.modules():
         if isinstance(m, nn.Linear) and id(m) not in skipped:
-            m.forward = _Packed(m, make_linear(m.weight.detach(), m.bias, "mkldnn", "none"))  # type: ignore[method-assign,assignment]
+            m.forward = _Packed(m, make_linear(m.weight.detach(), m.bias, "auto", "none"))  # type: ignore[method-assign,assignment]
 
 
 class _Packed:

@@ -32,8 +32,10 @@ class ModelConfig:
     """fast (fused weights, vectorised step planning, block-granular KV reads) or reference (the
     original per-module forward, kept as the fallback and the tests' reference)."""
     linear: str = "auto"
-    """Matmul kernels of the fast forward: auto (oneDNN prepacked weights on CPU for float32 and
-    bfloat16 when oneDNN accepts them, else torch), torch (F.linear), or mkldnn (CPU only)."""
+    """Matmul kernels of the fast forward: auto (on CPU: gemm for bfloat16 where the C kernels
+    build, oneDNN prepacked weights for float32, and for bfloat16 without a compiler; torch
+    elsewhere), torch (F.linear), mkldnn (CPU only), or gemm (a C kernel streaming weights packed
+    at load for steps of up to 12 tokens, oneDNN above; bfloat16 on CPU only)."""
     attention: str = "auto"
     """How the fast forward attends decode/verify segments (up to 32 tokens each): paged (a C
     kernel, built on first use with the system compiler, that reads the paged KV cache in place;
@@ -61,8 +63,8 @@ class ModelConfig:
             )
         if self.forward not in ("fast", "reference"):
             raise ValueError(f"forward must be fast or reference, got {self.forward!r}")
-        if self.linear not in ("auto", "torch", "mkldnn"):
-            raise ValueError(f"linear must be auto, torch or mkldnn, got {self.linear!r}")
+        if self.linear not in ("auto", "torch", "mkldnn", "gemm"):
+            raise ValueError(f"linear must be auto, torch, mkldnn or gemm, got {self.linear!r}")
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
         if self.quantize not in ("none", "int8"):

@@ -1,11 +1,15 @@
 """Small C kernels for the CPU forward, built on first use with the system C compiler.
 
-`paged_attention` (csrc/paged_attention.c) attends short decode/verify segments straight from the
-paged KV cache: no per-layer gather of each request's context, no padded mask tensors, one call
-per layer. It is compiled once per machine (-O3 -march=native, OpenMP) into the user cache
-directory and called through ctypes, so it needs no torch headers and builds in about a second.
-Where no compiler is found or the build fails, `load_paged_attention()` returns None and the
-forward keeps torch's kernels: the kernel is an accelerator, never a requirement.
+- `paged_attention` (csrc/paged_attention.c) attends short decode/verify segments straight from
+  the paged KV cache: no per-layer gather of each request's context, no padded mask tensors,
+  one call per layer.
+- `small_gemm` (csrc/small_gemm.c) multiplies a few bfloat16 rows by weights packed once at
+  load, streaming every weight byte once per call (decode and short verify steps).
+
+Both are compiled once per machine into one library (-O3 -march=native, OpenMP) in the user
+cache directory and called through ctypes, so they need no torch headers and build in about a
+second. Where no compiler is found or the build fails, `load_kernels()` returns None and the
+forward keeps torch's kernels: the kernels are an accelerator, never a requirement.
 """
 
 from __future__ import annotations
@@ -19,14 +23,18 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from dspark_serve.verifier.loader import default_cache_dir
 
+if TYPE_CHECKING:
+    from dspark_serve.verifier.fast_forward import Linear
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "small_gemm.c"))
 # -fassociative-math and friends let the compiler vectorise the float32 dot products and sums
 # (a fixed, deterministic order per build); no -ffinite-math-only: masked scores stay exact.
 CFLAGS = (
@@ -59,7 +67,7 @@ def _build(compiler: str, out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
         subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", str(so), "-lm"],
+            [compiler, *CFLAGS, *map(str, SOURCES), "-o", str(so), "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -68,34 +76,44 @@ def _build(compiler: str, out: Path) -> None:
         os.replace(so, out)  # atomic: a concurrent process sees the old file or the whole new one
 
 
-def load_paged_attention(cache_dir: Path | None = None) -> ctypes.CDLL | None:
-    """The compiled kernel library (built once, cached by source, flags and machine), or None
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn = lib.paged_attention
+    fn.restype = i32
+    # q, q_stride, k, v, out, dtype, G, row0, n, start, table, max_blocks, block_shift,
+    # num_slots, H, Hkv, D, scale
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, i32, i32, i64]
+    fn.argtypes += [i32, i32, i32, ctypes.c_float]
+    lib.small_gemm_pack.restype = None
+    lib.small_gemm_pack.argtypes = [ptr, ptr, i32, i32]  # W, packed, N, K
+    lib.small_gemm.restype = None
+    lib.small_gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32, i32]  # x, stride, packed, bias, y, M, N, K
+
+
+def load_kernels(cache_dir: Path | None = None) -> ctypes.CDLL | None:
+    """The compiled kernel library (built once, cached by sources, flags and machine), or None
     where it cannot be built here."""
     compiler = find_compiler()
     if compiler is None:
-        log.info("no C compiler found: CPU attention stays on torch's kernels")
+        log.info("no C compiler found: the CPU forward stays on torch's kernels")
         return None
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(CFLAGS).encode() + compiler.encode() + platform.machine().encode()
-    ).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for src in SOURCES:
+        digest.update(src.read_bytes())
+    digest.update((" ".join(CFLAGS) + compiler + platform.machine()).encode())
+    key = digest.hexdigest()[:16]
     if key in _loaded:
         return _loaded[key]
-    path = (cache_dir or default_cache_dir()) / "kernels" / f"paged_attention-{key}.so"
+    path = (cache_dir or default_cache_dir()) / "kernels" / f"cpu_kernels-{key}.so"
     lib: ctypes.CDLL | None = None
     try:
         if not path.exists():
             _build(compiler, path)
         lib = ctypes.CDLL(str(path))
-        fn = lib.paged_attention
-        fn.restype = ctypes.c_int
-        ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        # q, q_stride, k, v, out, dtype, G, row0, n, start, table, max_blocks, block_shift,
-        # num_slots, H, Hkv, D, scale
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, i32, i32, i64]
-        fn.argtypes += [i32, i32, i32, ctypes.c_float]
+        _declare(lib)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", None) or e
-        log.warning("CPU attention kernel unavailable (%s): using torch's kernels", str(detail)[:500])
+        log.warning("CPU kernels unavailable (%s): using torch's kernels", str(detail)[:500])
         lib = None
     _loaded[key] = lib
     return lib
@@ -167,3 +185,32 @@ class PagedAttention:
         )
         if rc != 0:
             raise MemoryError("paged_attention could not allocate its work buffers")
+
+
+class SmallGemmLinear:
+    """A bfloat16 linear layer through `small_gemm` for up to `max_rows` rows (decode and short
+    verify steps), and through `fallback` (oneDNN's prepacked kernel) for more. The weight is
+    packed once, into its own buffer."""
+
+    kind = "gemm"
+
+    def __init__(
+        self, lib: ctypes.CDLL, w: torch.Tensor, b: torch.Tensor | None, fallback: Linear, max_rows: int
+    ) -> None:
+        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] % 2:
+            got = f"{w.dtype} {tuple(w.shape)} on {w.device}"
+            raise ValueError(f"small_gemm needs a 2-D bfloat16 CPU weight with even K, got {got}")
+        self.N, self.K = w.shape
+        self.packed = torch.empty(-(-self.N // 16) * 16 * self.K, dtype=torch.bfloat16)
+        lib.small_gemm_pack(w.contiguous().data_ptr(), self.packed.data_ptr(), self.N, self.K)
+        self.bias = None if b is None else b.to(torch.bfloat16).contiguous()
+        self.fn, self.fallback, self.max_rows = lib.small_gemm, fallback, max_rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        M = x.shape[0]
+        if M > self.max_rows or x.dtype != torch.bfloat16 or x.stride(-1) != 1 or x.dim() != 2:
+            return self.fallback(x)
+        y = x.new_empty(M, self.N)
+        bias = 0 if self.bias is None else self.bias.data_ptr()
+        self.fn(x.data_ptr(), x.stride(0), self.packed.data_ptr(), bias, y.data_ptr(), M, self.N, self.K)
+        return y

@@ -10,8 +10,9 @@ larger kernels and almost no Python per token.
   straight from the block tables) instead of gathering token slot by token slot; a prefill chunk
   that starts a sequence attends to its own new keys with no cache read at all; decode/verify
   segments of equal length need no query re-packing.
-- Linear layers go through `make_linear`: plain `F.linear`, oneDNN prepacked weights for bf16
-  on CPUs (guarded by device and dtype; never used on CUDA), or weight-only int8.
+- Linear layers go through `make_linear`: plain `F.linear`, oneDNN prepacked weights on CPUs, a
+  C kernel for bf16 decode/verify rows on CPUs (verifier/cpu_kernels.py; both guarded by device
+  and dtype, never used on CUDA), or weight-only int8.
 
 Greedy equality with the reference forward in float32 is what the tests hold it to.
 """
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
     from dspark_serve.verifier.model_runner import ForwardOutput, Segment
 
 SMALL_SEGMENT = 32
-LINEAR_KINDS = ("auto", "torch", "mkldnn")
+LINEAR_KINDS = ("auto", "torch", "mkldnn", "gemm")
+SMALL_GEMM_ROWS = 12  # up to this many rows small_gemm streams the weights faster than oneDNN
 
 
 # -- linear layers ------------------------------------------------------------------------------
@@ -110,9 +112,23 @@ def mkldnn_linear_works(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def make_linear(w: torch.Tensor, b: torch.Tensor | None, kind: str, quantize: str) -> Linear:
-    """kind: auto (mkldnn where it works: float32/bf16 on CPU; else torch), torch or mkldnn."""
+    """kind: auto (gemm for bf16 on a CPU where the C kernels build, else mkldnn where it works:
+    float32/bf16 on CPU; else torch), torch, mkldnn, or gemm (the C small-row kernel for up to
+    SMALL_GEMM_ROWS rows, oneDNN above; bf16 on CPU only)."""
     if quantize == "int8":
         return _Int8Linear(w, b)
+    gemm_shape = w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[1] % 2 == 0
+    if kind in ("auto", "gemm") and gemm_shape:
+        from dspark_serve.verifier.cpu_kernels import SmallGemmLinear, load_kernels
+
+        lib = load_kernels()
+        if lib is not None and mkldnn_linear_works(w.dtype, w.device):
+            return SmallGemmLinear(lib, w, b, _MkldnnLinear(w, b), SMALL_GEMM_ROWS)
+    if kind == "gemm":
+        raise ValueError(
+            f"linear 'gemm' needs bfloat16 weights with an even input size on a CPU with oneDNN and a C "
+            f"compiler, got {w.dtype} {tuple(w.shape)} on {w.device}"
+        )
     if kind == "mkldnn" or (kind == "auto" and mkldnn_linear_works(w.dtype, w.device)):
         return _MkldnnLinear(w, b)
     return _TorchLinear(w, b)

@@ -21,7 +21,7 @@ from dspark_serve.verifier.config import ATTENTION_KINDS
 from dspark_serve.verifier.cpu_kernels import (
     PagedAttention,
     find_compiler,
-    load_paged_attention,
+    load_kernels,
     paged_attention_supports,
 )
 from dspark_serve.verifier.fast_forward import FastForwardMixin
@@ -146,7 +146,7 @@ class ModelRunner(FastForwardMixin):
         bf16/fp16 on CPU and sdpa elsewhere. "paged" asked for where it cannot run is an error."""
         paged_ok = impl == "fast" and paged_attention_supports(self.dtype, self.device)
         if attention in ("auto", "paged") and paged_ok:
-            lib = load_paged_attention()
+            lib = load_kernels()
             if lib is not None:
                 geometry = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
                 return "paged", PagedAttention(lib, *geometry)

@@ -12,7 +12,7 @@ from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
 from dspark_serve.verifier.config import ModelConfig
-from dspark_serve.verifier.cpu_kernels import PagedAttention, load_paged_attention
+from dspark_serve.verifier.cpu_kernels import PagedAttention, load_kernels
 from dspark_serve.verifier.model_runner import ModelRunner, Segment
 from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, hf_greedy, tiny_model
@@ -42,7 +42,7 @@ def engine_outputs(model, prompts, max_tokens, **runner_kw):
 
 
 def needs_paged_kernel():
-    if load_paged_attention() is None:
+    if load_kernels() is None:
         pytest.skip("the paged attention kernel needs a C compiler")
 
 
@@ -218,7 +218,7 @@ def test_model_config_rejects_bad_kernel_choices(field, value):
 
 
 def test_attention_auto_picks_the_paged_kernel_on_cpu_and_falls_back_without_it(monkeypatch):
-    if load_paged_attention() is not None:
+    if load_kernels() is not None:
         for dtype in (torch.float32, torch.bfloat16):
             r = ModelRunner(tiny_model("qwen3", dtype=dtype), 64, 4)
             assert r.attention == "paged" and "attention paged" in r.describe()
@@ -319,7 +319,7 @@ def test_paged_kernel_build_failure_falls_back(monkeypatch, tmp_path, caplog):
     """A compiler that fails (or a broken cache entry) leaves the kernel out with a warning."""
     monkeypatch.setattr(kernels, "_loaded", {})
     monkeypatch.setattr(kernels, "find_compiler", lambda: "false")  # exits 1, compiles nothing
-    assert load_paged_attention(tmp_path) is None
+    assert load_kernels(tmp_path) is None
     assert "unavailable" in caplog.text
     assert not list((tmp_path / "kernels").glob("*.so"))
 
@@ -333,7 +333,7 @@ def test_paged_kernel_on_strided_queries_matches_dense(dtype, head_dim, heads):
     needs_paged_kernel()
     H, Hkv = heads
     bs, nblocks = 8, 64
-    kern = PagedAttention(load_paged_attention(), H, Hkv, head_dim, bs)
+    kern = PagedAttention(load_kernels(), H, Hkv, head_dim, bs)
     g = torch.Generator().manual_seed(head_dim + H)
     kc = torch.randn(Hkv, nblocks * bs, head_dim, generator=g).to(dtype)
     vc = torch.randn(Hkv, nblocks * bs, head_dim, generator=g).to(dtype)

@@ -1,0 +1,120 @@
+/* bfloat16 linear layers for a few rows at a time: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+ *
+ * Decoding one token (or verifying a short block) multiplies a handful of rows by every weight
+ * of the model, so the time is the time to stream the weights from memory. The weights are
+ * packed once at load into blocks of 16 output rows with their K inputs in pairs
+ * ([N/16][K/2][16][2]), so one 64-byte load feeds 16 outputs and each step of the inner loop is
+ * one bf16 pair dot product per output (AVX512-BF16's vdpbf16ps where the CPU has it, plain
+ * float32 arithmetic the compiler vectorises elsewhere): no horizontal sums, every weight byte
+ * read once per call. Rows of x are taken 16 at a time, so the weights of a block are read
+ * again (from cache) only past 16 rows. Accumulation is float32, the output rounded once.
+ *
+ * Built with verifier/csrc/paged_attention.c into one library by verifier/cpu_kernels.py. */
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
+#define NB 16 /* output rows per packed block */
+#define MB 16 /* rows of x per pass over a block */
+
+static inline float bf(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline uint16_t to_bf(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN */
+    v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)(v.u >> 16);
+}
+
+/* W [N, K] (row stride K) -> packed [ceil(N/16)][K/2][16][2]; rows past N are zero. K even. */
+void small_gemm_pack(const uint16_t *W, uint16_t *packed, int N, int K) {
+    int blocks = (N + NB - 1) / NB;
+    for (int b = 0; b < blocks; b++)
+        for (int kp = 0; kp < K / 2; kp++)
+            for (int j = 0; j < NB; j++) {
+                int n = b * NB + j;
+                uint16_t *dst = packed + (((size_t)b * (K / 2) + kp) * NB + j) * 2;
+                dst[0] = n < N ? W[(size_t)n * K + 2 * kp] : 0;
+                dst[1] = n < N ? W[(size_t)n * K + 2 * kp + 1] : 0;
+            }
+}
+
+/* acc[mc][16] over one block: the weights of the block against mc (<= MB) rows of x */
+static inline __attribute__((always_inline)) void block_dot(
+    const uint16_t *wb, const uint16_t *x, int64_t x_stride, int K, int mc, float acc[MB][NB]) {
+#ifdef __AVX512BF16__
+    __m512 a[MB];
+    for (int m = 0; m < mc; m++) a[m] = _mm512_setzero_ps();
+    for (int kp = 0; kp < K / 2; kp++) {
+        __m512bh w = (__m512bh)_mm512_loadu_si512(wb + (size_t)kp * 2 * NB);
+        for (int m = 0; m < mc; m++) {
+            uint32_t pair;
+            memcpy(&pair, x + m * x_stride + 2 * kp, sizeof(pair));
+            a[m] = _mm512_dpbf16_ps(a[m], w, (__m512bh)_mm512_set1_epi32((int)pair));
+        }
+    }
+    for (int m = 0; m < mc; m++) _mm512_storeu_ps(acc[m], a[m]);
+#else
+    for (int m = 0; m < mc; m++)
+        for (int j = 0; j < NB; j++) acc[m][j] = 0.0f;
+    for (int kp = 0; kp < K / 2; kp++) {
+        const uint16_t *w = wb + (size_t)kp * 2 * NB;
+        float w0[NB], w1[NB];
+        for (int j = 0; j < NB; j++) {
+            w0[j] = bf(w[2 * j]);
+            w1[j] = bf(w[2 * j + 1]);
+        }
+        for (int m = 0; m < mc; m++) {
+            float x0 = bf(x[m * x_stride + 2 * kp]), x1 = bf(x[m * x_stride + 2 * kp + 1]);
+            for (int j = 0; j < NB; j++) acc[m][j] += w0[j] * x0 + w1[j] * x1;
+        }
+    }
+#endif
+}
+
+/* x: [M, K] with row stride x_stride (elements); packed from small_gemm_pack; bias: [N] or
+ * NULL; y: [M, N] contiguous. */
+void small_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                uint16_t *y, int M, int N, int K) {
+    int blocks = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static)
+    for (int b = 0; b < blocks; b++) {
+        const uint16_t *wb = packed + (size_t)b * (K / 2) * NB * 2;
+        int n0 = b * NB, nc = N - n0 < NB ? N - n0 : NB;
+        for (int m0 = 0; m0 < M; m0 += MB) {
+            int mc = M - m0 < MB ? M - m0 : MB;
+            float acc[MB][NB];
+            const uint16_t *xm = x + m0 * x_stride;
+            /* a constant row count per call site, so the accumulators stay in registers */
+            switch (mc) {
+            case 1: block_dot(wb, xm, x_stride, K, 1, acc); break;
+            case 2: block_dot(wb, xm, x_stride, K, 2, acc); break;
+            case 3: block_dot(wb, xm, x_stride, K, 3, acc); break;
+            case 4: block_dot(wb, xm, x_stride, K, 4, acc); break;
+            case 5: block_dot(wb, xm, x_stride, K, 5, acc); break;
+            case 6: block_dot(wb, xm, x_stride, K, 6, acc); break;
+            case 7: block_dot(wb, xm, x_stride, K, 7, acc); break;
+            case 8: block_dot(wb, xm, x_stride, K, 8, acc); break;
+            case 9: block_dot(wb, xm, x_stride, K, 9, acc); break;
+            case 10: block_dot(wb, xm, x_stride, K, 10, acc); break;
+            case 11: block_dot(wb, xm, x_stride, K, 11, acc); break;
+            case 12: block_dot(wb, xm, x_stride, K, 12, acc); break;
+            case 13: block_dot(wb, xm, x_stride, K, 13, acc); break;
+            case 14: block_dot(wb, xm, x_stride, K, 14, acc); break;
+            case 15: block_dot(wb, xm, x_stride, K, 15, acc); break;
+            default: block_dot(wb, xm, x_stride, K, MB, acc); break;
+            }
+            for (int m = 0; m < mc; m++) {
+                uint16_t *ym = y + (size_t)(m0 + m) * N + n0;
+                for (int j = 0; j < nc; j++) ym[j] = to_bf(acc[m][j] + (bias ? bf(bias[n0 + j]) : 0.0f));
+            }
+        }
+    }
+}
