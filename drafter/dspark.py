@@ -333,6 +333,10 @@ class DSparkDrafter:
         anchor_t = torch.tensor(anchors, dtype=torch.long, device=dev)
         ids = self.model.block_input_ids(anchor_t, self.block_size)
         pos = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(self.block_size, device=dev)
+        if isinstance(self.backbone, FastDraftBackbone) and self.backbone.reads_pools_in_place:
+            self.cache.reserve(max(starts) + self.block_size)  # room for the block's own k/v
+            c = self.cache
+            return self.backbone.forward_block_in_place(ids, pos, c.k, c.v, slots, starts)
         ctx_kv, ctx_mask = self.cache.gather(slots)
         return self.backbone.forward_block(ids, pos, ctx_kv, ctx_mask)
 

@@ -81,8 +81,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.paged_attention
     fn.restype = i32
     # q, q_stride, k, v, out, dtype, G, row0, n, start, table, max_blocks, block_shift,
-    # num_slots, H, Hkv, D, scale
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, i32, i32, i64]
+    # kv_token_stride, kv_head_stride, causal, H, Hkv, D, scale
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, i32, i32, i64, i64, i32]
     fn.argtypes += [i32, i32, i32, ctypes.c_float]
     lib.small_gemm_pack.restype = None
     lib.small_gemm_pack.argtypes = [ptr, ptr, i32, i32]  # W, packed, N, K
@@ -125,21 +125,34 @@ def paged_attention_supports(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class PagedAttention:
-    """Callable wrapper of the kernel for one cache geometry.
+    """Callable wrapper of the kernel for one geometry.
 
-    __call__(q, k_cache, v_cache, out, row0, n, start, block_table, scale): q [T, H, D] (each
-    token's heads contiguous, tokens at any stride); k_cache / v_cache [Hkv, num_slots, D];
-    out [T, H, D]; row0 / n / start [G] and block_table [G, max_blocks], int32 and contiguous.
-    Writes out rows row0[g] .. row0[g] + n[g] - 1 of every segment g; other rows are left."""
+    __call__(q, k_cache, v_cache, out, row0, n, start, block_table, scale, causal=True):
+    q [T, H, D] (each token's heads contiguous, tokens at any stride); out [T, H, D]
+    contiguous; row0 / n / start [G] and block_table [G, max_blocks], int32 and contiguous.
+    k_cache / v_cache: the target's head-major pool [Hkv, num_slots, D] (`layout="head-major"`)
+    or a slot-major pool [num_slots, Hkv, D] flattened over its leading dimensions
+    (`layout="slot-major"`, the drafter's [requests, positions, Hkv, D]). Writes out rows
+    row0[g] .. row0[g] + n[g] - 1 of every segment g; other rows are left as they are."""
 
-    def __init__(self, lib: ctypes.CDLL, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        layout: str = "head-major",
+    ):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads!r} is not a multiple of num_kv_heads {num_kv_heads!r}")
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size!r}")
+        if layout not in ("head-major", "slot-major"):
+            raise ValueError(f"layout must be head-major or slot-major, got {layout!r}")
         self.fn = lib.paged_attention
         self.block_shift = block_size.bit_length() - 1
-        self.H, self.Hkv, self.D, self.bs = num_heads, num_kv_heads, head_dim, block_size
+        self.H, self.Hkv, self.D, self.layout = num_heads, num_kv_heads, head_dim, layout
 
     def __call__(
         self,
@@ -152,17 +165,22 @@ class PagedAttention:
         start: torch.Tensor,
         block_table: torch.Tensor,
         scale: float,
+        causal: bool = True,
     ) -> None:
         for t in (k_cache, v_cache, out, row0, n, start, block_table):
             if not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError("paged_attention needs contiguous CPU tensors")
         if q.device.type != "cpu" or q.stride(2) != 1 or q.stride(1) != self.D:
             raise ValueError(f"paged_attention needs q's heads contiguous, got strides {q.stride()}")
+        if not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype) or q.dtype not in _DTYPES:
+            raise ValueError(f"paged_attention needs one dtype of {list(_DTYPES)}, got {q.dtype}")
         for t in (row0, n, start, block_table):
             if t.dtype != torch.int32:
                 raise ValueError(f"paged_attention needs int32 segment tensors, got {t.dtype}")
-        if not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype) or q.dtype not in _DTYPES:
-            raise ValueError(f"paged_attention needs one dtype of {list(_DTYPES)}, got {q.dtype}")
+        if self.layout == "head-major":  # [Hkv, num_slots, D]
+            token_stride, head_stride = self.D, k_cache.shape[1] * self.D
+        else:  # [..., Hkv, D]
+            token_stride, head_stride = self.Hkv * self.D, self.D
         rc = self.fn(
             q.data_ptr(),
             q.stride(0),
@@ -177,7 +195,9 @@ class PagedAttention:
             block_table.data_ptr(),
             block_table.shape[1],
             self.block_shift,
-            k_cache.shape[1],
+            token_stride,
+            head_stride,
+            int(causal),
             self.H,
             self.Hkv,
             self.D,

@@ -4,8 +4,10 @@ context_kv, forward_block) with the kernels the target's fast forward uses.
 - q/k/v (and, for context rows, k/v) and gate/up run as one prepacked linear each;
 - RMSNorm is the target's fused CPU kernel (`FastRMSNorm`), not ~8 elementwise kernels;
 - rotary tables are built once and read by position (the sign of rotate_half folded into sin);
-- attention is two batched matmuls over (segment, kv head), the query heads of a group stacked
-  as rows, instead of repeat_interleave'd K/V and SDPA (slow on CPU for short bf16 queries).
+- attention reads the context K/V in place through the target's C kernel (verifier/cpu_kernels.py)
+  where it builds (`forward_block_in_place`); otherwise two batched matmuls over (segment, kv
+  head), the query heads of a group stacked as rows, over a copy of the context
+  (`forward_block`; SDPA is slow on CPU for short bf16 queries).
 
 The modules stay the reference (training, float32 serving, CUDA); this path is chosen where
 `applies` says so and is tested against them to bf16 rounding.
@@ -22,6 +24,7 @@ import torch
 from dspark_serve.drafter.dspark_model.model import DSparkModel
 from dspark_serve.drafter.dspark_model.modules import DecoderLayer
 from dspark_serve.drafter.dspark_model.ops import ACTIVATIONS, rope_cos_sin
+from dspark_serve.verifier.cpu_kernels import PagedAttention, load_kernels, paged_attention_supports
 from dspark_serve.verifier.fast_forward import FastRMSNorm, Linear, make_linear, mkldnn_linear_works
 
 
@@ -88,6 +91,7 @@ class FastDraftBackbone:
             )
         self._cos = self._sin = torch.empty(0, self.D, dtype=self.dtype, device=self.device)
         self._rope_upto(256)
+        self._kernels = load_kernels()  # None: forward_block's batched matmuls only
 
     def _rope_upto(self, n: int) -> None:
         if self._cos.shape[0] >= n:
@@ -150,6 +154,58 @@ class FastDraftBackbone:
             keys = torch.cat([ck.transpose(1, 2), k.transpose(1, 2)], dim=2)
             values = torch.cat([cv.transpose(1, 2), v.transpose(1, 2)], dim=2)
             a = self._attend(q, keys, values, bias)
+            x = x + L.o(a.view(B * Lb, nq)).view(B, Lb, d)
+            g, u = L.gate_up(L.post_norm(x).view(B * Lb, d)).chunk(2, dim=-1)
+            x = x + L.down(L.act(g) * u).view(B, Lb, d)
+        return self.norm(x)
+
+    @property
+    def reads_pools_in_place(self) -> bool:
+        """Whether `forward_block_in_place` can run (the C attention kernel built here)."""
+        return self._kernels is not None and paged_attention_supports(self.dtype, self.device)
+
+    def forward_block_in_place(
+        self,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        k_pools: Sequence[torch.Tensor],
+        v_pools: Sequence[torch.Tensor],
+        slots: Sequence[int],
+        starts: Sequence[int],
+    ) -> torch.Tensor:
+        """`forward_block` reading the context K/V where it lies. k_pools / v_pools: per layer
+        [num_slots, capacity, Hkv, D] (the drafter's context cache), request b in slot slots[b]
+        with its context at positions 0 .. starts[b] - 1 and room for its block after them:
+        each layer writes the block's own k/v at positions starts[b] .. (past the context's
+        length, which the caller does not move, so they are never taken for context) and the C
+        kernel attends every block query to the context and the whole block, no copies.
+        -> hidden [B, L, d] (final norm applied)."""
+        assert self._kernels is not None
+
+        B, Lb = block_ids.shape
+        H, Hkv, D = self.H, self.Hkv, self.D
+        nq, nk = H * D, Hkv * D
+        capacity = k_pools[0].shape[1]
+        bs = capacity & -capacity  # the largest power of two dividing it: a request's run of blocks
+        per = capacity // bs
+        nblk = -(-(max(starts) + Lb) // bs)
+        slot_t = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        table = (slot_t[:, None] * per + torch.arange(nblk)[None, :]).to(torch.int32)
+        row0 = torch.arange(B, dtype=torch.int32) * Lb
+        n = torch.full((B,), Lb, dtype=torch.int32)
+        start = torch.tensor(list(starts), dtype=torch.int32)
+        kernel = PagedAttention(self._kernels, H, Hkv, D, bs, layout="slot-major")
+        x = self.embed(block_ids).to(self.dtype)
+        d = x.shape[-1]
+        cos, sin = self._rope_at(block_positions)
+        rows = (slot_t[:, None], block_positions)  # where the block's own k/v go in the pools
+        for L, kp, vp in zip(self.layers, k_pools, v_pools):
+            qkv = L.qkv(L.in_norm(x).view(B * Lb, d))
+            q = self._rope(L.q_norm(qkv[:, :nq].view(B, Lb, H, D)), cos, sin)
+            kp[rows] = self._rope(L.k_norm(qkv[:, nq : nq + nk].view(B, Lb, Hkv, D)), cos, sin)
+            vp[rows] = qkv[:, nq + nk :].view(B, Lb, Hkv, D)
+            a = q.new_empty(B * Lb, H, D)
+            kernel(q.view(B * Lb, H, D), kp, vp, a, row0, n, start, table, self.scale, causal=False)
             x = x + L.o(a.view(B * Lb, nq)).view(B, Lb, d)
             g, u = L.gate_up(L.post_norm(x).view(B * Lb, d)).chunk(2, dim=-1)
             x = x + L.down(L.act(g) * u).view(B, Lb, d)

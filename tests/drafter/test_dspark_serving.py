@@ -11,6 +11,7 @@ from dspark_serve.drafter.dspark import DSparkDrafter, DSparkDrafterConfig
 from dspark_serve.drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
 from dspark_serve.drafter.dspark_model.fast import FastDraftBackbone
 from dspark_serve.drafter.registry import build_drafter
+from dspark_serve.verifier.cpu_kernels import load_kernels
 from dspark_serve.verifier.sampling import probs_from_logits
 from dspark_serve.verifier.sampling_params import SamplingParams
 
@@ -47,29 +48,51 @@ def tiny_model(head_type="vanilla", seed=0) -> DSparkModel:
     return model.eval()
 
 
+FAST_KINDS = pytest.mark.parametrize(
+    "fast", [False, "copy", "in-place"], ids=["modules", "fast-backbone", "fast-in-place"]
+)
+
+
 def make_drafter(model, capacity=4, fast=False) -> DSparkDrafter:
-    """fast: serve through the fused backbone (what bf16 on a CPU picks), here in float64."""
+    """fast: serve through the fused backbone (what bf16 on a CPU picks): "copy" attends over a
+    gathered copy of the context (here in float64), "in-place" reads the context pools through
+    the C kernel (float32: the kernel's dtypes are float32 and bf16)."""
     dr = DSparkDrafter(model, DSparkDrafterConfig(initial_capacity=capacity), "dspark")
     if fast:
         dr.backbone = FastDraftBackbone(model)
+        if fast == "copy":
+            dr.backbone._kernels = None
+        else:
+            assert dr.backbone.reads_pools_in_place
     return dr
 
 
-def tol(fast: bool) -> dict:
+def model_for(fast):
+    if fast == "in-place" and load_kernels() is None:
+        pytest.skip("the in-place drafter attention needs the C kernels (a C compiler)")
+    return tiny_model().float() if fast == "in-place" else tiny_model()
+
+
+def tol(fast) -> dict:
     """The modules' RMSNorm computes in float32 whatever the dtype (Qwen3RMSNorm's maths), the
     fast backbone's in the input dtype, so in float64 the two agree to ~1e-7, not to rounding;
-    a wrong mask, head mapping or rotary sign would be off by orders of magnitude more."""
+    a wrong mask, head mapping or rotary sign would be off by orders of magnitude more. The
+    in-place path runs in float32 against the float32 modules."""
+    if fast == "in-place":
+        return {"rtol": 1e-4, "atol": 1e-4}
     return {"rtol": 1e-5, "atol": 1e-5} if fast else {"rtol": 1e-10, "atol": 1e-10}
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["modules", "fast-backbone"])
-def test_batched_serving_equals_training_forward(fast):
-    model = tiny_model()
-    dr = make_drafter(model, capacity=4, fast=fast)  # forces capacity doubling and slot growth
+@pytest.mark.parametrize("capacity", [4, 6])  # 6: the in-place reads take 2-position blocks
+@FAST_KINDS
+def test_batched_serving_equals_training_forward(fast, capacity):
+    model = model_for(fast)
+    dt = next(model.parameters()).dtype
+    dr = make_drafter(model, capacity=capacity, fast=fast)  # forces capacity doubling and slot growth
     g = torch.Generator().manual_seed(1)
     lengths = [3, 11, 7, 1, 9]  # context positions before each request's final anchor
     seq = max(lengths) + 1
-    hidden = torch.randn(len(lengths), seq, 3 * D, generator=g, dtype=torch.float64)
+    hidden = torch.randn(len(lengths), seq, 3 * D, generator=g, dtype=torch.float64).to(dt)
     ids = torch.randint(0, V - 1, (len(lengths), seq), generator=g)
     # Each request is observed in uneven chunks; a draft block is taken at every stage.
     stages: dict[int, list[int]] = {0: [2, 3], 1: [4, 9, 11], 2: [7], 3: [], 4: [1, 5, 9]}
@@ -108,14 +131,15 @@ def test_batched_serving_equals_training_forward(fast):
         torch.testing.assert_close(h, train[r, j], **tol(fast))
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["modules", "fast-backbone"])
+@FAST_KINDS
 def test_rollback_overwrite_and_errors(fast):
-    model = tiny_model()
+    model = model_for(fast)
+    dt = next(model.parameters()).dtype
     dr = make_drafter(model, fast=fast)
     g = torch.Generator().manual_seed(2)
-    hid = torch.randn(1, 8, 3 * D, generator=g, dtype=torch.float64)
+    hid = torch.randn(1, 8, 3 * D, generator=g, dtype=torch.float64).to(dt)
     ids = torch.randint(0, V - 1, (1, 8), generator=g)
-    dr.observe([AcceptedContext("a", ids[0, :5].tolist(), 0, torch.randn(5, 3 * D, dtype=torch.float64))])
+    dr.observe([AcceptedContext("a", ids[0, :5].tolist(), 0, torch.randn(5, 3 * D, dtype=dt))])
     # Re-observing from position 2 overwrites what was cached there (and drops the rest).
     dr.observe([AcceptedContext("a", ids[0, :2].tolist(), 0, hid[0, :2])])
     dr.observe([AcceptedContext("a", ids[0, 2:6].tolist(), 2, hid[0, 2:6])])

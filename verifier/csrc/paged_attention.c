@@ -1,10 +1,12 @@
-/* Attention of short query segments over a paged, head-major KV cache, read in place.
+/* Attention of short query segments over a paged KV cache, read in place.
  *
  * The fast forward's decode/verify path: every segment g has n[g] query tokens at positions
  * start[g] .. start[g] + n[g] - 1 (rows row0[g] .. of q and out) and attends causally to its
  * keys 0 .. start[g] + i, which live in the blocks listed by its row of the block table. The
- * cache is [Hkv, num_slots, D] per layer (slot = block * block_size + offset), so each key row
- * is read where it lies: no gather of a request's context, no padding, no mask tensor.
+ * target's cache is [Hkv, num_slots, D] per layer (slot = block * block_size + offset), so each
+ * key row is read where it lies: no gather of a request's context, no padding, no mask tensor.
+ * The drafter's block (every query sees its whole block: causal 0) reads its context the same
+ * way from a [requests, positions, Hkv, D] pool, one "block" per request.
  *
  * A work item is a segment and the query heads that share one kv head: scores for its queries in
  * float32, a float32 softmax, then the weighted sum of value rows, rounded once to the model
@@ -75,9 +77,10 @@ static inline void store_at(void *base, int dtype, int64_t offset, int D, const 
  * value rows are widened once and used by every query row of the item. Inlined with D a
  * constant where it is 64 or 128, so the compiler unrolls and vectorises the row loops. */
 static inline __attribute__((always_inline)) void attend_item(
-    const void *q, int64_t q_stride, const void *kh, const void *vh, void *out, int dtype, int H,
-    int D, float scale, int r0, int nq, int s0, const int32_t *blocks, int block_shift, int h0,
-    int nh, int64_t max_keys, float *scores, float *qf, float *acc, float *row) {
+    const void *q, int64_t q_stride, const void *kh, const void *vh, int64_t kv_stride, void *out,
+    int dtype, int H, int D, float scale, int causal, int r0, int nq, int s0,
+    const int32_t *blocks, int block_shift, int h0, int nh, int64_t max_keys, float *scores,
+    float *qf, float *acc, float *row) {
     int block_size = 1 << block_shift;
     int nkeys = s0 + nq;
     for (int hi = 0; hi < nh; hi++)
@@ -86,12 +89,13 @@ static inline __attribute__((always_inline)) void attend_item(
             load_at(q, dtype, (int64_t)(r0 + i) * q_stride + (int64_t)(h0 + hi) * D, D, dst);
             for (int d = 0; d < D; d++) dst[d] *= scale;
         }
-    /* scores[row][j] = q_row . k_j for the keys the row's query may see (j <= s0 + i) */
+    /* scores[row][j] = q_row . k_j for the keys the row's query may see (causal: j <= s0 + i;
+     * else every key, j < s0 + nq) */
     int64_t slot = 0; /* the cache slot of key j, advanced key by key */
     for (int j = 0; j < nkeys; j++) {
         slot = (j & (block_size - 1)) ? slot + 1 : (int64_t)blocks[j >> block_shift] * block_size;
-        load_at(kh, dtype, slot * D, D, row);
-        int first = j - s0 > 0 ? j - s0 : 0; /* the first query that sees key j */
+        load_at(kh, dtype, slot * kv_stride, D, row);
+        int first = causal && j - s0 > 0 ? j - s0 : 0; /* the first query that sees key j */
         for (int hi = 0; hi < nh; hi++)
             for (int i = first; i < nq; i++) {
                 const float *qi = qf + ((size_t)hi * nq + i) * D;
@@ -102,7 +106,7 @@ static inline __attribute__((always_inline)) void attend_item(
     }
     for (int r = 0; r < nh * nq; r++) {
         float *sr = scores + (size_t)r * max_keys;
-        int len = s0 + r % nq + 1;
+        int len = causal ? s0 + r % nq + 1 : nkeys;
         float m = sr[0];
         for (int j = 1; j < len; j++) m = sr[j] > m ? sr[j] : m;
         float sum = 0.0f;
@@ -117,8 +121,8 @@ static inline __attribute__((always_inline)) void attend_item(
     }
     for (int j = 0; j < nkeys; j++) {
         slot = (j & (block_size - 1)) ? slot + 1 : (int64_t)blocks[j >> block_shift] * block_size;
-        load_at(vh, dtype, slot * D, D, row);
-        int first = j - s0 > 0 ? j - s0 : 0;
+        load_at(vh, dtype, slot * kv_stride, D, row);
+        int first = causal && j - s0 > 0 ? j - s0 : 0;
         for (int hi = 0; hi < nh; hi++)
             for (int i = first; i < nq; i++) {
                 size_t r = (size_t)hi * nq + i;
@@ -134,14 +138,18 @@ static inline __attribute__((always_inline)) void attend_item(
 }
 
 /* q: [T, H, D] with token stride q_stride (elements; heads contiguous at stride D), out:
- * [T, H, D] contiguous; k_cache, v_cache: [Hkv, num_slots, D]; block_table: [G, max_blocks];
- * row0, n, start: [G]; block_shift: log2 of the block size. Work items are (segment, kv head)
- * with all its query heads, or (segment, query head) when that is too few items to share
- * between the threads. Returns 0, or -1 when a work buffer could not be allocated. */
+ * [T, H, D] contiguous; k_cache, v_cache: key/value row of cache slot s and kv head h at
+ * element s * kv_token_stride + h * kv_head_stride (the target's head-major pool: D and
+ * num_slots * D; a [slots, positions, Hkv, D] pool: Hkv * D and D); block_table: [G, max_blocks];
+ * row0, n, start: [G]; block_shift: log2 of the block size; causal: 1 query i sees keys up to
+ * start + i, 0 every query sees all start + n keys. Work items are (segment, kv head) with all
+ * its query heads, or (segment, query head) when that is too few items to share between the
+ * threads. Returns 0, or -1 when a work buffer could not be allocated. */
 int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                     void *out, int dtype, int G, const int32_t *row0, const int32_t *n,
                     const int32_t *start, const int32_t *block_table, int max_blocks,
-                    int block_shift, int64_t num_slots, int H, int Hkv, int D, float scale) {
+                    int block_shift, int64_t kv_token_stride, int64_t kv_head_stride, int causal,
+                    int H, int Hkv, int D, float scale) {
     int failed = 0;
     int group = H / Hkv;
     int nh = G * Hkv >= 4 * omp_get_max_threads() ? group : 1; /* query heads per item */
@@ -152,8 +160,7 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
         if (n[g] > max_q) max_q = n[g];
         if (start[g] + n[g] > max_keys) max_keys = start[g] + n[g];
     }
-    size_t esize = dtype == 0 ? 4 : 2;
-    size_t head_bytes = (size_t)num_slots * (size_t)D * esize;
+    size_t head_bytes = (size_t)kv_head_stride * (dtype == 0 ? 4 : 2);
 #pragma omp parallel
     {
         size_t rows = (size_t)nh * (size_t)max_q;
@@ -174,14 +181,17 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
             const void *vh = (const char *)v_cache + (size_t)hk * head_bytes;
             const int32_t *blocks = block_table + (int64_t)g * max_blocks;
             if (D == 64)
-                attend_item(q, q_stride, kh, vh, out, dtype, H, 64, scale, row0[g], n[g], start[g],
-                            blocks, block_shift, h0, nh, max_keys, scores, qf, acc, row);
+                attend_item(q, q_stride, kh, vh, kv_token_stride, out, dtype, H, 64, scale, causal,
+                            row0[g], n[g], start[g], blocks, block_shift, h0, nh, max_keys, scores,
+                            qf, acc, row);
             else if (D == 128)
-                attend_item(q, q_stride, kh, vh, out, dtype, H, 128, scale, row0[g], n[g],
-                            start[g], blocks, block_shift, h0, nh, max_keys, scores, qf, acc, row);
+                attend_item(q, q_stride, kh, vh, kv_token_stride, out, dtype, H, 128, scale, causal,
+                            row0[g], n[g], start[g], blocks, block_shift, h0, nh, max_keys, scores,
+                            qf, acc, row);
             else
-                attend_item(q, q_stride, kh, vh, out, dtype, H, D, scale, row0[g], n[g], start[g],
-                            blocks, block_shift, h0, nh, max_keys, scores, qf, acc, row);
+                attend_item(q, q_stride, kh, vh, kv_token_stride, out, dtype, H, D, scale, causal,
+                            row0[g], n[g], start[g], blocks, block_shift, h0, nh, max_keys, scores,
+                            qf, acc, row);
         }
         free(scores);
         free(qf);
