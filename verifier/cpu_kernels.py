@@ -76,6 +76,19 @@ def _build(compiler: str, out: Path) -> None:
         os.replace(so, out)  # atomic: a concurrent process sees the old file or the whole new one
 
 
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), so a cache directory shared between machines never hands
+    one CPU a library built with -march=native for another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn = lib.paged_attention
@@ -91,8 +104,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def load_kernels(cache_dir: Path | None = None) -> ctypes.CDLL | None:
-    """The compiled kernel library (built once, cached by sources, flags and machine), or None
-    where it cannot be built here."""
+    """The compiled kernel library (built once, cached by sources, compiler flags and CPU), or
+    None where it cannot be built here."""
     compiler = find_compiler()
     if compiler is None:
         log.info("no C compiler found: the CPU forward stays on torch's kernels")
@@ -100,7 +113,7 @@ def load_kernels(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     digest = hashlib.sha256()
     for src in SOURCES:
         digest.update(src.read_bytes())
-    digest.update((" ".join(CFLAGS) + compiler + platform.machine()).encode())
+    digest.update((" ".join(CFLAGS) + compiler + platform.machine() + _cpu_flags()).encode())
     key = digest.hexdigest()[:16]
     if key in _loaded:
         return _loaded[key]
