@@ -93,10 +93,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn = lib.paged_attention
     fn.restype = i32
-    # q, q_stride, k, v, out, dtype, G, row0, n, start, table, max_blocks, block_shift,
+    # q, q_stride, q_hstride, k, v, out, dtype, G, row0, n, start, table, max_blocks, block_shift,
     # kv_token_stride, kv_head_stride, causal, H, Hkv, D, scale
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, i32, i32, i64, i64, i32]
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, i32, i32, i64, i64, i32]
     fn.argtypes += [i32, i32, i32, ctypes.c_float]
+    lib.rope_store.restype = None
+    # q, q_stride, q_hstride, k, k_stride, k_hstride, v, v_stride, cos, sin, slots, k_cache,
+    # v_cache, num_slots, dtype, T, H, Hkv, D
+    lib.rope_store.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64]
+    lib.rope_store.argtypes += [i32, i32, i32, i32, i32]
     lib.small_gemm_pack.restype = None
     lib.small_gemm_pack.argtypes = [ptr, ptr, i32, i32]  # W, packed, N, K
     lib.small_gemm.restype = None
@@ -141,7 +146,7 @@ class PagedAttention:
     """Callable wrapper of the kernel for one geometry.
 
     __call__(q, k_cache, v_cache, out, row0, n, start, block_table, scale, causal=True):
-    q [T, H, D] (each token's heads contiguous, tokens at any stride); out [T, H, D]
+    q [T, H, D] (any token and head strides, each head's D elements contiguous); out [T, H, D]
     contiguous; row0 / n / start [G] and block_table [G, max_blocks], int32 and contiguous.
     k_cache / v_cache: the target's head-major pool [Hkv, num_slots, D] (`layout="head-major"`)
     or a slot-major pool [num_slots, Hkv, D] flattened over its leading dimensions
@@ -183,8 +188,10 @@ class PagedAttention:
         for t in (k_cache, v_cache, out, row0, n, start, block_table):
             if not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError("paged_attention needs contiguous CPU tensors")
-        if q.device.type != "cpu" or q.stride(2) != 1 or q.stride(1) != self.D:
-            raise ValueError(f"paged_attention needs q's heads contiguous, got strides {q.stride()}")
+        if q.device.type != "cpu" or q.stride(2) != 1:
+            raise ValueError(
+                f"paged_attention needs each q head's elements contiguous, got strides {q.stride()}"
+            )
         if not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype) or q.dtype not in _DTYPES:
             raise ValueError(f"paged_attention needs one dtype of {list(_DTYPES)}, got {q.dtype}")
         for t in (row0, n, start, block_table):
@@ -197,6 +204,7 @@ class PagedAttention:
         rc = self.fn(
             q.data_ptr(),
             q.stride(0),
+            q.stride(1),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             out.data_ptr(),
@@ -218,6 +226,68 @@ class PagedAttention:
         )
         if rc != 0:
             raise MemoryError("paged_attention could not allocate its work buffers")
+
+
+class RopeStore:
+    """Rotary embedding of a step's new q/k and the K/V write to the head-major paged cache, one
+    kernel call per layer (`rope_store` in csrc/paged_attention.c).
+
+    __call__(q, k, v, cos, sin, slots, k_cache, v_cache): q [T, H, D], k / v [T, Hkv, D], views
+    at any token and head strides (each head's D elements contiguous; v's heads adjacent); cos / sin
+    [T, D] (contiguous; rotate_half's sign folded into sin); slots [T] int64; caches
+    [Hkv, num_slots, D]. q is rotated in place; rotated k and v land at their slots."""
+
+    def __init__(self, lib: ctypes.CDLL, num_heads: int, num_kv_heads: int, head_dim: int):
+        if head_dim > 256 or head_dim % 2:
+            raise ValueError(f"rope_store needs an even head_dim <= 256, got {head_dim!r}")
+        self.fn = lib.rope_store
+        self.H, self.Hkv, self.D = num_heads, num_kv_heads, head_dim
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> None:
+        D = self.D
+        for t in (q, k, v):
+            if t.stride(-1) != 1 or (t is v and t.stride(-2) != D) or t.device.type != "cpu":
+                raise ValueError(f"rope_store needs each token's heads contiguous, got strides {t.stride()}")
+        for t in (cos, sin, slots, k_cache, v_cache):
+            if not t.is_contiguous():
+                raise ValueError("rope_store needs contiguous cos, sin, slots and caches")
+        if slots.dtype != torch.int64 or q.dtype not in _DTYPES:
+            raise ValueError(
+                f"rope_store needs int64 slots and float32/bf16 rows, got {slots.dtype}, {q.dtype}"
+            )
+        if not (q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype == k_cache.dtype == v_cache.dtype):
+            raise ValueError("rope_store needs one dtype throughout")
+        self.fn(
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            k.data_ptr(),
+            k.stride(0),
+            k.stride(1),
+            v.data_ptr(),
+            v.stride(0),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            k_cache.shape[1],
+            _DTYPES[q.dtype],
+            q.shape[0],
+            self.H,
+            self.Hkv,
+            D,
+        )
 
 
 class SmallGemmLinear:

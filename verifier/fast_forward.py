@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from dspark_serve.verifier.block_manager import BlockManager
-    from dspark_serve.verifier.cpu_kernels import PagedAttention
+    from dspark_serve.verifier.cpu_kernels import PagedAttention, RopeStore
     from dspark_serve.verifier.model_runner import ForwardOutput, Segment
 
 SMALL_SEGMENT = 32
@@ -206,6 +206,7 @@ class FastForwardMixin:
     linear_kind: str
     attention: str  # "sdpa", "matmul" or "paged" (resolved from "auto")
     paged_attention: PagedAttention | None  # the C kernel, when attention is "paged"
+    rope_store: RopeStore | None  # bf16 with paged attention: rotary + K/V write in one C call
 
     # -- build ------------------------------------------------------------------------------------
     def _build_fast(self, linear: str) -> None:
@@ -363,16 +364,18 @@ class FastForwardMixin:
 
     # -- attention ----------------------------------------------------------------------------------
     def _attention(
-        self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _FastPlan
+        self, li: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, plan: _FastPlan
     ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] (new tokens) -> [T, H * D]. New K/V are written to their
-        slots, then every segment attends to its blocks in the paged cache. The cache is
-        head-major ([Hkv, slots, D] per layer), so the blocks of a segment, gathered or read in
-        place, are already each head's [C, D] key matrix: no further copy before the matmuls."""
+        """q [T, H, D], k/v [T, Hkv, D] (new tokens; None: already in the cache) -> [T, H * D].
+        New K/V are written to their slots, then every segment attends to its blocks in the paged
+        cache. The cache is head-major ([Hkv, slots, D] per layer), so the blocks of a segment,
+        gathered or read in place, are already each head's [C, D] key matrix: no further copy
+        before the matmuls."""
         bs, Hkv, D = self.block_size, self.num_kv_heads, self.head_dim
         kc, vc = self.k_cache[li], self.v_cache[li]  # [Hkv, num_blocks * bs, D]
-        kc.index_copy_(1, plan.slots, k.transpose(0, 1))
-        vc.index_copy_(1, plan.slots, v.transpose(0, 1))
+        if k is not None and v is not None:
+            kc.index_copy_(1, plan.slots, k.transpose(0, 1))
+            vc.index_copy_(1, plan.slots, v.transpose(0, 1))
         kb = kc.view(Hkv, -1, bs, D)
         vb = vc.view(Hkv, -1, bs, D)
         T = q.shape[0]
@@ -423,9 +426,13 @@ class FastForwardMixin:
         assert out is not None
         for r0, n, _st, blocks, mask in plan.big:
             qs = q[r0 : r0 + n].transpose(0, 1)[None]
-            if blocks is None:  # a sequence's first chunk
-                ks = k[r0 : r0 + n].transpose(0, 1)[None]
-                vs = v[r0 : r0 + n].transpose(0, 1)[None]
+            if blocks is None:  # a sequence's first chunk: its own new keys only
+                if k is not None and v is not None:
+                    ks = k[r0 : r0 + n].transpose(0, 1)[None]
+                    vs = v[r0 : r0 + n].transpose(0, 1)[None]
+                else:  # already written (rope_store): read them back from their slots
+                    ks = kc[:, plan.slots[r0 : r0 + n]][None]
+                    vs = vc[:, plan.slots[r0 : r0 + n]][None]
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, is_causal=True, scale=self.scaling, enable_gqa=gqa
                 )
@@ -460,7 +467,14 @@ class FastForwardMixin:
         for li, L in enumerate(self.fast_layers):
             x = L.in_norm(h)
             qkv = L.qkv(x)
-            if L.q_norm is not None and L.k_norm is not None:
+            if self.rope_store is not None:  # bf16 on a CPU: rotary and the K/V write in one call
+                q, k = qkv[:, :nq].view(T, H, D), qkv[:, nq : nq + nk].view(T, Hkv, D)
+                if L.q_norm is not None and L.k_norm is not None:
+                    q, k = L.q_norm(q), L.k_norm(k)
+                v = qkv[:, nq + nk :].view(T, Hkv, D)
+                self.rope_store(q, k, v, cos, sin, plan.slots, self.k_cache[li], self.v_cache[li])
+                h = h + L.o(self._attention(li, q, None, None, plan))
+            elif L.q_norm is not None and L.k_norm is not None:
                 q = L.q_norm(qkv[:, :nq].view(T, H, D))
                 k = L.k_norm(qkv[:, nq : nq + nk].view(T, Hkv, D))
                 q = self._rope(q, cos, sin)
@@ -468,8 +482,9 @@ class FastForwardMixin:
             else:
                 qk = self._rope(qkv[:, : nq + nk].view(T, H + Hkv, D), cos, sin)
                 q, k = qk[:, :H], qk[:, H:]
-            v = qkv[:, nq + nk :].view(T, Hkv, D)
-            h = h + L.o(self._attention(li, q, k, v, plan))
+            if self.rope_store is None:
+                v = qkv[:, nq + nk :].view(T, Hkv, D)
+                h = h + L.o(self._attention(li, q, k, v, plan))
             gu = L.gate_up(L.post_norm(h))
             g, u = gu.chunk(2, dim=-1)
             h = h + L.down(F.silu(g) * u)

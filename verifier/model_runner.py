@@ -20,6 +20,7 @@ from dspark_serve.verifier.block_manager import BlockManager
 from dspark_serve.verifier.config import ATTENTION_KINDS
 from dspark_serve.verifier.cpu_kernels import (
     PagedAttention,
+    RopeStore,
     find_compiler,
     load_kernels,
     paged_attention_supports,
@@ -138,6 +139,12 @@ class ModelRunner(FastForwardMixin):
         self.scaling = self.head_dim**-0.5
         self.linear_kind = "module"
         self.attention, self.paged_attention = self._resolve_attention(attention, impl)
+        # bf16 with the paged kernel: rotary and the K/V write fused too (float32 keeps torch's
+        # ops, the ones the bit-exactness tests hold the fast forward to)
+        self.rope_store: RopeStore | None = None
+        lib = load_kernels() if self.paged_attention is not None else None
+        if lib is not None and self.dtype == torch.bfloat16 and self.head_dim <= 256:
+            self.rope_store = RopeStore(lib, self.num_heads, self.num_kv_heads, self.head_dim)
         if impl == "fast":
             self._build_fast(linear)
 

@@ -91,3 +91,37 @@ def test_bf16_decode_and_verify_steps_through_gemm_track_the_reference(lib):
         outs.append(torch.cat(steps))
     torch.testing.assert_close(outs[1], outs[0], rtol=0.05, atol=0.05)
     assert (outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean() >= 6 / 7
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_rotates_q_in_place_and_writes_k_v_at_their_slots(lib, dtype):
+    """The fused rotary + K/V write against the fast forward's torch maths (float64 reference,
+    one rounding), on views into a fused qkv row, with slots in any order; other slots untouched."""
+    from dspark_serve.verifier.cpu_kernels import RopeStore
+
+    H, Hkv, D, T, slots_total = 6, 2, 32, 5, 40
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    q, k = qkv[:, : H * D].view(T, H, D), qkv[:, H * D : (H + Hkv) * D].view(T, Hkv, D)
+    v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
+    ang = torch.rand(T, D // 2, generator=g, dtype=torch.float64) * 6
+    cos = torch.cat([ang.cos(), ang.cos()], -1)
+    sin = torch.cat([-ang.sin(), ang.sin()], -1)  # rotate_half's sign folded in
+    slots = torch.randperm(slots_total, generator=g)[:T]
+    kc = torch.zeros(Hkv, slots_total, D, dtype=dtype)
+    vc = torch.zeros(Hkv, slots_total, D, dtype=dtype)
+    q0, k0, v0 = q.double().clone(), k.double().clone(), v.clone()
+    c, s = cos.to(dtype), sin.to(dtype)
+    RopeStore(lib, H, Hkv, D)(q, k, v, c, s, slots, kc, vc)
+
+    def rope(x):
+        return x * c.double()[:, None] + torch.roll(x, D // 2, dims=-1) * s.double()[:, None]
+
+    tol = 1e-6 if dtype == torch.float32 else 2**-8
+    for got, want in ((q, rope(q0)), (kc[:, slots].transpose(0, 1), rope(k0))):
+        err = (got.double() - want).abs()
+        assert (err <= want.abs() * tol + 1e-6).all(), err.max()
+    assert torch.equal(vc[:, slots].transpose(0, 1), v0)
+    others = torch.ones(slots_total, dtype=torch.bool)
+    others[slots] = False
+    assert not kc[:, others].any() and not vc[:, others].any()

@@ -77,7 +77,8 @@ static inline void store_at(void *base, int dtype, int64_t offset, int D, const 
  * value rows are widened once and used by every query row of the item. Inlined with D a
  * constant where it is 64 or 128, so the compiler unrolls and vectorises the row loops. */
 static inline __attribute__((always_inline)) void attend_item(
-    const void *q, int64_t q_stride, const void *kh, const void *vh, int64_t kv_stride, void *out,
+    const void *q, int64_t q_stride, int64_t q_hstride, const void *kh, const void *vh,
+    int64_t kv_stride, void *out,
     int dtype, int H, int D, float scale, int causal, int r0, int nq, int s0,
     const int32_t *blocks, int block_shift, int h0, int nh, int64_t max_keys, float *scores,
     float *qf, float *acc, float *row) {
@@ -86,7 +87,7 @@ static inline __attribute__((always_inline)) void attend_item(
     for (int hi = 0; hi < nh; hi++)
         for (int i = 0; i < nq; i++) {
             float *dst = qf + ((size_t)hi * nq + i) * D;
-            load_at(q, dtype, (int64_t)(r0 + i) * q_stride + (int64_t)(h0 + hi) * D, D, dst);
+            load_at(q, dtype, (int64_t)(r0 + i) * q_stride + (int64_t)(h0 + hi) * q_hstride, D, dst);
             for (int d = 0; d < D; d++) dst[d] *= scale;
         }
     /* scores[row][j] = q_row . k_j for the keys the row's query may see (causal: j <= s0 + i;
@@ -137,7 +138,8 @@ static inline __attribute__((always_inline)) void attend_item(
                      acc + ((size_t)hi * nq + i) * D);
 }
 
-/* q: [T, H, D] with token stride q_stride (elements; heads contiguous at stride D), out:
+/* q: [T, H, D] with token and head strides q_stride, q_hstride (elements; each head's D
+ * elements contiguous), out:
  * [T, H, D] contiguous; k_cache, v_cache: key/value row of cache slot s and kv head h at
  * element s * kv_token_stride + h * kv_head_stride (the target's head-major pool: D and
  * num_slots * D; a [slots, positions, Hkv, D] pool: Hkv * D and D); block_table: [G, max_blocks];
@@ -145,7 +147,8 @@ static inline __attribute__((always_inline)) void attend_item(
  * start + i, 0 every query sees all start + n keys. Work items are (segment, kv head) with all
  * its query heads, or (segment, query head) when that is too few items to share between the
  * threads. Returns 0, or -1 when a work buffer could not be allocated. */
-int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const void *k_cache,
+                    const void *v_cache,
                     void *out, int dtype, int G, const int32_t *row0, const int32_t *n,
                     const int32_t *start, const int32_t *block_table, int max_blocks,
                     int block_shift, int64_t kv_token_stride, int64_t kv_head_stride, int causal,
@@ -181,15 +184,15 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
             const void *vh = (const char *)v_cache + (size_t)hk * head_bytes;
             const int32_t *blocks = block_table + (int64_t)g * max_blocks;
             if (D == 64)
-                attend_item(q, q_stride, kh, vh, kv_token_stride, out, dtype, H, 64, scale, causal,
+                attend_item(q, q_stride, q_hstride, kh, vh, kv_token_stride, out, dtype, H, 64, scale, causal,
                             row0[g], n[g], start[g], blocks, block_shift, h0, nh, max_keys, scores,
                             qf, acc, row);
             else if (D == 128)
-                attend_item(q, q_stride, kh, vh, kv_token_stride, out, dtype, H, 128, scale, causal,
+                attend_item(q, q_stride, q_hstride, kh, vh, kv_token_stride, out, dtype, H, 128, scale, causal,
                             row0[g], n[g], start[g], blocks, block_shift, h0, nh, max_keys, scores,
                             qf, acc, row);
             else
-                attend_item(q, q_stride, kh, vh, kv_token_stride, out, dtype, H, D, scale, causal,
+                attend_item(q, q_stride, q_hstride, kh, vh, kv_token_stride, out, dtype, H, D, scale, causal,
                             row0[g], n[g], start[g], blocks, block_shift, h0, nh, max_keys, scores,
                             qf, acc, row);
         }
@@ -199,4 +202,41 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
         free(row);
     }
     return failed ? -1 : 0;
+}
+
+/* Rotary embedding of a step's new tokens and their K/V written to the paged cache, in one pass
+ * (in place of ~8 small torch kernels a layer). q [T, H, D] (token and head strides q_stride,
+ * q_hstride; each head's D elements contiguous) is rotated in place; k [T, Hkv, D] (strides
+ * k_stride, k_hstride) is rotated into the cache and v (token stride v_stride, heads at D)
+ * copied there, at slots[t] of the head-major cache [Hkv, num_slots, D].
+ * cos / sin: [T, D] with the sign of rotate_half folded into sin, so
+ * rotated[d] = x[d] * cos[d] + x[(d + D/2) % D] * sin[d], computed in float32 and rounded once. */
+void rope_store(void *q, int64_t q_stride, int64_t q_hstride, const void *k, int64_t k_stride,
+                int64_t k_hstride, const void *v, int64_t v_stride, const void *cos,
+                const void *sin, const int64_t *slots, void *k_cache, void *v_cache,
+                int64_t num_slots, int dtype, int T, int H, int Hkv, int D) {
+    int half = D / 2;
+#pragma omp parallel for schedule(static) if (T * (H + Hkv) > 64)
+    for (int t = 0; t < T; t++) {
+        float c[256], s[256], x[256], r[256]; /* D <= 256 (checked by the caller) */
+        load_at(cos, dtype, (int64_t)t * D, D, c);
+        load_at(sin, dtype, (int64_t)t * D, D, s);
+        for (int h = 0; h < H + Hkv; h++) {
+            int is_q = h < H;
+            const void *src = is_q ? q : k;
+            int64_t off = is_q ? (int64_t)t * q_stride + (int64_t)h * q_hstride
+                               : (int64_t)t * k_stride + (int64_t)(h - H) * k_hstride;
+            load_at(src, dtype, off, D, x);
+            for (int d = 0; d < half; d++) r[d] = x[d] * c[d] + x[d + half] * s[d];
+            for (int d = half; d < D; d++) r[d] = x[d] * c[d] + x[d - half] * s[d];
+            if (is_q)
+                store_at(q, dtype, off, D, r);
+            else
+                store_at(k_cache, dtype, ((int64_t)(h - H) * num_slots + slots[t]) * D, D, r);
+        }
+        for (int hk = 0; hk < Hkv; hk++) {
+            load_at(v, dtype, (int64_t)t * v_stride + (int64_t)hk * D, D, x);
+            store_at(v_cache, dtype, ((int64_t)hk * num_slots + slots[t]) * D, D, x);
+        }
+    }
 }
