@@ -5,6 +5,8 @@
   one call per layer.
 - `small_gemm` (csrc/small_gemm.c) multiplies a few bfloat16 rows by weights packed once at
   load, streaming every weight byte once per call (decode and short verify steps).
+- `rope_store`, `add_rmsnorm`, `silu_mul` fuse a bf16 layer's small elementwise steps (rotary
+  with the K/V write, the residual add with the next norm, SwiGLU), one call each.
 
 Both are compiled once per machine into one library (-O3 -march=native, OpenMP) in the user
 cache directory and called through ctypes, so they need no torch headers and build in about a
@@ -34,7 +36,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "small_gemm.c"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("paged_attention.c", "small_gemm.c", "elementwise.c"))
+HEADERS = (CSRC / "common.h",)
 # -fassociative-math and friends let the compiler vectorise the float32 dot products and sums
 # (a fixed, deterministic order per build); no -ffinite-math-only: masked scores stay exact.
 CFLAGS = (
@@ -102,6 +106,19 @@ def _declare(lib: ctypes.CDLL) -> None:
     # v_cache, num_slots, dtype, T, H, Hkv, D
     lib.rope_store.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64]
     lib.rope_store.argtypes += [i32, i32, i32, i32, i32]
+    lib.add_rmsnorm.restype = None
+    lib.add_rmsnorm.argtypes = [
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i32,
+        i32,
+        ctypes.c_float,
+    ]  # h, delta, stride, w, out, T, d, eps
+    lib.silu_mul.restype = None
+    lib.silu_mul.argtypes = [ptr, ptr, i32, i32]  # gu, out, T, n
     lib.small_gemm_pack.restype = None
     lib.small_gemm_pack.argtypes = [ptr, ptr, i32, i32]  # W, packed, N, K
     lib.small_gemm.restype = None
@@ -116,7 +133,7 @@ def load_kernels(cache_dir: Path | None = None) -> ctypes.CDLL | None:
         log.info("no C compiler found: the CPU forward stays on torch's kernels")
         return None
     digest = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         digest.update(src.read_bytes())
     digest.update((" ".join(CFLAGS) + compiler + platform.machine() + _cpu_flags()).encode())
     key = digest.hexdigest()[:16]
@@ -288,6 +305,37 @@ class RopeStore:
             self.Hkv,
             D,
         )
+
+
+class FusedElementwise:
+    """bf16 rows: the residual add fused with the RMSNorm after it, and SwiGLU's silu(g) * u
+    (csrc/elementwise.c), each one call in place of 3-4 small torch kernels."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    def add_rmsnorm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """h [T, d] += delta (in place, rounded as torch's bf16 add rounds); -> RMSNorm(h) * w."""
+        T, d = h.shape
+        if h.dtype != torch.bfloat16 or not h.is_contiguous() or not w.is_contiguous():
+            raise ValueError("add_rmsnorm needs a contiguous bf16 h and weight")
+        if delta is not None and (delta.dtype != torch.bfloat16 or delta.stride(-1) != 1):
+            raise ValueError("add_rmsnorm needs bf16 delta rows with contiguous elements")
+        out = torch.empty_like(h)
+        dptr, dstride = (0, 0) if delta is None else (delta.data_ptr(), delta.stride(0))
+        self.lib.add_rmsnorm(h.data_ptr(), dptr, dstride, w.data_ptr(), out.data_ptr(), T, d, eps)
+        return out
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """gu [T, 2n] (gate | up) -> silu(gate) * up [T, n]."""
+        T, n2 = gu.shape
+        if gu.dtype != torch.bfloat16 or not gu.is_contiguous() or n2 % 2:
+            raise ValueError("silu_mul needs a contiguous bf16 [T, 2n] input")
+        out = gu.new_empty(T, n2 // 2)
+        self.lib.silu_mul(gu.data_ptr(), out.data_ptr(), T, n2 // 2)
+        return out
 
 
 class SmallGemmLinear:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from dspark_serve.verifier.block_manager import BlockManager
-    from dspark_serve.verifier.cpu_kernels import PagedAttention, RopeStore
+    from dspark_serve.verifier.cpu_kernels import FusedElementwise, PagedAttention, RopeStore
     from dspark_serve.verifier.model_runner import ForwardOutput, Segment
 
 SMALL_SEGMENT = 32
@@ -207,6 +207,7 @@ class FastForwardMixin:
     attention: str  # "sdpa", "matmul" or "paged" (resolved from "auto")
     paged_attention: PagedAttention | None  # the C kernel, when attention is "paged"
     rope_store: RopeStore | None  # bf16 with paged attention: rotary + K/V write in one C call
+    fused: FusedElementwise | None  # with rope_store: residual add + norm, SwiGLU in C
 
     # -- build ------------------------------------------------------------------------------------
     def _build_fast(self, linear: str) -> None:
@@ -452,7 +453,6 @@ class FastForwardMixin:
 
     @torch.inference_mode()
     def forward_fast(self, segments: Sequence[Segment], tap_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        from dspark_serve.verifier.model_runner import ForwardOutput
 
         plan = self._plan_fast(segments)
         T = plan.ids.numel()
@@ -460,6 +460,9 @@ class FastForwardMixin:
         nq, nk = H * D, Hkv * D
         h = self.embed(plan.ids)
         taps: dict[int, torch.Tensor] = {}
+        if self.fused is not None and self.rope_store is not None:
+            h = self._layers_fused(h, plan, tap_layers, taps)
+            return self._output(h, plan, tap_layers, taps)
         if -1 in tap_layers:
             taps[-1] = h
         cos, sin = plan.cos, plan.sin
@@ -467,14 +470,7 @@ class FastForwardMixin:
         for li, L in enumerate(self.fast_layers):
             x = L.in_norm(h)
             qkv = L.qkv(x)
-            if self.rope_store is not None:  # bf16 on a CPU: rotary and the K/V write in one call
-                q, k = qkv[:, :nq].view(T, H, D), qkv[:, nq : nq + nk].view(T, Hkv, D)
-                if L.q_norm is not None and L.k_norm is not None:
-                    q, k = L.q_norm(q), L.k_norm(k)
-                v = qkv[:, nq + nk :].view(T, Hkv, D)
-                self.rope_store(q, k, v, cos, sin, plan.slots, self.k_cache[li], self.v_cache[li])
-                h = h + L.o(self._attention(li, q, None, None, plan))
-            elif L.q_norm is not None and L.k_norm is not None:
+            if L.q_norm is not None and L.k_norm is not None:
                 q = L.q_norm(qkv[:, :nq].view(T, H, D))
                 k = L.k_norm(qkv[:, nq : nq + nk].view(T, Hkv, D))
                 q = self._rope(q, cos, sin)
@@ -482,9 +478,8 @@ class FastForwardMixin:
             else:
                 qk = self._rope(qkv[:, : nq + nk].view(T, H + Hkv, D), cos, sin)
                 q, k = qk[:, :H], qk[:, H:]
-            if self.rope_store is None:
-                v = qkv[:, nq + nk :].view(T, Hkv, D)
-                h = h + L.o(self._attention(li, q, k, v, plan))
+            v = qkv[:, nq + nk :].view(T, Hkv, D)
+            h = h + L.o(self._attention(li, q, k, v, plan))
             gu = L.gate_up(L.post_norm(h))
             g, u = gu.chunk(2, dim=-1)
             h = h + L.down(F.silu(g) * u)
@@ -493,6 +488,49 @@ class FastForwardMixin:
         h = self.fast_norm(h)
         if last in tap_layers:
             taps[last] = h
+        return self._output(h, plan, tap_layers, taps)
+
+    def _layers_fused(
+        self, h: torch.Tensor, plan: _FastPlan, tap_layers: tuple[int, ...], taps: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        """The decoder layers in bf16 on a CPU with the C kernels: each residual add is fused with
+        the norm after it (h is updated in place, so taps take copies), rotary with the K/V
+        write, SwiGLU into one call. -> the final-normed hidden states [T, d]."""
+        assert self.fused is not None and self.rope_store is not None
+        E, T = self.fused, h.shape[0]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        nq, nk = H * D, Hkv * D
+        h = h.contiguous()
+        if -1 in tap_layers:
+            taps[-1] = h.clone()
+        last = self.num_layers - 1
+        first = self.fast_layers[0].in_norm
+        x = E.add_rmsnorm(h, None, first.w, first.eps)
+        for li, L in enumerate(self.fast_layers):
+            qkv = L.qkv(x)
+            q, k = qkv[:, :nq].view(T, H, D), qkv[:, nq : nq + nk].view(T, Hkv, D)
+            if L.q_norm is not None and L.k_norm is not None:
+                q, k = L.q_norm(q), L.k_norm(k)
+            v = qkv[:, nq + nk :].view(T, Hkv, D)
+            self.rope_store(q, k, v, plan.cos, plan.sin, plan.slots, self.k_cache[li], self.v_cache[li])
+            x = E.add_rmsnorm(
+                h, L.o(self._attention(li, q, None, None, plan)), L.post_norm.w, L.post_norm.eps
+            )
+            after = self.fast_layers[li + 1].in_norm if li < last else self.fast_norm
+            x = E.add_rmsnorm(h, L.down(E.silu_mul(L.gate_up(x))), after.w, after.eps)
+            if li in tap_layers and li != last:
+                taps[li] = h.clone()
+        if last in tap_layers:
+            taps[last] = x
+        return x
+
+    def _output(
+        self, h: torch.Tensor, plan: _FastPlan, tap_layers: tuple[int, ...], taps: dict[int, torch.Tensor]
+    ) -> ForwardOutput:
+        """Logits of the rows that need them and the tap states, from the final-normed h."""
+        from dspark_serve.verifier.model_runner import ForwardOutput
+
+        T = h.shape[0]
         if plan.logit_rows is not None:
             rows = h if plan.logit_rows.numel() == T else h[plan.logit_rows]  # decode: every row
             logits = self.fast_lm_head(rows).float()

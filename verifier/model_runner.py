@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from dspark_serve.verifier.block_manager import BlockManager
 from dspark_serve.verifier.config import ATTENTION_KINDS
 from dspark_serve.verifier.cpu_kernels import (
+    FusedElementwise,
     PagedAttention,
     RopeStore,
     find_compiler,
@@ -142,9 +143,11 @@ class ModelRunner(FastForwardMixin):
         # bf16 with the paged kernel: rotary and the K/V write fused too (float32 keeps torch's
         # ops, the ones the bit-exactness tests hold the fast forward to)
         self.rope_store: RopeStore | None = None
+        self.fused: FusedElementwise | None = None
         lib = load_kernels() if self.paged_attention is not None else None
         if lib is not None and self.dtype == torch.bfloat16 and self.head_dim <= 256:
             self.rope_store = RopeStore(lib, self.num_heads, self.num_kv_heads, self.head_dim)
+            self.fused = FusedElementwise(lib)
         if impl == "fast":
             self._build_fast(linear)
 

@@ -60,7 +60,8 @@ def test_the_wheel_holds_one_namespace_and_no_generic_names(wheel):
         "dspark_serve/server/cli.py",
         "dspark_serve/configs/embedded.toml",
         "dspark_serve/server/static/index.html",
-        "dspark_serve/verifier/csrc/paged_attention.c",  # the CPU kernel builds from it on first use
+        "dspark_serve/verifier/csrc/paged_attention.c",  # the CPU kernels build from these on first use
+        "dspark_serve/verifier/csrc/common.h",
         "dspark_serve/drafter/checkpoints/smollm2-135m-dspark/config.json",
     ):
         assert must in names, must

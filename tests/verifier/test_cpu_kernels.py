@@ -80,17 +80,44 @@ def test_bf16_decode_and_verify_steps_through_gemm_track_the_reference(lib):
     ref = ModelRunner(tiny_model("qwen3", dtype=torch.bfloat16), 64, 4, impl="reference")
     fast = ModelRunner(tiny_model("qwen3", dtype=torch.bfloat16), 64, 4, impl="fast")
     assert fast.linear_kind == "gemm" and fast.attention == "paged"
-    outs = []
+    assert fast.rope_store is not None and fast.fused is not None  # the fused bf16 layer loop
+    outs, hidden = [], []
+    taps = (-1, 0, fast.num_layers - 1)  # embedding, a middle layer (h updated in place), final norm
     for r in (ref, fast):
         r.blocks.append("a", 20)
         r.forward([Segment("a", list(range(20)), 0, 0)])
         steps = []
         for start, toks in ((20, [7]), (21, [3, 9, 4, 1, 5, 2])):
             r.blocks.append("a", len(toks))
-            steps.append(r.forward([Segment("a", toks, start, 0)]).logits)
+            out = r.forward([Segment("a", toks, start, 0)], tap_layers=taps)
+            steps.append(out.logits)
         outs.append(torch.cat(steps))
+        hidden.append(out.hidden.float())
     torch.testing.assert_close(outs[1], outs[0], rtol=0.05, atol=0.05)
     assert (outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean() >= 6 / 7
+    torch.testing.assert_close(hidden[1], hidden[0], rtol=0.05, atol=0.05)
+
+
+def test_add_rmsnorm_and_silu_mul_match_torch_in_bf16(lib):
+    from dspark_serve.verifier.cpu_kernels import FusedElementwise
+
+    g = torch.Generator().manual_seed(3)
+    E = FusedElementwise(lib)
+    h = torch.randn(5, 48, generator=g).bfloat16()
+    delta = torch.randn(5, 96, generator=g).bfloat16()[:, :48]  # rows at a stride
+    w = torch.randn(48, generator=g).bfloat16()
+    want_h = h + delta  # torch's bf16 add: the fused sum must be bit-identical
+    ref = torch.nn.functional.rms_norm(want_h.double(), (48,), w.double(), 1e-6)
+    out = E.add_rmsnorm(h, delta, w, 1e-6)
+    assert torch.equal(h, want_h)
+    assert ((out.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-6).all()
+    out2 = E.add_rmsnorm(h, None, w, 1e-6)  # no add: h unchanged
+    assert torch.equal(h, want_h) and torch.equal(out2, out)
+    gu = (torch.randn(4, 64, generator=g) * 6).bfloat16()  # large |x|: both silu branches
+    gate, up = gu.double().chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    got = E.silu_mul(gu).double()
+    assert ((got - ref).abs() <= ref.abs() * 2**-8 + 1e-6).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -16,22 +16,10 @@
 #include <immintrin.h>
 #endif
 
+#include "common.h"
+
 #define NB 16 /* output rows per packed block */
 #define MB 16 /* rows of x per pass over a block */
-
-static inline float bf(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
-
-static inline uint16_t to_bf(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN */
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
-}
 
 /* W [N, K] (row stride K) -> packed [ceil(N/16)][K/2][16][2]; rows past N are zero. K even. */
 void small_gemm_pack(const uint16_t *W, uint16_t *packed, int N, int K) {
@@ -68,11 +56,11 @@ static inline __attribute__((always_inline)) void block_dot(
         const uint16_t *w = wb + (size_t)kp * 2 * NB;
         float w0[NB], w1[NB];
         for (int j = 0; j < NB; j++) {
-            w0[j] = bf(w[2 * j]);
-            w1[j] = bf(w[2 * j + 1]);
+            w0[j] = bf16_to_f32(w[2 * j]);
+            w1[j] = bf16_to_f32(w[2 * j + 1]);
         }
         for (int m = 0; m < mc; m++) {
-            float x0 = bf(x[m * x_stride + 2 * kp]), x1 = bf(x[m * x_stride + 2 * kp + 1]);
+            float x0 = bf16_to_f32(x[m * x_stride + 2 * kp]), x1 = bf16_to_f32(x[m * x_stride + 2 * kp + 1]);
             for (int j = 0; j < NB; j++) acc[m][j] += w0[j] * x0 + w1[j] * x1;
         }
     }
@@ -113,7 +101,7 @@ void small_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, con
             }
             for (int m = 0; m < mc; m++) {
                 uint16_t *ym = y + (size_t)(m0 + m) * N + n0;
-                for (int j = 0; j < nc; j++) ym[j] = to_bf(acc[m][j] + (bias ? bf(bias[n0 + j]) : 0.0f));
+                for (int j = 0; j < nc; j++) ym[j] = f32_to_bf16(acc[m][j] + (bias ? bf16_to_f32(bias[n0 + j]) : 0.0f));
             }
         }
     }

@@ -1,0 +1,52 @@
+/* Fused elementwise steps of a decoder layer for bfloat16 rows (what torch runs as several small
+ * kernels each): the residual add with the following RMSNorm, and SwiGLU's silu(gate) * up.
+ * float32 arithmetic, one rounding per output, as torch's bf16 kernels round each op's output:
+ * the residual sum is bit-identical to torch's bf16 add; the norm rounds once where the
+ * LayerNorm formulation (FastRMSNorm) also rounds once. Built with csrc/paged_attention.c. */
+#include <math.h>
+#include <stdint.h>
+
+#include "common.h"
+
+/* h [T, d] (row stride d) += delta [T, d] (row stride delta_stride; NULL: no add), rounded to
+ * bf16 in place; then out [T, d] = h / sqrt(mean(h^2) + eps) * w. */
+void add_rmsnorm(uint16_t *h, const uint16_t *delta, int64_t delta_stride, const uint16_t *w,
+                 uint16_t *out, int T, int d, float eps) {
+#pragma omp parallel for schedule(static) if (T > 8)
+    for (int t = 0; t < T; t++) {
+        uint16_t *ht = h + (int64_t)t * d;
+        float ss = 0.0f;
+        if (delta) {
+            const uint16_t *dt = delta + (int64_t)t * delta_stride;
+            for (int i = 0; i < d; i++) {
+                uint16_t s = f32_to_bf16(bf16_to_f32(ht[i]) + bf16_to_f32(dt[i]));
+                ht[i] = s;
+                float x = bf16_to_f32(s);
+                ss += x * x;
+            }
+        } else {
+            for (int i = 0; i < d; i++) {
+                float x = bf16_to_f32(ht[i]);
+                ss += x * x;
+            }
+        }
+        float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        uint16_t *ot = out + (int64_t)t * d;
+        for (int i = 0; i < d; i++) ot[i] = f32_to_bf16(bf16_to_f32(ht[i]) * inv * bf16_to_f32(w[i]));
+    }
+}
+
+/* gu [T, 2n] (gate | up) -> out [T, n] = silu(gate) * up */
+void silu_mul(const uint16_t *gu, uint16_t *out, int T, int n) {
+#pragma omp parallel for schedule(static) if (T > 8)
+    for (int t = 0; t < T; t++) {
+        const uint16_t *g = gu + (int64_t)t * 2 * n, *u = g + n;
+        uint16_t *o = out + (int64_t)t * n;
+        for (int i = 0; i < n; i++) {
+            float x = bf16_to_f32(g[i]);
+            float e = exp_nonpos(x < 0.0f ? x : -x); /* exp(-|x|): no overflow either way */
+            float silu = x < 0.0f ? x * e / (1.0f + e) : x / (1.0f + e);
+            o[i] = f32_to_bf16(silu * bf16_to_f32(u[i]));
+        }
+    }
+}
