@@ -154,7 +154,8 @@ class ModelRunner(FastForwardMixin):
     def _resolve_attention(self, attention: str, impl: str) -> tuple[str, PagedAttention | None]:
         """auto: the paged C kernel on a CPU (float32/bfloat16) where it builds; else matmul for
         bf16/fp16 on CPU and sdpa elsewhere. "paged" asked for where it cannot run is an error."""
-        paged_ok = impl == "fast" and paged_attention_supports(self.dtype, self.device)
+        pow2 = self.block_size & (self.block_size - 1) == 0  # the kernel walks blocks by shifts
+        paged_ok = impl == "fast" and pow2 and paged_attention_supports(self.dtype, self.device)
         if attention in ("auto", "paged") and paged_ok:
             lib = load_kernels()
             if lib is not None:
@@ -162,9 +163,9 @@ class ModelRunner(FastForwardMixin):
                 return "paged", PagedAttention(lib, *geometry)
         if attention == "paged":
             raise ValueError(
-                f"attention 'paged' needs the fast forward with float32/bfloat16 on a CPU and a C "
-                f"compiler; got impl {impl!r}, {self.dtype} on {self.device} "
-                f"({find_compiler() or 'no compiler'})"
+                f"attention 'paged' needs the fast forward with float32/bfloat16 on a CPU, a "
+                f"power-of-two block size and a C compiler; got impl {impl!r}, {self.dtype} on "
+                f"{self.device}, block size {self.block_size} ({find_compiler() or 'no compiler'})"
             )
         if attention == "auto":
             reduced = self.dtype in (torch.bfloat16, torch.float16)
@@ -176,7 +177,8 @@ class ModelRunner(FastForwardMixin):
         if self.impl == "reference":
             return "reference"
         q = "" if self.quantize == "none" else f", weights {self.quantize}"
-        return f"fast (linear {self.linear_kind}, attention {self.attention}{q})"
+        fused = ", fused elementwise" if self.fused is not None else ""
+        return f"fast (linear {self.linear_kind}, attention {self.attention}{fused}{q})"
 
     def forward(self, segments: list[Segment], tap_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """Forward the new tokens of all segments. The caller has already reserved their KV slots

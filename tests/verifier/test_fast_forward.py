@@ -224,6 +224,9 @@ def test_attention_auto_picks_the_paged_kernel_on_cpu_and_falls_back_without_it(
             assert r.attention == "paged" and "attention paged" in r.describe()
         assert ModelRunner(tiny_model("llama"), 64, 4, impl="reference").paged_attention is None
         assert ModelRunner(tiny_model("qwen3", dtype=torch.float16), 64, 4).attention == "matmul"
+        assert ModelRunner(tiny_model("llama"), 64, 3).attention == "sdpa"  # block size not a power of two
+        with pytest.raises(ValueError, match="power-of-two"):
+            ModelRunner(tiny_model("llama"), 64, 3, attention="paged")
     # a machine without a C compiler keeps torch's kernels (and refuses an explicit "paged")
     monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
     monkeypatch.setattr(kernels, "_loaded", {})
