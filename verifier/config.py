@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ATTENTION_KINDS = ("auto", "sdpa", "matmul", "paged")
+LINEAR_KINDS = ("auto", "torch", "mkldnn", "gemm")
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,8 @@ class ModelConfig:
             )
         if self.forward not in ("fast", "reference"):
             raise ValueError(f"forward must be fast or reference, got {self.forward!r}")
-        if self.linear not in ("auto", "torch", "mkldnn", "gemm"):
-            raise ValueError(f"linear must be auto, torch, mkldnn or gemm, got {self.linear!r}")
+        if self.linear not in LINEAR_KINDS:
+            raise ValueError(f"linear must be one of {LINEAR_KINDS}, got {self.linear!r}")
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
         if self.quantize not in ("none", "int8"):

@@ -17,6 +17,7 @@ forward keeps torch's kernels: the kernels are an accelerator, never a requireme
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -125,6 +126,17 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.small_gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32, i32]  # x, stride, packed, bias, y, M, N, K
 
 
+@functools.cache
+def _library_key(compiler: str) -> str:
+    """Hash of the sources, flags, compiler and CPU: read once per process (every linear layer
+    of a model asks for the library at load)."""
+    digest = hashlib.sha256()
+    for src in SOURCES + HEADERS:
+        digest.update(src.read_bytes())
+    digest.update((" ".join(CFLAGS) + compiler + platform.machine() + _cpu_flags()).encode())
+    return digest.hexdigest()[:16]
+
+
 def load_kernels(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     """The compiled kernel library (built once, cached by sources, compiler flags and CPU), or
     None where it cannot be built here."""
@@ -132,11 +144,7 @@ def load_kernels(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     if compiler is None:
         log.info("no C compiler found: the CPU forward stays on torch's kernels")
         return None
-    digest = hashlib.sha256()
-    for src in SOURCES + HEADERS:
-        digest.update(src.read_bytes())
-    digest.update((" ".join(CFLAGS) + compiler + platform.machine() + _cpu_flags()).encode())
-    key = digest.hexdigest()[:16]
+    key = _library_key(compiler)
     if key in _loaded:
         return _loaded[key]
     path = (cache_dir or default_cache_dir()) / "kernels" / f"cpu_kernels-{key}.so"

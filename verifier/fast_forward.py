@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from dspark_serve.verifier.config import LINEAR_KINDS
+
 if TYPE_CHECKING:
     from dspark_serve.verifier.block_manager import BlockManager
     from dspark_serve.verifier.cpu_kernels import FusedElementwise, PagedAttention, RopeStore
     from dspark_serve.verifier.model_runner import ForwardOutput, Segment
 
 SMALL_SEGMENT = 32
-LINEAR_KINDS = ("auto", "torch", "mkldnn", "gemm")
 SMALL_GEMM_ROWS = 12  # up to this many rows small_gemm streams the weights faster than oneDNN
 
 
