@@ -53,6 +53,7 @@ def cmd_gen_data(a: argparse.Namespace) -> None:
         prompts=a.prompts or str(TRAIN_PROMPTS),
         out_dir=a.out,
         max_prompt_tokens=a.max_prompt_tokens,
+        min_prompt_tokens=a.min_prompt_tokens,
         max_new_tokens=a.max_new_tokens,
         max_prompts=a.max_prompts,
         batch_size=a.batch_size,
@@ -375,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     common(g)
     g.add_argument("--prompts", default=None, help="JSONL(.gz) of prompts (default: the vendored train set)")
     g.add_argument("--max-prompt-tokens", type=int, default=256)
+    g.add_argument(
+        "--min-prompt-tokens", type=int, default=0, help="skip prompts this long or shorter (0 = none)"
+    )
     g.add_argument("--max-new-tokens", type=int, default=192)
     g.add_argument("--max-prompts", type=int, default=0, help="0 = all")
     g.add_argument("--batch-size", type=int, default=48, help="prompts per shard")

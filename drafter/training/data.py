@@ -27,6 +27,8 @@ class GenDataConfig:
     prompts: JSONL file of {"turns": [...]} objects (first turn = the user message).
     out_dir: folder for `data/` shards (and `cache/` shards with `with_cache`).
     max_prompt_tokens: prompts longer than this (after the chat template) are skipped.
+    min_prompt_tokens: prompts this long or shorter are skipped (0 = none): a later pass can
+        cover only the prompts an earlier pass's cap left out.
     max_new_tokens: cap on each response.
     max_prompts: use at most this many prompts (after the seeded shuffle); 0 = all.
     batch_size: prompts generated together.
@@ -40,6 +42,7 @@ class GenDataConfig:
     prompts: str
     out_dir: str
     max_prompt_tokens: int = 256
+    min_prompt_tokens: int = 0
     max_new_tokens: int = 192
     max_prompts: int = 0
     batch_size: int = 48
@@ -55,6 +58,11 @@ class GenDataConfig:
         for name in ("max_prompt_tokens", "max_new_tokens", "batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not (0 <= self.min_prompt_tokens < self.max_prompt_tokens):
+            raise ValueError(
+                f"need 0 <= min_prompt_tokens < max_prompt_tokens, got {self.min_prompt_tokens!r}, "
+                f"{self.max_prompt_tokens!r}"
+            )
         if self.max_prompts < 0:
             raise ValueError(f"max_prompts must be >= 0, got {self.max_prompts!r}")
         if self.temperature < 0:
@@ -114,10 +122,11 @@ def encode_chat(tokenizer, user_message: str) -> list[int]:
 
 
 def plan_batches(prompt_ids: list[list[int]], cfg: GenDataConfig) -> list[list[int]]:
-    """Indices of prompts per generation batch: seeded shuffle, length cap, then batches of
+    """Indices of prompts per generation batch: seeded shuffle, length window, then batches of
     similar length (less padding) in a shuffled order so any prefix of shards is a mix."""
     rng = random.Random(cfg.seed)
-    order = [i for i in range(len(prompt_ids)) if len(prompt_ids[i]) <= cfg.max_prompt_tokens]
+    lo, hi = cfg.min_prompt_tokens, cfg.max_prompt_tokens
+    order = [i for i in range(len(prompt_ids)) if lo < len(prompt_ids[i]) <= hi]
     rng.shuffle(order)
     if cfg.max_prompts:
         order = order[: cfg.max_prompts]

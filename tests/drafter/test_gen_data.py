@@ -67,3 +67,18 @@ def test_gen_data_matches_plain_greedy_and_full_forward(llm, tmp_path):
     run_gen_data(cfg, llm.engine, llm.tokenizer, TAPS)
     after = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out" / "data").glob("shard_*.pt")}
     assert before == after
+
+
+def test_plan_batches_keeps_the_length_window_and_rejects_an_empty_one():
+    from dspark_serve.drafter.training.data import plan_batches
+
+    lengths = [5, 10, 11, 20, 21, 30]
+    prompt_ids = [[0] * n for n in lengths]
+    cfg = GenDataConfig(prompts="p", out_dir="o", min_prompt_tokens=10, max_prompt_tokens=20, batch_size=2)
+    planned = sorted(i for b in plan_batches(prompt_ids, cfg) for i in b)
+    # (10, 20]: the prompts an earlier pass capped at 10 tokens left out, up to the new cap
+    assert planned == [2, 3]
+    everything = GenDataConfig(prompts="p", out_dir="o", max_prompt_tokens=30, batch_size=2)
+    assert sorted(i for b in plan_batches(prompt_ids, everything) for i in b) == list(range(6))
+    with pytest.raises(ValueError, match="20"):
+        GenDataConfig(prompts="p", out_dir="o", min_prompt_tokens=20, max_prompt_tokens=20)
