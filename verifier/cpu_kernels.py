@@ -193,6 +193,8 @@ class PagedAttention:
             raise ValueError(f"block_size must be a power of two, got {block_size!r}")
         if layout not in ("head-major", "slot-major"):
             raise ValueError(f"layout must be head-major or slot-major, got {layout!r}")
+        if not (0 < head_dim <= 256):  # the kernel's per-row buffers
+            raise ValueError(f"paged attention needs head_dim <= 256, got {head_dim!r}")
         self.fn = lib.paged_attention
         self.block_shift = block_size.bit_length() - 1
         self.H, self.Hkv, self.D, self.layout = num_heads, num_kv_heads, head_dim, layout

@@ -6,10 +6,13 @@ larger kernels and almost no Python per token.
 - A step's index tensors (token positions, cache slots, rotary rows, attention masks, the block
   lists attention reads) are built from the block tables with tensor ops, not loops over tokens.
 - Rotary embedding reads a cos/sin table built once; q and k are rotated in one op.
-- Attention reads the paged cache by whole blocks (`index_select` of [block_size, Hkv, D] rows
-  straight from the block tables) instead of gathering token slot by token slot; a prefill chunk
-  that starts a sequence attends to its own new keys with no cache read at all; decode/verify
-  segments of equal length need no query re-packing.
+- Attention "paged" (CPUs, the C kernel of verifier/cpu_kernels.py): every segment, decode,
+  verify and prefill chunk alike, reads its keys and values where they lie in the paged cache,
+  walking its block table; nothing is gathered. Attention "sdpa"/"matmul" (CUDA, or without a
+  compiler) reads the cache by whole blocks (`index_select` of [block_size, Hkv, D] rows straight
+  from the block tables); there a prefill chunk that starts a sequence attends to its own new
+  keys with no cache read at all, and decode/verify segments of equal length need no query
+  re-packing.
 - Linear layers go through `make_linear`: plain `F.linear`, oneDNN prepacked weights on CPUs, a
   C kernel for bf16 decode/verify rows on CPUs (verifier/cpu_kernels.py; both guarded by device
   and dtype, never used on CUDA), or weight-only int8.
@@ -158,9 +161,11 @@ class _FastPlan:
     g_first: int = -1  # >= 0: its blocks are g_first .. g_first + nblk - 1
     g_keys: int = 0  # > 0: attend to keys [0, g_keys) only
     # attention "paged": the C kernel reads the cache in place; int32 [G] rows, counts and start
-    # positions of the small segments and their [G, nblk] block table (None: not this path)
+    # positions of every segment's pieces (<= SMALL_SEGMENT queries each) and their [G, nblk]
+    # block table (None: not this path)
     p_segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # (row0, n, start, blocks [nb] | None, mask | None) per segment longer than SMALL_SEGMENT
+    # (attention "sdpa" and "matmul": gathered blocks, then SDPA)
     big: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
     logit_rows: torch.Tensor | None = None
     logits_offsets: list[int] = field(default_factory=list)
@@ -304,16 +309,22 @@ class FastForwardMixin:
             cos, sin = self._cos_table[pd], self._sin_table[pd]
         plan = _FastPlan(ids=ids.to(dev), slots=slots.to(dev), cos=cos[:, None, :], sin=sin[:, None, :])
 
-        small = [i for i in range(S) if lens[i] <= SMALL_SEGMENT]
-        if small and self.attention == "paged":
-            sel = torch.tensor(small)
+        if self.attention == "paged":
+            # Every segment reads the cache in place, prefill chunks too: a long one is cut into
+            # pieces of SMALL_SEGMENT queries (each attends to the keys before it and its own,
+            # through the segment's block table), which bounds the kernel's score buffers and
+            # gives the threads work items even for one long chunk.
+            piece_of = [(i, a) for i in range(S) for a in range(0, lens[i], SMALL_SEGMENT)]
+            seg = torch.tensor([i for i, _ in piece_of])
+            off = torch.tensor([a for _, a in piece_of], dtype=torch.int32)
             plan.p_segments = (
-                torch.tensor(row0, dtype=torch.int32)[sel],
-                lens_t.to(torch.int32)[sel],
-                torch.tensor(starts, dtype=torch.int32)[sel],
-                bt[sel, : max(nblks[i] for i in small)].to(torch.int32).contiguous(),
+                torch.tensor(row0, dtype=torch.int32)[seg] + off,
+                (lens_t.to(torch.int32)[seg] - off).clamp_(max=SMALL_SEGMENT),
+                torch.tensor(starts, dtype=torch.int32)[seg] + off,
+                bt[seg].to(torch.int32).contiguous(),
             )
-        elif small:
+        small = [i for i in range(S) if lens[i] <= SMALL_SEGMENT]
+        if small and self.attention != "paged":
             G = len(small)
             Q = max(lens[i] for i in small)
             nb = max(nblks[i] for i in small)
@@ -346,7 +357,7 @@ class FastForwardMixin:
                 plan.g_rows = torch.where(valid, rows, 0).to(dev)
                 plan.g_valid = valid.to(dev)
         for i in range(S):
-            if lens[i] <= SMALL_SEGMENT:
+            if lens[i] <= SMALL_SEGMENT or self.attention == "paged":
                 continue
             n, st = lens[i], starts[i]
             if st == 0:

@@ -155,7 +155,8 @@ class ModelRunner(FastForwardMixin):
         """auto: the paged C kernel on a CPU (float32/bfloat16) where it builds; else matmul for
         bf16/fp16 on CPU and sdpa elsewhere. "paged" asked for where it cannot run is an error."""
         pow2 = self.block_size & (self.block_size - 1) == 0  # the kernel walks blocks by shifts
-        paged_ok = impl == "fast" and pow2 and paged_attention_supports(self.dtype, self.device)
+        fits = self.head_dim <= 256  # its per-row buffers
+        paged_ok = impl == "fast" and pow2 and fits and paged_attention_supports(self.dtype, self.device)
         if attention in ("auto", "paged") and paged_ok:
             lib = load_kernels()
             if lib is not None:
@@ -164,8 +165,9 @@ class ModelRunner(FastForwardMixin):
         if attention == "paged":
             raise ValueError(
                 f"attention 'paged' needs the fast forward with float32/bfloat16 on a CPU, a "
-                f"power-of-two block size and a C compiler; got impl {impl!r}, {self.dtype} on "
-                f"{self.device}, block size {self.block_size} ({find_compiler() or 'no compiler'})"
+                f"power-of-two block size, head_dim <= 256 and a C compiler; got impl {impl!r}, "
+                f"{self.dtype} on {self.device}, block size {self.block_size}, head_dim "
+                f"{self.head_dim} ({find_compiler() or 'no compiler'})"
             )
         if attention == "auto":
             reduced = self.dtype in (torch.bfloat16, torch.float16)

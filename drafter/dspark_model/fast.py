@@ -162,7 +162,9 @@ class FastDraftBackbone:
     @property
     def reads_pools_in_place(self) -> bool:
         """Whether `forward_block_in_place` can run (the C attention kernel built here)."""
-        return self._kernels is not None and paged_attention_supports(self.dtype, self.device)
+        return (
+            self._kernels is not None and self.D <= 256 and paged_attention_supports(self.dtype, self.device)
+        )
 
     def forward_block_in_place(
         self,

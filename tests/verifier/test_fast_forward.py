@@ -102,7 +102,7 @@ def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, a
     """Shuffled pool: block tables are not contiguous (every segment gathers its blocks).
     Ordered pool with one segment a step now and then: a lone segment on consecutive blocks
     is read in place, with exactly its keys (no mask for one query). The paged C kernel reads
-    every segment in place, whatever its layout."""
+    every segment in place, whatever its layout and length (prefill chunks in pieces)."""
     if attention == "paged":
         needs_paged_kernel()
     rng = random.Random(block_size)
@@ -130,6 +130,9 @@ def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, a
         q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
         plan = runner._plan_fast(segs)
         in_place += plan.g_first >= 0
+        if attention == "paged":  # prefill chunks (33-50 tokens, at 0 or mid-sequence) too
+            assert not plan.big and plan.p_segments is not None
+            assert int(plan.p_segments[1].sum()) == sum(len(s.token_ids) for s in segs)
         out = runner._attention(li, q, k, v, plan)
         r0 = 0
         for s in segs:

@@ -107,6 +107,138 @@ static inline __attribute__((always_inline)) void attend_item(
                      acc + ((size_t)hi * nq + i) * D);
 }
 
+/* The same work item for many query rows (verify steps, prefill pieces): keys in tiles of KT,
+ * each tile's rows widened once into a transposed [D][KT] buffer, so the scores of a query row
+ * against the whole tile are KT-wide multiply-adds over d with no horizontal sum, four rows at a
+ * time (four independent accumulators); values as [KT][D] rows added into each query's output
+ * row. Same float32 maths as attend_item, summed in another order. */
+#define KT 16
+static inline __attribute__((always_inline)) void attend_item_tiled(
+    const void *q, int64_t q_stride, int64_t q_hstride, const void *kh, const void *vh,
+    int64_t kv_stride, void *out,
+    int dtype, int H, int D, float scale, int causal, int r0, int nq, int s0,
+    const int32_t *blocks, int block_shift, int h0, int nh, int64_t max_keys, float *scores,
+    float *qf, float *acc, float *tile) {
+    int block_size = 1 << block_shift;
+    int nkeys = s0 + nq;
+    int rows = nh * nq;
+    for (int hi = 0; hi < nh; hi++)
+        for (int i = 0; i < nq; i++) {
+            float *dst = qf + ((size_t)hi * nq + i) * D;
+            load_at(q, dtype, (int64_t)(r0 + i) * q_stride + (int64_t)(h0 + hi) * q_hstride, D, dst);
+            for (int d = 0; d < D; d++) dst[d] *= scale;
+        }
+    int64_t slots[KT];
+    for (int j0 = 0; j0 < nkeys; j0 += KT) {
+        int nt = nkeys - j0 < KT ? nkeys - j0 : KT;
+        for (int t = 0; t < nt; t++) {
+            int j = j0 + t;
+            slots[t] = (int64_t)blocks[j >> block_shift] * block_size + (j & (block_size - 1));
+        }
+        /* kT[d][t]: key t of the tile, transposed (a short tile is zero-padded) */
+        for (int t = 0; t < KT; t++) {
+            float row[256];
+            if (t < nt)
+                load_at(kh, dtype, slots[t] * kv_stride, D, row);
+            else
+                memset(row, 0, sizeof(float) * (size_t)D);
+            for (int d = 0; d < D; d++) tile[(size_t)d * KT + t] = row[d];
+        }
+        /* rows that see no key of this tile (causal: the tile starts past their last key) skip it */
+        int r = 0;
+        for (; r + 4 <= rows; r += 4) {
+            float s0v[KT] = {0}, s1v[KT] = {0}, s2v[KT] = {0}, s3v[KT] = {0};
+            const float *q0 = qf + (size_t)r * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
+            for (int d = 0; d < D; d++) {
+                const float *kd = tile + (size_t)d * KT;
+                for (int t = 0; t < KT; t++) {
+                    s0v[t] += q0[d] * kd[t];
+                    s1v[t] += q1[d] * kd[t];
+                    s2v[t] += q2[d] * kd[t];
+                    s3v[t] += q3[d] * kd[t];
+                }
+            }
+            for (int t = 0; t < nt; t++) {
+                scores[(size_t)r * max_keys + j0 + t] = s0v[t];
+                scores[(size_t)(r + 1) * max_keys + j0 + t] = s1v[t];
+                scores[(size_t)(r + 2) * max_keys + j0 + t] = s2v[t];
+                scores[(size_t)(r + 3) * max_keys + j0 + t] = s3v[t];
+            }
+        }
+        for (; r < rows; r++) {
+            float sv[KT] = {0};
+            const float *qr = qf + (size_t)r * D;
+            for (int d = 0; d < D; d++)
+                for (int t = 0; t < KT; t++) sv[t] += qr[d] * tile[(size_t)d * KT + t];
+            for (int t = 0; t < nt; t++) scores[(size_t)r * max_keys + j0 + t] = sv[t];
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float *sr = scores + (size_t)r * max_keys;
+        int len = causal ? s0 + r % nq + 1 : nkeys;
+        float m = sr[0];
+        for (int j = 1; j < len; j++) m = sr[j] > m ? sr[j] : m;
+        float sum = 0.0f;
+        for (int j = 0; j < len; j++) {
+            float e = exp_nonpos(sr[j] - m);
+            sr[j] = e;
+            sum += e;
+        }
+        float inv = 1.0f / sum;
+        for (int j = 0; j < len; j++) sr[j] *= inv;
+        for (int j = len; j < nkeys; j++) sr[j] = 0.0f; /* keys the row may not see weigh 0 */
+        memset(acc + (size_t)r * D, 0, sizeof(float) * (size_t)D);
+    }
+    for (int j0 = 0; j0 < nkeys; j0 += KT) {
+        int nt = nkeys - j0 < KT ? nkeys - j0 : KT;
+        for (int t = 0; t < nt; t++) {
+            int j = j0 + t;
+            int64_t slot = (int64_t)blocks[j >> block_shift] * block_size + (j & (block_size - 1));
+            load_at(vh, dtype, slot * kv_stride, D, tile + (size_t)t * D);
+        }
+        for (int r = 0; r < rows; r++) {
+            int len = causal ? s0 + r % nq + 1 : nkeys;
+            if (len <= j0) continue;
+            const float *restrict p = scores + (size_t)r * max_keys + j0;
+            float *restrict ar = acc + (size_t)r * D;
+            float a[256]; /* the output row stays in registers across the tile's keys */
+            for (int d = 0; d < D; d++) a[d] = ar[d];
+            for (int t = 0; t < nt; t++) {
+                float pt = p[t];
+                const float *restrict vt = tile + (size_t)t * D;
+                for (int d = 0; d < D; d++) a[d] += pt * vt[d];
+            }
+            for (int d = 0; d < D; d++) ar[d] = a[d];
+        }
+    }
+    for (int hi = 0; hi < nh; hi++)
+        for (int i = 0; i < nq; i++)
+            store_at(out, dtype, ((int64_t)(r0 + i) * H + h0 + hi) * D, D,
+                     acc + ((size_t)hi * nq + i) * D);
+}
+
+/* attend_item or, from TILED_ROWS query rows on, attend_item_tiled, with D a constant where it is
+ * 64 or 128 (the compiler unrolls and vectorises the row loops) */
+#define TILED_ROWS 8
+static void attend(const void *q, int64_t q_stride, int64_t q_hstride, const void *kh, const void *vh,
+                   int64_t kv_stride, void *out, int dtype, int H, int D, float scale, int causal,
+                   int r0, int nq, int s0, const int32_t *blocks, int block_shift, int h0, int nh,
+                   int64_t max_keys, float *scores, float *qf, float *acc, float *row) {
+#define ATTEND_WITH(FN, DD)                                                                        \
+    FN(q, q_stride, q_hstride, kh, vh, kv_stride, out, dtype, H, DD, scale, causal, r0, nq, s0,  \
+       blocks, block_shift, h0, nh, max_keys, scores, qf, acc, row)
+    if (nh * nq >= TILED_ROWS) {
+        if (D == 64) ATTEND_WITH(attend_item_tiled, 64);
+        else if (D == 128) ATTEND_WITH(attend_item_tiled, 128);
+        else ATTEND_WITH(attend_item_tiled, D);
+    } else {
+        if (D == 64) ATTEND_WITH(attend_item, 64);
+        else if (D == 128) ATTEND_WITH(attend_item, 128);
+        else ATTEND_WITH(attend_item, D);
+    }
+#undef ATTEND_WITH
+}
+
 /* q: [T, H, D] with token and head strides q_stride, q_hstride (elements; each head's D
  * elements contiguous), out:
  * [T, H, D] contiguous; k_cache, v_cache: key/value row of cache slot s and kv head h at
@@ -139,7 +271,7 @@ int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const vo
         float *scores = malloc(sizeof(float) * rows * (size_t)max_keys);
         float *qf = malloc(sizeof(float) * rows * (size_t)D);
         float *acc = malloc(sizeof(float) * rows * (size_t)D);
-        float *row = malloc(sizeof(float) * (size_t)D);
+        float *row = malloc(sizeof(float) * (size_t)D * KT); /* a key row, or a tile */
         if (!scores || !qf || !acc || !row) {
 #pragma omp atomic write
             failed = 1;
@@ -152,18 +284,9 @@ int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const vo
             const void *kh = (const char *)k_cache + (size_t)hk * head_bytes;
             const void *vh = (const char *)v_cache + (size_t)hk * head_bytes;
             const int32_t *blocks = block_table + (int64_t)g * max_blocks;
-            if (D == 64)
-                attend_item(q, q_stride, q_hstride, kh, vh, kv_token_stride, out, dtype, H, 64, scale, causal,
-                            row0[g], n[g], start[g], blocks, block_shift, h0, nh, max_keys, scores,
-                            qf, acc, row);
-            else if (D == 128)
-                attend_item(q, q_stride, q_hstride, kh, vh, kv_token_stride, out, dtype, H, 128, scale, causal,
-                            row0[g], n[g], start[g], blocks, block_shift, h0, nh, max_keys, scores,
-                            qf, acc, row);
-            else
-                attend_item(q, q_stride, q_hstride, kh, vh, kv_token_stride, out, dtype, H, D, scale, causal,
-                            row0[g], n[g], start[g], blocks, block_shift, h0, nh, max_keys, scores,
-                            qf, acc, row);
+            attend(q, q_stride, q_hstride, kh, vh, kv_token_stride, out, dtype, H, D, scale, causal,
+                   row0[g], n[g], start[g], blocks, block_shift, h0, nh, max_keys, scores, qf, acc,
+                   row);
         }
         free(scores);
         free(qf);
