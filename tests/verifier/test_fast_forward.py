@@ -331,7 +331,7 @@ def test_paged_kernel_build_failure_falls_back(monkeypatch, tmp_path, caplog):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 24])  # 64: the unrolled build; 24: the generic one
+@pytest.mark.parametrize("head_dim", [64, 128, 24])  # 64 unrolled, 128 runtime D, 24 generic
 @pytest.mark.parametrize("heads", [(4, 4), (12, 2)])  # per-head items and whole-group items
 def test_paged_kernel_on_strided_queries_matches_dense(dtype, head_dim, heads):
     """The kernel alone: queries read through a token stride (a view of a fused qkv row), many or

@@ -10,7 +10,11 @@
  *
  * A work item is a segment and the query heads that share one kv head: scores for its queries in
  * float32, a float32 softmax, then the weighted sum of value rows, rounded once to the model
- * dtype. Items run in parallel on the OpenMP pool torch already uses (the same libgomp).
+ * dtype. Items run in parallel on the OpenMP pool torch already uses (the same libgomp). Three
+ * bodies of the same maths: bfloat16 on a CPU with AVX512-BF16 (attend_item_bf16: products of
+ * the bf16 rows as they lie, 16 keys a tile, register accumulators; the common case), and
+ * elsewhere one dot product per query and key for a few rows (attend_item) or 16-key tiles
+ * transposed once for many (attend_item_tiled).
  *
  * dtype: 0 float32, 1 bfloat16 (round to nearest even on output). Built with -O3 and
  * -march=native by verifier/cpu_kernels.py; no torch headers, called through ctypes. */
@@ -19,6 +23,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 #include "common.h"
 
@@ -40,6 +47,21 @@ static inline void store_at(void *base, int dtype, int64_t offset, int D, const 
         uint16_t *dst = (uint16_t *)base + offset;
         for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(src[d]);
     }
+}
+
+/* A row of scores [len] turned into probabilities in place: float32, max subtracted. The
+ * reductions are marked `omp simd` so they vectorise (the build has no -ffast-math, which is
+ * what lets a compiler reorder a float sum; OpenMP's pragma allows it for these loops alone). */
+static inline void softmax_row(float *sr, int len) {
+    float m = sr[0];
+#pragma omp simd reduction(max : m)
+    for (int j = 1; j < len; j++) m = sr[j] > m ? sr[j] : m;
+    for (int j = 0; j < len; j++) sr[j] = exp_nonpos(sr[j] - m);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < len; j++) sum += sr[j];
+    float inv = 1.0f / sum;
+    for (int j = 0; j < len; j++) sr[j] *= inv;
 }
 
 /* One work item: query heads h0 .. h0 + nh - 1 (all reading kv head hk) of segment g. Key and
@@ -70,23 +92,13 @@ static inline __attribute__((always_inline)) void attend_item(
             for (int i = first; i < nq; i++) {
                 const float *qi = qf + ((size_t)hi * nq + i) * D;
                 float s = 0.0f;
+#pragma omp simd reduction(+ : s)
                 for (int d = 0; d < D; d++) s += qi[d] * row[d];
                 scores[((size_t)hi * nq + i) * max_keys + j] = s;
             }
     }
     for (int r = 0; r < nh * nq; r++) {
-        float *sr = scores + (size_t)r * max_keys;
-        int len = causal ? s0 + r % nq + 1 : nkeys;
-        float m = sr[0];
-        for (int j = 1; j < len; j++) m = sr[j] > m ? sr[j] : m;
-        float sum = 0.0f;
-        for (int j = 0; j < len; j++) {
-            float e = exp_nonpos(sr[j] - m);
-            sr[j] = e;
-            sum += e;
-        }
-        float inv = 1.0f / sum;
-        for (int j = 0; j < len; j++) sr[j] *= inv;
+        softmax_row(scores + (size_t)r * max_keys, causal ? s0 + r % nq + 1 : nkeys);
         memset(acc + (size_t)r * D, 0, sizeof(float) * (size_t)D);
     }
     for (int j = 0; j < nkeys; j++) {
@@ -176,16 +188,7 @@ static inline __attribute__((always_inline)) void attend_item_tiled(
     for (int r = 0; r < rows; r++) {
         float *sr = scores + (size_t)r * max_keys;
         int len = causal ? s0 + r % nq + 1 : nkeys;
-        float m = sr[0];
-        for (int j = 1; j < len; j++) m = sr[j] > m ? sr[j] : m;
-        float sum = 0.0f;
-        for (int j = 0; j < len; j++) {
-            float e = exp_nonpos(sr[j] - m);
-            sr[j] = e;
-            sum += e;
-        }
-        float inv = 1.0f / sum;
-        for (int j = 0; j < len; j++) sr[j] *= inv;
+        softmax_row(sr, len);
         for (int j = len; j < nkeys; j++) sr[j] = 0.0f; /* keys the row may not see weigh 0 */
         memset(acc + (size_t)r * D, 0, sizeof(float) * (size_t)D);
     }
@@ -217,6 +220,118 @@ static inline __attribute__((always_inline)) void attend_item_tiled(
                      acc + ((size_t)hi * nq + i) * D);
 }
 
+#ifdef __AVX512BF16__
+/* o[t] = sum of the 16 lanes of v[t], t < 16: a transpose-and-add tree (45 instructions for all
+ * 16, instead of a horizontal sum per vector) */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 w[8], u[4];
+    for (int k = 0; k < 8; k++)
+        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                             _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {
+        __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
+        u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88), _mm512_shuffle_f32x4(z01, z23, 0xDD));
+}
+
+/* 16 bf16 at p widened to float32 */
+static inline __m512 widen16(const uint16_t *p) {
+    __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+
+/* The work item in bfloat16 on a CPU with AVX512-BF16 (D a multiple of 32, at most 256): the
+ * scores of a query row against 16 keys are vdpbf16ps products of the bf16 rows as they lie
+ * (exact products, float32 sums; no widening of keys or queries), summed by one sum16 tree; the
+ * softmax as everywhere; the values widened once per key and added into float32 accumulators
+ * held in registers for RB rows at a time. */
+static inline __attribute__((always_inline)) void attend_item_bf16(
+    const void *q, int64_t q_stride, int64_t q_hstride, const void *kh, const void *vh,
+    int64_t kv_stride, void *out, int H, int D, float scale, int causal, int r0, int nq, int s0,
+    const int32_t *blocks, int block_shift, int h0, int nh, int64_t max_keys, float *scores) {
+    const int block_size = 1 << block_shift;
+    const int nkeys = s0 + nq, rows = nh * nq, C = D / 32; /* zmm of bf16 per row */
+    const uint16_t *kb = (const uint16_t *)kh, *vb = (const uint16_t *)vh;
+    const int64_t stride16 = max_keys + 16; /* a score row, room for a whole last tile */
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int j0 = 0; j0 < nkeys; j0 += 16) {
+        int nt = nkeys - j0 < 16 ? nkeys - j0 : 16;
+        const uint16_t *krow[16];
+        for (int t = 0; t < 16; t++) {
+            int j = j0 + (t < nt ? t : 0); /* past the end: any valid key, its score unused */
+            int64_t slot = (int64_t)blocks[j >> block_shift] * block_size + (j & (block_size - 1));
+            krow[t] = kb + slot * kv_stride;
+        }
+        if (rows >= 3 && j0 + 16 < nkeys) { /* the next tile's rows: its block may lie anywhere */
+            int j = j0 + 16;
+            const char *nxt = (const char *)(kb + ((int64_t)blocks[j >> block_shift] * block_size +
+                                                   (j & (block_size - 1))) * kv_stride);
+            for (int b = 0; b < 16 * D * 2 && b < 4096; b += 64) _mm_prefetch(nxt + b, _MM_HINT_T0);
+        }
+        for (int r = 0; r < rows; r++) {
+            int hi = r / nq, i = r % nq;
+            if (causal && j0 > s0 + i) continue; /* the row sees no key of this tile */
+            const uint16_t *qr = (const uint16_t *)q + (int64_t)(r0 + i) * q_stride + (int64_t)(h0 + hi) * q_hstride;
+            __m512bh qv[8];
+            for (int c = 0; c < C; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
+            __m512 part[16];
+            for (int t = 0; t < 16; t++) {
+                __m512 a = _mm512_setzero_ps();
+                for (int c = 0; c < C; c++)
+                    a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(krow[t] + 32 * c));
+                part[t] = a;
+            }
+            _mm512_storeu_ps(scores + (size_t)r * stride16 + j0, _mm512_mul_ps(sum16(part), vscale));
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float *sr = scores + (size_t)r * stride16;
+        int len = causal ? s0 + r % nq + 1 : nkeys;
+        softmax_row(sr, len);
+        for (int j = len; j < nkeys; j++) sr[j] = 0.0f; /* keys the row may not see weigh 0 */
+    }
+    /* RB rows' accumulators (RB * D / 16 zmm) stay in registers across the keys */
+    enum { RB = 4 };
+    for (int rb = 0; rb < rows; rb += RB) {
+        int nr = rows - rb < RB ? rows - rb : RB;
+        int last = 0; /* keys past every row's last visible one are skipped */
+        for (int r = rb; r < rb + nr; r++) {
+            int len = causal ? s0 + r % nq + 1 : nkeys;
+            last = len > last ? len : last;
+        }
+        __m512 acc[RB][16];
+        for (int r = 0; r < RB; r++)
+            for (int c = 0; c < D / 16; c++) acc[r][c] = _mm512_setzero_ps();
+        int64_t slot = 0;
+        for (int j = 0; j < last; j++) {
+            slot = (j & (block_size - 1)) ? slot + 1 : (int64_t)blocks[j >> block_shift] * block_size;
+            const uint16_t *vr = vb + slot * kv_stride;
+            if (nr >= 3 && !(j & (block_size - 1)) && j + block_size < last) { /* the next block's rows */
+                int jn = j + block_size;
+                const char *nxt = (const char *)(vb + (int64_t)blocks[jn >> block_shift] * block_size * kv_stride);
+                for (int b = 0; b < block_size * D * 2 && b < 4096; b += 64) _mm_prefetch(nxt + b, _MM_HINT_T0);
+            }
+            __m512 v[16];
+            for (int c = 0; c < D / 16; c++) v[c] = widen16(vr + 16 * c);
+            for (int r = 0; r < nr; r++) {
+                __m512 p = _mm512_set1_ps(scores[(size_t)(rb + r) * stride16 + j]);
+                for (int c = 0; c < D / 16; c++) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            int hi = (rb + r) / nq, i = (rb + r) % nq;
+            float buf[256];
+            for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(buf + 16 * c, acc[r][c]);
+            store_at(out, 1, ((int64_t)(r0 + i) * H + h0 + hi) * D, D, buf);
+        }
+    }
+}
+#endif
+
 /* attend_item or, from TILED_ROWS query rows on, attend_item_tiled, with D a constant where it is
  * 64 or 128 (the compiler unrolls and vectorises the row loops) */
 #define TILED_ROWS 8
@@ -227,6 +342,17 @@ static void attend(const void *q, int64_t q_stride, int64_t q_hstride, const voi
 #define ATTEND_WITH(FN, DD)                                                                        \
     FN(q, q_stride, q_hstride, kh, vh, kv_stride, out, dtype, H, DD, scale, causal, r0, nq, s0,  \
        blocks, block_shift, h0, nh, max_keys, scores, qf, acc, row)
+#ifdef __AVX512BF16__
+    if (dtype == 1 && D % 32 == 0 && D <= 256) {
+        if (D == 64)
+            attend_item_bf16(q, q_stride, q_hstride, kh, vh, kv_stride, out, H, 64, scale, causal, r0,
+                             nq, s0, blocks, block_shift, h0, nh, max_keys, scores);
+        else
+            attend_item_bf16(q, q_stride, q_hstride, kh, vh, kv_stride, out, H, D, scale, causal, r0,
+                             nq, s0, blocks, block_shift, h0, nh, max_keys, scores);
+        return;
+    }
+#endif
     if (nh * nq >= TILED_ROWS) {
         if (D == 64) ATTEND_WITH(attend_item_tiled, 64);
         else if (D == 128) ATTEND_WITH(attend_item_tiled, 128);
@@ -268,7 +394,7 @@ int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const vo
 #pragma omp parallel
     {
         size_t rows = (size_t)nh * (size_t)max_q;
-        float *scores = malloc(sizeof(float) * rows * (size_t)max_keys);
+        float *scores = malloc(sizeof(float) * rows * (size_t)(max_keys + 16));
         float *qf = malloc(sizeof(float) * rows * (size_t)D);
         float *acc = malloc(sizeof(float) * rows * (size_t)D);
         float *row = malloc(sizeof(float) * (size_t)D * KT); /* a key row, or a tile */
