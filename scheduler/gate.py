@@ -21,6 +21,7 @@ class _Rate:
     tokens: float = 0.0
     seconds: float = 0.0
     samples: int = 0
+    step_seconds: float = 0.0  # moving average of one step's duration
 
     @property
     def value(self) -> float:
@@ -30,6 +31,7 @@ class _Rate:
         keep = 1.0 - alpha if self.samples else 0.0
         self.tokens = keep * self.tokens + tokens
         self.seconds = keep * self.seconds + seconds
+        self.step_seconds = keep * self.step_seconds + (1.0 - keep) * seconds
         self.samples += 1
 
 
@@ -43,6 +45,12 @@ class DraftGate:
     step every n steps loses about (ratio - 1) / n of the level's throughput. So the interval
     grows with the measured gap, to keep that loss under `regret` (1%: a 1.5x slower mode runs
     once every 50 steps).
+
+    What an exploration really costs is measured too: every step of a burst and the first
+    step back in the favoured mode (the switches both ways included), against what the
+    favoured mode would have made in the same time. The interval is the larger of the two
+    bounds, so a burst whose switch is dear (a drafter projecting the context that many plain
+    steps kept, at high load) runs rarely enough that it too stays within `regret`.
 
     A mode runs in bursts of `burst` steps, and the first step after a switch is not measured:
     it pays for the switch, not for the mode. Drafting after plain steps first projects the
@@ -78,6 +86,10 @@ class DraftGate:
     _steps: dict[int, int] = field(default_factory=dict)
     _last: dict[int, bool] = field(default_factory=dict)  # mode of the last recorded step per level
     _since: dict[int, int] = field(default_factory=dict)  # steps since an exploration began
+    # per level: seconds lost so far by the exploration under way, and a moving average of
+    # what a whole exploration lost (the burst and both switches)
+    _open_loss: dict[int, float] = field(default_factory=dict)
+    _burst_loss: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.warmup < 1:
@@ -124,12 +136,18 @@ class DraftGate:
                 return v
         return None
 
-    def interval(self, ratio: float) -> int:
+    def interval(self, ratio: float, level: int | None = None) -> int:
         """Steps between the starts of two explorations (a burst each) when the mode not in
-        favour is `ratio` times slower."""
+        favour is `ratio` times slower; at a `level` whose explorations were measured, also
+        long enough that their measured loss (switches included) stays within `regret`."""
         if not math.isfinite(ratio):
             return self.max_explore_every
         n = math.ceil(self.burst * (ratio - 1.0) / self.regret)
+        v = self.verdict(level) if level is not None and level in self._burst_loss else None
+        if level is not None and v is not None:
+            step = self._rates[(level, v[0])].step_seconds  # a step of the favoured mode
+            if step > 0:
+                n = max(n, math.ceil(self._burst_loss[level] / (self.regret * step)))
         return min(self.max_explore_every, max(self.explore_every, n))
 
     def should_draft(self, num_decodes: int) -> bool:
@@ -143,7 +161,7 @@ class DraftGate:
         # steps since the last exploration burst began; a burst is never cut short, even when
         # the interval (which follows the measured gap) shrinks or grows meanwhile
         k = self._since.get(lvl, self.burst)
-        if k >= self.interval(ratio):
+        if k >= self.interval(ratio, lvl):
             k = 0
         self._since[lvl] = k + 1
         return (not best) if k < self.burst else best
@@ -154,6 +172,7 @@ class DraftGate:
         lvl = self.level(num_decodes)
         switched = self._last.get(lvl, drafting) != drafting
         self._last[lvl] = drafting
+        self._account(lvl, drafting, switched, decode_tokens, seconds)
         if switched:  # the switch's own cost, not the mode's
             return
         # Both modes' memories age with the level's steps, not only with their own: the mode not
@@ -164,3 +183,20 @@ class DraftGate:
             other.tokens *= 1.0 - self.alpha
             other.seconds *= 1.0 - self.alpha
         self._rates.setdefault((lvl, drafting), _Rate()).update(decode_tokens, seconds, self.alpha)
+
+    def _account(self, lvl: int, drafting: bool, switched: bool, tokens: int, seconds: float) -> None:
+        """Book what exploring costs at a level with its own verdict: a step of the mode not
+        in favour, or a switch either way, loses the time the favoured mode would not have
+        needed for the same tokens. The first plain step of the favoured mode closes the
+        exploration's account."""
+        v = self.verdict(lvl)
+        if v is None:
+            return
+        best = self._rates[(lvl, v[0])].value
+        if drafting != v[0] or switched:
+            lost = seconds - (tokens / best if best > 0 else 0.0)
+            self._open_loss[lvl] = self._open_loss.get(lvl, 0.0) + lost
+        elif lvl in self._open_loss:
+            loss = max(0.0, self._open_loss.pop(lvl))
+            old = self._burst_loss.get(lvl)
+            self._burst_loss[lvl] = loss if old is None else 0.5 * old + 0.5 * loss

@@ -53,6 +53,28 @@ def test_switch_steps_are_not_measured():
     assert g.rate(1, False) == pytest.approx(10.0)
 
 
+def test_explorations_that_pay_a_dear_switch_run_more_rarely():
+    """The gap between the modes alone would explore every 30 steps; each exploration here also
+    pays a 10 s switch into plain steps and a 5 s switch back (a drafter absorbing what the plain
+    steps kept), so the interval grows until that measured loss fits the regret too."""
+    g = DraftGate(warmup=2, explore_every=4, regret=0.1)
+    _warm(g, 1, on_rate=100, off_rate=50)  # drafting 2x faster; the warm-up ends on plain steps
+    assert g.interval(2.0, 0) == 30
+    g.record(1, True, decode_tokens=100, seconds=1.0)  # a cheap switch back: nothing lost
+    g.record(1, True, decode_tokens=100, seconds=1.0)
+    assert g.interval(2.0, 0) == 30
+    g.record(1, False, decode_tokens=50, seconds=10.0)  # switch: 9.5 s lost
+    g.record(1, False, decode_tokens=50, seconds=1.0)  # 0.5 s lost each
+    g.record(1, False, decode_tokens=50, seconds=1.0)
+    g.record(1, True, decode_tokens=100, seconds=5.0)  # switching back: 4 s lost
+    assert g.interval(2.0, 0) == 30  # the exploration is not over yet
+    g.record(1, True, decode_tokens=100, seconds=1.0)
+    # its 14.5 s averaged with the first one's 0: 7.25 s lost per exploration, against 1 s
+    # steps and 10% regret -> one every 73 steps
+    assert g.interval(2.0, 0) == 73
+    assert g.rate(1, True) == pytest.approx(100.0) and g.rate(1, False) == pytest.approx(50.0)
+
+
 def test_exploration_interval_follows_the_gap_within_bounds():
     g = DraftGate(explore_every=16, max_explore_every=256, regret=0.02)
     assert g.interval(1.05) == 16  # a small gap: explore at the shortest interval
