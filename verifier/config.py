@@ -36,14 +36,15 @@ class ModelConfig:
     """Matmul kernels of the fast forward: auto (on CPU: gemm for bfloat16 where the C kernels
     build, oneDNN prepacked weights for float32, and for bfloat16 without a compiler; torch
     elsewhere), torch (F.linear), mkldnn (CPU only), or gemm (a C kernel streaming weights packed
-    at load for steps of up to 12 tokens, oneDNN above; bfloat16 on CPU only)."""
+    at load for steps of up to 64 tokens, oneDNN above; bfloat16 on CPU only)."""
     attention: str = "auto"
-    """How the fast forward attends decode/verify segments (up to 32 tokens each): paged (a C
-    kernel, built on first use with the system compiler, that reads the paged KV cache in place;
-    float32/bfloat16 on CPU), sdpa (torch's scaled_dot_product_attention), matmul (two batched
-    matmuls and a float32 softmax; on CPUs torch's bf16 SDPA kernel is several times slower for
-    such short queries), or auto (paged on a CPU where it builds; else matmul for bf16/fp16 on
-    CPU and sdpa elsewhere). Long prefill chunks always use sdpa."""
+    """How the fast forward attends: paged (a C kernel, built on first use with the system
+    compiler, that reads the paged KV cache in place for every segment, decode, verify and
+    prefill chunk alike; float32/bfloat16 on CPU), sdpa (torch's scaled_dot_product_attention),
+    matmul (two batched matmuls and a float32 softmax; on CPUs torch's bf16 SDPA kernel is
+    several times slower for such short queries), or auto (paged on a CPU where it builds; else
+    matmul for bf16/fp16 on CPU and sdpa elsewhere). With sdpa and matmul, segments longer than
+    32 tokens (prefill chunks) use sdpa over their gathered blocks."""
     quantize: str = "none"
     """none, or int8: weight-only int8 with one scale per output channel (fast forward only).
     int8 CHANGES THE TARGET: outputs follow the quantised model, not the float one. On CPU it pays

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from dspark_serve.verifier.model_runner import ForwardOutput, Segment
 
 SMALL_SEGMENT = 32
-SMALL_GEMM_ROWS = 12  # up to this many rows small_gemm streams the weights faster than oneDNN
+SMALL_GEMM_ROWS = 64  # up to this many rows small_gemm is faster than oneDNN (bench/gemm_rows.py)
 
 
 # -- linear layers ------------------------------------------------------------------------------

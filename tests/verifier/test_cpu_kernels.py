@@ -37,8 +37,8 @@ def test_small_gemm_matches_float64_within_one_bf16_rounding(lib, n, k, bias):
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     spy = Spy(w, b)
-    lin = SmallGemmLinear(lib, w, b, spy, max_rows=12)
-    for m in (1, 2, 5, 8, 12, 13):
+    lin = SmallGemmLinear(lib, w, b, spy, max_rows=40)
+    for m in (1, 2, 5, 8, 12, 16, 17, 33, 40, 41):  # rows in passes of 16, and a tail
         x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, :k]  # rows at stride 2k: a view
         y = lin(x)
         ref = x.double() @ w.double().T + (b.double() if bias else 0.0)
@@ -46,7 +46,7 @@ def test_small_gemm_matches_float64_within_one_bf16_rounding(lib, n, k, bias):
         # float32 accumulation, one rounding to bf16 (2^-8 relative); float32 sums add ~1e-6
         err = (y.double() - ref).abs()
         assert (err <= ref.abs() * 2**-8 + 1e-3 * k**0.5).all(), err.max()
-    assert spy.rows == [13]  # only the row count above the limit left the kernel
+    assert spy.rows == [41]  # only the row count above the limit left the kernel
 
 
 def test_small_gemm_catches_a_wrong_packing(lib):
