@@ -185,7 +185,8 @@ def load_or_profile(
     path = None
     if cache_dir is not None:
         # The forward's kernels change the costs: a table measured with others is not reused.
-        key = cache_key(model_name + "|" + runner.describe(), runner.config, runner.device, runner.dtype)
+        signature = model_name + "|" + runner.cost_signature()
+        key = cache_key(signature, runner.config, runner.device, runner.dtype)
         path = Path(cache_dir) / "cost-tables" / f"{model_name}-{runner.device.type}-{key}.json"
         raw = None if reprofile else read_cached(path)
         if raw is not None:

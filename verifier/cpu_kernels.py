@@ -137,6 +137,13 @@ def _library_key(compiler: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def kernels_key() -> str | None:
+    """The key of the kernel library this process would build or load (sources, flags,
+    compiler, CPU), or None without a compiler: what a cost measured with the kernels depends on."""
+    compiler = find_compiler()
+    return _library_key(compiler) if compiler else None
+
+
 def load_kernels(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     """The compiled kernel library (built once, cached by sources, compiler flags and CPU), or
     None where it cannot be built here."""

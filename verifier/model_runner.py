@@ -23,6 +23,7 @@ from dspark_serve.verifier.cpu_kernels import (
     PagedAttention,
     RopeStore,
     find_compiler,
+    kernels_key,
     load_kernels,
     paged_attention_supports,
 )
@@ -181,6 +182,13 @@ class ModelRunner(FastForwardMixin):
         q = "" if self.quantize == "none" else f", weights {self.quantize}"
         fused = ", fused elementwise" if self.fused is not None else ""
         return f"fast (linear {self.linear_kind}, attention {self.attention}{fused}{q})"
+
+    def cost_signature(self) -> str:
+        """describe() plus the C kernels' build key where the forward runs them: a cost table
+        measured with other kernel code (an older build of the same kinds) is not reused."""
+        uses_c = self.paged_attention is not None or self.linear_kind == "gemm" or self.fused is not None
+        key = kernels_key() if uses_c else None
+        return self.describe() + (f" [kernels {key}]" if key else "")
 
     def forward(self, segments: list[Segment], tap_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """Forward the new tokens of all segments. The caller has already reserved their KV slots

@@ -39,6 +39,12 @@ def test_profile_is_measured_cached_and_reprofiled(tmp_path, monkeypatch):
     _, _, source3 = profile.load_or_profile(runner, "tiny", tmp_path, reprofile=True)
     assert source3.startswith("measured") and len(calls) == 2
     assert "steps/s" in profile.format_table(raw)
+    if runner.paged_attention is not None:  # the C kernels run here: a new build of them is
+        import dspark_serve.verifier.model_runner as mr  # new costs, measured again
+
+        monkeypatch.setattr(mr, "kernels_key", lambda: "another-build")
+        _, _, source4 = profile.load_or_profile(runner, "tiny", tmp_path)
+        assert source4.startswith("measured") and len(calls) == 3
 
 
 class ConstantConfidenceDrafter(FakeDrafterBase):
