@@ -119,17 +119,26 @@ def wrap(obj, name: str, label: str, timers: dict) -> None:
 
 
 def label_c_kernels() -> None:
-    """The C matmul is called through ctypes, so the profiler sees no operator for it: label each
-    call (its self time is the kernel's; a oneDNN fallback inside it is timed as its own op)."""
-    from dspark_serve.verifier.cpu_kernels import SmallGemmLinear
+    """The C kernels are called through ctypes, so the profiler sees no operator for them: label
+    each call (its self time is the kernel's; a oneDNN fallback inside the matmul is timed as its
+    own op). The attention kernel sits under the runner's "attention" label, the elementwise ones
+    count as other kernels."""
+    from dspark_serve.verifier import cpu_kernels as ck
 
-    call = SmallGemmLinear.__call__
+    def labelled(cls, method: str, name: str) -> None:
+        call = getattr(cls, method)
 
-    def labelled(self, x):
-        with torch.profiler.record_function("small_gemm"):
-            return call(self, x)
+        def wrapped(self, *a, **k):
+            with torch.profiler.record_function(name):
+                return call(self, *a, **k)
 
-    SmallGemmLinear.__call__ = labelled  # type: ignore[method-assign]
+        setattr(cls, method, wrapped)
+
+    labelled(ck.SmallGemmLinear, "__call__", "small_gemm")
+    labelled(ck.PagedAttention, "__call__", "c_paged_attention")
+    labelled(ck.RopeStore, "__call__", "c_rope_store")
+    labelled(ck.FusedElementwise, "add_rmsnorm", "c_add_rmsnorm")
+    labelled(ck.FusedElementwise, "silu_mul", "c_silu_mul")
 
 
 # -- shapes -----------------------------------------------------------------------------------
