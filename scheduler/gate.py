@@ -60,10 +60,10 @@ class DraftGate:
     time can then stay closed for good.
 
     A level not yet measured borrows a neighbour's verdict: the cost of verification grows with
-    the batch, so if drafting lost at a lower load it starts off here, and if it won at a higher
-    load it starts on; its own measurements (taken as exploration) take over once `warmup`
-    steps of each mode are in. Without a verdict to borrow, it alternates the two modes in
-    bursts.
+    the batch, so if drafting lost at a lower load (or won there by less than `carry`) it starts
+    off here, and if it won at a higher load it starts on; its own measurements (taken as
+    exploration) take over once `warmup` steps of each mode are in. Without a verdict to
+    borrow, it alternates the two modes in bursts.
     """
 
     warmup: int = 6
@@ -82,6 +82,10 @@ class DraftGate:
     """Drafting stays on unless plain steps measure this much faster: near break-even the
     verdict would otherwise flip on noise, and each flip strands the other mode's estimate
     until the next exploration."""
+    carry: float = 1.25
+    """A win of drafting at a lower load by less than this ratio is not carried up: the busier
+    level starts plain (and explores) rather than alternating, since each step up in load makes
+    a verified block dearer while acceptance stays what it was."""
     _rates: dict[tuple[int, bool], _Rate] = field(default_factory=dict)
     _steps: dict[int, int] = field(default_factory=dict)
     _last: dict[int, bool] = field(default_factory=dict)  # mode of the last recorded step per level
@@ -107,6 +111,8 @@ class DraftGate:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha!r}")
         if not (0.0 <= self.margin < 1.0):
             raise ValueError(f"margin must be in [0, 1), got {self.margin!r}")
+        if self.carry < 1.0:
+            raise ValueError(f"carry must be >= 1, got {self.carry!r}")
 
     @staticmethod
     def level(num_decodes: int) -> int:
@@ -128,12 +134,18 @@ class DraftGate:
 
     def borrowed(self, level: int) -> tuple[bool, float] | None:
         """A neighbour's verdict that carries over: drafting lost at a lower level (so it loses
-        here too) or won at a higher one (so it wins here too); the nearest such level."""
+        here too), or won there by less than `carry` (so it likely loses here: plain, with the
+        gap taken as that margin), or won at a higher one (so it wins here too); the nearest
+        such level."""
         measured = sorted({lvl for lvl, _ in self._rates}, key=lambda lvl: abs(lvl - level))
         for lvl in measured:
             v = self.verdict(lvl)
-            if v is not None and ((lvl < level and not v[0]) or (lvl > level and v[0])):
+            if v is None:
+                continue
+            if (lvl < level and not v[0]) or (lvl > level and v[0]):
                 return v
+            if lvl < level and v[1] < self.carry:
+                return False, v[1]
         return None
 
     def interval(self, ratio: float, level: int | None = None) -> int:

@@ -98,7 +98,12 @@ def test_unmeasured_level_borrows_a_neighbours_verdict():
     h = DraftGate(warmup=2)
     _warm(h, 8, on_rate=200, off_rate=100)  # drafting wins at 8 decodes (level 3)
     assert h.borrowed(1) == (True, pytest.approx(2.0)) and h.should_draft(2) is True
-    assert h.borrowed(5) is None  # a win at lower load says nothing about higher load
+    assert h.borrowed(5) is None  # a clear win at lower load says nothing about higher load
+    m = DraftGate(warmup=2, explore_every=16, regret=0.1)
+    _warm(m, 4, on_rate=110, off_rate=100)  # drafting wins by 10% at 4 decodes (level 2)
+    assert m.borrowed(4) == (False, pytest.approx(1.1))  # 16 decodes: a thin win does not carry up
+    picks = [m.should_draft(16) for _ in range(16)]
+    assert picks[0] is False and picks.count(True) == 3  # plain, one exploration burst (interval 16)
 
 
 def test_gate_config_rejects_bad_values():
@@ -110,6 +115,7 @@ def test_gate_config_rejects_bad_values():
         dict(alpha=2.0),
         dict(margin=1.5),
         dict(burst=1),
+        dict(carry=0.5),
     )
     for bad in bads:
         with pytest.raises(ValueError, match=repr(next(iter(bad.values())))):
