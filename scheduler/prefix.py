@@ -49,7 +49,8 @@ class TapCache:
         have = 0 if self.rows is None else self.rows.shape[0]
         if need > have:
             cap = min(max(need, 2 * have, 1024), self.blocks.num_blocks * self.blocks.block_size)
-            grown = torch.zeros(cap, h.shape[1], device=h.device, dtype=h.dtype)
+            # empty, not zeros: a row is read only for a cached block, which had its rows written
+            grown = torch.empty(cap, h.shape[1], device=h.device, dtype=h.dtype)
             if self.rows is not None:
                 grown[:have] = self.rows
             self.rows = grown
