@@ -33,6 +33,20 @@ def median(xs) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
+def timing_args(ap, repeats: int = 5):
+    """The options every microbenchmark shares (--repeats, --threads, --out): parse them and
+    apply --threads. -> the parsed arguments."""
+    import torch
+
+    ap.add_argument("--repeats", type=int, default=repeats, help="passes per point (the fastest counts)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
 def machine() -> str:
     import os
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.common import machine  # noqa: E402
+from bench.common import machine, timing_args  # noqa: E402
 
 
 def best_pass(linears, xs, repeats: int) -> float:
@@ -41,12 +41,7 @@ def main() -> None:
         type=lambda s: [int(x) for x in s.split(",")],
         default=[1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96],
     )
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = timing_args(ap)
     from dspark_serve.scheduler.llm import LLM
 
     runner = LLM(

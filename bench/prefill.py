@@ -22,9 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
 
-from bench.common import machine  # noqa: E402
+from bench.common import machine, timing_args  # noqa: E402
 
 
 def chunk_times(runner, context: int, chunk: int) -> list[float]:
@@ -49,12 +48,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[512, 1024, 2048])
     ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = timing_args(ap)
     from dspark_serve.scheduler.llm import LLM
 
     kinds = ("paged", "sdpa")

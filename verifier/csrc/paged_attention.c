@@ -64,6 +64,18 @@ static inline void softmax_row(float *sr, int len) {
     for (int j = 0; j < len; j++) sr[j] *= inv;
 }
 
+/* The item's query rows (heads h0.., tokens r0..), widened and scaled, to qf [nh * nq][D] */
+static inline __attribute__((always_inline)) void load_queries(
+    const void *q, int64_t q_stride, int64_t q_hstride, int dtype, int D, float scale, int r0,
+    int nq, int h0, int nh, float *qf) {
+    for (int hi = 0; hi < nh; hi++)
+        for (int i = 0; i < nq; i++) {
+            float *dst = qf + ((size_t)hi * nq + i) * D;
+            load_at(q, dtype, (int64_t)(r0 + i) * q_stride + (int64_t)(h0 + hi) * q_hstride, D, dst);
+            for (int d = 0; d < D; d++) dst[d] *= scale;
+        }
+}
+
 /* One work item: query heads h0 .. h0 + nh - 1 (all reading kv head hk) of segment g. Key and
  * value rows are widened once and used by every query row of the item. Inlined with D a
  * constant where it is 64 or 128, so the compiler unrolls and vectorises the row loops. */
@@ -75,12 +87,7 @@ static inline __attribute__((always_inline)) void attend_item(
     float *qf, float *acc, float *row) {
     int block_size = 1 << block_shift;
     int nkeys = s0 + nq;
-    for (int hi = 0; hi < nh; hi++)
-        for (int i = 0; i < nq; i++) {
-            float *dst = qf + ((size_t)hi * nq + i) * D;
-            load_at(q, dtype, (int64_t)(r0 + i) * q_stride + (int64_t)(h0 + hi) * q_hstride, D, dst);
-            for (int d = 0; d < D; d++) dst[d] *= scale;
-        }
+    load_queries(q, q_stride, q_hstride, dtype, D, scale, r0, nq, h0, nh, qf);
     /* scores[row][j] = q_row . k_j for the keys the row's query may see (causal: j <= s0 + i;
      * else every key, j < s0 + nq) */
     int64_t slot = 0; /* the cache slot of key j, advanced key by key */
@@ -134,12 +141,7 @@ static inline __attribute__((always_inline)) void attend_item_tiled(
     int block_size = 1 << block_shift;
     int nkeys = s0 + nq;
     int rows = nh * nq;
-    for (int hi = 0; hi < nh; hi++)
-        for (int i = 0; i < nq; i++) {
-            float *dst = qf + ((size_t)hi * nq + i) * D;
-            load_at(q, dtype, (int64_t)(r0 + i) * q_stride + (int64_t)(h0 + hi) * q_hstride, D, dst);
-            for (int d = 0; d < D; d++) dst[d] *= scale;
-        }
+    load_queries(q, q_stride, q_hstride, dtype, D, scale, r0, nq, h0, nh, qf);
     int64_t slots[KT];
     for (int j0 = 0; j0 < nkeys; j0 += KT) {
         int nt = nkeys - j0 < KT ? nkeys - j0 : KT;
