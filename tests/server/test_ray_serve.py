@@ -290,7 +290,9 @@ def test_autoscaling_on_ongoing_requests(serve_cluster):
     serve.run(deployment(model, drafter, sched, server, rcfg), name=app, route_prefix="/")
     try:
         assert _running_replicas(serve, app) == 1
-        streams = [_long_stream(url, 300) for _ in range(3)]  # 3 in flight against a target of 1
+        # 3 in flight against a target of 1, long enough (~20 s at this machine's speed) to outlast
+        # a second replica's start: streams that end first drop the load before it is counted
+        streams = [_long_stream(url) for _ in range(3)]
         _wait(lambda: _running_replicas(serve, app) == 2, 180, "the scale-up to 2 replicas")
         assert _running_replicas(serve, app) <= 2  # never past max_replicas
         for t, _, _ in streams:
