@@ -357,8 +357,8 @@ class FusedElementwise:
 
 class SmallGemmLinear:
     """A bfloat16 linear layer through `small_gemm` for up to `max_rows` rows (decode and short
-    verify steps), and through `fallback` (oneDNN's prepacked kernel) for more. The weight is
-    packed once, into its own buffer."""
+    verify steps), and through `fallback` (oneDNN's prepacked kernel, or torch's linear where
+    oneDNN cannot run bf16) for more. The weight is packed once, into its own buffer."""
 
     kind = "gemm"
 

@@ -118,7 +118,8 @@ def mkldnn_linear_works(dtype: torch.dtype, device: torch.device) -> bool:
 def make_linear(w: torch.Tensor, b: torch.Tensor | None, kind: str, quantize: str) -> Linear:
     """kind: auto (gemm for bf16 on a CPU where the C kernels build, else mkldnn where it works:
     float32/bf16 on CPU; else torch), torch, mkldnn, or gemm (the C small-row kernel for up to
-    SMALL_GEMM_ROWS rows, oneDNN above; bf16 on CPU only)."""
+    SMALL_GEMM_ROWS rows, oneDNN above, or torch's linear where oneDNN cannot run bf16, as on a
+    CPU without AVX512; bf16 on CPU only)."""
     if quantize == "int8":
         return _Int8Linear(w, b)
     gemm_shape = w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[1] % 2 == 0
@@ -126,8 +127,10 @@ def make_linear(w: torch.Tensor, b: torch.Tensor | None, kind: str, quantize: st
         from dspark_serve.verifier.cpu_kernels import SmallGemmLinear, load_kernels
 
         lib = load_kernels()
-        if lib is not None and mkldnn_linear_works(w.dtype, w.device):
-            return SmallGemmLinear(lib, w, b, _MkldnnLinear(w, b), SMALL_GEMM_ROWS)
+        if lib is not None:
+            onednn = mkldnn_linear_works(w.dtype, w.device)
+            above: Linear = _MkldnnLinear(w, b) if onednn else _TorchLinear(w, b)
+            return SmallGemmLinear(lib, w, b, above, SMALL_GEMM_ROWS)
     if kind == "gemm":
         raise ValueError(
             f"linear 'gemm' needs bfloat16 weights with an even input size on a CPU with oneDNN and a C "
