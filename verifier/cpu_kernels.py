@@ -3,8 +3,9 @@
 - `paged_attention` (csrc/paged_attention.c) attends short decode/verify segments straight from
   the paged KV cache: no per-layer gather of each request's context, no padded mask tensors,
   one call per layer.
-- `small_gemm` (csrc/small_gemm.c) multiplies a few bfloat16 rows by weights packed once at
-  load, streaming every weight byte once per call (decode and short verify steps).
+- `small_gemm` (csrc/small_gemm.c) multiplies a few bfloat16 (or float32) rows by weights
+  packed once at load, streaming every weight byte once per call (decode and short verify
+  steps).
 - `rope_store`, `add_rmsnorm`, `silu_mul` fuse a bf16 layer's small elementwise steps (rotary
   with the K/V write, the residual add with the next norm, SwiGLU), one call each.
 
@@ -124,6 +125,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.small_gemm_pack.argtypes = [ptr, ptr, i32, i32]  # W, packed, N, K
     lib.small_gemm.restype = None
     lib.small_gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32, i32]  # x, stride, packed, bias, y, M, N, K
+    lib.small_gemm_f32_pack.restype = None
+    lib.small_gemm_f32_pack.argtypes = lib.small_gemm_pack.argtypes
+    lib.small_gemm_f32.restype = None
+    lib.small_gemm_f32.argtypes = lib.small_gemm.argtypes
 
 
 @functools.cache
@@ -356,27 +361,32 @@ class FusedElementwise:
 
 
 class SmallGemmLinear:
-    """A bfloat16 linear layer through `small_gemm` for up to `max_rows` rows (decode and short
-    verify steps), and through `fallback` (oneDNN's prepacked kernel, or torch's linear where
-    oneDNN cannot run bf16) for more. The weight is packed once, into its own buffer."""
+    """A bfloat16 or float32 linear layer through `small_gemm` (`small_gemm_f32`) for up to
+    `max_rows` rows (decode and short verify steps), and through `fallback` (oneDNN's prepacked
+    kernel, or torch's linear where oneDNN cannot run bf16) for more. The weight is packed once,
+    into its own buffer."""
 
     kind = "gemm"
 
     def __init__(
         self, lib: ctypes.CDLL, w: torch.Tensor, b: torch.Tensor | None, fallback: Linear, max_rows: int
     ) -> None:
-        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] % 2:
+        bf16 = w.dtype == torch.bfloat16
+        if not (bf16 or w.dtype == torch.float32) or w.device.type != "cpu" or w.dim() != 2 or (bf16 and w.shape[1] % 2):
             got = f"{w.dtype} {tuple(w.shape)} on {w.device}"
-            raise ValueError(f"small_gemm needs a 2-D bfloat16 CPU weight with even K, got {got}")
+            raise ValueError(f"small_gemm needs a 2-D float32 or bfloat16 (even K) CPU weight, got {got}")
         self.N, self.K = w.shape
-        self.packed = torch.empty(-(-self.N // 16) * 16 * self.K, dtype=torch.bfloat16)
-        lib.small_gemm_pack(w.contiguous().data_ptr(), self.packed.data_ptr(), self.N, self.K)
-        self.bias = None if b is None else b.to(torch.bfloat16).contiguous()
-        self.fn, self.fallback, self.max_rows = lib.small_gemm, fallback, max_rows
+        self.dtype = w.dtype
+        self.packed = torch.empty(-(-self.N // 16) * 16 * self.K, dtype=w.dtype)
+        pack = lib.small_gemm_pack if bf16 else lib.small_gemm_f32_pack
+        pack(w.contiguous().data_ptr(), self.packed.data_ptr(), self.N, self.K)
+        self.bias = None if b is None else b.to(w.dtype).contiguous()
+        self.fn = lib.small_gemm if bf16 else lib.small_gemm_f32
+        self.fallback, self.max_rows = fallback, max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         M = x.shape[0]
-        if M > self.max_rows or x.dtype != torch.bfloat16 or x.stride(-1) != 1 or x.dim() != 2:
+        if M > self.max_rows or x.dtype != self.dtype or x.stride(-1) != 1 or x.dim() != 2:
             return self.fallback(x)
         y = x.new_empty(M, self.N)
         bias = 0 if self.bias is None else self.bias.data_ptr()

@@ -116,13 +116,14 @@ def mkldnn_linear_works(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def make_linear(w: torch.Tensor, b: torch.Tensor | None, kind: str, quantize: str) -> Linear:
-    """kind: auto (gemm for bf16 on a CPU where the C kernels build, else mkldnn where it works:
-    float32/bf16 on CPU; else torch), torch, mkldnn, or gemm (the C small-row kernel for up to
-    SMALL_GEMM_ROWS rows, oneDNN above, or torch's linear where oneDNN cannot run bf16, as on a
-    CPU without AVX512; bf16 on CPU only)."""
+    """kind: auto (gemm for float32 and bf16 on a CPU where the C kernels build, else mkldnn
+    where it works: float32/bf16 on CPU; else torch), torch, mkldnn, or gemm (the C kernel: bf16
+    for up to SMALL_GEMM_ROWS rows, oneDNN above, or torch's linear where oneDNN cannot run bf16,
+    as on a CPU without AVX512; float32 for every row count; CPU only)."""
     if quantize == "int8":
         return _Int8Linear(w, b)
-    gemm_shape = w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[1] % 2 == 0
+    bf16 = w.dtype == torch.bfloat16
+    gemm_shape = w.device.type == "cpu" and ((bf16 and w.shape[1] % 2 == 0) or w.dtype == torch.float32)
     if kind in ("auto", "gemm") and gemm_shape:
         from dspark_serve.verifier.cpu_kernels import SmallGemmLinear, load_kernels
 
@@ -130,11 +131,15 @@ def make_linear(w: torch.Tensor, b: torch.Tensor | None, kind: str, quantize: st
         if lib is not None:
             onednn = mkldnn_linear_works(w.dtype, w.device)
             above: Linear = _MkldnnLinear(w, b) if onednn else _TorchLinear(w, b)
-            return SmallGemmLinear(lib, w, b, above, SMALL_GEMM_ROWS)
+            # float32 runs every row count through the kernel: it beat oneDNN's float32 kernel
+            # at 1 to 512 rows (bench/gemm_rows.py), and a row's sums then run in one order
+            # however many rows share the call, so float32 linears are batch-invariant.
+            rows = SMALL_GEMM_ROWS if bf16 else 1 << 30
+            return SmallGemmLinear(lib, w, b, above, rows)
     if kind == "gemm":
         raise ValueError(
-            f"linear 'gemm' needs bfloat16 weights with an even input size on a CPU with oneDNN and a C "
-            f"compiler, got {w.dtype} {tuple(w.shape)} on {w.device}"
+            f"linear 'gemm' needs float32 weights, or bfloat16 ones with an even input size, on a CPU "
+            f"with a C compiler, got {w.dtype} {tuple(w.shape)} on {w.device}"
         )
     if kind == "mkldnn" or (kind == "auto" and mkldnn_linear_works(w.dtype, w.device)):
         return _MkldnnLinear(w, b)

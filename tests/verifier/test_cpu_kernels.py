@@ -1,5 +1,5 @@
 """The C small-row matmul (verifier/csrc/small_gemm.c) against a float64 reference, its routing
-(rows above the limit go to oneDNN) and its selection by `make_linear`. The paged attention
+(bf16 rows above the limit go to oneDNN), the float32 kernel's batch invariance and its selection by `make_linear`. The paged attention
 kernel is held to a dense reference in test_fast_forward.py."""
 
 import pytest
@@ -59,14 +59,47 @@ def test_small_gemm_catches_a_wrong_packing(lib):
     assert not torch.allclose(lin(x).float(), (x.float() @ w[:, :62].float().T), rtol=1e-2, atol=1e-2)
 
 
-def test_make_linear_picks_gemm_for_bf16_on_cpu_only(lib, monkeypatch):
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n,k", [(20, 6), (64, 63), (100, 576), (37, 1536)])  # N tails, odd K
+def test_small_gemm_f32_matches_float64(lib, n, k, bias):
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    spy = Spy(w, b)
+    lin = SmallGemmLinear(lib, w, b, spy, max_rows=1 << 30)
+    for m in (1, 2, 5, 6, 7, 12, 13, 40, 130):  # passes of 6 (AVX2) or 12 (AVX512) rows, tails
+        x = torch.randn(m, 2 * k, generator=g)[:, :k]  # rows at stride 2k: a view
+        y = lin(x)
+        ref = x.double() @ w.double().T + (b.double() if bias else 0.0)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        assert ((y.double() - ref).abs() <= 1e-5 * k**0.5 * (1 + ref.abs())).all()
+    assert spy.rows == []
+
+
+def test_small_gemm_f32_is_batch_invariant(lib):
+    """A row's output is the same bits whether it is alone in the call or one of many (so a
+    token's float32 logits do not depend on how many tokens share the forward); oneDNN's own
+    kernel, for contrast, is not held to this."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 576, generator=g)
+    lin = SmallGemmLinear(lib, w, None, Spy(w, None), max_rows=1 << 30)
+    x = torch.randn(77, 576, generator=g)
+    together = lin(x)
+    for i in (0, 5, 6, 40, 76):
+        assert torch.equal(lin(x[i : i + 1]), together[i : i + 1])
+        assert torch.equal(lin(x[i : i + 3]), together[i : i + 3])
+
+
+def test_make_linear_picks_gemm_on_cpu_only(lib, monkeypatch):
     w = torch.randn(48, 32)
     assert ff.make_linear(w.bfloat16(), None, "auto", "none").kind == "gemm"
     assert ff.make_linear(w.bfloat16(), None, "gemm", "none").kind == "gemm"
-    assert ff.make_linear(w, None, "auto", "none").kind in ("mkldnn", "torch")  # float32: not gemm
-    assert ff.make_linear(w[:, :31].bfloat16(), None, "auto", "none").kind != "gemm"  # odd K
+    f32 = ff.make_linear(w, None, "auto", "none")
+    assert f32.kind == "gemm" and f32.max_rows >= 1 << 20  # float32: every row count, batch-invariant
+    assert ff.make_linear(w[:, :31].bfloat16(), None, "auto", "none").kind != "gemm"  # odd K in bf16
+    assert ff.make_linear(w[:, :31], None, "auto", "none").kind == "gemm"  # any K in float32
     with pytest.raises(ValueError, match="gemm"):
-        ff.make_linear(w, None, "gemm", "none")
+        ff.make_linear(w.half(), None, "gemm", "none")
     # rows above the kernel's limit go to oneDNN, or to torch where oneDNN cannot run bf16
     above = "mkldnn" if ff.mkldnn_linear_works(torch.bfloat16, torch.device("cpu")) else "torch"
     assert ff.make_linear(w.bfloat16(), None, "auto", "none").fallback.kind == above

@@ -164,6 +164,7 @@ def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, a
 
 def test_torch_linear_fallback_when_onednn_is_unavailable(monkeypatch):
     monkeypatch.setattr(ff, "mkldnn_linear_works", lambda dtype, device: False)
+    monkeypatch.setattr("dspark_serve.verifier.cpu_kernels.load_kernels", lambda: None)  # no C kernel
     model = tiny_model("qwen2")
     runner = ModelRunner(model, 64, 4, impl="fast", linear="auto")
     assert runner.linear_kind == "torch" and "torch" in runner.describe()
@@ -179,7 +180,12 @@ def test_torch_linear_fallback_when_onednn_is_unavailable(monkeypatch):
 
 
 @pytest.mark.skipif(not ff.mkldnn_linear_works(torch.float32, torch.device("cpu")), reason="no oneDNN")
-def test_auto_picks_onednn_on_cpu_and_reference_uses_modules():
+def test_auto_picks_onednn_on_cpu_and_reference_uses_modules(monkeypatch):
+    from dspark_serve.verifier.cpu_kernels import load_kernels
+
+    # the C kernel where it builds, oneDNN where it does not
+    assert ModelRunner(tiny_model("llama"), 64, 4).linear_kind == ("gemm" if load_kernels() else "mkldnn")
+    monkeypatch.setattr("dspark_serve.verifier.cpu_kernels.load_kernels", lambda: None)
     assert ModelRunner(tiny_model("llama"), 64, 4).linear_kind == "mkldnn"
     assert ModelRunner(tiny_model("llama"), 64, 4, impl="reference").describe() == "reference"
 

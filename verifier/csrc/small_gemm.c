@@ -12,7 +12,7 @@
  * Built with verifier/csrc/paged_attention.c into one library by verifier/cpu_kernels.py. */
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -105,6 +105,105 @@ void small_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, con
             for (int m = 0; m < mc; m++) {
                 uint16_t *ym = y + (size_t)(m0 + m) * N + n0;
                 for (int j = 0; j < nc; j++) ym[j] = f32_to_bf16(acc[m][j] + (bias ? bf16_to_f32(bias[n0 + j]) : 0.0f));
+            }
+        }
+    }
+}
+
+/* ---- float32 ---------------------------------------------------------------------------------
+ * The same idea for float32 weights (the default dtype on CPUs without native bf16): packed
+ * [ceil(N/16)][K][16], so one 64-byte line holds one input's weights for 16 outputs, and each
+ * row of x accumulates 16 outputs in registers (one zmm with AVX512, two ymm with AVX2, fused
+ * multiply-adds). Each row's sums run over k in the same order whatever M is, so a
+ * row's output does not depend on how many rows share the call. */
+#ifdef __AVX512F__
+#define MBF 12 /* rows per pass: 12 accumulators + weights in 32 zmm registers */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MBF 6 /* AVX2: 12 ymm accumulators + 2 for the weights + 1 broadcast of 16 */
+#else
+#define MBF 4
+#endif
+
+/* W [N, K] (row stride K) -> packed [ceil(N/16)][K][16]; rows past N are zero. */
+void small_gemm_f32_pack(const float *W, float *packed, int N, int K) {
+    int blocks = (N + NB - 1) / NB;
+    for (int b = 0; b < blocks; b++)
+        for (int k = 0; k < K; k++)
+            for (int j = 0; j < NB; j++) {
+                int n = b * NB + j;
+                packed[((size_t)b * K + k) * NB + j] = n < N ? W[(size_t)n * K + k] : 0.0f;
+            }
+}
+
+/* out[mc][16] over one block: its weights against mc (<= MBF) rows of x */
+static inline __attribute__((always_inline)) void block_dot_f32(
+    const float *wb, const float *x, int64_t x_stride, int K, int mc, float out[MBF][NB]) {
+#ifdef __AVX512F__
+    __m512 a[MBF];
+    for (int m = 0; m < mc; m++) a[m] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        _mm_prefetch((const char *)(wb + (size_t)(k + PF) * NB), _MM_HINT_T0);
+        __m512 w = _mm512_loadu_ps(wb + (size_t)k * NB);
+        for (int m = 0; m < mc; m++) a[m] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[m * x_stride + k]), a[m]);
+    }
+    for (int m = 0; m < mc; m++) _mm512_storeu_ps(out[m], a[m]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 lo[MBF], hi[MBF];
+    for (int m = 0; m < mc; m++) lo[m] = hi[m] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        _mm_prefetch((const char *)(wb + (size_t)(k + PF) * NB), _MM_HINT_T0);
+        __m256 w0 = _mm256_loadu_ps(wb + (size_t)k * NB), w1 = _mm256_loadu_ps(wb + (size_t)k * NB + 8);
+        for (int m = 0; m < mc; m++) {
+            __m256 xv = _mm256_broadcast_ss(x + m * x_stride + k);
+            lo[m] = _mm256_fmadd_ps(w0, xv, lo[m]);
+            hi[m] = _mm256_fmadd_ps(w1, xv, hi[m]);
+        }
+    }
+    for (int m = 0; m < mc; m++) {
+        _mm256_storeu_ps(out[m], lo[m]);
+        _mm256_storeu_ps(out[m] + 8, hi[m]);
+    }
+#else
+    for (int m = 0; m < mc; m++)
+        for (int j = 0; j < NB; j++) out[m][j] = 0.0f;
+    for (int k = 0; k < K; k++)
+        for (int m = 0; m < mc; m++)
+            for (int j = 0; j < NB; j++) out[m][j] += wb[(size_t)k * NB + j] * x[m * x_stride + k];
+#endif
+}
+
+/* x: [M, K] with row stride x_stride (elements); packed from small_gemm_f32_pack; bias: [N] or
+ * NULL; y: [M, N] contiguous. */
+void small_gemm_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y,
+                    int M, int N, int K) {
+    int blocks = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static)
+    for (int b = 0; b < blocks; b++) {
+        const float *wb = packed + (size_t)b * K * NB;
+        int n0 = b * NB, nc = N - n0 < NB ? N - n0 : NB;
+        for (int m0 = 0; m0 < M; m0 += MBF) {
+            int mc = M - m0 < MBF ? M - m0 : MBF;
+            float acc[MBF][NB];
+            const float *xm = x + m0 * x_stride;
+            switch (mc) { /* a constant row count per call site keeps the sums in registers */
+            case 1: block_dot_f32(wb, xm, x_stride, K, 1, acc); break;
+            case 2: block_dot_f32(wb, xm, x_stride, K, 2, acc); break;
+            case 3: block_dot_f32(wb, xm, x_stride, K, 3, acc); break;
+            case 4: block_dot_f32(wb, xm, x_stride, K, 4, acc); break;
+            case 5: block_dot_f32(wb, xm, x_stride, K, 5, acc); break;
+#if MBF > 6
+            case 6: block_dot_f32(wb, xm, x_stride, K, 6, acc); break;
+            case 7: block_dot_f32(wb, xm, x_stride, K, 7, acc); break;
+            case 8: block_dot_f32(wb, xm, x_stride, K, 8, acc); break;
+            case 9: block_dot_f32(wb, xm, x_stride, K, 9, acc); break;
+            case 10: block_dot_f32(wb, xm, x_stride, K, 10, acc); break;
+            case 11: block_dot_f32(wb, xm, x_stride, K, 11, acc); break;
+#endif
+            default: block_dot_f32(wb, xm, x_stride, K, MBF, acc); break;
+            }
+            for (int m = 0; m < mc; m++) {
+                float *ym = y + (size_t)(m0 + m) * N + n0;
+                for (int j = 0; j < nc; j++) ym[j] = acc[m][j] + (bias ? bias[n0 + j] : 0.0f);
             }
         }
     }
