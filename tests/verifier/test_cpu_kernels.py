@@ -1,6 +1,7 @@
 """The C small-row matmul (verifier/csrc/small_gemm.c) against a float64 reference, its routing
-(bf16 rows above the limit go to oneDNN), the float32 kernel's batch invariance and its selection by `make_linear`. The paged attention
-kernel is held to a dense reference in test_fast_forward.py."""
+(bf16 rows above the limit go to oneDNN), the float32 kernel's batch invariance and its
+selection by `make_linear`. The paged attention kernel is held to a dense reference in
+test_fast_forward.py."""
 
 import pytest
 import torch
