@@ -1,7 +1,9 @@
-"""The target's bf16 linear layers at a few row counts: the C `gemm` kernel against oneDNN's
-prepacked kernel (the fallback above SMALL_GEMM_ROWS), same weights, same process.
+"""The target's linear layers at a few row counts: the C `gemm` kernel against oneDNN's
+prepacked kernel (bf16: the fallback above SMALL_GEMM_ROWS; float32: what `--linear mkldnn`
+runs), same weights, same process.
 
   python bench/gemm_rows.py --out bench/results/gemm-rows.json
+  python bench/gemm_rows.py --dtype float32 --out bench/results/gemm-rows-float32.json
 
 Rows are the tokens of one forward: 1 for a lone decode, B for B decoding requests, B x (1 + k)
 for a verify step. Per row count, the fastest of --repeats passes over every decoder-layer
@@ -41,20 +43,26 @@ def main() -> None:
         type=lambda s: [int(x) for x in s.split(",")],
         default=[1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96],
     )
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = timing_args(ap)
     from dspark_serve.scheduler.llm import LLM
+    from dspark_serve.verifier.fast_forward import make_linear
 
+    dtype = getattr(torch, args.dtype)
     runner = LLM(
-        drafter="none", dtype="bfloat16", linear="gemm", max_model_len=512, kv_cache_tokens=1024
+        drafter="none", dtype=args.dtype, linear="gemm", max_model_len=512, kv_cache_tokens=1024
     ).engine.runner
     gemm = [lin for L in runner.fast_layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
     for lin in gemm:
         lin.max_rows = max(args.rows)  # the kernel at every row count asked for
-    onednn = [lin.fallback for lin in gemm]
-    weight_mb = sum(lin.N * lin.K for lin in gemm) * 2 / 1e6
+    if dtype == torch.bfloat16:
+        onednn = [lin.fallback for lin in gemm]
+    else:  # the float32 kernel has no row limit: oneDNN's prepacked kernel over weights of the same shapes
+        onednn = [make_linear(torch.randn(lin.N, lin.K) * 0.02, None, "mkldnn", "none") for lin in gemm]
+    weight_mb = sum(lin.N * lin.K for lin in gemm) * dtype.itemsize / 1e6
     rows = []
     for m in args.rows:
-        xs = [torch.randn(m, lin.K, dtype=torch.bfloat16) for lin in gemm]
+        xs = [torch.randn(m, lin.K, dtype=dtype) for lin in gemm]
         g = best_pass(gemm, xs, args.repeats)
         o = best_pass(onednn, xs, args.repeats)
         rows.append({"rows": m, "gemm_s": g, "onednn_s": o, "onednn_over_gemm": o / g})
@@ -63,6 +71,7 @@ def main() -> None:
         "rows": rows,
         "weight_mb": weight_mb,
         "linears": len(gemm),
+        "dtype": args.dtype,
         "machine": machine(),
         "args": vars(args) | {"out": str(args.out), "rows": args.rows},
     }
