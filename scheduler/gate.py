@@ -162,8 +162,15 @@ class DraftGate:
                 n = max(n, math.ceil(self._burst_loss[level] / (self.regret * step)))
         return min(self.max_explore_every, max(self.explore_every, n))
 
-    def should_draft(self, num_decodes: int) -> bool:
+    def should_draft(self, num_decodes: int, explore: bool = True) -> bool:
+        """Draft this step? explore=False (a step that also carries a prefill chunk: it is not
+        measured, and drafting in it first projects the context the plain steps kept) follows
+        the level's favoured mode, or the current burst's mode while the level is unmeasured,
+        and neither starts nor counts toward an exploration."""
         lvl = self.level(num_decodes)
+        if not explore:
+            v = self.verdict(lvl) or self.borrowed(lvl)
+            return v[0] if v is not None else (self._steps.get(lvl, 0) // self.burst) % 2 == 0
         n = self._steps.get(lvl, 0)
         self._steps[lvl] = n + 1
         v = self.verdict(lvl) or self.borrowed(lvl)

@@ -124,7 +124,13 @@ class Speculation:
         # (the combined drafter drafts nothing where its rounds do not) is not second-guessed by
         # the gate, whose load-level verdict would carry one request's text over to the next.
         own_choice = len(decodes) == 1 and getattr(self.drafter, "decides_per_request", False)
-        drafting = self.gate is None or own_choice or self.gate.should_draft(len(decodes))
+        # A step that also prefills is not measured by the gate: it drafts only when drafting
+        # is the level's favoured mode, never as an exploration (drafting there pays for the
+        # drafter's catch-up on every request's kept context, and the step teaches nothing).
+        prefilling = load is not None and load.prefill_tokens > 0
+        drafting = (
+            self.gate is None or own_choice or self.gate.should_draft(len(decodes), explore=not prefilling)
+        )
         if drafting:
             proposals = self._draft(decodes)
         else:

@@ -225,3 +225,24 @@ def test_rates_are_ratios_of_sums_and_near_ties_keep_drafting():
     assert tie.verdict(0)[0] is True
     _warm(tie, 2, on_rate=90, off_rate=100)  # plain 11% faster: drafting goes off
     assert tie.verdict(1)[0] is False
+
+
+def test_steps_that_prefill_follow_the_favoured_mode_and_never_explore():
+    """A step with a prefill chunk is not measured and would make the drafter catch up on every
+    request's kept context: it takes the level's verdict and leaves the exploration schedule
+    alone, so the decode steps' explorations come exactly where they would without it."""
+    g = DraftGate(warmup=2, explore_every=5)
+    _warm(g, 4, on_rate=1, off_rate=3)  # plain is 3x faster at this level
+    twin = DraftGate(warmup=2, explore_every=5)
+    _warm(twin, 4, on_rate=1, off_rate=3)
+    with_prefills, plain_only = [], []
+    for _ in range(600):
+        assert g.should_draft(4, explore=False) is False  # never an exploration, whenever it comes
+        with_prefills.append(g.should_draft(4))
+        plain_only.append(twin.should_draft(4))
+    assert with_prefills == plain_only and with_prefills.count(True) >= 3  # explorations still run
+    # unmeasured level: the current burst's mode, without advancing the alternation
+    fresh = DraftGate(warmup=2)
+    assert [fresh.should_draft(1, explore=False) for _ in range(5)] == [True] * 5
+    assert [fresh.should_draft(1) for _ in range(4)] == [True, True, True, False]
+    assert fresh.should_draft(1, explore=False) is False

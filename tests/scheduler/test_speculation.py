@@ -33,7 +33,7 @@ class FakeDrafter(FakeDrafterBase):
 
 
 class ClosedGate:
-    def should_draft(self, n):
+    def should_draft(self, n, explore=True):
         return False
 
     def record(self, *a):
@@ -139,3 +139,22 @@ def test_the_gate_keeps_what_it_learned_across_policy_switches():
     assert spec.gate is None  # a static length is not load-aware
     spec.use_policy("dspark")
     assert spec.gate is gate and abs(gate.rate(1, p.drafting) - 50.0) < 1e-9
+
+
+def test_a_step_that_prefills_asks_the_gate_for_no_exploration():
+    class Gate:
+        def __init__(self):
+            self.asked = []
+
+        def should_draft(self, n, explore=True):
+            self.asked.append(explore)
+            return explore  # an exploration is due: drafting, unless it may not explore
+
+    dr = FakeDrafter()
+    spec = Speculation(dr, SchedulerConfig(verify_policy="dspark"), max_model_len=512)
+    spec.gate = gate = Gate()
+    reqs = [decoding("a"), decoding("b")]
+    p = spec.propose(reqs, room=100, load=LoadState(num_running=2, prefill_tokens=300))
+    assert not p.drafting and [len(x) for x in p.proposals] == [0, 0] and dr.asked == []
+    p = spec.propose(reqs, room=100, load=LoadState(num_running=2))
+    assert p.drafting and gate.asked == [False, True]
