@@ -18,7 +18,7 @@ from torch import nn
 
 from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftRequest
 from dspark_serve.drafter.dspark_model import DSparkModel, load_dspark
-from dspark_serve.drafter.dspark_model.fast import FastDraftBackbone
+from dspark_serve.drafter.dspark_model.fast import FastDraftBackbone, prepacked_linears_pay
 from dspark_serve.drafter.dspark_model.fast import applies as fast_backbone_applies
 from dspark_serve.drafter.online_calibration import OnlineCalibrator
 
@@ -150,14 +150,14 @@ class ContextKVCache:
 
 
 def _prepack_linears(model: DSparkModel, skip: tuple[nn.Module, ...] = ()) -> None:
-    """bf16 on a CPU with oneDNN: every Linear's weight (outside the `skip` modules) prepacked once,
-    as the target's fast forward does (the C small-row kernel where it builds, else oneDNN's
-    blocked layout; nn.Linear would reorder it on every call, and the drafter's small matmuls
-    are dominated by that). Serving only: the
-    module must not train afterwards (its prepacked copy would go stale)."""
-    from dspark_serve.verifier.fast_forward import make_linear, mkldnn_linear_works
+    """On a CPU (`prepacked_linears_pay`): every Linear's weight (outside the `skip` modules)
+    packed once, as the target's fast forward does (the C kernel where it builds, else oneDNN's
+    blocked layout for bf16; nn.Linear would reorder it on every call, and the drafter's small
+    matmuls are dominated by that). Serving only: the module must not train afterwards (its
+    packed copy would go stale)."""
+    from dspark_serve.verifier.fast_forward import make_linear
 
-    if model.dtype != torch.bfloat16 or not mkldnn_linear_works(model.dtype, model.device):
+    if not prepacked_linears_pay(model.dtype, model.device):
         return
     skipped = {id(m) for s in skip for m in s.modules()}
     for m in model.modules():
@@ -216,8 +216,8 @@ class DSparkDrafter:
             raise ValueError(f"block_size {bs!r} exceeds the checkpoint's block_size {trained}")
         self.name = name
         self.model = model.eval()
-        # bf16 on a CPU: the layers run through fused, prepacked copies (fast.py); the
-        # heads keep their modules, prepacked in place.
+        # On a CPU: the layers run through fused, packed copies (fast.py); the heads keep
+        # their modules, packed in place.
         self.backbone: DSparkModel | FastDraftBackbone = model
         if fast_backbone_applies(model):
             self.backbone = FastDraftBackbone(model)

@@ -29,9 +29,20 @@ from dspark_serve.verifier.fast_forward import FastRMSNorm, Linear, make_linear,
 
 
 def applies(model: DSparkModel) -> bool:
-    """bf16 weights on a CPU whose oneDNN takes them (where the target's fast forward moves to
-    prepacked matmuls and matmul attention too)."""
-    return model.dtype == torch.bfloat16 and mkldnn_linear_works(model.dtype, model.device)
+    """On a CPU: float32 or bf16 weights where the C kernels build (the packed matmul and the
+    in-place attention, as in the target's fast forward), or bf16 ones oneDNN takes."""
+    return prepacked_linears_pay(model.dtype, model.device)
+
+
+def prepacked_linears_pay(dtype: torch.dtype, device: torch.device) -> bool:
+    """Linears packed once at load beat nn.Linear here: float32/bf16 on a CPU where the C
+    kernels build, or bf16 on a CPU whose oneDNN takes it (nn.Linear would reorder the weight
+    on every call)."""
+    from dspark_serve.verifier.cpu_kernels import load_kernels
+
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return load_kernels() is not None or (dtype == torch.bfloat16 and mkldnn_linear_works(dtype, device))
 
 
 @dataclass

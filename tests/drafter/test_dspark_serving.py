@@ -292,17 +292,19 @@ def test_factories_share_target_modules(tmp_path):
         build_drafter("dspark", path=str(tmp_path), target_model=target, block_size=6)
 
 
-def test_bf16_drafter_on_cpu_runs_the_fast_backbone_and_matches_the_modules(monkeypatch):
-    """bf16 on a CPU: the layers run through the fused backbone (their modules left alone),
-    the heads through prepacked linears; the same maths as the modules, bf16 rounding apart."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drafter_on_cpu_runs_the_fast_backbone_and_matches_the_modules(monkeypatch, dtype):
+    """On a CPU (float32 with the C kernels, bf16 with them or with oneDNN's bf16 linear): the
+    layers run through the fused backbone (their modules left alone), the heads through packed
+    linears; the same maths as the modules, rounding apart."""
     import copy
 
     import dspark_serve.drafter.dspark as dspark_mod
-    from dspark_serve.verifier.fast_forward import mkldnn_linear_works
+    from dspark_serve.drafter.dspark_model.fast import prepacked_linears_pay
 
-    if not mkldnn_linear_works(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("this CPU's oneDNN has no bf16 linear")
-    model = tiny_model().to(torch.bfloat16)
+    if not prepacked_linears_pay(dtype, torch.device("cpu")):
+        pytest.skip(f"no packed {dtype} linear on this CPU (no C compiler, no oneDNN bf16)")
+    model = tiny_model().to(dtype)
     plain_model = copy.deepcopy(model)
     fast = make_drafter(model)
     assert isinstance(fast.backbone, FastDraftBackbone)
@@ -314,11 +316,12 @@ def test_bf16_drafter_on_cpu_runs_the_fast_backbone_and_matches_the_modules(monk
     monkeypatch.setattr(dspark_mod, "fast_backbone_applies", lambda m: False)
     plain = make_drafter(plain_model)
     assert plain.backbone is plain_model
-    hid = torch.randn(9, 3 * D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    hid = torch.randn(9, 3 * D, generator=torch.Generator().manual_seed(5)).to(dtype)
     ids = list(range(1, 10))
     for dr in (fast, plain):
         dr.observe([AcceptedContext("a", ids, 0, hid)])
     req = DraftRequest("a", ids + [3], 3, GREEDY, None, 100)
     a, b = fast.block_hidden([req]).float(), plain.block_hidden([req]).float()
-    torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+    tol = 0.05 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     assert len(fast.propose([req])[0]) == BS
