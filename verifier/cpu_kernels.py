@@ -372,8 +372,13 @@ class SmallGemmLinear:
         self, lib: ctypes.CDLL, w: torch.Tensor, b: torch.Tensor | None, fallback: Linear, max_rows: int
     ) -> None:
         bf16 = w.dtype == torch.bfloat16
-        ok_dtype = w.dtype == torch.float32 or (bf16 and w.dim() == 2 and w.shape[1] % 2 == 0)
-        if not ok_dtype or w.device.type != "cpu" or w.dim() != 2:
+        odd_bf16 = bf16 and w.dim() == 2 and w.shape[1] % 2 == 1
+        if (
+            w.dtype not in (torch.float32, torch.bfloat16)
+            or w.device.type != "cpu"
+            or w.dim() != 2
+            or odd_bf16
+        ):
             got = f"{w.dtype} {tuple(w.shape)} on {w.device}"
             raise ValueError(f"small_gemm needs a 2-D float32 or bfloat16 (even K) CPU weight, got {got}")
         self.N, self.K = w.shape

@@ -22,6 +22,7 @@ Greedy equality with the reference forward in float32 is what the tests hold it 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -98,6 +99,7 @@ class _Int8Linear:
         return y if self.b is None else y + self.b
 
 
+@functools.cache
 def mkldnn_linear_works(dtype: torch.dtype, device: torch.device) -> bool:
     """oneDNN prepacked linear: float32/bf16 on a CPU whose oneDNN build accepts it (never CUDA)."""
     if (
@@ -129,13 +131,16 @@ def make_linear(w: torch.Tensor, b: torch.Tensor | None, kind: str, quantize: st
 
         lib = load_kernels()
         if lib is not None:
+            if not bf16:
+                # float32 runs every row count through the kernel: it beat oneDNN's float32
+                # kernel at 1 to 512 rows (bench/gemm_rows.py), and a row's sums then run in
+                # one order however many rows share the call, so float32 linears are
+                # batch-invariant. Only a strided input falls back: torch's linear, no
+                # second packed copy of the weight.
+                return SmallGemmLinear(lib, w, b, _TorchLinear(w, b), 1 << 30)
             onednn = mkldnn_linear_works(w.dtype, w.device)
             above: Linear = _MkldnnLinear(w, b) if onednn else _TorchLinear(w, b)
-            # float32 runs every row count through the kernel: it beat oneDNN's float32 kernel
-            # at 1 to 512 rows (bench/gemm_rows.py), and a row's sums then run in one order
-            # however many rows share the call, so float32 linears are batch-invariant.
-            rows = SMALL_GEMM_ROWS if bf16 else 1 << 30
-            return SmallGemmLinear(lib, w, b, above, rows)
+            return SmallGemmLinear(lib, w, b, above, SMALL_GEMM_ROWS)
     if kind == "gemm":
         raise ValueError(
             f"linear 'gemm' needs float32 weights, or bfloat16 ones with an even input size, on a CPU "
