@@ -6,8 +6,9 @@
 - `small_gemm` (csrc/small_gemm.c) multiplies a few bfloat16 (or float32) rows by weights
   packed once at load, streaming every weight byte once per call (decode and short verify
   steps).
-- `rope_store`, `add_rmsnorm`, `silu_mul` fuse a bf16 layer's small elementwise steps (rotary
-  with the K/V write, the residual add with the next norm, SwiGLU), one call each.
+- `rope_store`, `add_rmsnorm`, `silu_mul` fuse a layer's small elementwise steps (rotary with
+  the K/V write, the residual add with the next norm, SwiGLU), one call each, for bf16 and
+  float32 rows.
 
 Both are compiled once per machine into one library (-O3 -march=native, OpenMP) in the user
 cache directory and called through ctypes, so they need no torch headers and build in about a
@@ -121,6 +122,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]  # h, delta, stride, w, out, T, d, eps
     lib.silu_mul.restype = None
     lib.silu_mul.argtypes = [ptr, ptr, i32, i32]  # gu, out, T, n
+    lib.add_rmsnorm_f32.restype = None
+    lib.add_rmsnorm_f32.argtypes = lib.add_rmsnorm.argtypes
+    lib.silu_mul_f32.restype = None
+    lib.silu_mul_f32.argtypes = lib.silu_mul.argtypes
     lib.small_gemm_pack.restype = None
     lib.small_gemm_pack.argtypes = [ptr, ptr, i32, i32]  # W, packed, N, K
     lib.small_gemm.restype = None
@@ -330,33 +335,40 @@ class RopeStore:
 
 
 class FusedElementwise:
-    """bf16 rows: the residual add fused with the RMSNorm after it, and SwiGLU's silu(g) * u
-    (csrc/elementwise.c), each one call in place of 3-4 small torch kernels."""
+    """bf16 or float32 rows: the residual add fused with the RMSNorm after it, and SwiGLU's
+    silu(g) * u (csrc/elementwise.c), each one call in place of 3-4 small torch kernels."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
+        # per dtype: (add_rmsnorm, silu_mul)
+        self._fns = {
+            torch.bfloat16: (lib.add_rmsnorm, lib.silu_mul),
+            torch.float32: (lib.add_rmsnorm_f32, lib.silu_mul_f32),
+        }
 
     def add_rmsnorm(
         self, h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float
     ) -> torch.Tensor:
-        """h [T, d] += delta (in place, rounded as torch's bf16 add rounds); -> RMSNorm(h) * w."""
+        """h [T, d] += delta (in place, rounded as torch's add rounds); -> RMSNorm(h) * w."""
         T, d = h.shape
-        if h.dtype != torch.bfloat16 or not h.is_contiguous() or not w.is_contiguous():
-            raise ValueError("add_rmsnorm needs a contiguous bf16 h and weight")
-        if delta is not None and (delta.dtype != torch.bfloat16 or delta.stride(-1) != 1):
-            raise ValueError("add_rmsnorm needs bf16 delta rows with contiguous elements")
+        fns = self._fns.get(h.dtype)
+        if fns is None or not h.is_contiguous() or not w.is_contiguous() or w.dtype != h.dtype:
+            raise ValueError(f"add_rmsnorm needs a contiguous bf16/float32 h and weight, got {h.dtype}")
+        if delta is not None and (delta.dtype != h.dtype or delta.stride(-1) != 1):
+            raise ValueError("add_rmsnorm needs delta rows of h's dtype with contiguous elements")
         out = torch.empty_like(h)
         dptr, dstride = (0, 0) if delta is None else (delta.data_ptr(), delta.stride(0))
-        self.lib.add_rmsnorm(h.data_ptr(), dptr, dstride, w.data_ptr(), out.data_ptr(), T, d, eps)
+        fns[0](h.data_ptr(), dptr, dstride, w.data_ptr(), out.data_ptr(), T, d, eps)
         return out
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """gu [T, 2n] (gate | up) -> silu(gate) * up [T, n]."""
         T, n2 = gu.shape
-        if gu.dtype != torch.bfloat16 or not gu.is_contiguous() or n2 % 2:
-            raise ValueError("silu_mul needs a contiguous bf16 [T, 2n] input")
+        fns = self._fns.get(gu.dtype)
+        if fns is None or not gu.is_contiguous() or n2 % 2:
+            raise ValueError(f"silu_mul needs a contiguous bf16/float32 [T, 2n] input, got {gu.dtype}")
         out = gu.new_empty(T, n2 // 2)
-        self.lib.silu_mul(gu.data_ptr(), out.data_ptr(), T, n2 // 2)
+        fns[1](gu.data_ptr(), out.data_ptr(), T, n2 // 2)
         return out
 
 

@@ -225,7 +225,7 @@ class FastForwardMixin:
     linear_kind: str
     attention: str  # "sdpa", "matmul" or "paged" (resolved from "auto")
     paged_attention: PagedAttention | None  # the C kernel, when attention is "paged"
-    rope_store: RopeStore | None  # bf16 with paged attention: rotary + K/V write in one C call
+    rope_store: RopeStore | None  # with paged attention: rotary + K/V write in one C call
     fused: FusedElementwise | None  # with rope_store: residual add + norm, SwiGLU in C
 
     # -- build ------------------------------------------------------------------------------------
@@ -518,8 +518,8 @@ class FastForwardMixin:
     def _layers_fused(
         self, h: torch.Tensor, plan: _FastPlan, tap_layers: tuple[int, ...], taps: dict[int, torch.Tensor]
     ) -> torch.Tensor:
-        """The decoder layers in bf16 on a CPU with the C kernels: each residual add is fused with
-        the norm after it (h is updated in place, so taps take copies), rotary with the K/V
+        """The decoder layers on a CPU with the C kernels (bf16 or float32): each residual add is
+        fused with the norm after it (h is updated in place, so taps take copies), rotary with the K/V
         write, SwiGLU into one call. -> the final-normed hidden states [T, d]."""
         assert self.fused is not None and self.rope_store is not None
         E, T = self.fused, h.shape[0]

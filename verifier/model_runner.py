@@ -141,12 +141,12 @@ class ModelRunner(FastForwardMixin):
         self.scaling = self.head_dim**-0.5
         self.linear_kind = "module"
         self.attention, self.paged_attention = self._resolve_attention(attention, impl)
-        # bf16 with the paged kernel: rotary and the K/V write fused too (float32 keeps torch's
-        # ops, the ones the bit-exactness tests hold the fast forward to)
+        # With the paged kernel (bf16 or float32): rotary and the K/V write fused too, and the
+        # residual adds with their norms and SwiGLU (csrc/elementwise.c).
         self.rope_store: RopeStore | None = None
         self.fused: FusedElementwise | None = None
         lib = load_kernels() if self.paged_attention is not None else None
-        if lib is not None and self.dtype == torch.bfloat16 and self.head_dim <= 256:
+        if lib is not None and self.dtype in (torch.bfloat16, torch.float32) and self.head_dim <= 256:
             self.rope_store = RopeStore(lib, self.num_heads, self.num_kv_heads, self.head_dim)
             self.fused = FusedElementwise(lib)
         if impl == "fast":

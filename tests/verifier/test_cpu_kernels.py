@@ -135,26 +135,52 @@ def test_bf16_decode_and_verify_steps_through_gemm_track_the_reference(lib):
     torch.testing.assert_close(hidden[1], hidden[0], rtol=0.05, atol=0.05)
 
 
-def test_add_rmsnorm_and_silu_mul_match_torch_in_bf16(lib):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm_and_silu_mul_match_torch(lib, dtype):
     from dspark_serve.verifier.cpu_kernels import FusedElementwise
 
     g = torch.Generator().manual_seed(3)
     E = FusedElementwise(lib)
-    h = torch.randn(5, 48, generator=g).bfloat16()
-    delta = torch.randn(5, 96, generator=g).bfloat16()[:, :48]  # rows at a stride
-    w = torch.randn(48, generator=g).bfloat16()
-    want_h = h + delta  # torch's bf16 add: the fused sum must be bit-identical
+    # one rounding to the dtype's precision (bf16), or float32 sums in another order
+    tol = 2**-8 if dtype == torch.bfloat16 else 1e-6
+    h = torch.randn(11, 48, generator=g).to(dtype)  # 11 rows: past the OpenMP threshold
+    delta = torch.randn(11, 96, generator=g).to(dtype)[:, :48]  # rows at a stride
+    w = torch.randn(48, generator=g).to(dtype)
+    want_h = h + delta  # torch's add: the fused sum must be bit-identical
     ref = torch.nn.functional.rms_norm(want_h.double(), (48,), w.double(), 1e-6)
     out = E.add_rmsnorm(h, delta, w, 1e-6)
     assert torch.equal(h, want_h)
-    assert ((out.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-6).all()
+    assert ((out.double() - ref).abs() <= ref.abs() * tol + 1e-6).all()
     out2 = E.add_rmsnorm(h, None, w, 1e-6)  # no add: h unchanged
     assert torch.equal(h, want_h) and torch.equal(out2, out)
-    gu = (torch.randn(4, 64, generator=g) * 6).bfloat16()  # large |x|: both silu branches
+    # each row alone: the same bits as among the others (float32 stays batch-invariant)
+    assert torch.equal(E.add_rmsnorm(h[3:4].clone(), None, w, 1e-6), out[3:4])
+    gu = (torch.randn(4, 64, generator=g) * 6).to(dtype)  # large |x|: both silu branches
     gate, up = gu.double().chunk(2, dim=-1)
     ref = torch.nn.functional.silu(gate) * up
     got = E.silu_mul(gu).double()
-    assert ((got - ref).abs() <= ref.abs() * 2**-8 + 1e-6).all()
+    assert ((got - ref).abs() <= ref.abs() * tol + 1e-6).all()
+    with pytest.raises(ValueError, match="float32"):
+        E.silu_mul(gu.half())
+
+
+def test_float32_steps_run_the_fused_layer_loop_and_track_the_reference(lib):
+    """float32 on a CPU with the C kernels takes the fused layer loop (rotary + K/V write, add +
+    norm, SwiGLU in C) and stays within float32 rounding of the reference forward."""
+    ref = ModelRunner(tiny_model("qwen3"), 64, 4, impl="reference")
+    fast = ModelRunner(tiny_model("qwen3"), 64, 4, impl="fast")
+    assert fast.attention == "paged" and fast.rope_store is not None and fast.fused is not None
+    taps = (-1, 0, fast.num_layers - 1)
+    outs, hidden = [], []
+    for r in (ref, fast):
+        r.blocks.append("a", 20)
+        r.forward([Segment("a", list(range(20)), 0, 0)])
+        r.blocks.append("a", 6)
+        out = r.forward([Segment("a", [3, 9, 4, 1, 5, 2], 20, 0)], tap_layers=taps)
+        outs.append(out.logits)
+        hidden.append(out.hidden)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden[1], hidden[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

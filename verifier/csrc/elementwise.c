@@ -1,8 +1,11 @@
-/* Fused elementwise steps of a decoder layer for bfloat16 rows (what torch runs as several small
- * kernels each): the residual add with the following RMSNorm, and SwiGLU's silu(gate) * up.
- * float32 arithmetic, one rounding per output, as torch's bf16 kernels round each op's output:
- * the residual sum is bit-identical to torch's bf16 add; the norm rounds once where the
- * LayerNorm formulation (FastRMSNorm) also rounds once. Built with csrc/paged_attention.c. */
+/* Fused elementwise steps of a decoder layer (what torch runs as several small kernels each):
+ * the residual add with the following RMSNorm, and SwiGLU's silu(gate) * up.
+ * bfloat16 rows: float32 arithmetic, one rounding per output, as torch's bf16 kernels round each
+ * op's output: the residual sum is bit-identical to torch's bf16 add; the norm rounds once where
+ * the LayerNorm formulation (FastRMSNorm) also rounds once.
+ * float32 rows (`_f32`): the same steps in float32; the residual sum is bit-identical to torch's
+ * add, the norm's sum of squares runs in this build's (vectorised) order. Each row is computed
+ * alone, the same whatever else shares the call. Built with csrc/paged_attention.c. */
 #include <math.h>
 #include <stdint.h>
 
@@ -47,6 +50,40 @@ void silu_mul(const uint16_t *gu, uint16_t *out, int T, int n) {
             float e = exp_nonpos(x < 0.0f ? x : -x); /* exp(-|x|): no overflow either way */
             float silu = x < 0.0f ? x * e / (1.0f + e) : x / (1.0f + e);
             o[i] = f32_to_bf16(silu * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+/* float32: h [T, d] += delta [T, d] (row stride delta_stride; NULL: no add), in place; then
+ * out [T, d] = h / sqrt(mean(h^2) + eps) * w. */
+void add_rmsnorm_f32(float *h, const float *delta, int64_t delta_stride, const float *w, float *out,
+                     int T, int d, float eps) {
+#pragma omp parallel for schedule(static) if (T > 8)
+    for (int t = 0; t < T; t++) {
+        float *ht = h + (int64_t)t * d;
+        if (delta) {
+            const float *dt = delta + (int64_t)t * delta_stride;
+            for (int i = 0; i < d; i++) ht[i] += dt[i];
+        }
+        float ss = 0.0f;
+        for (int i = 0; i < d; i++) ss += ht[i] * ht[i];
+        float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        float *ot = out + (int64_t)t * d;
+        for (int i = 0; i < d; i++) ot[i] = ht[i] * inv * w[i];
+    }
+}
+
+/* float32: gu [T, 2n] (gate | up) -> out [T, n] = silu(gate) * up */
+void silu_mul_f32(const float *gu, float *out, int T, int n) {
+#pragma omp parallel for schedule(static) if (T > 8)
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (int64_t)t * 2 * n, *u = g + n;
+        float *o = out + (int64_t)t * n;
+        for (int i = 0; i < n; i++) {
+            float x = g[i];
+            float e = exp_nonpos(x < 0.0f ? x : -x); /* exp(-|x|): no overflow either way */
+            float silu = x < 0.0f ? x * e / (1.0f + e) : x / (1.0f + e);
+            o[i] = silu * u[i];
         }
     }
 }
