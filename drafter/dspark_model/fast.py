@@ -24,7 +24,12 @@ import torch
 from dspark_serve.drafter.dspark_model.model import DSparkModel
 from dspark_serve.drafter.dspark_model.modules import DecoderLayer
 from dspark_serve.drafter.dspark_model.ops import ACTIVATIONS, rope_cos_sin
-from dspark_serve.verifier.cpu_kernels import PagedAttention, load_kernels, paged_attention_supports
+from dspark_serve.verifier.cpu_kernels import (
+    FusedElementwise,
+    PagedAttention,
+    load_kernels,
+    paged_attention_supports,
+)
 from dspark_serve.verifier.fast_forward import FastRMSNorm, Linear, make_linear, mkldnn_linear_works
 
 
@@ -103,6 +108,11 @@ class FastDraftBackbone:
         self._cos = self._sin = torch.empty(0, self.D, dtype=self.dtype, device=self.device)
         self._rope_upto(256)
         self._kernels = load_kernels()  # None: forward_block's batched matmuls only
+        # residual add + norm and SwiGLU in one C call each (csrc/elementwise.c), as the
+        # target's fused layer loop runs them
+        self._fused: FusedElementwise | None = None
+        if self._kernels is not None and cfg.hidden_act == "silu":
+            self._fused = FusedElementwise(self._kernels)
 
     def _rope_upto(self, n: int) -> None:
         if self._cos.shape[0] >= n:
@@ -146,29 +156,56 @@ class FastDraftBackbone:
         """block_ids, block_positions: [B, L]; ctx_kv: per layer (k, v) [B, Lc, Hkv, D];
         ctx_mask: [B, Lc] bool -> hidden [B, L, d] (final norm applied)."""
         B, Lb = block_ids.shape
-        H, Hkv, D = self.H, self.Hkv, self.D
-        nq, nk = H * D, Hkv * D
+        nq = self.H * self.D
         x = self.embed(block_ids).to(self.dtype)
-        d = x.shape[-1]
         # Additive mask over [context keys, block keys]: the block sees itself whole.
         bias = None
         if not bool(ctx_mask.all()):
             bias = torch.zeros(B, 1, 1, ctx_mask.shape[1] + Lb, dtype=self.dtype, device=self.device)
             bias[:, 0, 0, : ctx_mask.shape[1]].masked_fill_(~ctx_mask, float("-inf"))
         cos, sin = self._rope_at(block_positions)  # once for every layer's q and k
-        for L, (ck, cv) in zip(self.layers, ctx_kv):
-            qkv = L.qkv(L.in_norm(x).view(B * Lb, d))
-            q = self._rope(L.q_norm(qkv[:, :nq].view(B, Lb, H, D)), cos, sin)
-            k = self._rope(L.k_norm(qkv[:, nq : nq + nk].view(B, Lb, Hkv, D)), cos, sin)
-            v = qkv[:, nq + nk :].view(B, Lb, Hkv, D)
+
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            ck, cv = ctx_kv[li]
             # [B, Hkv, Lc + L, D]: one copy of the context, head-major, as the matmuls read it
             keys = torch.cat([ck.transpose(1, 2), k.transpose(1, 2)], dim=2)
             values = torch.cat([cv.transpose(1, 2), v.transpose(1, 2)], dim=2)
-            a = self._attend(q, keys, values, bias)
-            x = x + L.o(a.view(B * Lb, nq)).view(B, Lb, d)
-            g, u = L.gate_up(L.post_norm(x).view(B * Lb, d)).chunk(2, dim=-1)
-            x = x + L.down(L.act(g) * u).view(B, Lb, d)
-        return self.norm(x)
+            return self._attend(q, keys, values, bias).view(B * Lb, nq)
+
+        return self._layers(x, cos, sin, attend)
+
+    def _layers(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The decoder layers over the block. x: [B, L, d] embedded block (a fresh tensor: it is
+        updated in place); cos, sin from `_rope_at`; attend(layer, q [B, L, H, D], k, v
+        [B, L, Hkv, D]) -> [B * L, H * D] -> hidden [B, L, d] (final norm applied). With the C
+        kernels each residual add runs fused with the norm after it, SwiGLU in one call."""
+        B, Lb, d = x.shape
+        H, Hkv, D = self.H, self.Hkv, self.D
+        nq, nk = H * D, Hkv * D
+        E = self._fused if x.dtype in (torch.float32, torch.bfloat16) else None
+        h = x.reshape(B * Lb, d).contiguous()
+        xn = E.add_rmsnorm(h, None, self.layers[0].in_norm.w, self.layers[0].in_norm.eps) if E else None
+        for li, L in enumerate(self.layers):
+            nxt = self.layers[li + 1].in_norm if li + 1 < len(self.layers) else self.norm
+            qkv = L.qkv(xn if xn is not None else L.in_norm(h))
+            q = self._rope(L.q_norm(qkv[:, :nq].view(B, Lb, H, D)), cos, sin)
+            k = self._rope(L.k_norm(qkv[:, nq : nq + nk].view(B, Lb, Hkv, D)), cos, sin)
+            v = qkv[:, nq + nk :].view(B, Lb, Hkv, D)
+            o = L.o(attend(li, q, k, v))
+            if E is not None:
+                xn = E.add_rmsnorm(h, o, L.post_norm.w, L.post_norm.eps)
+                xn = E.add_rmsnorm(h, L.down(E.silu_mul(L.gate_up(xn))), nxt.w, nxt.eps)
+            else:
+                h = h + o
+                g, u = L.gate_up(L.post_norm(h)).chunk(2, dim=-1)
+                h = h + L.down(L.act(g) * u)
+        return (xn if xn is not None else self.norm(h)).view(B, Lb, d)
 
     @property
     def reads_pools_in_place(self) -> bool:
@@ -197,7 +234,7 @@ class FastDraftBackbone:
 
         B, Lb = block_ids.shape
         H, Hkv, D = self.H, self.Hkv, self.D
-        nq, nk = H * D, Hkv * D
+        nq = H * D
         capacity = k_pools[0].shape[1]
         bs = capacity & -capacity  # the largest power of two dividing it: a request's run of blocks
         per = capacity // bs
@@ -209,20 +246,17 @@ class FastDraftBackbone:
         start = torch.tensor(list(starts), dtype=torch.int32)
         kernel = PagedAttention(self._kernels, H, Hkv, D, bs, layout="slot-major")
         x = self.embed(block_ids).to(self.dtype)
-        d = x.shape[-1]
         cos, sin = self._rope_at(block_positions)
         rows = (slot_t[:, None], block_positions)  # where the block's own k/v go in the pools
-        for L, kp, vp in zip(self.layers, k_pools, v_pools):
-            qkv = L.qkv(L.in_norm(x).view(B * Lb, d))
-            q = self._rope(L.q_norm(qkv[:, :nq].view(B, Lb, H, D)), cos, sin)
-            kp[rows] = self._rope(L.k_norm(qkv[:, nq : nq + nk].view(B, Lb, Hkv, D)), cos, sin)
-            vp[rows] = qkv[:, nq + nk :].view(B, Lb, Hkv, D)
+
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kp, vp = k_pools[li], v_pools[li]
+            kp[rows], vp[rows] = k, v
             a = q.new_empty(B * Lb, H, D)
-            kernel(q.view(B * Lb, H, D), kp, vp, a, row0, n, start, table, self.scale, causal=False)
-            x = x + L.o(a.view(B * Lb, nq)).view(B, Lb, d)
-            g, u = L.gate_up(L.post_norm(x).view(B * Lb, d)).chunk(2, dim=-1)
-            x = x + L.down(L.act(g) * u).view(B, Lb, d)
-        return self.norm(x)
+            kernel(q.reshape(B * Lb, H, D), kp, vp, a, row0, n, start, table, self.scale, causal=False)
+            return a.view(B * Lb, nq)
+
+        return self._layers(x, cos, sin, attend)
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
