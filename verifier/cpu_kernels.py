@@ -104,6 +104,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     # kv_token_stride, kv_head_stride, causal, H, Hkv, D, scale
     fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, i32, i32, i64, i64, i32]
     fn.argtypes += [i32, i32, i32, ctypes.c_float]
+    lib.paged_attention_f32_row_invariant.restype = i32
+    lib.paged_attention_f32_row_invariant.argtypes = []
     lib.rope_store.restype = None
     # q, q_stride, q_hstride, k, k_stride, k_hstride, v, v_stride, cos, sin, slots, k_cache,
     # v_cache, num_slots, dtype, T, H, Hkv, D
@@ -182,6 +184,13 @@ def load_kernels(cache_dir: Path | None = None) -> ctypes.CDLL | None:
 def paged_attention_supports(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the kernel handles this dtype and device (float32 or bfloat16 on a CPU)."""
     return device.type == "cpu" and dtype in _DTYPES
+
+
+def float32_attention_row_invariant(lib: ctypes.CDLL) -> bool:
+    """Whether this build's float32 attention computes each query row alone, in one order of
+    sums (AVX2 + FMA CPUs): a row's output is then the same bits whatever else shares the call,
+    as with the float32 linears (`small_gemm_f32`)."""
+    return bool(lib.paged_attention_f32_row_invariant())
 
 
 class PagedAttention:

@@ -12,7 +12,7 @@ from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
 from dspark_serve.verifier.config import ModelConfig
-from dspark_serve.verifier.cpu_kernels import PagedAttention, load_kernels
+from dspark_serve.verifier.cpu_kernels import PagedAttention, float32_attention_row_invariant, load_kernels
 from dspark_serve.verifier.model_runner import ModelRunner, Segment
 from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, hf_greedy, tiny_model
@@ -368,3 +368,41 @@ def test_paged_kernel_on_strided_queries_matches_dense(dtype, head_dim, heads):
             got = out[row0[i] : row0[i] + n].reshape(n, -1).double()
             tol = 1e-5 if dtype == torch.float32 else 2**-7 * want.abs().clamp(min=1).max().item()
             torch.testing.assert_close(got, want, rtol=0, atol=tol)
+
+
+def test_float32_attention_rows_do_not_depend_on_what_shares_the_call():
+    """Where the build says so (AVX2 + FMA), a float32 query row's output is the same bits alone
+    (a decode segment of one token at its position), as one row of a verify block, and among
+    other segments of other lengths: what makes float32 speculation bit-exact with plain
+    decoding in the attention too."""
+    needs_paged_kernel()
+    lib = load_kernels()
+    if not float32_attention_row_invariant(lib):
+        pytest.skip("this CPU runs the generic float32 attention bodies")
+    H, Hkv, D, bs, nblocks = 9, 3, 64, 16, 64
+    kern = PagedAttention(lib, H, Hkv, D, bs)
+    g = torch.Generator().manual_seed(5)
+    kc = torch.randn(Hkv, nblocks * bs, D, generator=g)
+    vc = torch.randn(Hkv, nblocks * bs, D, generator=g)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
+
+    def run(segs, q_rows):
+        """segs: (start, n, table row); q_rows: [T, H, D] -> out [T, H, D]"""
+        out = torch.full_like(q_rows, float("nan"))
+        row0 = [sum(n for _, n, _ in segs[:i]) for i in range(len(segs))]
+        width = max(len(t) for _, _, t in segs)
+        table = i32([list(t) + [0] * (width - len(t)) for _, _, t in segs])
+        lens, starts = i32([n for _, n, _ in segs]), i32([s for s, _, _ in segs])
+        kern(q_rows, kc, vc, out, i32(row0), lens, starts, table, 0.125)
+        return out
+
+    blocks = torch.randperm(nblocks, generator=g)[:20].tolist()  # one request's blocks, anywhere
+    s0, n = 181, 7  # a verify block of 7 rows at positions 181..187
+    q = torch.randn(n, H, D, generator=g)
+    block = run([(s0, n, blocks)], q)
+    for i in range(n):  # each row alone, as the decode step at its position
+        assert torch.equal(run([(s0 + i, 1, blocks)], q[i : i + 1].clone()), block[i : i + 1])
+    others = [(37, 1, blocks[:3]), (90, 4, blocks[5:12]), (250, 1, blocks[1:18])]
+    q_others = torch.randn(6, H, D, generator=g)
+    mixed = run([others[0], (s0, n, blocks), *others[1:]], torch.cat([q_others[:1], q, q_others[1:]]))
+    assert torch.equal(mixed[1 : 1 + n], block)

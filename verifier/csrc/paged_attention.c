@@ -10,9 +10,11 @@
  *
  * A work item is a segment and the query heads that share one kv head: scores for its queries in
  * float32, a float32 softmax, then the weighted sum of value rows, rounded once to the model
- * dtype. Items run in parallel on the OpenMP pool torch already uses (the same libgomp). Three
+ * dtype. Items run in parallel on the OpenMP pool torch already uses (the same libgomp). Four
  * bodies of the same maths: bfloat16 on a CPU with AVX512-BF16 (attend_item_bf16: products of
- * the bf16 rows as they lie, 16 keys a tile, register accumulators; the common case), and
+ * the bf16 rows as they lie, 16 keys a tile, register accumulators; the common case), float32
+ * on a CPU with AVX2 and FMA (attend_item_f32: the same shape, 8 keys a tile; one order of sums
+ * whatever the number of rows, so a row's output does not depend on what shares the call), and
  * elsewhere one dot product per query and key for a few rows (attend_item) or 16-key tiles
  * transposed once for many (attend_item_tiled).
  *
@@ -23,7 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -334,6 +336,119 @@ static inline __attribute__((always_inline)) void attend_item_bf16(
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* o[t] = sum of the 8 lanes of v[t], t < 8: a transpose-and-add tree of hadds */
+static inline __m256 sum8(const __m256 v[8]) {
+    __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3); /* lanes: keys 0-3 | 4-7 halves */
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+/* exp_nonpos's maths on 8 lanes, each multiply-add explicit (the same bits whatever the lane) */
+static inline __m256 exp_nonpos8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* softmax_row in 8-lane steps from key 0, the last step's lanes past len zeroed (sr has room up
+ * to len rounded up to 8): every sum in one order set by len alone, not by the buffer's
+ * alignment or by how a compiler peels a loop. */
+static inline void softmax_row8(float *sr, int len) {
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    int full = len & ~7;
+    for (int j = 0; j < full; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sr + j));
+    __m256 tail_mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(len - full), iota));
+    if (full < len)
+        m8 = _mm256_max_ps(m8, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(sr + full), tail_mask));
+    float mv[8], m;
+    _mm256_storeu_ps(mv, m8);
+    m = mv[0];
+    for (int t = 1; t < 8; t++) m = mv[t] > m ? mv[t] : m;
+    __m256 vm = _mm256_set1_ps(m), s8 = _mm256_setzero_ps();
+    for (int j = 0; j < len; j += 8) {
+        __m256 e = exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vm));
+        if (j == full) e = _mm256_and_ps(e, tail_mask);
+        _mm256_storeu_ps(sr + j, e);
+        s8 = _mm256_add_ps(s8, e);
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    __m256 inv = _mm256_set1_ps(1.0f / _mm_cvtss_f32(h));
+    for (int j = 0; j < len; j += 8) _mm256_storeu_ps(sr + j, _mm256_mul_ps(_mm256_loadu_ps(sr + j), inv));
+}
+
+/* The work item in float32 on a CPU with AVX2 and FMA (D a multiple of 8, at most 256): the
+ * scores of a query row against 8 keys are 8 dot products over D in register accumulators (four
+ * keys in flight), summed by one sum8 tree and scaled; the softmax as everywhere; each output row
+ * accumulated in registers over the value rows. Every row is computed alone in a fixed order:
+ * how many rows or segments share the call changes nothing in it. */
+static inline __attribute__((always_inline)) void attend_item_f32(
+    const void *q, int64_t q_stride, int64_t q_hstride, const void *kh, const void *vh,
+    int64_t kv_stride, void *out, int H, int D, float scale, int causal, int r0, int nq, int s0,
+    const int32_t *blocks, int block_shift, int h0, int nh, int64_t max_keys, float *scores) {
+    const int block_size = 1 << block_shift;
+    const int nkeys = s0 + nq, rows = nh * nq, C = D / 8; /* ymm per row */
+    const float *kf = (const float *)kh, *vf = (const float *)vh;
+    const int64_t stride8 = max_keys + 16; /* a score row, room for a whole last tile */
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int j0 = 0; j0 < nkeys; j0 += 8) {
+        int nt = nkeys - j0 < 8 ? nkeys - j0 : 8;
+        const float *krow[8];
+        for (int t = 0; t < 8; t++) {
+            int j = j0 + (t < nt ? t : 0); /* past the end: any valid key, its score unused */
+            int64_t slot = (int64_t)blocks[j >> block_shift] * block_size + (j & (block_size - 1));
+            krow[t] = kf + slot * kv_stride;
+        }
+        for (int r = 0; r < rows; r++) {
+            int hi = r / nq, i = r % nq;
+            if (causal && j0 > s0 + i) continue; /* the row sees no key of this tile */
+            const float *qr = (const float *)q + (int64_t)(r0 + i) * q_stride + (int64_t)(h0 + hi) * q_hstride;
+            __m256 part[8];
+            for (int t0 = 0; t0 < 8; t0 += 4) {
+                __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                for (int c = 0; c < C; c++) {
+                    __m256 qc = _mm256_loadu_ps(qr + 8 * c);
+                    for (int t = 0; t < 4; t++) a[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(krow[t0 + t] + 8 * c), a[t]);
+                }
+                for (int t = 0; t < 4; t++) part[t0 + t] = a[t];
+            }
+            _mm256_storeu_ps(scores + (size_t)r * stride8 + j0, _mm256_mul_ps(sum8(part), vscale));
+        }
+    }
+    for (int r = 0; r < rows; r++) softmax_row8(scores + (size_t)r * stride8, causal ? s0 + r % nq + 1 : nkeys);
+    for (int r = 0; r < rows; r++) {
+        int hi = r / nq, i = r % nq;
+        int len = causal ? s0 + i + 1 : nkeys;
+        const float *sr = scores + (size_t)r * stride8;
+        __m256 acc[32];
+        for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+        int64_t slot = 0;
+        for (int j = 0; j < len; j++) {
+            slot = (j & (block_size - 1)) ? slot + 1 : (int64_t)blocks[j >> block_shift] * block_size;
+            const float *vr = vf + slot * kv_stride;
+            __m256 p = _mm256_set1_ps(sr[j]);
+            for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+        }
+        float *o = (float *)out + ((int64_t)(r0 + i) * H + h0 + hi) * D;
+        for (int c = 0; c < C; c++) _mm256_storeu_ps(o + 8 * c, acc[c]);
+    }
+}
+#endif
+
 /* attend_item or, from TILED_ROWS query rows on, attend_item_tiled, with D a constant where it is
  * 64 or 128 (the compiler unrolls and vectorises the row loops) */
 #define TILED_ROWS 8
@@ -355,6 +470,17 @@ static void attend(const void *q, int64_t q_stride, int64_t q_hstride, const voi
         return;
     }
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if (dtype == 0 && D % 8 == 0 && D <= 256) {
+        if (D == 64)
+            attend_item_f32(q, q_stride, q_hstride, kh, vh, kv_stride, out, H, 64, scale, causal, r0, nq,
+                            s0, blocks, block_shift, h0, nh, max_keys, scores);
+        else
+            attend_item_f32(q, q_stride, q_hstride, kh, vh, kv_stride, out, H, D, scale, causal, r0, nq,
+                            s0, blocks, block_shift, h0, nh, max_keys, scores);
+        return;
+    }
+#endif
     if (nh * nq >= TILED_ROWS) {
         if (D == 64) ATTEND_WITH(attend_item_tiled, 64);
         else if (D == 128) ATTEND_WITH(attend_item_tiled, 128);
@@ -365,6 +491,17 @@ static void attend(const void *q, int64_t q_stride, int64_t q_hstride, const voi
         else ATTEND_WITH(attend_item, D);
     }
 #undef ATTEND_WITH
+}
+
+/* 1 where float32 attention runs attend_item_f32 (each row's output independent of what
+ * shares the call), 0 where it runs the generic bodies (whose order of sums depends on the
+ * number of rows in a work item). */
+int paged_attention_f32_row_invariant(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* q: [T, H, D] with token and head strides q_stride, q_hstride (elements; each head's D
