@@ -69,6 +69,15 @@ class DraftProposal:
         return int(self.tokens.numel())
 
 
+class TapRows(Protocol):
+    """Where the engine keeps the tap states of every kept token for as long as its request
+    holds its KV (the prefix cache's rows, scheduler/prefix.py)."""
+
+    def rows_of(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """[end - start, m * d]: the tap states of the request's positions start .. end - 1."""
+        ...
+
+
 @dataclass
 class AcceptedContext:
     """What the target verified for one request this step, for the drafter to absorb.
@@ -80,12 +89,15 @@ class AcceptedContext:
     hidden: [len(token_ids), m * d] target hidden states at the drafter's tap layers
         (concatenated in target_layer_ids order) for exactly those tokens, or None when the
         drafter asked for no taps.
+    stored: where the same rows stay readable while the request runs (`TapRows`), or None: a
+        drafter that absorbs its context lazily may keep the positions instead of a copy.
     """
 
     request_id: str
     token_ids: list[int]
     start_pos: int
     hidden: torch.Tensor | None
+    stored: TapRows | None = None
 
 
 class Drafter(Protocol):

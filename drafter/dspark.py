@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftRequest
+from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftRequest, TapRows
 from dspark_serve.drafter.dspark_model import DSparkModel, load_dspark
 from dspark_serve.drafter.dspark_model.fast import FastDraftBackbone, prepacked_linears_pay
 from dspark_serve.drafter.dspark_model.fast import applies as fast_backbone_applies
@@ -31,8 +31,10 @@ class DSparkDrafterConfig:
     initial_capacity: context slots preallocated per request before the first doubling.
     online_calibration: refit the confidence head's per-position temperatures from
         verification outcomes while serving (drafter/online_calibration.py).
-    max_pending: positions of a request whose tap states may wait, unprojected, for its next
-        draft (the context is absorbed lazily); beyond this they are projected at once.
+    max_pending: positions of a request whose tap states may wait, unprojected, as copies for
+        its next draft (the context is absorbed lazily); beyond this they are projected at
+        once. Positions whose states the engine keeps readable (`AcceptedContext.stored`: the
+        prefix cache's tap rows) wait without a copy and without this bound.
     """
 
     block_size: int | None = None
@@ -179,12 +181,33 @@ class _Packed:
 
 
 @dataclass
+class _Stored:
+    """Positions start .. start + n - 1 of a request whose tap states stay readable in `rows`."""
+
+    rows: TapRows
+    start: int
+    n: int
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.n,)
+
+    def __getitem__(self, s: slice) -> _Stored:  # only [:keep]
+        return _Stored(self.rows, self.start, len(range(self.n)[s]))
+
+    def read(self, request_id: str) -> torch.Tensor:
+        return self.rows.rows_of(request_id, self.start, self.start + self.n)
+
+
+@dataclass
 class _Pending:
-    """Tap states of positions start .. end - 1 of one request, not yet projected."""
+    """Tap states of positions start .. end - 1 of one request, not yet projected: copies, or
+    where the engine keeps them (`_Stored`, no copy)."""
 
     start: int
-    hidden: list[torch.Tensor] = field(default_factory=list)  # [n_i, m * d] chunks, in order
+    hidden: list[torch.Tensor | _Stored] = field(default_factory=list)  # [n_i, m * d] chunks, in order
     end: int = -1
+    copied: int = 0  # positions held as copies (what max_pending bounds)
 
     def __post_init__(self) -> None:
         self.end = self.start
@@ -193,15 +216,17 @@ class _Pending:
         """Keep positions < pos (a rollback re-sends them from pos on)."""
         while self.hidden and self.end > pos:
             last = self.hidden.pop()
-            keep = max(0, last.shape[0] - (self.end - pos))
-            self.end -= last.shape[0]
+            n = last.shape[0]
+            keep = max(0, n - (self.end - pos))
+            self.end -= n
+            self.copied -= n if isinstance(last, torch.Tensor) else 0
             if keep:
-                self.hidden.append(last[:keep])
-                self.end += keep
+                self.append(last[:keep])
 
-    def append(self, hidden: torch.Tensor) -> None:
+    def append(self, hidden: torch.Tensor | _Stored) -> None:
         self.hidden.append(hidden)
         self.end += hidden.shape[0]
+        self.copied += hidden.shape[0] if isinstance(hidden, torch.Tensor) else 0
 
 
 class DSparkDrafter:
@@ -276,10 +301,13 @@ class DSparkDrafter:
             if pend is None or ctx.start_pos < pend.start:
                 pend = self._pending[ctx.request_id] = _Pending(ctx.start_pos)
             pend.truncate(ctx.start_pos)
-            # A copy: a view would keep the whole step's tap tensor alive while it waits.
-            pend.append(ctx.hidden.clone())
-            if pend.end - pend.start >= self.config.max_pending:
-                self._absorb([ctx.request_id])  # bounds the memory pending states take
+            if ctx.stored is not None:  # read back when absorbed: no copy, no memory bound
+                pend.append(_Stored(ctx.stored, ctx.start_pos, n))
+            else:
+                # A copy: a view would keep the whole step's tap tensor alive while it waits.
+                pend.append(ctx.hidden.clone())
+            if pend.copied >= self.config.max_pending:
+                self._absorb([ctx.request_id])  # bounds the memory pending copies take
 
     @torch.no_grad()
     def _absorb(self, request_ids: list[str]) -> None:
@@ -298,7 +326,9 @@ class DSparkDrafter:
             n = pend.end - pend.start
             slots.append(torch.full((n,), slot, dtype=torch.long))
             positions.append(torch.arange(pend.start, pend.end))
-            hiddens.extend(h.to(self.model.device) for h in pend.hidden)
+            hiddens.extend(
+                (h if isinstance(h, torch.Tensor) else h.read(rid)).to(self.model.device) for h in pend.hidden
+            )
         if not hiddens:
             return
         dev = self.model.device

@@ -10,6 +10,8 @@ its block, so every cached block has its rows. Rolled-back drafts never get a ro
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from dspark_serve.drafter.base import AcceptedContext
@@ -29,17 +31,21 @@ class TapCache:
     def nbytes(self) -> int:
         return 0 if self.rows is None else self.rows.numel() * self.rows.element_size()
 
-    def write(self, contexts: list[AcceptedContext]) -> None:
-        """Store the hidden rows of the kept tokens at their KV slots."""
+    def write(self, contexts: list[AcceptedContext]) -> list[AcceptedContext]:
+        """Store the hidden rows of the kept tokens at their KV slots. -> the contexts, those
+        stored marked so (`stored`: the drafter may read them back instead of copying)."""
         slots: list[int] = []
         rows: list[torch.Tensor] = []
+        out: list[AcceptedContext] = []
         for c in contexts:
             if c.hidden is None or not c.token_ids or not self.blocks.has(c.request_id):
+                out.append(c)
                 continue
             slots += self.blocks.slots(c.request_id, c.start_pos, c.start_pos + len(c.token_ids))
             rows.append(c.hidden)
+            out.append(replace(c, stored=self))
         if not rows:
-            return
+            return out
         h = torch.cat(rows)
         if self.rows is not None and (self.rows.shape[1] != h.shape[1] or self.rows.dtype != h.dtype):
             self.rows = None
@@ -56,15 +62,20 @@ class TapCache:
             self.rows = grown
         assert self.rows is not None
         self.rows[torch.tensor(slots, device=h.device)] = h
+        return out
+
+    def rows_of(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """The stored rows of a request's positions start .. end - 1 (`TapRows`)."""
+        assert self.rows is not None, "no tap rows stored yet"
+        return self.rows[torch.tensor(self.blocks.slots(request_id, start, end), device=self.rows.device)]
 
     def context(self, request_id: str, token_ids: list[int], num_cached: int) -> AcceptedContext:
         """The context of a request's first `num_cached` tokens (shared cached blocks): their
         hidden rows, or None when nothing was ever stored (no tap layers)."""
-        hidden = None
-        if self.rows is not None:
-            idx = torch.tensor(self.blocks.slots(request_id, 0, num_cached), device=self.rows.device)
-            hidden = self.rows[idx]
-        return AcceptedContext(request_id, list(token_ids[:num_cached]), 0, hidden)
+        if self.rows is None:
+            return AcceptedContext(request_id, list(token_ids[:num_cached]), 0, None)
+        hidden = self.rows_of(request_id, 0, num_cached)
+        return AcceptedContext(request_id, list(token_ids[:num_cached]), 0, hidden, stored=self)
 
     def reset(self) -> None:
         self.rows = None

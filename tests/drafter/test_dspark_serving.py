@@ -207,6 +207,47 @@ def test_pending_states_are_bounded():
         DSparkDrafterConfig(max_pending=0)
 
 
+class RowStore:
+    """A TapRows: one request's tap states by position, as the engine's prefix cache keeps them."""
+
+    def __init__(self, hidden):
+        self.hidden, self.reads = hidden, []
+
+    def rows_of(self, request_id, start, end):
+        self.reads.append((request_id, start, end))
+        return self.hidden[start:end]
+
+
+def test_stored_context_waits_without_copies_or_bound(monkeypatch):
+    """Contexts whose states the engine keeps readable (`stored`) are read back when absorbed:
+    no copy waits, max_pending does not force a projection, rollbacks re-read what the store
+    holds then, and the block equals the training forward; copies mixed in stay bounded."""
+    model = tiny_model()
+    dr = DSparkDrafter(model, DSparkDrafterConfig(initial_capacity=4, max_pending=4), "dspark")
+    g = torch.Generator().manual_seed(6)
+    hid = torch.randn(1, 12, 3 * D, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, V - 1, (1, 12), generator=g)
+    train = model.forward_train(hid, ids, torch.tensor([[11]]), torch.tensor([[True]]))
+    store = RowStore(hid[0].clone())
+    store.hidden[6:8] = 0.0  # drafts kept at first, then rolled back: the store held other rows
+    ctx = lambda a, b: AcceptedContext("a", ids[0, a:b].tolist(), a, store.hidden[a:b], stored=store)
+    dr.observe([ctx(0, 6)])  # more than max_pending, all stored: nothing projected
+    dr.observe([ctx(6, 8)])
+    store.hidden[6:8] = hid[0, 6:8]  # the target rolled back to 6 and kept other states there
+    dr.observe([ctx(6, 9)])
+    assert dr.cache.length("a") == 0 and store.reads == []
+    assert all(not isinstance(h, torch.Tensor) for h in dr._pending["a"].hidden)  # no copies
+    dr.observe([AcceptedContext("a", ids[0, 9:11].tolist(), 9, hid[0, 9:11])])  # copies: bounded...
+    assert dr.cache.length("a") == 0 and dr._pending["a"].copied == 2
+    req = DraftRequest("a", ids[0, :12].tolist(), 3, GREEDY, None, 100)
+    got = dr.block_hidden([req])[0]
+    assert dr.cache.length("a") == 11 and store.reads == [("a", 0, 6), ("a", 6, 9)]
+    torch.testing.assert_close(got, train[0, 0], rtol=1e-10, atol=1e-10)
+    for i in range(11, 15):  # ...4 copied positions projected at once
+        dr.observe([AcceptedContext("a", [1], i, hid[0, :1])])
+    assert dr.cache.length("a") == 15
+
+
 @pytest.mark.parametrize("head_type", ["vanilla", "rnn"])
 def test_propose_mixed_sampling_truncation(head_type):
     model = tiny_model(head_type)

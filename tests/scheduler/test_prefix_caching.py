@@ -131,6 +131,9 @@ def test_first_proposal_after_a_hit_equals_the_one_without_cache(tmp_path, name)
         hits = eng.runner.blocks.stats().hits
         assert (hits == 24) if caching else (hits == 0)
         dr = eng.drafter
+        # with the cache on, what waits for the next draft is positions in its tap rows, not copies
+        pending = dr._pending["second"].hidden
+        assert pending and all(isinstance(h, torch.Tensor) != caching for h in pending)
         prop = dr.propose([_draft_view(eng, second)])[0]
         kv, _ = dr.cache.gather([dr.cache.slot("second")])
         results[caching] = (prop, kv, second.output_ids[:1])
