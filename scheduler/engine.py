@@ -179,9 +179,10 @@ class Engine:
         if self.scheduler.has_work():
             raise RuntimeError("set_policy needs an idle engine")
         self.speculation.use_policy(spec)
-        # Cached blocks carry the tap states of the old setting (or none): start afresh.
+        # Cached blocks carry the tap states of the old setting (or none): start afresh (the
+        # rows' buffer is kept while taps are still stored: rows are written before read).
         self.runner.blocks.reset_prefix_cache()
-        self.taps.reset()
+        self.taps.reset(keep=bool(self.tap_layers))
 
     def set_prefix_caching(self, enabled: bool) -> None:
         """Turn prefix caching on or off (only between requests; benchmarks compare both);

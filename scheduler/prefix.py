@@ -61,7 +61,7 @@ class TapCache:
                 grown[:have] = self.rows
             self.rows = grown
         assert self.rows is not None
-        self.rows[torch.tensor(slots, device=h.device)] = h
+        self.rows.index_copy_(0, torch.tensor(slots, device=h.device), h)
         return out
 
     def rows_of(self, request_id: str, start: int, end: int) -> torch.Tensor:
@@ -77,5 +77,10 @@ class TapCache:
         hidden = self.rows_of(request_id, 0, num_cached)
         return AcceptedContext(request_id, list(token_ids[:num_cached]), 0, hidden, stored=self)
 
-    def reset(self) -> None:
-        self.rows = None
+    def reset(self, keep: bool = False) -> None:
+        """Forget every row. keep: hold on to the buffer (the engine will store rows of the same
+        width again): no row is read before its slot is written anew, so its old contents are
+        harmless, and the buffer need not be allocated and grown again (it is large: a row per
+        KV slot used)."""
+        if not keep:
+            self.rows = None
