@@ -184,6 +184,11 @@ class Policy(Protocol):
     @property
     def name(self) -> str: ...
 
+    # The most drafts it verifies for one request in any step, or None (what the drafter
+    # proposes): drafting past it is wasted work, so the drafter is not asked for more.
+    @property
+    def max_length(self) -> int | None: ...
+
     def __call__(self, inp: PolicyInput, table: CostTable, load: LoadState) -> PolicyDecision: ...
 
 
@@ -197,6 +202,7 @@ class NoSpeculation:
     """Plain decoding: verify nothing, every request gets only the target's own token."""
 
     name: str = field(default="none", init=False)
+    max_length: int | None = field(default=0, init=False)
 
     def __call__(self, inp: PolicyInput, table: CostTable, load: LoadState) -> PolicyDecision:
         return _decision(inp.survival_curves(), [0] * len(inp.max_lengths))
@@ -219,6 +225,10 @@ class StaticPolicy:
     def name(self) -> str:
         return f"static:{self.k}"
 
+    @property
+    def max_length(self) -> int | None:
+        return self.k
+
     def __call__(self, inp: PolicyInput, table: CostTable, load: LoadState) -> PolicyDecision:
         return _decision(inp.survival_curves(), [min(self.k, m) for m in inp.max_lengths])
 
@@ -231,6 +241,7 @@ class ThresholdPolicy:
     """
 
     threshold: float
+    max_length: int | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.threshold <= 1.0):
@@ -265,6 +276,7 @@ class DSparkPolicy:
     """
 
     early_stop: bool = True
+    max_length: int | None = field(default=None, init=False)
 
     @property
     def name(self) -> str:

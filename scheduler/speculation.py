@@ -156,6 +156,8 @@ class Speculation:
             r.max_tokens - len(r.output_ids) - 1,
             self.max_model_len - r.num_tokens - 1,
         )
+        if self.policy.max_length is not None:  # static:k never verifies more than k
+            cap = min(cap, self.policy.max_length)
         if self.policy.name == "dspark" and self.cfg.draft_headroom and r.last_budget is not None:
             # Skip positions the policy will not admit: it gave this request `last_budget`
             # drafts a step ago, and load moves slowly. Fixed before any draft of this step

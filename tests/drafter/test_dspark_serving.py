@@ -293,6 +293,28 @@ def test_propose_mixed_sampling_truncation(head_type):
     assert model.sample_block(base, anchors, [GREEDY, GREEDY], [None, None], both).probs is None
 
 
+@pytest.mark.parametrize("trim", [True, False])
+def test_a_step_runs_only_the_block_positions_its_drafts_can_use(monkeypatch, trim):
+    """With every request's max_draft at most 2, the block runs 3 positions (2 + one spare),
+    and the drafts are the greedy argmax over that trimmed block; trim_block=False runs it whole."""
+    model = tiny_model()
+    dr = DSparkDrafter(model, DSparkDrafterConfig(initial_capacity=4, trim_block=trim), "dspark")
+    g = torch.Generator().manual_seed(8)
+    hid = torch.randn(2, 6, 3 * D, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, V - 1, (2, 7), generator=g)
+    dr.observe([AcceptedContext(f"r{i}", ids[i, :6].tolist(), 0, hid[i]) for i in range(2)])
+    reqs = [DraftRequest(f"r{i}", ids[i].tolist(), 3, GREEDY, None, k) for i, k in ((0, 2), (1, 1))]
+    shapes = []
+    block_hidden = dr.block_hidden
+    monkeypatch.setattr(dr, "block_hidden", lambda b, n=None: shapes.append(n) or block_hidden(b, n))
+    p0, p1 = dr.propose(reqs)
+    assert shapes == [3 if trim else None] and len(p0) == 2 and len(p1) == 1
+    hidden = block_hidden(reqs, 3 if trim else None)
+    assert hidden.shape[1] == (3 if trim else BS)
+    logits = model.block_logits(hidden[:1, :2], torch.cat([ids[0, -1:], p0.tokens[:1]])[None])[0]
+    assert logits.argmax(-1).tolist() == p0.tokens.tolist()
+
+
 def test_factories_share_target_modules(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

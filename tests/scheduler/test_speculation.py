@@ -93,6 +93,20 @@ def test_headroom_limits_what_is_drafted_past_last_budget():
     assert dr.asked[-1] == {"a": 1}  # 3 - 1 output - 1 for the target's own token
 
 
+def test_a_static_policy_asks_for_no_more_drafts_than_it_verifies():
+    dr = FakeDrafter(block_size=6)
+    spec = Speculation(dr, SchedulerConfig(verify_policy="static:2"), max_model_len=512)
+    r = decoding("a")
+    assert spec.lookahead(r) == 2
+    out = spec.propose([r], room=100, load=LoadState(num_running=1))
+    assert dr.asked[-1] == {"a": 2} and out.lengths == [2]
+    spec.use_policy("dspark")  # load-aware: up to the block (no budget of its own yet)
+    r.last_budget = None
+    assert spec.lookahead(r) == 6
+    spec.use_policy("none")
+    assert spec.lookahead(r) == 0
+
+
 def test_online_confidence_drafters_explore_on_a_fixed_schedule():
     dr = FakeDrafter(confidence=0.0, online=True)
     spec = Speculation(
