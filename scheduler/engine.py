@@ -364,7 +364,8 @@ class Engine:
     def _propose(self, batch: ScheduledBatch) -> StepProposal:
         if not batch.decodes:
             return StepProposal([], [])
-        load = self.load.snapshot(len(batch.decodes), len(self.waiting), batch.prefill_tokens)
+        prefilling = len(self.running) - len(batch.decodes)
+        load = self.load.snapshot(len(batch.decodes), len(self.waiting), batch.prefill_tokens, prefilling)
         room = self.cfg.max_num_batched_tokens - batch.prefill_tokens - len(batch.decodes)
         proposal = self.speculation.propose(batch.decodes, room, load)
         if proposal.decision is not None:

@@ -16,6 +16,7 @@ class LoadState:
 
     num_running: requests decoding this step.
     num_waiting: requests queued, not yet admitted.
+    num_prefilling: admitted requests still prefilling (they decode within a few steps).
     prefill_tokens: prompt-chunk tokens already in this step's target batch (they count in B).
     kv_usage: fraction of KV cache blocks in use, 0..1.
     accel_mem_used: bytes allocated on the accelerator (None on CPU or when not measured).
@@ -28,9 +29,10 @@ class LoadState:
     kv_usage: float = 0.0
     accel_mem_used: int | None = None
     accel_mem_total: int | None = None
+    num_prefilling: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_running", "num_waiting", "prefill_tokens"):
+        for name in ("num_running", "num_waiting", "prefill_tokens", "num_prefilling"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not (0.0 <= self.kv_usage <= 1.0):
@@ -43,7 +45,9 @@ class LoadMonitor:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
-    def snapshot(self, num_running: int, num_waiting: int, prefill_tokens: int = 0) -> LoadState:
+    def snapshot(
+        self, num_running: int, num_waiting: int, prefill_tokens: int = 0, num_prefilling: int = 0
+    ) -> LoadState:
         used = total = None
         if self.runner.device.type == "cuda":
             import torch  # here only: the policies (and the server's config checks) import LoadState
@@ -51,5 +55,11 @@ class LoadMonitor:
             used = torch.cuda.memory_allocated(self.runner.device)
             total = torch.cuda.get_device_properties(self.runner.device).total_memory
         return LoadState(
-            num_running, num_waiting, prefill_tokens, min(1.0, float(self.runner.blocks.usage)), used, total
+            num_running,
+            num_waiting,
+            prefill_tokens,
+            min(1.0, float(self.runner.blocks.usage)),
+            used,
+            total,
+            num_prefilling,
         )

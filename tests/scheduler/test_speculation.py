@@ -161,14 +161,16 @@ def test_a_step_that_prefills_asks_the_gate_for_no_exploration():
             self.asked = []
 
         def should_draft(self, n, explore=True):
-            self.asked.append(explore)
+            self.asked.append((n, explore))
             return explore  # an exploration is due: drafting, unless it may not explore
 
     dr = FakeDrafter()
     spec = Speculation(dr, SchedulerConfig(verify_policy="dspark"), max_model_len=512)
     spec.gate = gate = Gate()
     reqs = [decoding("a"), decoding("b")]
-    p = spec.propose(reqs, room=100, load=LoadState(num_running=2, prefill_tokens=300))
+    p = spec.propose(reqs, room=100, load=LoadState(num_running=2, prefill_tokens=300, num_prefilling=5))
     assert not p.drafting and [len(x) for x in p.proposals] == [0, 0] and dr.asked == []
-    p = spec.propose(reqs, room=100, load=LoadState(num_running=2))
-    assert p.drafting and gate.asked == [False, True]
+    p = spec.propose(reqs, room=100, load=LoadState(num_running=2, num_prefilling=5))
+    # the prefilling step is judged at the load it heads for (2 decoding + 5 prefilling);
+    # a pure decode step at its own (requests prefilling there carry no chunk in this step)
+    assert p.drafting and gate.asked == [(7, False), (2, True)]
