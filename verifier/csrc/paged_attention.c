@@ -224,6 +224,17 @@ static inline __attribute__((always_inline)) void attend_item_tiled(
                      acc + ((size_t)hi * nq + i) * D);
 }
 
+/* The cache slots of keys j0 .. j0 + width - 1 (a tile); keys past nkeys take key j0's slot (any
+ * valid row: their scores are never used) */
+static inline void tile_slots(const int32_t *blocks, int block_shift, int j0, int nkeys, int width,
+                              int64_t *slots) {
+    const int block_size = 1 << block_shift;
+    for (int t = 0; t < width; t++) {
+        int j = j0 + (j0 + t < nkeys ? t : 0);
+        slots[t] = (int64_t)blocks[j >> block_shift] * block_size + (j & (block_size - 1));
+    }
+}
+
 #ifdef __AVX512BF16__
 /* o[t] = sum of the 16 lanes of v[t], t < 16: a transpose-and-add tree (45 instructions for all
  * 16, instead of a horizontal sum per vector) */
@@ -263,13 +274,10 @@ static inline __attribute__((always_inline)) void attend_item_bf16(
     const int64_t stride16 = max_keys + 16; /* a score row, room for a whole last tile */
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int j0 = 0; j0 < nkeys; j0 += 16) {
-        int nt = nkeys - j0 < 16 ? nkeys - j0 : 16;
+        int64_t slots[16];
+        tile_slots(blocks, block_shift, j0, nkeys, 16, slots);
         const uint16_t *krow[16];
-        for (int t = 0; t < 16; t++) {
-            int j = j0 + (t < nt ? t : 0); /* past the end: any valid key, its score unused */
-            int64_t slot = (int64_t)blocks[j >> block_shift] * block_size + (j & (block_size - 1));
-            krow[t] = kb + slot * kv_stride;
-        }
+        for (int t = 0; t < 16; t++) krow[t] = kb + slots[t] * kv_stride;
         if (rows >= 3 && j0 + 16 < nkeys) { /* the next tile's rows: its block may lie anywhere */
             int j = j0 + 16;
             const char *nxt = (const char *)(kb + ((int64_t)blocks[j >> block_shift] * block_size +
@@ -406,13 +414,10 @@ static inline __attribute__((always_inline)) void attend_item_f32(
     const int64_t stride8 = max_keys + 16; /* a score row, room for a whole last tile */
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int j0 = 0; j0 < nkeys; j0 += 8) {
-        int nt = nkeys - j0 < 8 ? nkeys - j0 : 8;
+        int64_t slots[8];
+        tile_slots(blocks, block_shift, j0, nkeys, 8, slots);
         const float *krow[8];
-        for (int t = 0; t < 8; t++) {
-            int j = j0 + (t < nt ? t : 0); /* past the end: any valid key, its score unused */
-            int64_t slot = (int64_t)blocks[j >> block_shift] * block_size + (j & (block_size - 1));
-            krow[t] = kf + slot * kv_stride;
-        }
+        for (int t = 0; t < 8; t++) krow[t] = kf + slots[t] * kv_stride;
         for (int r = 0; r < rows; r++) {
             int hi = r / nq, i = r % nq;
             if (causal && j0 > s0 + i) continue; /* the row sees no key of this tile */
