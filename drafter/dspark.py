@@ -18,7 +18,7 @@ from torch import nn
 
 from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftRequest, TapRows
 from dspark_serve.drafter.dspark_model import DSparkModel, load_dspark
-from dspark_serve.drafter.dspark_model.fast import FastDraftBackbone, prepacked_linears_pay
+from dspark_serve.drafter.dspark_model.fast import FastDraftBackbone, GreedyMarkov, prepacked_linears_pay
 from dspark_serve.drafter.dspark_model.fast import applies as fast_backbone_applies
 from dspark_serve.drafter.online_calibration import OnlineCalibrator
 
@@ -254,6 +254,15 @@ class DSparkDrafter:
         if fast_backbone_applies(model):
             self.backbone = FastDraftBackbone(model)
         _prepack_linears(self.model, skip=() if self.backbone is model else (model.layers, model.fc))
+        # all-greedy blocks of a few rows: the Markov head's walk in one C call
+        self._greedy: GreedyMarkov | None = None
+        head = model.markov_head
+        if head is not None and GreedyMarkov.applies(head, model.dtype, model.device):
+            from dspark_serve.verifier.cpu_kernels import load_kernels
+
+            lib = load_kernels()
+            assert lib is not None
+            self._greedy = GreedyMarkov(lib, head, model.d2t)
         self.config = config
         self.block_size = bs
         self.tap_layers: tuple[int, ...] = tuple(model.config.target_layer_ids)
@@ -400,7 +409,13 @@ class DSparkDrafter:
             anchors = torch.tensor([r.token_ids[-1] for r in batch], dtype=torch.long, device=dev)
             contexts = [r.context() for r in batch]
             drafted = self.model.sample_block(
-                base, anchors, [r.sampling for r in batch], [r.generator for r in batch], hidden, contexts
+                base,
+                anchors,
+                [r.sampling for r in batch],
+                [r.generator for r in batch],
+                hidden,
+                contexts,
+                self._greedy,
             )
             conf = self._confidences(hidden, drafted.prev_tokens, batch, lengths)
             # Tokens and confidences go to the host once per step (the engine and the policy

@@ -128,6 +128,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.add_rmsnorm_f32.argtypes = lib.add_rmsnorm.argtypes
     lib.silu_mul_f32.restype = None
     lib.silu_mul_f32.argtypes = lib.silu_mul.argtypes
+    lib.markov_greedy_f32.restype = None
+    # base, anchor, w1, w2, d2t, B, K, V, r, tokens, prevs
+    lib.markov_greedy_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr, ptr]
     lib.small_gemm_pack.restype = None
     lib.small_gemm_pack.argtypes = [ptr, ptr, i32, i32]  # W, packed, N, K
     lib.small_gemm.restype = None

@@ -15,6 +15,7 @@ The modules stay the reference (training, float32 serving, CUDA); this path is c
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark_serve.drafter.dspark_model.model import DSparkModel
-from dspark_serve.drafter.dspark_model.modules import DecoderLayer
+from dspark_serve.drafter.dspark_model.modules import DecoderLayer, MarkovHead
 from dspark_serve.drafter.dspark_model.ops import ACTIVATIONS, rope_cos_sin
 from dspark_serve.verifier.cpu_kernels import (
     FusedElementwise,
@@ -272,3 +273,55 @@ class FastDraftBackbone:
         p = torch.softmax(s, dim=-1)  # float32 inside, one rounding out
         o = torch.matmul(p, v)  # [B, Hkv, r*L, D]
         return o.view(B, Hkv, r, Lb, D).permute(0, 3, 1, 2, 4).reshape(B, Lb, H * D)
+
+
+class GreedyMarkov:
+    """All-greedy drafting through a vanilla Markov head in float32 on a CPU: the whole block in
+    one C call (`markov_greedy_f32`: each position's bias W2 . W1[prev], the argmax, the next
+    prev) instead of ~7 small torch ops per position. For a few rows only (`max_rows`), where
+    those ops' fixed cost dominates; a larger batch keeps torch's batched ops (one bias matmul
+    for all rows per position is cheaper there)."""
+
+    max_rows = 4
+
+    def __init__(self, lib: ctypes.CDLL, head: MarkovHead, d2t: torch.Tensor | None) -> None:
+        self.fn = lib.markov_greedy_f32
+        self.w1 = head.markov_w1.weight.detach().contiguous()  # [vocab, r]
+        self.w2 = head.markov_w2.weight.detach().contiguous()  # [V', r]
+        self.d2t = None if d2t is None else d2t.detach().long().contiguous()
+
+    @staticmethod
+    def applies(head: MarkovHead | None, dtype: torch.dtype, device: torch.device) -> bool:
+        return (
+            head is not None
+            and head.kind == "vanilla"
+            and dtype == torch.float32
+            and device.type == "cpu"
+            and load_kernels() is not None
+        )
+
+    def __call__(self, base: torch.Tensor, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """base: [B, K, V'] float32 logits; anchor: [B] -> (tokens, prev tokens) [B, K] int64
+        target ids, or None for more than `max_rows` rows."""
+        B, K, V = base.shape
+        if B > self.max_rows or base.dtype != torch.float32:
+            return None
+        base = base.contiguous()
+        anchor = anchor.long().contiguous()
+        tokens = torch.empty(B, K, dtype=torch.long)
+        prevs = torch.empty(B, K, dtype=torch.long)
+        d2t = 0 if self.d2t is None else self.d2t.data_ptr()
+        self.fn(
+            base.data_ptr(),
+            anchor.data_ptr(),
+            self.w1.data_ptr(),
+            self.w2.data_ptr(),
+            d2t,
+            B,
+            K,
+            V,
+            self.w1.shape[1],
+            tokens.data_ptr(),
+            prevs.data_ptr(),
+        )
+        return tokens, prevs

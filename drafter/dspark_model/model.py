@@ -11,7 +11,7 @@ from torch import nn
 from dspark_serve.drafter.dspark_model.config import Calibration, DSparkConfig
 from dspark_serve.drafter.dspark_model.modules import ConfidenceHead, DecoderLayer, MarkovHead, RMSNorm
 from dspark_serve.drafter.dspark_model.ops import rope_cos_sin, rope_inv_freq
-from dspark_serve.drafter.dspark_model.sampling import SampledBlock, sample_block
+from dspark_serve.drafter.dspark_model.sampling import GreedyWalk, SampledBlock, sample_block
 from dspark_serve.verifier.processors import TokenContext, process_next
 from dspark_serve.verifier.sampling_params import SamplingParams
 
@@ -216,10 +216,12 @@ class DSparkModel(nn.Module):
         generators: Sequence[torch.Generator | None],
         hidden: torch.Tensor | None = None,
         contexts: Sequence[TokenContext | None] | None = None,
+        greedy: GreedyWalk | None = None,
     ) -> SampledBlock:
         """Left-to-right sampling with this drafter's Markov head (`sampling.sample_block`);
         rows with penalties, a logit bias or a grammar (`contexts`) are processed in the
-        target's vocabulary, exactly as the verifier processes p."""
+        target's vocabulary, exactly as the verifier processes p. greedy: an all-greedy block's
+        walk in one call (`sampling.sample_block`)."""
         shape = None
         if contexts is not None:
 
@@ -244,6 +246,7 @@ class DSparkModel(nn.Module):
             hidden,
             contexts,
             shape,
+            greedy,
         )
 
     def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:

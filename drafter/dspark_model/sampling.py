@@ -12,6 +12,9 @@ from dspark_serve.verifier.processors import TokenContext, needs_processing
 from dspark_serve.verifier.sampling import SamplingTensors, probs_from_logits, sample
 from dspark_serve.verifier.sampling_params import SamplingParams
 
+# (base_logits [B, K, V'], anchor [B]) -> (tokens, prev_tokens) [B, K], or None: not applicable
+GreedyWalk = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
+
 
 @dataclass
 class SampledBlock:
@@ -40,6 +43,7 @@ def sample_block(
     hidden: torch.Tensor | None = None,
     contexts: Sequence[TokenContext | None] | None = None,
     shape: Callable[[int, torch.Tensor, list[int]], torch.Tensor] | None = None,
+    greedy: GreedyWalk | None = None,
 ) -> SampledBlock:
     """Left-to-right sampling with the Markov head.
 
@@ -52,7 +56,10 @@ def sample_block(
     contexts / shape: rows whose request has penalties, a logit bias or a grammar
     (`needs_processing`) get their step-k logits passed through shape(row, logits [V'],
     tokens drafted so far) before anything else, so q (and a greedy argmax) is the processed
-    distribution the verifier's p is compared with (verifier/processors.py)."""
+    distribution the verifier's p is compared with (verifier/processors.py).
+    greedy: (base_logits, anchor) -> (tokens, prev_tokens) target ids for a block whose rows
+    are all greedy and unprocessed, the same argmax walk in one call (a C loop on CPUs,
+    `fast.GreedyMarkov`), or None where it does not apply."""
     b, steps, vocab = base_logits.shape  # vocab: the draft vocabulary (output_size)
     dev = base_logits.device
     if head is not None and head.kind != "vanilla" and hidden is None:
@@ -70,6 +77,10 @@ def sample_block(
     shaped: list[int] = []
     if contexts is not None and shape is not None:
         shaped = [i for i, s in enumerate(sampling) if needs_processing(s, contexts[i])]
+    if greedy is not None and not rows and not shaped and steps > 0:
+        walked = greedy(base_logits, anchor)
+        if walked is not None:
+            return SampledBlock(walked[0].to(dev), None, walked[1].to(dev))
     for k in range(steps):
         logits = base_logits[:, k].float()
         if head is not None:

@@ -315,6 +315,40 @@ def test_a_step_runs_only_the_block_positions_its_drafts_can_use(monkeypatch, tr
     assert logits.argmax(-1).tolist() == p0.tokens.tolist()
 
 
+@pytest.mark.parametrize("truncated", [False, True])
+def test_greedy_markov_walk_in_c_equals_the_torch_walk(truncated):
+    """The all-greedy block in one C call: the same tokens and prev tokens as sample_block's
+    torch loop, with and without a draft-to-target map; more rows than it takes fall back."""
+    from dspark_serve.drafter.dspark_model.fast import GreedyMarkov
+    from dspark_serve.drafter.dspark_model.sampling import sample_block
+
+    lib = load_kernels()
+    if lib is None:
+        pytest.skip("the greedy walk needs the C kernels (a C compiler)")
+    model = tiny_model().float()
+    head = model.markov_head
+    assert GreedyMarkov.applies(head, torch.float32, torch.device("cpu"))
+    assert not GreedyMarkov.applies(head, torch.float64, torch.device("cpu"))
+    g = torch.Generator().manual_seed(9)
+    Vd = 40 if truncated else V
+    d2t = torch.randperm(V, generator=g)[:Vd] if truncated else None
+    if truncated:  # the head writes draft-vocabulary logits
+        head.markov_w2 = torch.nn.Linear(head.rank, Vd, bias=False)
+        torch.nn.init.normal_(head.markov_w2.weight, std=3.0, generator=g)
+    walk = GreedyMarkov(lib, head, d2t)
+    to_target = (lambda t: t) if d2t is None else (lambda t: d2t[t])
+    for b in (1, 2):
+        base = torch.randn(b, BS, Vd, generator=g)
+        anchor = torch.randint(0, V, (b,), generator=g)
+        want = sample_block(base, anchor, [GREEDY] * b, [None] * b, head, to_target)
+        got = sample_block(base, anchor, [GREEDY] * b, [None] * b, head, to_target, greedy=walk)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.prev_tokens, want.prev_tokens)
+        assert got.probs is None
+    assert walk(torch.randn(5, BS, Vd), torch.zeros(5, dtype=torch.long)) is None  # 5 rows: torch's
+    dr = make_drafter(model)
+    assert dr._greedy is not None  # a float32 drafter on a CPU with the kernels uses it
+
+
 def test_factories_share_target_modules(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -87,3 +87,35 @@ void silu_mul_f32(const float *gu, float *out, int T, int n) {
         }
     }
 }
+
+/* Greedy drafting through a vanilla Markov head in float32, the whole block in one call: for each
+ * row b and step k, logits[j] = base[b, k, j] + W2[j] . W1[prev] (the head's bias), the first
+ * maximal j (torch.argmax's choice), token = d2t[j] (j without a map), and the token becomes
+ * the next step's prev. base [B, K, V] contiguous, anchor [B], w1 [vocab, r], w2 [V, r];
+ * tokens, prevs [B, K]: the drafted target ids and the id each was drafted after. */
+void markov_greedy_f32(const float *base, const int64_t *anchor, const float *w1, const float *w2,
+                       const int64_t *d2t, int B, int K, int V, int r, int64_t *tokens, int64_t *prevs) {
+#pragma omp parallel for schedule(static) if (B > 1)
+    for (int b = 0; b < B; b++) {
+        int64_t prev = anchor[b];
+        for (int k = 0; k < K; k++) {
+            const float *e = w1 + prev * r;
+            const float *lg = base + ((int64_t)b * K + k) * V;
+            float best = -INFINITY;
+            int arg = 0;
+            for (int j = 0; j < V; j++) {
+                const float *wj = w2 + (int64_t)j * r;
+                float s = 0.0f;
+                for (int i = 0; i < r; i++) s += wj[i] * e[i];
+                float v = lg[j] + s;
+                if (v > best) {
+                    best = v;
+                    arg = j;
+                }
+            }
+            prevs[(int64_t)b * K + k] = prev;
+            prev = d2t ? d2t[arg] : arg;
+            tokens[(int64_t)b * K + k] = prev;
+        }
+    }
+}
