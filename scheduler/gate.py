@@ -8,7 +8,12 @@ bias the output."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+Price = Callable[[float, int], float]
+"""Seconds one target forward takes for `tokens` tokens from `requests` decoding requests (the
+profiled cost table): what verification costs at a load."""
 
 
 @dataclass
@@ -22,17 +27,33 @@ class _Rate:
     seconds: float = 0.0
     samples: int = 0
     step_seconds: float = 0.0  # moving average of one step's duration
+    # decayed like tokens and seconds: steps, decoding requests, and rows verified (each
+    # request's anchor plus its verified drafts), for the cost-curve prior (`DraftGate.predicted`)
+    steps: float = 0.0
+    requests: float = 0.0
+    rows: float = 0.0
 
     @property
     def value(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def update(self, tokens: float, seconds: float, alpha: float) -> None:
+    def update(self, tokens: float, seconds: float, alpha: float, requests: int, rows: int) -> None:
         keep = 1.0 - alpha if self.samples else 0.0
-        self.tokens = keep * self.tokens + tokens
-        self.seconds = keep * self.seconds + seconds
+        self.age(keep)
+        self.tokens += tokens
+        self.seconds += seconds
+        self.steps += 1.0
+        self.requests += requests
+        self.rows += rows
         self.step_seconds = keep * self.step_seconds + (1.0 - keep) * seconds
         self.samples += 1
+
+    def age(self, keep: float) -> None:
+        self.tokens *= keep
+        self.seconds *= keep
+        self.steps *= keep
+        self.requests *= keep
+        self.rows *= keep
 
 
 @dataclass
@@ -59,11 +80,17 @@ class DraftGate:
     drafting look slower than it is in steady state, and a gate that explores one step at a
     time can then stay closed for good.
 
-    A level not yet measured borrows a neighbour's verdict: the cost of verification grows with
-    the batch, so if drafting lost at a lower load (or won there by less than `carry`) it starts
-    off here, and if it won at a higher load it starts on; its own measurements (taken as
-    exploration) take over once `warmup` steps of each mode are in. Without a verdict to
-    borrow, it alternates the two modes in bursts.
+    A level not yet measured starts from a neighbour's measurements. With the target's cost
+    curve (`price`), it predicts drafting's gain here from the nearest measured level: the
+    tokens a drafting step made per request there stay, what verifying its rows costs moves
+    along the curve (`predicted`), so on a machine whose forward is compute-bound at this load
+    a win at one request becomes a predicted loss at sixteen, and on one whose forward costs
+    the same for 1 and 64 tokens it stays a win. Without a cost curve it borrows the
+    neighbour's verdict: if drafting lost at a lower load (or won there by less than `carry`)
+    it starts off here, and if it won at a higher load it starts on. Either way the level's
+    own measurements (taken as exploration, at the interval the predicted gap sets) take over
+    once `warmup` steps of each mode are in. With nothing to go on, it alternates the two
+    modes in bursts.
     """
 
     warmup: int = 6
@@ -86,6 +113,9 @@ class DraftGate:
     """A win of drafting at a lower load by less than this ratio is not carried up: the busier
     level starts plain (and explores) rather than alternating, since each step up in load makes
     a verified block dearer while acceptance stays what it was."""
+    price: Price | None = None
+    """The target's forward time per (tokens, requests) (the cost table), for `predicted`;
+    None: an unmeasured level borrows a neighbour's verdict (`borrowed`)."""
     _rates: dict[tuple[int, bool], _Rate] = field(default_factory=dict)
     _steps: dict[int, int] = field(default_factory=dict)
     _last: dict[int, bool] = field(default_factory=dict)  # mode of the last recorded step per level
@@ -148,6 +178,47 @@ class DraftGate:
                 return False, v[1]
         return None
 
+    def predicted(self, num_decodes: int) -> tuple[bool, float] | None:
+        """Drafting's gain at `num_decodes` requests, carried along the cost curve from the
+        nearest measured level, as (drafting is faster, the rate ratio faster / slower); None
+        without a cost curve or a measured level.
+
+        There, a drafting step made `a` tokens per request verifying `rows` rows per request
+        and took a / gain times a plain step; the curve accounts for price(B rows, B) /
+        price(B, B) of that, and the rest (the drafter, bookkeeping) is taken to grow with the
+        batch as a plain step does. Here, with B' requests: gain' = a / (price(B' rows, B') /
+        price(B', B') + rest). The same rows per request is pessimistic at higher load (the
+        policy verifies fewer there), and exploration corrects either way."""
+        if self.price is None:
+            return None
+        level = self.level(num_decodes)
+        measured = sorted({lvl for lvl, _ in self._rates if lvl != level}, key=lambda lvl: abs(lvl - level))
+        for lvl in measured:
+            if self.verdict(lvl) is None:
+                continue
+            on, off = self._rates[(lvl, True)], self._rates[(lvl, False)]
+            if min(on.requests, on.steps, on.value, off.value) <= 0:
+                continue
+            a, rows = on.tokens / on.requests, max(1.0, on.rows / on.requests)
+            gain = on.value / off.value
+            rest = max(0.0, a / gain - self._verify_cost(on.requests / on.steps, rows))
+            g = a / (self._verify_cost(num_decodes, rows) + rest)
+            return g >= 1.0 - self.margin, max(g, 1.0 / g)
+        return None
+
+    def _verify_cost(self, requests: float, rows: float) -> float:
+        """A drafting step's target forward over a plain one's, `rows` rows per request."""
+        assert self.price is not None
+        n = max(1, round(requests))
+        return self.price(n * rows, n) / self.price(n, n)
+
+    def prior(self, num_decodes: int) -> tuple[bool, float] | None:
+        """What an unmeasured level starts from: the cost-curve prediction, else a borrowed
+        verdict."""
+        if self.price is not None:
+            return self.predicted(num_decodes)
+        return self.borrowed(self.level(num_decodes))
+
     def interval(self, ratio: float, level: int | None = None) -> int:
         """Steps between the starts of two explorations (a burst each) when the mode not in
         favour is `ratio` times slower; at a `level` whose explorations were measured, also
@@ -169,11 +240,11 @@ class DraftGate:
         and neither starts nor counts toward an exploration."""
         lvl = self.level(num_decodes)
         if not explore:
-            v = self.verdict(lvl) or self.borrowed(lvl)
+            v = self.verdict(lvl) or self.prior(num_decodes)
             return v[0] if v is not None else (self._steps.get(lvl, 0) // self.burst) % 2 == 0
         n = self._steps.get(lvl, 0)
         self._steps[lvl] = n + 1
-        v = self.verdict(lvl) or self.borrowed(lvl)
+        v = self.verdict(lvl) or self.prior(num_decodes)
         if v is None:  # alternate, in bursts, until both modes are measured here
             return (n // self.burst) % 2 == 0
         best, ratio = v
@@ -185,7 +256,11 @@ class DraftGate:
         self._since[lvl] = k + 1
         return (not best) if k < self.burst else best
 
-    def record(self, num_decodes: int, drafting: bool, decode_tokens: int, seconds: float) -> None:
+    def record(
+        self, num_decodes: int, drafting: bool, decode_tokens: int, seconds: float, rows: int | None = None
+    ) -> None:
+        """One pure decode step: its requests, mode, tokens made and duration; rows: tokens the
+        target verified for them (anchors + drafts; None: one per request)."""
         if num_decodes <= 0 or seconds <= 0:
             return
         lvl = self.level(num_decodes)
@@ -199,9 +274,9 @@ class DraftGate:
         # request, another text) must give way to its latest bursts.
         other = self._rates.get((lvl, not drafting))
         if other is not None:
-            other.tokens *= 1.0 - self.alpha
-            other.seconds *= 1.0 - self.alpha
-        self._rates.setdefault((lvl, drafting), _Rate()).update(decode_tokens, seconds, self.alpha)
+            other.age(1.0 - self.alpha)
+        rate = self._rates.setdefault((lvl, drafting), _Rate())
+        rate.update(decode_tokens, seconds, self.alpha, num_decodes, num_decodes if rows is None else rows)
 
     def _account(self, lvl: int, drafting: bool, switched: bool, tokens: int, seconds: float) -> None:
         """Book what exploring costs at a level with its own verdict: a step of the mode not

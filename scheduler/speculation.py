@@ -86,7 +86,10 @@ class Speculation:
         # it is kept across policy switches.
         on = self.drafter is not None and self.cfg.draft_gate and self.policy.name == "dspark"
         if on and self._gate is None:
-            self._gate = DraftGate()
+            # With a profiled cost table the gate predicts drafting's gain at a load it has not
+            # measured from one it has (what verification costs there is on the table).
+            table = self.cost_table
+            self._gate = DraftGate(price=(lambda b, n: 1.0 / table.sps(b, n)) if table is not None else None)
         self.gate = self._gate if on else None
 
     @property
@@ -239,7 +242,8 @@ class Speculation:
         """Teach the gate how fast this step was (pure decode steps only: a prefill chunk would
         dominate the time, and a gate-closed step where seeded requests drafted is neither mode)."""
         if self.gate is not None and num_decodes and not has_prefills and not proposal.mixed:
-            self.gate.record(num_decodes, proposal.drafting, decode_tokens, seconds)
+            rows = num_decodes + sum(proposal.lengths)
+            self.gate.record(num_decodes, proposal.drafting, decode_tokens, seconds, rows)
 
     def free(self, request_id: str) -> None:
         if self.drafter is not None:

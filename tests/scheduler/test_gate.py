@@ -106,6 +106,52 @@ def test_unmeasured_level_borrows_a_neighbours_verdict():
     assert picks[0] is False and picks.count(True) == 3  # plain, one exploration burst (interval 16)
 
 
+def _warm_rows(g, decodes, tokens_per_request, rows_per_request, on_seconds, off_seconds):
+    """A level's warm-up with whole steps: `decodes` requests, drafting steps that verify
+    `rows_per_request` rows and keep `tokens_per_request` tokens per request."""
+    while g.verdict(g.level(decodes)) is None:
+        if g.should_draft(decodes):
+            g.record(decodes, True, decodes * tokens_per_request, on_seconds, decodes * rows_per_request)
+        else:
+            g.record(decodes, False, decodes, off_seconds, decodes)
+
+
+def test_unmeasured_level_predicts_from_the_cost_curve():
+    """At one request drafting wins 2x (3 tokens a step from 5 verified rows, 60 ms against a
+    40 ms plain step). On a machine whose forward is compute-bound past 4 tokens, the same rows
+    at 16 requests cost 5 plain steps: the gate predicts a loss there and starts plain, where
+    borrowing the verdict alone (no cost curve) would alternate; on a machine whose forward
+    costs the same for any batch it predicts the win and keeps drafting."""
+
+    def compute_bound(tokens, requests):
+        return 0.01 * max(4.0, tokens)
+
+    def flat(tokens, requests):
+        return 0.04
+
+    g = DraftGate(warmup=2, explore_every=8, regret=0.1, price=compute_bound)
+    _warm_rows(g, 1, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
+    assert g.verdict(0) == (True, pytest.approx(2.0))
+    # rest of a drafting step beyond the verify: 3 / 2 - 0.05 / 0.04 = 0.25 plain steps;
+    # at 16 requests: 3 / (0.80 / 0.16 + 0.25) = 0.571, plain 1.75x faster
+    assert g.predicted(16) == (False, pytest.approx(1.75))
+    assert g.interval(1.75) == 23  # ceil(3 steps x 0.75 / 0.1)
+    picks = [g.should_draft(16) for _ in range(23)]
+    # plain from the first step; the first burst comes once an interval has passed since the
+    # (notional) last one
+    assert picks[:20] == [False] * 20 and picks[20:] == [True] * 3
+    blind = DraftGate(warmup=2, explore_every=8, regret=0.1)
+    _warm_rows(blind, 1, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
+    assert blind.prior(16) is None and [blind.should_draft(16) for _ in range(6)] == [True] * 3 + [False] * 3
+    free = DraftGate(warmup=2, explore_every=8, regret=0.1, price=flat)
+    _warm_rows(free, 1, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
+    assert free.predicted(16) == (True, pytest.approx(2.0))
+    assert [free.should_draft(16) for _ in range(8)] == [True] * 8
+    # once the level is measured, its own verdict rules whatever the prediction said
+    _warm_rows(g, 16, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
+    assert g.verdict(4) == (True, pytest.approx(2.0)) and g.should_draft(16) is True
+
+
 def test_gate_config_rejects_bad_values():
     bads = (
         dict(warmup=0),

@@ -141,6 +141,21 @@ def test_pure_decode_steps_teach_the_gate():
     assert abs(spec.gate.rate(1, p.drafting) - 50.0) < 1e-9
 
 
+def test_the_gate_prices_verification_with_the_cost_table_and_learns_rows():
+    from dspark_serve.scheduler.policy import CostTable
+
+    table = CostTable(batch_sizes=(1, 8, 64), steps_per_second=(40.0, 20.0, 4.0))
+    spec = Speculation(FakeDrafter(), SchedulerConfig(verify_policy="dspark"), 512, cost_table=table)
+    assert spec.gate is not None and spec.gate.price is not None
+    assert abs(spec.gate.price(8, 8) - 1 / 20.0) < 1e-12 and abs(spec.gate.price(64, 8) - 1 / 4.0) < 1e-12
+    p = spec.propose([decoding("a"), decoding("b")], room=100, load=LOAD)
+    assert p.drafting and sum(p.lengths) > 0
+    spec.record_step(p, num_decodes=2, has_prefills=False, decode_tokens=5, seconds=0.1)
+    rate = spec.gate._rates[(1, True)]
+    assert (rate.requests, rate.rows) == (2, 2 + sum(p.lengths))  # anchors + verified drafts
+    assert Speculation(FakeDrafter(), SchedulerConfig(verify_policy="dspark"), 512).gate.price is None
+
+
 def test_the_gate_keeps_what_it_learned_across_policy_switches():
     spec = Speculation(FakeDrafter(), SchedulerConfig(verify_policy="dspark"), max_model_len=512)
     gate = spec.gate
