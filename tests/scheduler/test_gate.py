@@ -287,8 +287,11 @@ def test_steps_that_prefill_follow_the_favoured_mode_and_never_explore():
         with_prefills.append(g.should_draft(4))
         plain_only.append(twin.should_draft(4))
     assert with_prefills == plain_only and with_prefills.count(True) >= 3  # explorations still run
-    # unmeasured level: the current burst's mode, without advancing the alternation
+    # a level nothing is known of: plain, without advancing the alternation
     fresh = DraftGate(warmup=2)
-    assert [fresh.should_draft(1, explore=False) for _ in range(5)] == [True] * 5
+    assert [fresh.should_draft(1, explore=False) for _ in range(5)] == [False] * 5
     assert [fresh.should_draft(1) for _ in range(4)] == [True, True, True, False]
     assert fresh.should_draft(1, explore=False) is False
+    # ...while a prior carries over: drafting won at a higher load, so it drafts here too
+    _warm(fresh, 8, on_rate=200, off_rate=100)
+    assert fresh.should_draft(1, explore=False) is True
