@@ -125,6 +125,7 @@ def cmd_train(a: argparse.Namespace) -> None:
     from dspark_serve.drafter.training.train import (
         TrainConfig,
         build_draft_model,
+        draft_model_from_checkpoint,
         draft_vocabulary,
         load_step_weights,
         load_train_data,
@@ -166,7 +167,17 @@ def cmd_train(a: argparse.Namespace) -> None:
         f"response tokens; drafter {cfg.num_hidden_layers} layers, markov_rank {cfg.markov_rank}"
     )
     d2t = None
-    if a.draft_vocab:
+    start = None  # an exported drafter to start from (--init-from), unless the run resumes
+    if a.init_from and not ckpt.exists():
+        start = draft_model_from_checkpoint(a.init_from, target.model)
+        cfg, d2t = start.config, start.d2t
+        print(f"train {a.name}: starting from {a.init_from} (its architecture and draft vocabulary)")
+    elif a.init_from:  # resuming such a run: the start's architecture, the run's own vocabulary
+        from dspark_serve.drafter.dspark_model import read_config
+
+        cfg = read_config(a.init_from)
+        d2t = torch.load(ckpt, weights_only=False)["model"]["d2t"] if cfg.truncated else None
+    elif a.draft_vocab:
         # A resumed run keeps the vocabulary it started with (the data may have grown since).
         d2t = (
             torch.load(ckpt, weights_only=False)["model"]["d2t"]
@@ -179,7 +190,7 @@ def cmd_train(a: argparse.Namespace) -> None:
             f"train {a.name}: draft vocabulary of {d2t.numel()} ids covers "
             f"{vocabulary_coverage(data, d2t):.2%} of the response tokens"
         )
-    model = build_draft_model(cfg, target.model, tcfg.init_from_target, d2t).to(a.device)
+    model = (start or build_draft_model(cfg, target.model, tcfg.init_from_target, d2t)).to(a.device)
     if a.score_checkpoints:
         _score_checkpoints(a, model, work, tcfg, lcfg, target.model.get_output_embeddings())
         return
@@ -427,6 +438,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--fp32", action="store_true", help="no bfloat16 autocast")
     t.add_argument("--no-init-from-target", action="store_true")
+    t.add_argument(
+        "--init-from",
+        default=None,
+        help="start from an exported drafter directory (its architecture, draft vocabulary and "
+        "weights; fresh optimizer and schedule) instead of the target's layers; a run with a "
+        "ckpt.pt resumes that instead",
+    )
     t.add_argument(
         "--draft-vocab",
         type=int,

@@ -24,6 +24,7 @@ from dspark_serve.drafter.dspark_model import (
     DSparkConfig,
     DSparkModel,
     draft_head,
+    load_dspark,
     save_dspark,
 )
 from dspark_serve.drafter.training.cache import CachedSequence, TrainBatch, load_cache, make_batch
@@ -129,6 +130,27 @@ def build_draft_model(
             model.fc.weight.mul_(0.1)
             model.fc.weight[:, (cfg.num_taps - 1) * d :] += torch.eye(d)
             model.hidden_norm.weight.copy_(src[0].input_layernorm.weight)
+    return model
+
+
+def draft_model_from_checkpoint(path: str | Path, target: Any) -> DSparkModel:
+    """A trainable drafter starting from an exported DeepSpec-format checkpoint (the shipped
+    drafter, say) instead of the target's layers: its config, draft vocabulary and weights,
+    in float32, sharing the target's frozen embedding and LM head as `build_draft_model`'s
+    do. The optimizer and schedule start afresh (an export keeps neither)."""
+    start = load_dspark(
+        str(path),
+        target_embed=target.get_input_embeddings(),
+        target_lm_head=target.get_output_embeddings(),
+    )
+    d2t = None if start.d2t is None else start.d2t.clone()
+    model = build_draft_model(start.config, target, init_from_target=False, d2t=d2t)
+    state = trainable_state(start)
+    mine = set(trainable_state(model))
+    if set(state) != mine:
+        raise ValueError(f"{str(path)!r} does not match its own config: {sorted(set(state) ^ mine)[:8]}")
+    model.load_state_dict(state, strict=False)
+    model.calibration = start.calibration
     return model
 
 

@@ -23,6 +23,7 @@ from dspark_serve.drafter.training.train import (
     build_draft_model,
     forward_loss,
     run_train,
+    trainable_parameters,
     trainable_state,
 )
 
@@ -220,6 +221,52 @@ def test_held_out_acceptance_is_logged_at_every_checkpoint(tmp_path):
     model.train()
     again = evaluate_held_out(model, held, 6, LossConfig(), False, 40)
     assert model.training and again.tau == pytest.approx(ho[-1]["tau"])
+
+
+def test_training_starts_from_an_exported_drafter(tmp_path):
+    """`--init-from`: an exported drafter (truncated vocabulary, calibration) comes back as a
+    trainable float32 model with its own config and d2t map, the same logits as the one
+    exported, the target's embedding shared and frozen; training it goes on lowering the loss.
+    An export whose weights do not fit its config is refused."""
+    from dspark_serve.drafter.training.train import draft_model_from_checkpoint
+
+    target = _tiny_target()
+    d2t = torch.tensor([0, 1, 2, *range(3, 96, 2)])
+    cfg = _tiny_drafter_config(target).replace(draft_vocab_size=int(d2t.numel()))
+    model = build_draft_model(cfg, target, init_from_target=True, d2t=d2t)
+    seqs = _cached_sequences(target, 8, 24, 4)
+    tcfg = TrainConfig(steps=20, batch_seqs=4, num_anchors=6, lr=3e-3, checkpoint_every=20, bf16=False)
+    head = target.get_output_embeddings()
+    run_train(model, seqs, tcfg, LossConfig(), tmp_path / "first", target_head=head)
+    model.calibration = Calibration((1.5, 2.0, 0.7, 3.0))
+    export_drafter(model, tmp_path / "ckpt", dtype="float32")
+    again = draft_model_from_checkpoint(tmp_path / "ckpt", target)
+    assert again.config == model.config and torch.equal(again.d2t, d2t)
+    assert again.calibration.temperatures == (1.5, 2.0, 0.7, 3.0)
+    assert again.embed_tokens is target.get_input_embeddings() and not again.embed_tokens.weight.requires_grad
+    assert all(p.requires_grad and p.dtype == torch.float32 for p in trainable_parameters(again))
+    fixed = make_batch(seqs[:4], 6, 4, torch.Generator().manual_seed(9))
+    model.eval()
+    again.eval()
+    with torch.no_grad():
+        h = [
+            m.forward_train(fixed.context_hidden, fixed.input_ids, fixed.anchors, fixed.anchor_valid)
+            for m in (model, again)
+        ]
+        assert torch.equal(
+            model.block_logits(h[0], fixed.prev_tokens), again.block_logits(h[1], fixed.prev_tokens)
+        )
+        before = float(forward_loss(again, fixed, LossConfig(), False, head).loss)
+    run_train(again, seqs, tcfg, LossConfig(), tmp_path / "second", target_head=head)
+    with torch.no_grad():
+        assert float(forward_loss(again, fixed, LossConfig(), False, head).loss) < before
+    (tmp_path / "ckpt" / "config.json").write_text(
+        (tmp_path / "ckpt" / "config.json")
+        .read_text()
+        .replace('"num_hidden_layers": 1', '"num_hidden_layers": 2')
+    )
+    with pytest.raises(ValueError):
+        draft_model_from_checkpoint(tmp_path / "ckpt", target)
 
 
 def test_export_then_load_gives_identical_logits(tmp_path):
