@@ -128,6 +128,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.add_rmsnorm_f32.argtypes = lib.add_rmsnorm.argtypes
     lib.silu_mul_f32.restype = None
     lib.silu_mul_f32.argtypes = lib.silu_mul.argtypes
+    lib.norm_rope_f32.restype = None
+    # x, token stride, head stride, w, eps, cos, sin, out, T, heads, D
+    lib.norm_rope_f32.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, ptr, i32, i32, i32]
     lib.markov_greedy_f32.restype = None
     # base, anchor, w1, w2, d2t, B, K, V, r, tokens, prevs
     lib.markov_greedy_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr, ptr]
@@ -371,6 +374,36 @@ class FusedElementwise:
         out = torch.empty_like(h)
         dptr, dstride = (0, 0) if delta is None else (delta.data_ptr(), delta.stride(0))
         fns[0](h.data_ptr(), dptr, dstride, w.data_ptr(), out.data_ptr(), T, d, eps)
+        return out
+
+    def norm_rope(
+        self, x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor | None:
+        """float32 x [T, heads, D] (any token and head strides, each head's D contiguous) ->
+        rotary(RMSNorm(x) * w) [T, heads, D], cos / sin [T, D] contiguous with rotate_half's
+        sign folded into sin; None where it does not apply (another dtype, D > 256 or odd)."""
+        T, nh, D = x.shape
+        if x.dtype != torch.float32 or D > 256 or D % 2 or x.stride(-1) != 1:
+            return None
+        if not (w.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("norm_rope needs a contiguous weight, cos and sin")
+        if w.dtype != torch.float32 or cos.dtype != torch.float32 or tuple(cos.shape) != (T, D):
+            got = tuple(cos.shape)
+            raise ValueError(f"norm_rope needs float32 w and cos / sin of shape {(T, D)}, got {got}")
+        out = x.new_empty(T, nh, D)
+        self.lib.norm_rope_f32(
+            x.data_ptr(),
+            x.stride(0),
+            x.stride(1),
+            w.data_ptr(),
+            eps,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            out.data_ptr(),
+            T,
+            nh,
+            D,
+        )
         return out
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,9 @@
 context_kv, forward_block) with the kernels the target's fast forward uses.
 
 - q/k/v (and, for context rows, k/v) and gate/up run as one prepacked linear each;
-- RMSNorm is the target's fused CPU kernel (`FastRMSNorm`), not ~8 elementwise kernels;
+- RMSNorm is the target's fused CPU kernel (`FastRMSNorm`), not ~8 elementwise kernels; with
+  the C kernels the q / k head norms run with the rotary embedding in one pass (float32) or as
+  one norm call over packed rows;
 - rotary tables are built once and read by position (the sign of rotate_half folded into sin);
 - attention reads the context K/V in place through the target's C kernel (verifier/cpu_kernels.py)
   where it builds (`forward_block_in_place`); otherwise two batched matmuls over (segment, kv
@@ -144,6 +146,20 @@ class FastDraftBackbone:
         rows = x.reshape(-1, x.shape[-1])  # packs a strided view, reuses a contiguous one
         return E.add_rmsnorm(rows, None, norm.w, norm.eps).view(x.shape)
 
+    def _norm_rope(
+        self, norm: FastRMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """The q / k head norm and the rotary embedding after it. x: [..., n, heads, D] (a view
+        into the fused projection's rows); cos, sin from `_rope_at` -> [..., n, heads, D]. In
+        float32 with the C kernels, one pass over the heads (`norm_rope_f32`)."""
+        E = self._fused
+        if E is not None and x.dtype == torch.float32:
+            *lead, nh, D = x.shape
+            out = E.norm_rope(x.reshape(-1, nh, D), norm.w, norm.eps, cos.reshape(-1, D), sin.reshape(-1, D))
+            if out is not None:
+                return out.view(x.shape)
+        return self._rope(self._norm(norm, x), cos, sin)
+
     # -- the DSparkModel methods the serving drafter calls ---------------------------------------
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """[n, m*d] taps -> [n, d] context features."""
@@ -155,7 +171,7 @@ class FastDraftBackbone:
         """feats: [n, d]; positions: [n] -> k, v: [n, Hkv, D]."""
         L, n, nk = self.layers[layer_idx], feats.shape[0], self.Hkv * self.D
         kv = L.kv(feats)
-        k = self._rope(self._norm(L.k_norm, kv[:, :nk].view(n, self.Hkv, self.D)), *self._rope_at(positions))
+        k = self._norm_rope(L.k_norm, kv[:, :nk].view(n, self.Hkv, self.D), *self._rope_at(positions))
         return k, kv[:, nk:].view(n, self.Hkv, self.D)
 
     def forward_block(
@@ -206,8 +222,8 @@ class FastDraftBackbone:
         for li, L in enumerate(self.layers):
             nxt = self.layers[li + 1].in_norm if li + 1 < len(self.layers) else self.norm
             qkv = L.qkv(xn if xn is not None else L.in_norm(h))
-            q = self._rope(self._norm(L.q_norm, qkv[:, :nq].view(B, Lb, H, D)), cos, sin)
-            k = self._rope(self._norm(L.k_norm, qkv[:, nq : nq + nk].view(B, Lb, Hkv, D)), cos, sin)
+            q = self._norm_rope(L.q_norm, qkv[:, :nq].view(B, Lb, H, D), cos, sin)
+            k = self._norm_rope(L.k_norm, qkv[:, nq : nq + nk].view(B, Lb, Hkv, D), cos, sin)
             v = qkv[:, nq + nk :].view(B, Lb, Hkv, D)
             o = L.o(attend(li, q, k, v))
             if E is not None:

@@ -164,6 +164,30 @@ def test_add_rmsnorm_and_silu_mul_match_torch(lib, dtype):
         E.silu_mul(gu.half())
 
 
+def test_norm_rope_matches_the_norm_then_rotary_in_float64(lib):
+    """The drafter's q/k head norm and rotary in one pass: heads read at token and head strides
+    (a view into fused qkv rows), against float64 maths; other dtypes are declined (None)."""
+    from dspark_serve.verifier.cpu_kernels import FusedElementwise
+
+    g = torch.Generator().manual_seed(4)
+    E = FusedElementwise(lib)
+    T, nh, D = 13, 5, 32
+    qkv = torch.randn(T, nh * D + 40, generator=g)
+    x = qkv[:, 8 : 8 + nh * D].view(T, nh, D)  # token stride nh * D + 40, head stride D
+    w = torch.randn(D, generator=g)
+    cos, sin = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+    got = E.norm_rope(x, w, 1e-6, cos, sin)
+    assert got is not None and got.shape == (T, nh, D) and got.is_contiguous()
+    y = torch.nn.functional.rms_norm(x.double(), (D,), w.double(), 1e-6)
+    rolled = torch.roll(y, D // 2, dims=-1)  # rotate_half with its sign folded into sin
+    ref = y * cos.double()[:, None] + rolled * sin.double()[:, None]
+    assert (got.double() - ref).abs().max() < 1e-5
+    assert torch.equal(E.norm_rope(x[4:5], w, 1e-6, cos[4:5].clone(), sin[4:5].clone()), got[4:5])
+    assert E.norm_rope(x.double(), w, 1e-6, cos, sin) is None
+    with pytest.raises(ValueError, match="shape"):
+        E.norm_rope(x, w, 1e-6, cos[:3], sin[:3])
+
+
 def test_float32_steps_run_the_fused_layer_loop_and_track_the_reference(lib):
     """float32 on a CPU with the C kernels takes the fused layer loop (rotary + K/V write, add +
     norm, SwiGLU in C) and stays within float32 rounding of the reference forward."""

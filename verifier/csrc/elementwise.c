@@ -119,3 +119,28 @@ void markov_greedy_f32(const float *base, const int64_t *anchor, const float *w1
         }
     }
 }
+
+/* float32: each head row of x (T tokens x nh heads of D elements; token stride xs, head stride
+ * hs, a head's D elements contiguous) RMSNorm'd with w [D] and then rotated by its token's
+ * cos / sin [T, D] (rotate_half's sign folded into sin, as rope_store reads them), into out
+ * [T, nh, D] contiguous: a q/k-norm and the rotary embedding after it in one pass. The norm is
+ * add_rmsnorm_f32's (same sum order), the rotation rope_store's. */
+void norm_rope_f32(const float *x, int64_t xs, int64_t hs, const float *w, float eps, const float *cos,
+                   const float *sin, float *out, int T, int nh, int D) {
+    int half = D / 2;
+#pragma omp parallel for schedule(static) if (T * nh > 1024) /* small: a fork costs more */
+    for (int t = 0; t < T; t++) {
+        const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
+        for (int h = 0; h < nh; h++) {
+            const float *xt = x + (int64_t)t * xs + (int64_t)h * hs;
+            float y[256]; /* D <= 256 (checked by the caller) */
+            float ss = 0.0f;
+            for (int i = 0; i < D; i++) ss += xt[i] * xt[i];
+            float inv = 1.0f / sqrtf(ss / (float)D + eps);
+            for (int i = 0; i < D; i++) y[i] = xt[i] * inv * w[i];
+            float *o = out + ((int64_t)t * nh + h) * D;
+            for (int d = 0; d < half; d++) o[d] = y[d] * c[d] + y[d + half] * s[d];
+            for (int d = half; d < D; d++) o[d] = y[d] * c[d] + y[d - half] * s[d];
+        }
+    }
+}
