@@ -154,7 +154,7 @@ class FastDraftBackbone:
         float32 with the C kernels, one pass over the heads (`norm_rope_f32`)."""
         E = self._fused
         if E is not None and x.dtype == torch.float32:
-            *lead, nh, D = x.shape
+            nh, D = x.shape[-2:]
             out = E.norm_rope(x.reshape(-1, nh, D), norm.w, norm.eps, cos.reshape(-1, D), sin.reshape(-1, D))
             if out is not None:
                 return out.view(x.shape)
