@@ -390,6 +390,7 @@ def main() -> None:
     result.setdefault("machine", machine())  # merge mode keeps the measuring runs' machine
     result.update(args={k: rel(v) for k, v in vars(args).items()}, seconds=time.time() - t0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))  # first: a failing plot keeps the figures
     if args.mode == "sweep":
         result["plots"] = plot(result, args.out)
     elif args.mode in ("plain", "merge"):

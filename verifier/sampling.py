@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_serve.verifier.cpu_kernels import argmax_rows
 from dspark_serve.verifier.sampling_params import SamplingParams
 
 # Temperatures below this are greedy; matches SamplingParams.greedy.
@@ -96,7 +97,7 @@ def probs_from_logits(
 
     if bool(greedy.any()):
         onehot = torch.zeros_like(probs)
-        onehot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        onehot.scatter_(1, argmax_rows(logits).to(probs.device).unsqueeze(1), 1.0)
         probs = torch.where(greedy.unsqueeze(1), onehot, probs)
     return probs
 

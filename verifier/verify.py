@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_serve.verifier.cpu_kernels import argmax_rows
 from dspark_serve.verifier.processors import TokenContext, needs_processing, process_block
 from dspark_serve.verifier.rejection import RejectionResult, greedy_verify, rejection_sample, verify_offsets
 from dspark_serve.verifier.sampling import SamplingTensors, probs_from_logits
@@ -145,7 +146,7 @@ def verify(
     if all(r.sampling.greedy for r in requests):
         # One-hot p: the verdict is the argmax of each processed row; no probabilities needed.
         counts = _draft_counts(logits, requests)
-        argmax = process_rows(logits, requests).argmax(dim=-1)
+        argmax = argmax_rows(process_rows(logits, requests))
         drafts = _flat_drafts(requests).to(logits.device)
         return greedy_verify(argmax, drafts, torch.tensor(counts, dtype=torch.long)).cpu()
     inp = build_verify_inputs(logits, requests)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dspark_serve.verifier.fast_forward as ff
-from dspark_serve.verifier.cpu_kernels import SmallGemmLinear, load_kernels
+from dspark_serve.verifier.cpu_kernels import SmallGemmLinear, argmax_rows, load_kernels
 from dspark_serve.verifier.model_runner import ModelRunner, Segment
 from tests.helpers import tiny_model
 
@@ -239,3 +239,29 @@ def test_rope_store_rotates_q_in_place_and_writes_k_v_at_their_slots(lib, dtype)
     others = torch.ones(slots_total, dtype=torch.bool)
     others[slots] = False
     assert not kc[:, others].any() and not vc[:, others].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,v", [(8, 49152), (5, 17), (6, 7696), (5, 1)])  # vector tails, one column
+def test_argmax_rows_picks_torchs_index(lib, dtype, t, v):
+    g = torch.Generator().manual_seed(t * v)
+    x = torch.randn(t, v, generator=g).to(dtype)
+    if v > 16:
+        x[0, 5] = x[0, 13] = 100.0  # a tie: the first wins
+        x[1, 3] = x[1, 14] = float("nan")  # a NaN counts as the maximum, the first one wins
+        x[3] = 0.0
+        x[3, 2] = -0.0  # equal zeros: the first
+        x[4, v - 1] = 1e4  # the maximum in the last (tail) element
+    x[2] = float("-inf")  # nothing above -inf: index 0
+    got = argmax_rows(x)
+    assert got.dtype == torch.long and torch.equal(got, x.argmax(-1))
+    wide = torch.randn(t, v + 9, generator=g).to(dtype)
+    strided = wide[:, 4 : 4 + v]  # rows of a wider tensor
+    assert torch.equal(argmax_rows(strided), strided.argmax(-1))
+
+
+def test_argmax_rows_leaves_other_tensors_to_torch(lib):
+    x = torch.randn(4, 10, dtype=torch.float64)
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    cols = torch.randn(10, 4).t()  # elements not contiguous
+    assert torch.equal(argmax_rows(cols), cols.argmax(-1))
