@@ -471,7 +471,7 @@ class Engine:
         for i, r in enumerate(batch.decodes):  # decodes are rows 0.. of the verdict
             verified = proposal.lengths[i]
             assert res is not None  # decodes always get a verdict
-            a = int(res.num_accepted[i])
+            a = res.accepted(i)
             start = r.num_computed
             r.num_computed += 1 + a
             self.runner.blocks.truncate(r.request_id, r.num_computed)  # roll back rejected drafts

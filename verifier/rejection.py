@@ -11,7 +11,7 @@ verifies was decided without looking at those drafts' own values.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,11 +43,29 @@ class RejectionResult:
     num_accepted: torch.Tensor
     num_output: torch.Tensor
     offsets: torch.Tensor
+    # the same as host lists, made on first read (the engine reads request by request)
+    _lists: tuple[list[int], list[int], list[int], list[int]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def _host(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        if self._lists is None:
+            self._lists = (
+                self.output_tokens.tolist(),
+                self.num_accepted.tolist(),
+                self.num_output.tolist(),
+                self.offsets.tolist(),
+            )
+        return self._lists
 
     def tokens(self, b: int) -> list[int]:
         """Request b's new tokens (accepted drafts, then the recovered or bonus token)."""
-        start = int(self.offsets[b])
-        return self.output_tokens[start : start + int(self.num_output[b])].tolist()
+        out, _, num_output, offsets = self._host()
+        return out[offsets[b] : offsets[b] + num_output[b]]
+
+    def accepted(self, b: int) -> int:
+        """Request b's accepted drafts."""
+        return self._host()[1][b]
 
     def cpu(self) -> RejectionResult:
         return RejectionResult(
@@ -176,37 +194,37 @@ def greedy_verify(
     k is accepted while it equals the argmax of its row and every earlier draft was accepted;
     the recovered or bonus token is the argmax at the first row not accepted. Exactly what
     `rejection_sample` returns for one-hot p (whatever q), without a vocabulary-wide
-    probability or a random draw."""
+    probability or a random draw. It walks host lists (a few integers per request: a dozen
+    tiny tensor ops cost more, ~0.4 ms a step), so the result is on the host."""
     if target_argmax.dim() != 1 or num_draft.dim() != 1:
         raise ValueError(
             f"target_argmax must be [T] and num_draft [B], got {tuple(target_argmax.shape)} "
             f"and {tuple(num_draft.shape)}"
         )
-    device = target_argmax.device
-    nd = num_draft.to(device=device, dtype=torch.long)  # [B]
-    b, d = int(nd.shape[0]), int(nd.sum())
-    if int(target_argmax.shape[0]) != d + b or tuple(draft_tokens.shape) != (d,):
+    argmax, drafts, counts = target_argmax.tolist(), draft_tokens.tolist(), num_draft.tolist()
+    b, d = len(counts), sum(counts)
+    if len(argmax) != d + b or tuple(draft_tokens.shape) != (d,):
         raise ValueError(
             f"need {d + b} verify rows and {d} drafts, got {tuple(target_argmax.shape)} and "
             f"{tuple(draft_tokens.shape)}"
         )
-    offsets = verify_offsets(nd)  # [B+1]
-    starts = offsets[:-1]
-    req = torch.repeat_interleave(torch.arange(b, device=device), nd)  # [D]
-    vrow = torch.arange(d, device=device) + req  # [D] verify row judging each draft
-    pos = vrow - starts[req]  # [D]
-    tokens = draft_tokens.to(device=device, dtype=torch.long)
-    accept = tokens == target_argmax[vrow]  # [D]
-    num_accepted = nd.clone()
-    if d > 0:
-        num_accepted.scatter_reduce_(0, req[~accept], pos[~accept], reduce="amin")
-    final_rows = starts + num_accepted  # [B]
-    output = torch.full((d + b,), -1, dtype=torch.long, device=device)
-    kept = pos < num_accepted[req]
-    output[vrow[kept]] = tokens[kept]
-    output[final_rows] = target_argmax[final_rows].long()
+    output, accepted, offsets = [-1] * (d + b), [], [0]
+    row = first = 0  # request's first verify row, its first draft
+    for k in counts:
+        a = 0
+        while a < k and drafts[first + a] == argmax[row + a]:
+            a += 1
+        output[row : row + a] = drafts[first : first + a]
+        output[row + a] = argmax[row + a]  # recovered (first mismatch) or bonus token
+        accepted.append(a)
+        row, first = row + k + 1, first + k
+        offsets.append(row)
+    num_accepted = torch.tensor(accepted, dtype=torch.long)
     return RejectionResult(
-        output_tokens=output, num_accepted=num_accepted, num_output=num_accepted + 1, offsets=offsets
+        output_tokens=torch.tensor(output, dtype=torch.long),
+        num_accepted=num_accepted,
+        num_output=num_accepted + 1,
+        offsets=torch.tensor(offsets, dtype=torch.long),
     )
 
 
