@@ -303,18 +303,23 @@ class FastDraftBackbone:
 
 
 class GreedyMarkov:
-    """All-greedy drafting through a vanilla Markov head in float32 on a CPU: the whole block in
-    one C call (`markov_greedy_f32`: each position's bias W2 . W1[prev], the argmax, the next
-    prev) instead of ~7 small torch ops per position. For a few rows only (`max_rows`), where
-    those ops' fixed cost dominates; a larger batch keeps torch's batched ops (one bias matmul
-    for all rows per position is cheaper there)."""
+    """All-greedy drafting through a vanilla Markov head on a CPU: the whole block in one C
+    call (`markov_greedy_f32`: each position's bias W2 . W1[prev], the argmax, the next prev)
+    instead of ~7 small torch ops per position. For a few rows only (`max_rows`), where those
+    ops' fixed cost dominates; a larger batch keeps torch's batched ops (one bias matmul for
+    all rows per position is cheaper there).
+
+    The walk is float32. A bf16 drafter's head weights are upcast once and its block logits per
+    call, so the bias is not rounded to bf16 as torch's bf16 walk rounds it: in a near tie the
+    two walks may draft different tokens, and both are proposals verification judges alike
+    (greedy verification reads only the drafted tokens)."""
 
     max_rows = 4
 
     def __init__(self, lib: ctypes.CDLL, head: MarkovHead, d2t: torch.Tensor | None) -> None:
         self.fn = lib.markov_greedy_f32
-        self.w1 = head.markov_w1.weight.detach().contiguous()  # [vocab, r]
-        self.w2 = head.markov_w2.weight.detach().contiguous()  # [V', r]
+        self.w1 = head.markov_w1.weight.detach().float().contiguous()  # [vocab, r]
+        self.w2 = head.markov_w2.weight.detach().float().contiguous()  # [V', r]
         self.d2t = None if d2t is None else d2t.detach().long().contiguous()
 
     @staticmethod
@@ -322,18 +327,18 @@ class GreedyMarkov:
         return (
             head is not None
             and head.kind == "vanilla"
-            and dtype == torch.float32
+            and dtype in (torch.float32, torch.bfloat16)
             and device.type == "cpu"
             and load_kernels() is not None
         )
 
     def __call__(self, base: torch.Tensor, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """base: [B, K, V'] float32 logits; anchor: [B] -> (tokens, prev tokens) [B, K] int64
-        target ids, or None for more than `max_rows` rows."""
+        """base: [B, K, V'] float32 or bf16 logits; anchor: [B] -> (tokens, prev tokens) [B, K]
+        int64 target ids, or None for more than `max_rows` rows."""
         B, K, V = base.shape
-        if B > self.max_rows or base.dtype != torch.float32:
+        if B > self.max_rows or base.dtype not in (torch.float32, torch.bfloat16):
             return None
-        base = base.contiguous()
+        base = base.float().contiguous()
         anchor = anchor.long().contiguous()
         tokens = torch.empty(B, K, dtype=torch.long)
         prevs = torch.empty(B, K, dtype=torch.long)

@@ -3,6 +3,8 @@ requests) equals the training forward on the same data; sampling, truncation, fa
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -345,6 +347,16 @@ def test_greedy_markov_walk_in_c_equals_the_torch_walk(truncated):
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.prev_tokens, want.prev_tokens)
         assert got.probs is None
     assert walk(torch.randn(5, BS, Vd), torch.zeros(5, dtype=torch.long)) is None  # 5 rows: torch's
+    # bf16: the walk runs in float32 over the upcast weights and logits, the float32 walk's tokens
+    half = copy.deepcopy(head).bfloat16()
+    assert GreedyMarkov.applies(half, torch.bfloat16, torch.device("cpu"))
+    walk16 = GreedyMarkov(lib, half, d2t)
+    up = copy.deepcopy(half).float()
+    base = torch.randn(2, BS, Vd, generator=g).bfloat16()
+    anchor = torch.randint(0, V, (2,), generator=g)
+    want = sample_block(base.float(), anchor, [GREEDY] * 2, [None] * 2, up, to_target)
+    got = sample_block(base, anchor, [GREEDY] * 2, [None] * 2, half, to_target, greedy=walk16)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.prev_tokens, want.prev_tokens)
     dr = make_drafter(model)
     assert dr._greedy is not None  # a float32 drafter on a CPU with the kernels uses it
 
