@@ -131,6 +131,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.norm_rope_f32.restype = None
     # x, token stride, head stride, w, eps, cos, sin, out, T, heads, D
     lib.norm_rope_f32.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, ptr, i32, i32, i32]
+    lib.norm_rope_bf16.restype = None
+    lib.norm_rope_bf16.argtypes = lib.norm_rope_f32.argtypes
     lib.markov_greedy_f32.restype = None
     # base, anchor, w1, w2, d2t, B, K, V, r, tokens, prevs
     lib.markov_greedy_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr, ptr]
@@ -408,19 +410,21 @@ class FusedElementwise:
     def norm_rope(
         self, x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor | None:
-        """float32 x [T, heads, D] (any token and head strides, each head's D contiguous) ->
-        rotary(RMSNorm(x) * w) [T, heads, D], cos / sin [T, D] contiguous with rotate_half's
-        sign folded into sin; None where it does not apply (another dtype, D > 256 or odd)."""
+        """float32 or bf16 x [T, heads, D] (any token and head strides, each head's D
+        contiguous) -> rotary(RMSNorm(x) * w) [T, heads, D], cos / sin [T, D] contiguous with
+        rotate_half's sign folded into sin, w, cos and sin of x's dtype; None where it does not
+        apply (another dtype, D > 256 or odd)."""
         T, nh, D = x.shape
-        if x.dtype != torch.float32 or D > 256 or D % 2 or x.stride(-1) != 1:
+        if x.dtype not in _DTYPES or D > 256 or D % 2 or x.stride(-1) != 1:
             return None
         if not (w.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError("norm_rope needs a contiguous weight, cos and sin")
-        if w.dtype != torch.float32 or cos.dtype != torch.float32 or tuple(cos.shape) != (T, D):
-            got = tuple(cos.shape)
-            raise ValueError(f"norm_rope needs float32 w and cos / sin of shape {(T, D)}, got {got}")
+        if w.dtype != x.dtype or cos.dtype != x.dtype or sin.dtype != x.dtype or tuple(cos.shape) != (T, D):
+            got = f"{w.dtype} w, {cos.dtype} cos of shape {tuple(cos.shape)}"
+            raise ValueError(f"norm_rope needs w and cos / sin [{T}, {D}] of x's dtype {x.dtype}, got {got}")
         out = x.new_empty(T, nh, D)
-        self.lib.norm_rope_f32(
+        fn = self.lib.norm_rope_f32 if x.dtype == torch.float32 else self.lib.norm_rope_bf16
+        fn(
             x.data_ptr(),
             x.stride(0),
             x.stride(1),

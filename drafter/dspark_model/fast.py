@@ -151,9 +151,9 @@ class FastDraftBackbone:
     ) -> torch.Tensor:
         """The q / k head norm and the rotary embedding after it. x: [..., n, heads, D] (a view
         into the fused projection's rows); cos, sin from `_rope_at` -> [..., n, heads, D]. In
-        float32 with the C kernels, one pass over the heads (`norm_rope_f32`)."""
+        float32 or bf16 with the C kernels, one pass over the heads (`norm_rope_f32` / `_bf16`)."""
         E = self._fused
-        if E is not None and x.dtype == torch.float32:
+        if E is not None and x.dtype in (torch.float32, torch.bfloat16):
             nh, D = x.shape[-2:]
             out = E.norm_rope(x.reshape(-1, nh, D), norm.w, norm.eps, cos.reshape(-1, D), sin.reshape(-1, D))
             if out is not None:

@@ -186,6 +186,15 @@ def test_norm_rope_matches_the_norm_then_rotary_in_float64(lib):
     assert E.norm_rope(x.double(), w, 1e-6, cos, sin) is None
     with pytest.raises(ValueError, match="shape"):
         E.norm_rope(x, w, 1e-6, cos[:3], sin[:3])
+    # bf16: the same maths in float32 on the bf16 inputs, one rounding per output
+    xb, wb, cb, sb = x.bfloat16(), w.bfloat16(), cos.bfloat16(), sin.bfloat16()
+    half = E.norm_rope(xb, wb, 1e-6, cb, sb)
+    assert half is not None and half.dtype == torch.bfloat16 and half.shape == (T, nh, D)
+    y = torch.nn.functional.rms_norm(xb.double(), (D,), wb.double(), 1e-6)
+    ref = y * cb.double()[:, None] + torch.roll(y, D // 2, dims=-1) * sb.double()[:, None]
+    assert ((half.double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-6).all()  # one bf16 rounding
+    with pytest.raises(ValueError, match="dtype"):
+        E.norm_rope(xb, w, 1e-6, cb, sb)  # a float32 weight with bf16 rows
 
 
 def test_float32_steps_run_the_fused_layer_loop_and_track_the_reference(lib):

@@ -148,6 +148,33 @@ void norm_rope_f32(const float *x, int64_t xs, int64_t hs, const float *w, float
     }
 }
 
+/* The same for bfloat16 rows, weight and cos / sin: float32 arithmetic, one rounding per
+ * output (torch's bf16 path rounds after the norm and again after the rotation). */
+void norm_rope_bf16(const uint16_t *x, int64_t xs, int64_t hs, const uint16_t *w, float eps,
+                    const uint16_t *cos, const uint16_t *sin, uint16_t *out, int T, int nh, int D) {
+    int half = D / 2;
+#pragma omp parallel for schedule(static) if (T * nh > 1024) /* small: a fork costs more */
+    for (int t = 0; t < T; t++) {
+        const uint16_t *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
+        for (int h = 0; h < nh; h++) {
+            const uint16_t *xt = x + (int64_t)t * xs + (int64_t)h * hs;
+            float y[256]; /* D <= 256 (checked by the caller) */
+            float ss = 0.0f;
+            for (int i = 0; i < D; i++) {
+                y[i] = bf16_to_f32(xt[i]);
+                ss += y[i] * y[i];
+            }
+            float inv = 1.0f / sqrtf(ss / (float)D + eps);
+            for (int i = 0; i < D; i++) y[i] = y[i] * inv * bf16_to_f32(w[i]);
+            uint16_t *o = out + ((int64_t)t * nh + h) * D;
+            for (int d = 0; d < half; d++)
+                o[d] = f32_to_bf16(y[d] * bf16_to_f32(c[d]) + y[d + half] * bf16_to_f32(s[d]));
+            for (int d = half; d < D; d++)
+                o[d] = f32_to_bf16(y[d] * bf16_to_f32(c[d]) + y[d - half] * bf16_to_f32(s[d]));
+        }
+    }
+}
+
 /* ---- argmax over rows -------------------------------------------------------------------------
  * The index of each row's first maximal element, torch.argmax's choice (a NaN counts as the
  * maximum and the first NaN wins; -0.0 and +0.0 are equal): x [T, V] float32 (dtype 0) or
