@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ log = logging.getLogger(__name__)
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Bumped whenever the measurement method or the cache format changes, so stale cached tables
 # are not reused.
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 # Tokens one request carries in the block-shaped part of the profile (anchor + drafts).
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32)
 # What the cost depends on. Only these config fields enter the cache key: the whole config also
@@ -52,30 +54,46 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _steps_per_second(runner: ModelRunner, segs: list[Segment], repeats: int) -> float:
-    """Forward `segs` repeats + 1 times. The first call warms up; the fastest of the rest is the
-    machine's cost without the interference of whatever else shares it at that moment."""
-    times = []
-    for _ in range(repeats + 1):
-        _sync(runner.device)
-        t0 = time.perf_counter()
-        runner.forward(segs)
-        _sync(runner.device)
-        times.append(time.perf_counter() - t0)
-    return 1.0 / min(times[1:])
+def _timed(runner: ModelRunner, segs: list[Segment]) -> float:
+    """Seconds one forward of `segs` takes."""
+    _sync(runner.device)
+    t0 = time.perf_counter()
+    runner.forward(segs)
+    _sync(runner.device)
+    return time.perf_counter() - t0
+
+
+def _rounds(
+    runner: ModelRunner, shapes: list[Callable[[], tuple[list[Segment], Callable[[], None]]]], repeats: int
+) -> list[float]:
+    """Steps per second of each shape: the shapes are timed in turn, one forward each, for
+    repeats + 1 rounds (the first warms up), and each keeps its fastest round. On a shared
+    machine a slow spell then lands on a few samples of many shapes instead of every sample of
+    a few (timed one shape after another, a spell of a second made one point of a table 1.5x
+    too slow), and noise only ever slows a forward, so the fastest is the machine's cost.
+    Each shape is a callable that lays its KV out and returns (segments, undo)."""
+    best = [float("inf")] * len(shapes)
+    for rnd in range(repeats + 1):
+        for i, shape in enumerate(shapes):
+            segs, undo = shape()
+            t = _timed(runner, segs)
+            undo()
+            if rnd > 0:
+                best[i] = min(best[i], t)
+    return [1.0 / t for t in best]
 
 
 def measure(
     runner: ModelRunner,
     batch_sizes: tuple[int, ...] = BATCH_SIZES,
     context_lens: tuple[int, ...] = CONTEXT_LENS,
-    repeats: int = 3,
+    repeats: int = 4,
     block_sizes: tuple[int, ...] = BLOCK_SIZES,
 ) -> dict[str, Any]:
     """Time decode-shaped forwards of B tokens spread over up to 32 requests of a given context
-    length, and block-shaped ones (one request carrying B tokens). Returns {"batch_sizes",
-    "steps_per_second", "block_sizes", "block_steps_per_second", "by_context",
-    "block_by_context"}."""
+    length, and block-shaped ones (one request carrying B tokens), in interleaved rounds
+    (`_rounds`). Returns {"batch_sizes", "steps_per_second", "block_sizes",
+    "block_steps_per_second", "by_context", "block_by_context"}."""
     blocks = runner.blocks
     usable = blocks.num_blocks * blocks.block_size
     by_ctx: dict[int, list[float]] = {}
@@ -86,21 +104,25 @@ def measure(
         ids = [f"__profile{i}" for i in range(nreq)]
         for rid in ids:
             blocks.append(rid, ctx)
-        # The prefix KV content does not change the cost, so it is left as is (no prefill).
-        sps = []
-        for B in batch_sizes:
+
+        def decode(B: int, ctx: int = ctx, ids: list[str] = ids) -> tuple[list[Segment], Callable[[], None]]:
+            # The prefix KV content does not change the cost, so it is left as is (no prefill).
             r = min(B, nreq)
             per = [B // r + (1 if i < B % r else 0) for i in range(r)]
             segs = []
             for rid, n in zip(ids, per):
                 blocks.append(rid, n)
                 segs.append(Segment(rid, [0] * n, ctx, 0))
-            sps.append(_steps_per_second(runner, segs, repeats))
-            for rid in ids[:r]:
-                blocks.truncate(rid, ctx)
+
+            def undo() -> None:
+                for rid in ids[:r]:
+                    blocks.truncate(rid, ctx)
+
+            return segs, undo
+
+        by_ctx[ctx] = _rounds(runner, [functools.partial(decode, B) for B in batch_sizes], repeats)
         for rid in ids:
             blocks.free(rid)
-        by_ctx[ctx] = sps
     # Block-shaped: ONE request carrying B tokens (anchor + drafts), what verification adds
     # on top of a decode. At low load this, not B decode requests, is what a block costs.
     by_ctx_block: dict[int, list[float]] = {}
@@ -108,13 +130,13 @@ def measure(
         ctx = min(ctx, max(1, usable - max(block_sizes)))
         rid = "__profile_block"
         blocks.append(rid, ctx)
-        sps = []
-        for B in block_sizes:
+
+        def block(B: int, ctx: int = ctx) -> tuple[list[Segment], Callable[[], None]]:
             blocks.append(rid, B)
-            sps.append(_steps_per_second(runner, [Segment(rid, [0] * B, ctx, 0)], repeats))
-            blocks.truncate(rid, ctx)
+            return [Segment(rid, [0] * B, ctx, 0)], lambda: blocks.truncate(rid, ctx)
+
+        by_ctx_block[ctx] = _rounds(runner, [functools.partial(block, B) for B in block_sizes], repeats)
         blocks.free(rid)
-        by_ctx_block[ctx] = sps
     return {
         "batch_sizes": list(batch_sizes),
         "steps_per_second": _merge(by_ctx, len(batch_sizes)),
@@ -127,10 +149,12 @@ def measure(
 
 def _merge(by_ctx: dict[int, list[float]], n: int) -> list[float]:
     """The median over context lengths at each B, made non-increasing (a bigger batch is
-    never faster; noise must not tell the scheduler otherwise)."""
+    never faster). Noise only slows a forward, so where a smaller batch measured slower than a
+    bigger one, the smaller one was the unlucky sample: it is raised to the bigger one's speed
+    (lowering every bigger batch to it instead would carry one slow sample up the table)."""
     merged = [statistics.median(v[i] for v in by_ctx.values()) for i in range(n)]
-    for i in range(1, len(merged)):
-        merged[i] = min(merged[i], merged[i - 1])
+    for i in range(n - 2, -1, -1):
+        merged[i] = max(merged[i], merged[i + 1])
     return merged
 
 

@@ -176,3 +176,27 @@ def test_second_start_from_a_cached_copy_uses_the_cached_table(tmp_path, monkeyp
     assert again.config.to_dict() != first.config.to_dict()  # the configs do differ
     _, _, source = profile.load_or_profile(runner_for(again, num_blocks=512, block_size=16), "tiny", tmp_path)
     assert source.startswith("cached") and len(calls) == 1
+
+
+def test_merge_raises_a_slow_small_batch_instead_of_lowering_the_bigger_ones():
+    # one slow sample at B=4 (a noisy spell): the bigger batches keep their own speeds
+    merged = profile._merge({128: [50.0, 20.0, 45.0, 30.0], 512: [48.0, 22.0, 43.0, 28.0]}, 4)
+    assert merged == [49.0, 44.0, 44.0, 29.0]
+    assert all(b <= a for a, b in zip(merged, merged[1:]))
+
+
+def test_profile_times_its_shapes_in_interleaved_rounds(monkeypatch):
+    runner = runner_for(tiny_model("llama"), num_blocks=1024, block_size=16)
+    sizes = []
+    real_forward = runner.forward
+
+    def recording(segs, *a, **k):
+        sizes.append(sum(len(s.token_ids) for s in segs))
+        return real_forward(segs, *a, **k)
+
+    monkeypatch.setattr(runner, "forward", recording)
+    raw = profile.measure(runner, batch_sizes=(1, 4, 16), context_lens=(16,), repeats=2, block_sizes=(1, 8))
+    # a warm-up round and two timed ones, each going through every shape in turn
+    assert sizes == [1, 4, 16] * 3 + [1, 8] * 3
+    assert len(raw["steps_per_second"]) == 3 and len(raw["block_steps_per_second"]) == 2
+    assert runner.blocks.num_free_blocks == runner.blocks.num_blocks
