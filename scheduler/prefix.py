@@ -67,7 +67,10 @@ class TapCache:
     def rows_of(self, request_id: str, start: int, end: int) -> torch.Tensor:
         """The stored rows of a request's positions start .. end - 1 (`TapRows`)."""
         assert self.rows is not None, "no tap rows stored yet"
-        return self.rows[torch.tensor(self.blocks.slots(request_id, start, end), device=self.rows.device)]
+        slots = torch.tensor(self.blocks.slots(request_id, start, end), device=self.rows.device)
+        # index_select: torch's advanced indexing (rows[slots]) took ~0.4 ms for 3 bf16 rows of
+        # this width on a CPU, index_select ~8 us
+        return self.rows.index_select(0, slots)
 
     def context(self, request_id: str, token_ids: list[int], num_cached: int) -> AcceptedContext:
         """The context of a request's first `num_cached` tokens (shared cached blocks): their

@@ -557,7 +557,8 @@ class FastForwardMixin:
 
         T = h.shape[0]
         if plan.logit_rows is not None:
-            rows = h if plan.logit_rows.numel() == T else h[plan.logit_rows]  # decode: every row
+            # decode: every row; index_select, not h[rows] (torch's CPU advanced indexing is slow)
+            rows = h if plan.logit_rows.numel() == T else h.index_select(0, plan.logit_rows)
             logits = self.fast_lm_head(rows).float()
         else:
             logits = h.new_zeros(0, self.vocab_size, dtype=torch.float32)
