@@ -83,6 +83,25 @@ def _rounds(
     return [1.0 / t for t in best]
 
 
+def measured_contexts(
+    runner: ModelRunner,
+    context_lens: tuple[int, ...] = CONTEXT_LENS,
+    batch_sizes: tuple[int, ...] = BATCH_SIZES,
+    block_sizes: tuple[int, ...] = BLOCK_SIZES,
+) -> tuple[list[int], list[int]]:
+    """The context lengths `measure` times decode-shaped and block-shaped forwards at, with this
+    runner's KV pool: a pool too small for 32 requests of a context shrinks it (to 1 at worst,
+    a table that prices every step as if its context were empty)."""
+    usable = runner.blocks.num_blocks * runner.blocks.block_size
+    nreq = 32
+    decode = [
+        ctx if nreq * (ctx + max(batch_sizes)) <= usable else max(1, usable // nreq - max(batch_sizes))
+        for ctx in context_lens
+    ]
+    block = [min(ctx, max(1, usable - max(block_sizes))) for ctx in context_lens]
+    return decode, block
+
+
 def measure(
     runner: ModelRunner,
     batch_sizes: tuple[int, ...] = BATCH_SIZES,
@@ -95,12 +114,10 @@ def measure(
     (`_rounds`). Returns {"batch_sizes", "steps_per_second", "block_sizes",
     "block_steps_per_second", "by_context", "block_by_context"}."""
     blocks = runner.blocks
-    usable = blocks.num_blocks * blocks.block_size
+    nreq = 32
+    decode_ctxs, block_ctxs = measured_contexts(runner, context_lens, batch_sizes, block_sizes)
     by_ctx: dict[int, list[float]] = {}
-    for ctx in context_lens:
-        nreq = 32
-        if nreq * (ctx + max(batch_sizes)) > usable:
-            ctx = max(1, usable // nreq - max(batch_sizes))
+    for ctx in decode_ctxs:
         ids = [f"__profile{i}" for i in range(nreq)]
         for rid in ids:
             blocks.append(rid, ctx)
@@ -126,8 +143,7 @@ def measure(
     # Block-shaped: ONE request carrying B tokens (anchor + drafts), what verification adds
     # on top of a decode. At low load this, not B decode requests, is what a block costs.
     by_ctx_block: dict[int, list[float]] = {}
-    for ctx in context_lens:
-        ctx = min(ctx, max(1, usable - max(block_sizes)))
+    for ctx in block_ctxs:
         rid = "__profile_block"
         blocks.append(rid, ctx)
 
@@ -209,7 +225,9 @@ def load_or_profile(
     path = None
     if cache_dir is not None:
         # The forward's kernels change the costs: a table measured with others is not reused.
-        signature = model_name + "|" + runner.cost_signature()
+        # and so do the contexts it can be measured at: a runner with a small KV pool (a test's)
+        # must not hand its table to a server's
+        signature = f"{model_name}|{runner.cost_signature()}|contexts {measured_contexts(runner)}"
         key = cache_key(signature, runner.config, runner.device, runner.dtype)
         path = Path(cache_dir) / "cost-tables" / f"{model_name}-{runner.device.type}-{key}.json"
         raw = None if reprofile else read_cached(path)

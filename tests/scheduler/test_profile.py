@@ -200,3 +200,17 @@ def test_profile_times_its_shapes_in_interleaved_rounds(monkeypatch):
     assert sizes == [1, 4, 16] * 3 + [1, 8] * 3
     assert len(raw["steps_per_second"]) == 3 and len(raw["block_steps_per_second"]) == 2
     assert runner.blocks.num_free_blocks == runner.blocks.num_blocks
+
+
+def test_a_table_measured_with_a_small_kv_pool_is_not_reused_by_a_larger_one(tmp_path, monkeypatch):
+    """A small pool shrinks the contexts the table is measured at (to 1 here): a server with
+    room for them measures its own instead of reusing it."""
+    calls = _quick_measure(monkeypatch)
+    model = tiny_model("llama")
+    small = runner_for(model, num_blocks=64, block_size=16)
+    large = runner_for(model, num_blocks=2048, block_size=16)
+    assert profile.measured_contexts(small)[0] == [1, 1]
+    assert profile.measured_contexts(large) == ([128, 512], [128, 512])
+    assert profile.load_or_profile(small, "tiny", tmp_path)[2].startswith("measured")
+    assert profile.load_or_profile(large, "tiny", tmp_path)[2].startswith("measured") and len(calls) == 2
+    assert profile.load_or_profile(large, "tiny", tmp_path)[2].startswith("cached") and len(calls) == 2
