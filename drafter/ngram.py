@@ -45,18 +45,32 @@ class NgramConfig:
 
 def lookup_continuation(tokens: np.ndarray, max_ngram: int, min_ngram: int, k: int) -> np.ndarray:
     """tokens: [L] int64 -> up to k tokens that followed the most recent earlier match of the
-    longest suffix (length max_ngram down to min_ngram); empty if none matches."""
+    longest suffix (length max_ngram down to min_ngram); empty if none matches.
+
+    One pass over the context finds where the last token occurred before (every match of any
+    suffix ends at such a place); each of those is then extended backwards against the suffix,
+    at most max_ngram - 1 steps over those few places only. (A sliding window per suffix length
+    compared the whole context up to max_ngram times: ~0.17 ms a request and step at 600
+    tokens.)"""
     n_tok = tokens.shape[0]
-    if k <= 0:
+    longest = min(max_ngram, n_tok - 1)
+    if k <= 0 or longest < min_ngram:
         return tokens[:0]
-    for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
-        # Windows start at 0..L-1-n, so every match has at least one token after it.
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start : start + k]
-    return tokens[:0]
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # a match ends here; a token follows it
+    if not ends.size:
+        return tokens[:0]
+    length = np.ones(ends.shape[0], dtype=np.int64)  # matched suffix length, while unbroken
+    alive = np.ones(ends.shape[0], dtype=bool)
+    for j in range(1, longest):
+        back = ends - j
+        alive &= back >= 0
+        alive[alive] = tokens[back[alive]] == tokens[n_tok - 1 - j]
+        length += alive
+    best = int(length.max())
+    if best < min_ngram:
+        return tokens[:0]
+    start = int(ends[np.flatnonzero(length == best)[-1]]) + 1  # the most recent of the longest
+    return tokens[start : start + k]
 
 
 class NgramDrafter:

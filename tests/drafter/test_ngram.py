@@ -40,6 +40,28 @@ def test_longest_then_most_recent_match():
     assert lookup_continuation(np.array([1, 2, 1, 2, 1, 2]), 2, 1, 4).tolist() == [1, 2]
 
 
+def _windowed_lookup(tokens, max_ngram, min_ngram, k):
+    """The definition, one sliding window per suffix length, longest first."""
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if hits.size:
+            return tokens[int(hits[-1]) + n :][:k]
+    return tokens[:0]
+
+
+def test_lookup_equals_the_windowed_definition_on_random_contexts():
+    rng = np.random.default_rng(3)
+    for trial in range(400):
+        n = int(rng.integers(1, 60))
+        tokens = rng.integers(0, 1 + trial % 6, n)  # small alphabets: many partial matches
+        max_ngram, min_ngram, k = int(rng.integers(1, 6)), int(rng.integers(1, 3)), int(rng.integers(0, 8))
+        if max_ngram < min_ngram:
+            continue
+        want = _windowed_lookup(tokens, max_ngram, min_ngram, k)
+        assert lookup_continuation(tokens, max_ngram, min_ngram, k).tolist() == want.tolist()
+
+
 def test_confidences_follow_acceptance_feedback():
     d = build_drafter("ngram", block_size=3)
     tokens = [1, 2, 3, 1, 2, 3, 1, 2]
