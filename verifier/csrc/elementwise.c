@@ -123,56 +123,58 @@ void markov_greedy_f32(const float *base, const int64_t *anchor, const float *w1
     }
 }
 
-/* float32: each head row of x (T tokens x nh heads of D elements; token stride xs, head stride
- * hs, a head's D elements contiguous) RMSNorm'd with w [D] and then rotated by its token's
- * cos / sin [T, D] (rotate_half's sign folded into sin, as rope_store reads them), into out
- * [T, nh, D] contiguous: a q/k-norm and the rotary embedding after it in one pass. The norm is
- * add_rmsnorm_f32's (same sum order), the rotation rope_store's. */
-void norm_rope_f32(const float *x, int64_t xs, int64_t hs, const float *w, float eps, const float *cos,
-                   const float *sin, float *out, int T, int nh, int D) {
+/* x (T tokens x nh heads of D elements; token stride xs, head stride hs, a head's D elements
+ * contiguous), float32 or bfloat16 (bf16 != 0) like w [D], cos / sin [T, D] and out: each head
+ * row RMSNorm'd with w and then rotated by its token's cos / sin (rotate_half's sign folded
+ * into sin, as rope_store reads them), into out [T, nh, D] contiguous: a q/k-norm and the
+ * rotary embedding after it in one pass. float32 arithmetic, one rounding per bf16 output
+ * (torch's bf16 path rounds after the norm and again after the rotation). The norm is
+ * add_rmsnorm_f32's (same sum order), the rotation rope_store's. Inlined into one body per
+ * dtype, where the dtype's branches fold away. */
+static inline __attribute__((always_inline)) float nr_load(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) void norm_rope(const void *x, int64_t xs, int64_t hs,
+                                                            const void *w, float eps, const void *cos,
+                                                            const void *sin, void *out, int T, int nh,
+                                                            int D, int bf16) {
     int half = D / 2;
 #pragma omp parallel for schedule(static) if (T * nh > 1024) /* small: a fork costs more */
     for (int t = 0; t < T; t++) {
-        const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
+        int64_t c = (int64_t)t * D;
         for (int h = 0; h < nh; h++) {
-            const float *xt = x + (int64_t)t * xs + (int64_t)h * hs;
+            int64_t xt = (int64_t)t * xs + (int64_t)h * hs;
             float y[256]; /* D <= 256 (checked by the caller) */
             float ss = 0.0f;
-            for (int i = 0; i < D; i++) ss += xt[i] * xt[i];
+            for (int i = 0; i < D; i++) {
+                y[i] = nr_load(x, xt + i, bf16);
+                ss += y[i] * y[i];
+            }
             float inv = 1.0f / sqrtf(ss / (float)D + eps);
-            for (int i = 0; i < D; i++) y[i] = xt[i] * inv * w[i];
-            float *o = out + ((int64_t)t * nh + h) * D;
-            for (int d = 0; d < half; d++) o[d] = y[d] * c[d] + y[d + half] * s[d];
-            for (int d = half; d < D; d++) o[d] = y[d] * c[d] + y[d - half] * s[d];
+            for (int i = 0; i < D; i++) y[i] = y[i] * inv * nr_load(w, i, bf16);
+            float r[256];
+            for (int d = 0; d < half; d++) r[d] = y[d] * nr_load(cos, c + d, bf16) + y[d + half] * nr_load(sin, c + d, bf16);
+            for (int d = half; d < D; d++) r[d] = y[d] * nr_load(cos, c + d, bf16) + y[d - half] * nr_load(sin, c + d, bf16);
+            int64_t o = ((int64_t)t * nh + h) * D;
+            for (int d = 0; d < D; d++) {
+                if (bf16)
+                    ((uint16_t *)out)[o + d] = f32_to_bf16(r[d]);
+                else
+                    ((float *)out)[o + d] = r[d];
+            }
         }
     }
 }
 
-/* The same for bfloat16 rows, weight and cos / sin: float32 arithmetic, one rounding per
- * output (torch's bf16 path rounds after the norm and again after the rotation). */
+void norm_rope_f32(const float *x, int64_t xs, int64_t hs, const float *w, float eps, const float *cos,
+                   const float *sin, float *out, int T, int nh, int D) {
+    norm_rope(x, xs, hs, w, eps, cos, sin, out, T, nh, D, 0);
+}
+
 void norm_rope_bf16(const uint16_t *x, int64_t xs, int64_t hs, const uint16_t *w, float eps,
                     const uint16_t *cos, const uint16_t *sin, uint16_t *out, int T, int nh, int D) {
-    int half = D / 2;
-#pragma omp parallel for schedule(static) if (T * nh > 1024) /* small: a fork costs more */
-    for (int t = 0; t < T; t++) {
-        const uint16_t *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
-        for (int h = 0; h < nh; h++) {
-            const uint16_t *xt = x + (int64_t)t * xs + (int64_t)h * hs;
-            float y[256]; /* D <= 256 (checked by the caller) */
-            float ss = 0.0f;
-            for (int i = 0; i < D; i++) {
-                y[i] = bf16_to_f32(xt[i]);
-                ss += y[i] * y[i];
-            }
-            float inv = 1.0f / sqrtf(ss / (float)D + eps);
-            for (int i = 0; i < D; i++) y[i] = y[i] * inv * bf16_to_f32(w[i]);
-            uint16_t *o = out + ((int64_t)t * nh + h) * D;
-            for (int d = 0; d < half; d++)
-                o[d] = f32_to_bf16(y[d] * bf16_to_f32(c[d]) + y[d + half] * bf16_to_f32(s[d]));
-            for (int d = half; d < D; d++)
-                o[d] = f32_to_bf16(y[d] * bf16_to_f32(c[d]) + y[d - half] * bf16_to_f32(s[d]));
-        }
-    }
+    norm_rope(x, xs, hs, w, eps, cos, sin, out, T, nh, D, 1);
 }
 
 /* ---- argmax over rows -------------------------------------------------------------------------
