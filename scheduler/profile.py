@@ -47,6 +47,8 @@ ARCH_FIELDS = (
     "use_sliding_window",
 )
 CONTEXT_LENS = (128, 512)
+# Requests a decode-shaped profile forward spreads its tokens over (at most).
+PROFILE_REQUESTS = 32
 
 
 def _sync(device: torch.device) -> None:
@@ -93,7 +95,7 @@ def measured_contexts(
     runner's KV pool: a pool too small for 32 requests of a context shrinks it (to 1 at worst,
     a table that prices every step as if its context were empty)."""
     usable = runner.blocks.num_blocks * runner.blocks.block_size
-    nreq = 32
+    nreq = PROFILE_REQUESTS
     decode = [
         ctx if nreq * (ctx + max(batch_sizes)) <= usable else max(1, usable // nreq - max(batch_sizes))
         for ctx in context_lens
@@ -114,7 +116,7 @@ def measure(
     (`_rounds`). Returns {"batch_sizes", "steps_per_second", "block_sizes",
     "block_steps_per_second", "by_context", "block_by_context"}."""
     blocks = runner.blocks
-    nreq = 32
+    nreq = PROFILE_REQUESTS
     decode_ctxs, block_ctxs = measured_contexts(runner, context_lens, batch_sizes, block_sizes)
     by_ctx: dict[int, list[float]] = {}
     for ctx in decode_ctxs:

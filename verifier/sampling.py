@@ -97,7 +97,7 @@ def probs_from_logits(
 
     if bool(greedy.any()):
         onehot = torch.zeros_like(probs)
-        onehot.scatter_(1, argmax_rows(logits).to(probs.device).unsqueeze(1), 1.0)
+        onehot.scatter_(1, argmax_rows(logits).unsqueeze(1), 1.0)
         probs = torch.where(greedy.unsqueeze(1), onehot, probs)
     return probs
 

@@ -147,8 +147,8 @@ def verify(
         # One-hot p: the verdict is the argmax of each processed row; no probabilities needed.
         counts = _draft_counts(logits, requests)
         argmax = argmax_rows(process_rows(logits, requests))
-        drafts = _flat_drafts(requests).to(logits.device)
-        return greedy_verify(argmax, drafts, torch.tensor(counts, dtype=torch.long)).cpu()
+        # greedy_verify walks host lists: the drafts stay on the host, the verdict comes back there
+        return greedy_verify(argmax, _flat_drafts(requests), torch.tensor(counts, dtype=torch.long))
     inp = build_verify_inputs(logits, requests)
     return rejection_sample(
         inp.target_probs,

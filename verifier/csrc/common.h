@@ -1,4 +1,5 @@
-/* Shared helpers of the CPU kernels: bfloat16 <-> float32 and a vectorisable exp. */
+/* Shared helpers of the CPU kernels: bfloat16 <-> float32, an element of either, and a
+ * vectorisable exp. */
 #ifndef DSPARK_CSRC_COMMON_H
 #define DSPARK_CSRC_COMMON_H
 #include <math.h>
@@ -16,6 +17,12 @@ static inline uint16_t f32_to_bf16(float f) {
     if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN */
     v.u += 0x7fffu + ((v.u >> 16) & 1u);
     return (uint16_t)(v.u >> 16);
+}
+
+/* Element i of a float32 (bf16 == 0) or bfloat16 row, as float32: for kernels with one body
+ * for both dtypes (inlined per dtype, where the branch folds away). */
+static inline __attribute__((always_inline)) float load_elem(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* exp for x <= 0 (softmax inputs after subtracting the max): Cody-Waite range reduction and a

@@ -131,10 +131,6 @@ void markov_greedy_f32(const float *base, const int64_t *anchor, const float *w1
  * (torch's bf16 path rounds after the norm and again after the rotation). The norm is
  * add_rmsnorm_f32's (same sum order), the rotation rope_store's. Inlined into one body per
  * dtype, where the dtype's branches fold away. */
-static inline __attribute__((always_inline)) float nr_load(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
 static inline __attribute__((always_inline)) void norm_rope(const void *x, int64_t xs, int64_t hs,
                                                             const void *w, float eps, const void *cos,
                                                             const void *sin, void *out, int T, int nh,
@@ -148,14 +144,14 @@ static inline __attribute__((always_inline)) void norm_rope(const void *x, int64
             float y[256]; /* D <= 256 (checked by the caller) */
             float ss = 0.0f;
             for (int i = 0; i < D; i++) {
-                y[i] = nr_load(x, xt + i, bf16);
+                y[i] = load_elem(x, xt + i, bf16);
                 ss += y[i] * y[i];
             }
             float inv = 1.0f / sqrtf(ss / (float)D + eps);
-            for (int i = 0; i < D; i++) y[i] = y[i] * inv * nr_load(w, i, bf16);
+            for (int i = 0; i < D; i++) y[i] = y[i] * inv * load_elem(w, i, bf16);
             float r[256];
-            for (int d = 0; d < half; d++) r[d] = y[d] * nr_load(cos, c + d, bf16) + y[d + half] * nr_load(sin, c + d, bf16);
-            for (int d = half; d < D; d++) r[d] = y[d] * nr_load(cos, c + d, bf16) + y[d - half] * nr_load(sin, c + d, bf16);
+            for (int d = 0; d < half; d++) r[d] = y[d] * load_elem(cos, c + d, bf16) + y[d + half] * load_elem(sin, c + d, bf16);
+            for (int d = half; d < D; d++) r[d] = y[d] * load_elem(cos, c + d, bf16) + y[d - half] * load_elem(sin, c + d, bf16);
             int64_t o = ((int64_t)t * nh + h) * D;
             for (int d = 0; d < D; d++) {
                 if (bf16)
@@ -184,10 +180,6 @@ void norm_rope_bf16(const uint16_t *x, int64_t xs, int64_t hs, const uint16_t *w
  * whether it holds a NaN), then the first element equal to it. torch's CPU argmax over bf16
  * logits takes ~4 ns an element (0.75 ms for a verify step's 8 x 49,152 logits); this reads
  * each row twice from cache at the vector width. */
-static inline float argmax_load(const void *x, int dtype, int64_t i) {
-    return dtype ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-}
-
 #ifdef __AVX512F__
 static inline __m512 argmax_vec(const void *x, int dtype, int64_t i, __mmask16 k) {
     if (dtype) {
@@ -234,20 +226,20 @@ static int64_t argmax_row(const void *x, int dtype, int64_t V) {
     _mm256_storeu_ps(lanes, m);
     for (int j = 0; j < 8; j++) best = lanes[j] > best ? lanes[j] : best;
     for (; i < V; i++) {
-        float v = argmax_load(x, dtype, i);
+        float v = load_elem(x, i, dtype);
         nan |= v != v;
         best = v > best ? v : best;
     }
 #else
     for (; i < V; i++) {
-        float v = argmax_load(x, dtype, i);
+        float v = load_elem(x, i, dtype);
         nan |= v != v;
         best = v > best ? v : best;
     }
 #endif
     if (nan) {
         for (i = 0; i < V; i++) {
-            float v = argmax_load(x, dtype, i);
+            float v = load_elem(x, i, dtype);
             if (v != v) return i;
         }
     }
@@ -266,7 +258,7 @@ static int64_t argmax_row(const void *x, int dtype, int64_t V) {
     }
 #endif
     for (; i < V; i++)
-        if (argmax_load(x, dtype, i) == best) return i;
+        if (load_elem(x, i, dtype) == best) return i;
     return 0; /* an all -inf row: its first element, as torch */
 }
 
