@@ -133,9 +133,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.norm_rope_f32.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, ptr, i32, i32, i32]
     lib.norm_rope_bf16.restype = None
     lib.norm_rope_bf16.argtypes = lib.norm_rope_f32.argtypes
-    lib.markov_greedy_f32.restype = None
-    # base, anchor, w1, w2, d2t, B, K, V, r, tokens, prevs
-    lib.markov_greedy_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr, ptr]
+    lib.markov_greedy_walk.restype = None
+    # base, anchor, w1, w2 (packed), dtype (0 float32, 1 bf16), d2t, B, K, V, r, tokens, prevs
+    lib.markov_greedy_walk.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i32, i32, i32, i32, ptr, ptr]
     lib.argmax_rows.restype = None
     # x, dtype (0 float32, 1 bf16), T, V, row stride, out
     lib.argmax_rows.argtypes = [ptr, i32, i32, i64, i64, ptr]
@@ -450,6 +450,16 @@ class FusedElementwise:
         return out
 
 
+def pack_small_gemm(lib: ctypes.CDLL, w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] (float32, or bf16 with K even; CPU) in small_gemm's packed layout, a buffer of
+    its own (what small_gemm, small_gemm_f32 and small_gemv_part read)."""
+    N, K = w.shape
+    packed = torch.empty(-(-N // 16) * 16 * K, dtype=w.dtype)
+    pack = lib.small_gemm_pack if w.dtype == torch.bfloat16 else lib.small_gemm_f32_pack
+    pack(w.contiguous().data_ptr(), packed.data_ptr(), N, K)
+    return packed
+
+
 class SmallGemmLinear:
     """A bfloat16 or float32 linear layer through `small_gemm` (`small_gemm_f32`) for up to
     `max_rows` rows (decode and short verify steps), and through `fallback` (oneDNN's prepacked
@@ -473,9 +483,7 @@ class SmallGemmLinear:
             raise ValueError(f"small_gemm needs a 2-D float32 or bfloat16 (even K) CPU weight, got {got}")
         self.N, self.K = w.shape
         self.dtype = w.dtype
-        self.packed = torch.empty(-(-self.N // 16) * 16 * self.K, dtype=w.dtype)
-        pack = lib.small_gemm_pack if bf16 else lib.small_gemm_f32_pack
-        pack(w.contiguous().data_ptr(), self.packed.data_ptr(), self.N, self.K)
+        self.packed = pack_small_gemm(lib, w)
         self.bias = None if b is None else b.to(w.dtype).contiguous()
         self.fn = lib.small_gemm if bf16 else lib.small_gemm_f32
         self.fallback, self.max_rows = fallback, max_rows

@@ -304,22 +304,29 @@ class FastDraftBackbone:
 
 class GreedyMarkov:
     """All-greedy drafting through a vanilla Markov head on a CPU: the whole block in one C
-    call (`markov_greedy_f32`: each position's bias W2 . W1[prev], the argmax, the next prev)
+    call (`markov_greedy_walk`: each position's bias W2 . W1[prev], the argmax, the next prev)
     instead of ~7 small torch ops per position. For a few rows only (`max_rows`), where those
     ops' fixed cost dominates; a larger batch keeps torch's batched ops (one bias matmul for
     all rows per position is cheaper there).
 
-    The walk is float32. A bf16 drafter's head weights are upcast once and its block logits per
-    call, so the bias is not rounded to bf16 as torch's bf16 walk rounds it: in a near tie the
-    two walks may draft different tokens, and both are proposals verification judges alike
-    (greedy verification reads only the drafted tokens)."""
+    Each position's bias is one row through the packed small gemm (W2 packed once, in the
+    head's dtype: read whole at every position, so bf16 halves its bytes), rounded to the
+    head's dtype as its linear rounds it, and added to the logits in float32, as torch's walk
+    adds them. The gemm's sums run in its own order: in a near tie the two walks may draft
+    different tokens, and both are proposals verification judges alike (greedy verification
+    reads only the drafted tokens)."""
 
     max_rows = 4
 
     def __init__(self, lib: ctypes.CDLL, head: MarkovHead, d2t: torch.Tensor | None) -> None:
-        self.fn = lib.markov_greedy_f32
-        self.w1 = head.markov_w1.weight.detach().float().contiguous()  # [vocab, r]
-        self.w2 = head.markov_w2.weight.detach().float().contiguous()  # [V', r]
+        from dspark_serve.verifier.cpu_kernels import pack_small_gemm
+
+        self.fn = lib.markov_greedy_walk
+        w1 = head.markov_w1.weight.detach()
+        self.dtype = 1 if w1.dtype == torch.bfloat16 else 0
+        self.w1 = w1.contiguous()  # [vocab, r]
+        w2 = head.markov_w2.weight.detach()  # [V', r]
+        self.w2 = pack_small_gemm(lib, w2)
         self.d2t = None if d2t is None else d2t.detach().long().contiguous()
 
     @staticmethod
@@ -328,12 +335,14 @@ class GreedyMarkov:
             head is not None
             and head.kind == "vanilla"
             and dtype in (torch.float32, torch.bfloat16)
+            and head.markov_w1.weight.dtype == head.markov_w2.weight.dtype == dtype
+            and head.rank % 2 == 0  # the bf16 gemm takes its inputs in pairs
             and device.type == "cpu"
             and load_kernels() is not None
         )
 
     def __call__(self, base: torch.Tensor, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """base: [B, K, V'] float32 or bf16 logits; anchor: [B] -> (tokens, prev tokens) [B, K]
+        """base: [B, K, V] float32 or bf16 logits; anchor: [B] -> (tokens, prev tokens) [B, K]
         int64 target ids, or None for more than `max_rows` rows."""
         B, K, V = base.shape
         if B > self.max_rows or base.dtype not in (torch.float32, torch.bfloat16):
@@ -348,6 +357,7 @@ class GreedyMarkov:
             anchor.data_ptr(),
             self.w1.data_ptr(),
             self.w2.data_ptr(),
+            self.dtype,
             d2t,
             B,
             K,

@@ -4,6 +4,7 @@ requests) equals the training forward on the same data; sampling, truncation, fa
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -347,18 +348,51 @@ def test_greedy_markov_walk_in_c_equals_the_torch_walk(truncated):
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.prev_tokens, want.prev_tokens)
         assert got.probs is None
     assert walk(torch.randn(5, BS, Vd), torch.zeros(5, dtype=torch.long)) is None  # 5 rows: torch's
-    # bf16: the walk runs in float32 over the upcast weights and logits, the float32 walk's tokens
+    # bf16: each position's bias rounded to bf16 as the head's linear rounds it, then added in
+    # float32: torch's bf16 walk
     half = copy.deepcopy(head).bfloat16()
     assert GreedyMarkov.applies(half, torch.bfloat16, torch.device("cpu"))
     walk16 = GreedyMarkov(lib, half, d2t)
-    up = copy.deepcopy(half).float()
     base = torch.randn(2, BS, Vd, generator=g).bfloat16()
     anchor = torch.randint(0, V, (2,), generator=g)
-    want = sample_block(base.float(), anchor, [GREEDY] * 2, [None] * 2, up, to_target)
+    want = sample_block(base, anchor, [GREEDY] * 2, [None] * 2, half, to_target)
     got = sample_block(base, anchor, [GREEDY] * 2, [None] * 2, half, to_target, greedy=walk16)
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.prev_tokens, want.prev_tokens)
     dr = make_drafter(model)
     assert dr._greedy is not None  # a float32 drafter on a CPU with the kernels uses it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_markov_walk_over_a_wide_head(dtype):
+    """A draft vocabulary of thousands (the shipped head's size class): the C walk's bias runs in
+    groups of output blocks split across threads, the tail alone; its tokens are the torch
+    walk's for one to four rows, and a head whose weights differ in dtype stays on torch."""
+    from dspark_serve.drafter.dspark_model.fast import GreedyMarkov
+    from dspark_serve.drafter.dspark_model.modules import MarkovHead
+    from dspark_serve.drafter.dspark_model.sampling import sample_block
+
+    lib = load_kernels()
+    if lib is None:
+        pytest.skip("the greedy walk needs the C kernels (a C compiler)")
+    g = torch.Generator().manual_seed(3)
+    vocab, Vd, K = 3000, 2100, 7  # 2100 = 131 blocks of 16 and a 4-row tail
+    cfg = dataclasses.replace(tiny_model().config, vocab_size=vocab, markov_rank=64, draft_vocab_size=Vd)
+    head = MarkovHead(cfg).to(dtype)
+    with torch.no_grad():
+        head.markov_w1.weight.normal_(generator=g)
+        head.markov_w2.weight.normal_(std=0.5, generator=g)
+    d2t = torch.randperm(vocab, generator=g)[:Vd]
+    walk = GreedyMarkov(lib, head, d2t)
+    for b in (1, 4):
+        base = (torch.randn(b, K, Vd, generator=g) * 2).to(dtype)
+        anchor = torch.randint(0, vocab, (b,), generator=g)
+        want = sample_block(base, anchor, [GREEDY] * b, [None] * b, head, lambda t: d2t[t])
+        got = walk(base, anchor)
+        assert got is not None
+        assert torch.equal(got[0], want.tokens) and torch.equal(got[1], want.prev_tokens)
+    mixed = copy.deepcopy(head)
+    mixed.markov_w2.to(torch.float32 if dtype == torch.bfloat16 else torch.bfloat16)
+    assert not GreedyMarkov.applies(mixed, dtype, torch.device("cpu"))
 
 
 def test_factories_share_target_modules(tmp_path):

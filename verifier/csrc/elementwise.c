@@ -8,6 +8,7 @@
  * alone, the same whatever else shares the call. Built with csrc/paged_attention.c. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -87,38 +88,6 @@ void silu_mul_f32(const float *gu, float *out, int T, int n) {
             float e = exp_nonpos(x < 0.0f ? x : -x); /* exp(-|x|): no overflow either way */
             float silu = x < 0.0f ? x * e / (1.0f + e) : x / (1.0f + e);
             o[i] = silu * u[i];
-        }
-    }
-}
-
-/* Greedy drafting through a vanilla Markov head in float32, the whole block in one call: for each
- * row b and step k, logits[j] = base[b, k, j] + W2[j] . W1[prev] (the head's bias), the first
- * maximal j (torch.argmax's choice), token = d2t[j] (j without a map), and the token becomes
- * the next step's prev. base [B, K, V] contiguous, anchor [B], w1 [vocab, r], w2 [V, r];
- * tokens, prevs [B, K]: the drafted target ids and the id each was drafted after. */
-void markov_greedy_f32(const float *base, const int64_t *anchor, const float *w1, const float *w2,
-                       const int64_t *d2t, int B, int K, int V, int r, int64_t *tokens, int64_t *prevs) {
-#pragma omp parallel for schedule(static) if (B > 1)
-    for (int b = 0; b < B; b++) {
-        int64_t prev = anchor[b];
-        for (int k = 0; k < K; k++) {
-            const float *e = w1 + prev * r;
-            const float *lg = base + ((int64_t)b * K + k) * V;
-            float best = -INFINITY;
-            int arg = 0;
-            for (int j = 0; j < V; j++) {
-                const float *wj = w2 + (int64_t)j * r;
-                float s = 0.0f;
-                for (int i = 0; i < r; i++) s += wj[i] * e[i];
-                float v = lg[j] + s;
-                if (v > best) {
-                    best = v;
-                    arg = j;
-                }
-            }
-            prevs[(int64_t)b * K + k] = prev;
-            prev = d2t ? d2t[arg] : arg;
-            tokens[(int64_t)b * K + k] = prev;
         }
     }
 }
@@ -266,4 +235,57 @@ void argmax_rows(const void *x, int dtype, int T, int64_t V, int64_t rs, int64_t
     int64_t esize = dtype ? 2 : 4;
 #pragma omp parallel for schedule(static) if (T >= 4)
     for (int t = 0; t < T; t++) out[t] = argmax_row((const char *)x + (int64_t)t * rs * esize, dtype, V);
+}
+
+/* Greedy drafting through a vanilla Markov head, the whole block in one call: for each row b
+ * and step k, logits[j] = base[b, k, j] + W2[j] . W1[prev] (the head's bias), the first maximal
+ * j (torch.argmax's choice), token = d2t[j] (j without a map), and the token becomes the next
+ * step's prev. base [B, K, V] float32 contiguous, anchor [B]; w1 [vocab, r] in float32 or
+ * bf16 (dtype 0 / 1); w2: W2 [V, r] packed by small_gemm_pack / small_gemm_f32_pack (same
+ * dtype); tokens, prevs [B, K]: the drafted target ids and the id each was drafted after.
+ * A bf16 head's bias is rounded to bf16, as its linear rounds it, then added to the logits in
+ * float32. The bias of one position is split across the threads (each core reads its part of
+ * W2 from its own cache: the walk is bound by that read), the argmax taken by one. */
+void small_gemv_part(const void *x, const void *packed, float *y, int N, int K, int bf16, int part, int parts);
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+void markov_greedy_walk(const float *base, const int64_t *anchor, const void *w1, const void *w2,
+                        int dtype, const int64_t *d2t, int B, int K, int V, int r, int64_t *tokens,
+                        int64_t *prevs) {
+    float *v = (float *)malloc((size_t)V * sizeof(float));
+    int64_t esize = dtype ? 2 : 4;
+    int64_t prev = 0;
+#pragma omp parallel
+    {
+        int part = 0, parts = 1;
+#ifdef _OPENMP
+        part = omp_get_thread_num();
+        parts = omp_get_num_threads();
+#endif
+        for (int b = 0; b < B; b++) {
+#pragma omp single
+            prev = anchor[b];
+            for (int k = 0; k < K; k++) {
+                const char *e = (const char *)w1 + prev * r * esize;
+                small_gemv_part(e, w2, v, V, r, dtype, part, parts);
+#pragma omp barrier
+#pragma omp single
+                {
+                    const float *lg = base + ((int64_t)b * K + k) * V;
+                    if (dtype)
+                        for (int j = 0; j < V; j++) v[j] = lg[j] + bf16_to_f32(f32_to_bf16(v[j]));
+                    else
+                        for (int j = 0; j < V; j++) v[j] += lg[j];
+                    int64_t arg = argmax_row(v, 0, V);
+                    prevs[(int64_t)b * K + k] = prev;
+                    prev = d2t ? d2t[arg] : arg;
+                    tokens[(int64_t)b * K + k] = prev;
+                } /* single's barrier: every thread sees the new prev */
+            }
+        }
+    }
+    free(v);
 }

@@ -208,3 +208,47 @@ void small_gemm_f32(const float *x, int64_t x_stride, const float *packed, const
         }
     }
 }
+
+/* ---- one row, float32 out, in parts -----------------------------------------------------------
+ * y[N] = x[K] @ W[N, K]^T for one row of x (W packed by small_gemm_pack, bf16 != 0, or by
+ * small_gemm_f32_pack), unrounded, over part `part` of `parts` equal runs of blocks: the
+ * Markov head's bias per drafted position, each thread of the caller's parallel region on its
+ * own part (the same part every call, so it stays in that core's cache). With one row a
+ * block's sums are one dependent chain, so GV blocks run at once. */
+#define GV 8
+void small_gemv_part(const void *x, const void *packed, float *y, int N, int K, int bf16, int part, int parts) {
+    int blocks = (N + NB - 1) / NB;
+    int lo = (int)((int64_t)blocks * part / parts), hi = (int)((int64_t)blocks * (part + 1) / parts);
+    int64_t bstride = bf16 ? (int64_t)(K / 2) * NB * 2 : (int64_t)K * NB; /* elements per block */
+    int b = lo;
+#ifdef __AVX512BF16__
+    if (bf16) {
+        const uint16_t *x16 = (const uint16_t *)x;
+        for (; b + GV <= hi; b += GV) {
+            const uint16_t *wb = (const uint16_t *)packed + (int64_t)b * bstride;
+            __m512 a[GV];
+            for (int i = 0; i < GV; i++) a[i] = _mm512_setzero_ps();
+            for (int kp = 0; kp < K / 2; kp++) {
+                uint32_t pair;
+                memcpy(&pair, x16 + 2 * kp, sizeof(pair));
+                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pair);
+                const uint16_t *w = wb + (int64_t)kp * 2 * NB;
+                for (int i = 0; i < GV; i++)
+                    a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(w + i * bstride), xb);
+            }
+            float out[GV][NB];
+            for (int i = 0; i < GV; i++) _mm512_storeu_ps(out[i], a[i]);
+            for (int i = 0; i < GV; i++)
+                for (int j = 0; j < NB && (b + i) * NB + j < N; j++) y[(b + i) * NB + j] = out[i][j];
+        }
+    }
+#endif
+    for (; b < hi; b++) {
+        float acc[MB][NB]; /* MB >= MBF */
+        if (bf16)
+            block_dot((const uint16_t *)packed + (int64_t)b * bstride, (const uint16_t *)x, K, K, 1, acc);
+        else
+            block_dot_f32((const float *)packed + (int64_t)b * bstride, (const float *)x, K, K, 1, acc);
+        for (int j = 0; j < NB && b * NB + j < N; j++) y[b * NB + j] = acc[0][j];
+    }
+}
