@@ -18,7 +18,12 @@ from torch import nn
 
 from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftRequest, TapRows
 from dspark_serve.drafter.dspark_model import DSparkModel, load_dspark
-from dspark_serve.drafter.dspark_model.fast import FastDraftBackbone, GreedyMarkov, prepacked_linears_pay
+from dspark_serve.drafter.dspark_model.fast import (
+    ContextRows,
+    FastDraftBackbone,
+    GreedyMarkov,
+    prepacked_linears_pay,
+)
 from dspark_serve.drafter.dspark_model.fast import applies as fast_backbone_applies
 from dspark_serve.drafter.online_calibration import OnlineCalibrator
 
@@ -207,6 +212,15 @@ class _Stored:
 
 
 @dataclass
+class _PendingRows:
+    """Pending tap states taken for projection: hidden [T, m * d]; slots, positions [T] int64."""
+
+    hidden: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass
 class _Pending:
     """Tap states of positions start .. end - 1 of one request, not yet projected: copies, or
     where the engine keeps them (`_Stored`, no copy)."""
@@ -325,10 +339,9 @@ class DSparkDrafter:
             if pend.copied >= self.config.max_pending:
                 self._absorb([ctx.request_id])  # bounds the memory pending copies take
 
-    @torch.no_grad()
-    def _absorb(self, request_ids: list[str]) -> None:
-        """Project the pending tap states of these requests into their context K/V, in one
-        batch across requests."""
+    def _take_pending(self, request_ids: list[str]) -> _PendingRows | None:
+        """The pending tap states of these requests, in one batch across requests, counted into
+        their context from here on (the caller projects them); None when none wait."""
         slots: list[torch.Tensor] = []
         positions: list[torch.Tensor] = []
         hiddens: list[torch.Tensor] = []
@@ -346,22 +359,37 @@ class DSparkDrafter:
                 (h if isinstance(h, torch.Tensor) else h.read(rid)).to(self.model.device) for h in pend.hidden
             )
         if not hiddens:
-            return
+            return None
         dev = self.model.device
-        slot_t, pos_t = torch.cat(slots).to(dev), torch.cat(positions).to(dev)
-        feats = self.backbone.project_context(torch.cat(hiddens))  # [T, d]
+        return _PendingRows(torch.cat(hiddens), torch.cat(slots).to(dev), torch.cat(positions).to(dev))
+
+    @torch.no_grad()
+    def _absorb(self, request_ids: list[str]) -> None:
+        """Project the pending tap states of these requests into their context K/V, in one
+        batch across requests."""
+        rows = self._take_pending(request_ids)
+        if rows is None:
+            return
+        feats = self.backbone.project_context(rows.hidden)  # [T, d]
         for layer in range(len(self.model.layers)):
-            k, v = self.backbone.context_kv(layer, feats, pos_t)
-            self.cache.write(layer, slot_t, pos_t, k, v)
+            k, v = self.backbone.context_kv(layer, feats, rows.positions)
+            self.cache.write(layer, rows.slots, rows.positions, k, v)
 
     # -- drafting -----------------------------------------------------------------------
 
     @torch.no_grad()
     def block_hidden(self, requests: list[DraftRequest], length: int | None = None) -> torch.Tensor:
         """Final hidden states of each request's block: [B, L, d], L = length (at most the
-        block size; None: the block size): the anchor and L - 1 mask positions."""
+        block size; None: the block size): the anchor and L - 1 mask positions. Pending context
+        is absorbed first, or, where the fast backbone reads the pools in place, in the block's
+        own pass (`ContextRows`)."""
         L = self.block_size if length is None else max(1, min(length, self.block_size))
-        self._absorb([r.request_id for r in requests])
+        in_place = isinstance(self.backbone, FastDraftBackbone) and self.backbone.reads_pools_in_place
+        pending = None
+        if in_place:
+            pending = self._take_pending([r.request_id for r in requests])
+        else:
+            self._absorb([r.request_id for r in requests])
         slots, anchors, starts = [], [], []
         for req in requests:
             start = len(req.token_ids) - 1
@@ -381,10 +409,15 @@ class DSparkDrafter:
         anchor_t = torch.tensor(anchors, dtype=torch.long, device=dev)
         ids = self.model.block_input_ids(anchor_t, L)
         pos = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(L, device=dev)
-        if isinstance(self.backbone, FastDraftBackbone) and self.backbone.reads_pools_in_place:
+        if in_place:
+            assert isinstance(self.backbone, FastDraftBackbone)
             self.cache.reserve(max(starts) + L)  # room for the block's own k/v
             c = self.cache
-            return self.backbone.forward_block_in_place(ids, pos, c.k, c.v, slots, starts)
+            context = None
+            if pending is not None:
+                feats = self.backbone.project_context(pending.hidden)
+                context = ContextRows(feats, pending.slots, pending.positions)
+            return self.backbone.forward_block_in_place(ids, pos, c.k, c.v, slots, starts, context)
         ctx_kv, ctx_mask = self.cache.gather(slots)
         return self.backbone.forward_block(ids, pos, ctx_kv, ctx_mask)
 

@@ -67,6 +67,18 @@ class _Layer:
     act: Callable[[torch.Tensor], torch.Tensor]
 
 
+@dataclass
+class ContextRows:
+    """Context positions projected into the pools in the same pass as a block
+    (`forward_block_in_place`): their k / v ride along with the block's rows through each
+    layer's q/k/v linear, rotary pass and pool write, instead of a pass of their own.
+    feats: [T, d] (`project_context`'s); slots, positions: [T] int64, where each goes."""
+
+    feats: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+
+
 def _linear(ws: Sequence[torch.Tensor], bs: Sequence[torch.Tensor | None]) -> Linear:
     w = torch.cat([x.detach() for x in ws]).contiguous()
     b = None if bs[0] is None else torch.cat([x.detach() for x in bs if x is not None]).contiguous()
@@ -129,7 +141,9 @@ class FastDraftBackbone:
     def _rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [..., n] -> cos, signed sin: [..., n, 1, D] (broadcast over heads)."""
         self._rope_upto(int(positions.max()) + 1)
-        return self._cos[positions].unsqueeze(-2), self._sin[positions].unsqueeze(-2)
+        flat = positions.reshape(-1)  # index_select: torch's advanced indexing costs ~10x on CPU
+        shape = (*positions.shape, 1, self.D)
+        return self._cos.index_select(0, flat).view(shape), self._sin.index_select(0, flat).view(shape)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [..., n, heads, D]; cos, sin from `_rope_at`."""
@@ -195,6 +209,7 @@ class FastDraftBackbone:
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             ck, cv = ctx_kv[li]
+            k, v = k.view(B, Lb, self.Hkv, self.D), v.view(B, Lb, self.Hkv, self.D)
             # [B, Hkv, Lc + L, D]: one copy of the context, head-major, as the matmuls read it
             keys = torch.cat([ck.transpose(1, 2), k.transpose(1, 2)], dim=2)
             values = torch.cat([cv.transpose(1, 2), v.transpose(1, 2)], dim=2)
@@ -208,23 +223,33 @@ class FastDraftBackbone:
         cos: torch.Tensor,
         sin: torch.Tensor,
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        context: ContextRows | None = None,
     ) -> torch.Tensor:
         """The decoder layers over the block. x: [B, L, d] embedded block (a fresh tensor: it is
         updated in place); cos, sin from `_rope_at`; attend(layer, q [B, L, H, D], k, v
-        [B, L, Hkv, D]) -> [B * L, H * D] -> hidden [B, L, d] (final norm applied). With the C
-        kernels each residual add runs fused with the norm after it, SwiGLU in one call."""
+        [R, Hkv, D]) -> [B * L, H * D], R = B * L rows of the block, then context's rows when
+        given (their k / v computed here, from their features, at their positions) -> hidden
+        [B, L, d] (final norm applied). With the C kernels each residual add runs fused with the
+        norm after it, SwiGLU in one call."""
         B, Lb, d = x.shape
         H, Hkv, D = self.H, self.Hkv, self.D
-        nq, nk = H * D, Hkv * D
+        nq, nk, n = H * D, Hkv * D, B * Lb
         E = self._fused if x.dtype in (torch.float32, torch.bfloat16) else None
-        h = x.reshape(B * Lb, d).contiguous()
+        kcos, ksin = cos.reshape(n, 1, D), sin.reshape(n, 1, D)
+        if context is not None:  # the context rows' rotary angles, once for every layer
+            ccos, csin = self._rope_at(context.positions)
+            kcos, ksin = torch.cat([kcos, ccos]), torch.cat([ksin, csin])
+        h = x.reshape(n, d).contiguous()
         xn = E.add_rmsnorm(h, None, self.layers[0].in_norm.w, self.layers[0].in_norm.eps) if E else None
         for li, L in enumerate(self.layers):
             nxt = self.layers[li + 1].in_norm if li + 1 < len(self.layers) else self.norm
-            qkv = L.qkv(xn if xn is not None else L.in_norm(h))
-            q = self._norm_rope(L.q_norm, qkv[:, :nq].view(B, Lb, H, D), cos, sin)
-            k = self._norm_rope(L.k_norm, qkv[:, nq : nq + nk].view(B, Lb, Hkv, D), cos, sin)
-            v = qkv[:, nq + nk :].view(B, Lb, Hkv, D)
+            rows = xn if xn is not None else L.in_norm(h)
+            if context is not None:
+                rows = torch.cat([rows, context.feats])
+            qkv = L.qkv(rows)
+            q = self._norm_rope(L.q_norm, qkv[:n, :nq].view(B, Lb, H, D), cos, sin)
+            k = self._norm_rope(L.k_norm, qkv[:, nq : nq + nk].view(-1, Hkv, D), kcos, ksin)
+            v = qkv[:, nq + nk :].view(-1, Hkv, D)
             o = L.o(attend(li, q, k, v))
             if E is not None:
                 xn = E.add_rmsnorm(h, o, L.post_norm.w, L.post_norm.eps)
@@ -250,6 +275,7 @@ class FastDraftBackbone:
         v_pools: Sequence[torch.Tensor],
         slots: Sequence[int],
         starts: Sequence[int],
+        context: ContextRows | None = None,
     ) -> torch.Tensor:
         """`forward_block` reading the context K/V where it lies. k_pools / v_pools: per layer
         [num_slots, capacity, Hkv, D] (the drafter's context cache), request b in slot slots[b]
@@ -257,6 +283,9 @@ class FastDraftBackbone:
         each layer writes the block's own k/v at positions starts[b] .. (past the context's
         length, which the caller does not move, so they are never taken for context) and the C
         kernel attends every block query to the context and the whole block, no copies.
+        context: positions to project into the pools in the same pass (`ContextRows`; the
+        caller has counted them into the context already): each layer writes their k / v with
+        the block's, before attending.
         -> hidden [B, L, d] (final norm applied)."""
         assert self._kernels is not None
 
@@ -275,7 +304,13 @@ class FastDraftBackbone:
         kernel = PagedAttention(self._kernels, H, Hkv, D, bs, layout="slot-major")
         x = self.embed(block_ids).to(self.dtype)
         cos, sin = self._rope_at(block_positions)
-        rows = (slot_t[:, None], block_positions)  # where the block's own k/v go in the pools
+        # where the block's own k/v (then the context rows') go in the pools
+        at_slots = slot_t.repeat_interleave(Lb)
+        at_pos = block_positions.reshape(-1)
+        if context is not None:
+            at_slots = torch.cat([at_slots, context.slots])
+            at_pos = torch.cat([at_pos, context.positions])
+        rows = (at_slots, at_pos)
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kp, vp = k_pools[li], v_pools[li]
@@ -284,7 +319,7 @@ class FastDraftBackbone:
             kernel(q.reshape(B * Lb, H, D), kp, vp, a, row0, n, start, table, self.scale, causal=False)
             return a.view(B * Lb, nq)
 
-        return self._layers(x, cos, sin, attend)
+        return self._layers(x, cos, sin, attend, context)
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None

@@ -197,6 +197,41 @@ def test_context_is_absorbed_lazily_at_the_next_draft(monkeypatch):
     assert dr.cache.length("a") == 0 and "a" not in dr._pending
 
 
+def test_in_place_block_absorbs_the_context_in_its_own_pass(monkeypatch):
+    """Where the fast backbone reads the pools in place, pending context rides through the
+    block's pass (its k / v with the block's rows) instead of a pass of its own: the same block
+    and the same context K/V as absorbing first, bit for bit (float32: each row's sums run in
+    one order however many rows share a call), for a batch with and without pending rows."""
+    model = model_for("in-place")
+    g = torch.Generator().manual_seed(8)
+    hid = torch.randn(2, 12, 3 * D, generator=g)
+    ids = torch.randint(0, V - 1, (2, 12), generator=g)
+    fused, apart = make_drafter(model, fast="in-place"), make_drafter(model, fast="in-place")
+    calls = []
+    kv = fused.backbone.context_kv
+    monkeypatch.setattr(fused.backbone, "context_kv", lambda *a: calls.append(1) or kv(*a))
+    ctx = lambda r, a, b: AcceptedContext(f"r{r}", ids[r, a:b].tolist(), a, hid[r, a:b])
+
+    def reqs(ends):
+        return [DraftRequest(f"r{r}", ids[r, : e + 1].tolist(), 3, GREEDY, None, 100) for r, e in ends]
+
+    for stage in ([ctx(0, 0, 5), ctx(1, 0, 9)], [ctx(0, 5, 7)], []):
+        ends = [(0, 7 if len(stage) < 2 else 5), (1, 9)]
+        for dr in (fused, apart):
+            dr.observe(stage)
+        apart._absorb(["r0", "r1"])
+        a, b = fused.block_hidden(reqs(ends)), apart.block_hidden(reqs(ends))
+        assert torch.equal(a, b)
+        for layer in range(2):
+            for pools in ("k", "v"):
+                for r, e in ends:
+                    s_f, s_a = fused.cache.slot(f"r{r}"), apart.cache.slot(f"r{r}")
+                    got = getattr(fused.cache, pools)[layer][s_f, :e]
+                    assert torch.equal(got, getattr(apart.cache, pools)[layer][s_a, :e])
+    assert calls == []  # never a pass of its own
+    assert fused.cache.length("r0") == 7 and fused.cache.length("r1") == 9
+
+
 def test_pending_states_are_bounded():
     model = tiny_model()
     dr = DSparkDrafter(model, DSparkDrafterConfig(initial_capacity=4, max_pending=4), "dspark")
