@@ -20,6 +20,7 @@ from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftReque
 from dspark_serve.drafter.dspark_model import DSparkModel, load_dspark
 from dspark_serve.drafter.dspark_model.fast import (
     ContextRows,
+    FastConfidence,
     FastDraftBackbone,
     GreedyMarkov,
     prepacked_linears_pay,
@@ -268,6 +269,10 @@ class DSparkDrafter:
         if fast_backbone_applies(model):
             self.backbone = FastDraftBackbone(model)
         _prepack_linears(self.model, skip=() if self.backbone is model else (model.layers, model.fc))
+        # on a CPU: the confidence head's logits from a per-token table and one small product
+        self._fast_confidence: FastConfidence | None = None
+        if self.backbone is not model and model.confidence_head is not None:
+            self._fast_confidence = FastConfidence(model)
         # all-greedy blocks of a few rows: the Markov head's walk in one C call
         self._greedy: GreedyMarkov | None = None
         head = model.markov_head
@@ -342,8 +347,8 @@ class DSparkDrafter:
     def _take_pending(self, request_ids: list[str]) -> _PendingRows | None:
         """The pending tap states of these requests, in one batch across requests, counted into
         their context from here on (the caller projects them); None when none wait."""
-        slots: list[torch.Tensor] = []
-        positions: list[torch.Tensor] = []
+        slots: list[int] = []
+        positions: list[int] = []
         hiddens: list[torch.Tensor] = []
         for rid in request_ids:
             pend = self._pending.pop(rid, None)
@@ -352,16 +357,14 @@ class DSparkDrafter:
             slot = self.cache.slot(rid)
             self.cache.reserve(pend.end)
             self.cache.lengths[slot] = pend.end
-            n = pend.end - pend.start
-            slots.append(torch.full((n,), slot, dtype=torch.long))
-            positions.append(torch.arange(pend.start, pend.end))
-            hiddens.extend(
-                (h if isinstance(h, torch.Tensor) else h.read(rid)).to(self.model.device) for h in pend.hidden
-            )
+            slots += [slot] * (pend.end - pend.start)
+            positions += range(pend.start, pend.end)
+            hiddens.extend(h if isinstance(h, torch.Tensor) else h.read(rid) for h in pend.hidden)
         if not hiddens:
             return None
         dev = self.model.device
-        return _PendingRows(torch.cat(hiddens), torch.cat(slots).to(dev), torch.cat(positions).to(dev))
+        hidden = hiddens[0].to(dev) if len(hiddens) == 1 else torch.cat([h.to(dev) for h in hiddens])
+        return _PendingRows(hidden, torch.tensor(slots, device=dev), torch.tensor(positions, device=dev))
 
     @torch.no_grad()
     def _absorb(self, request_ids: list[str]) -> None:
@@ -468,15 +471,15 @@ class DSparkDrafter:
     ) -> list[torch.Tensor] | None:
         """c_k per request: the offline-calibrated head, or the online calibrator's fit (which
         only ever learned from earlier rounds)."""
-        if self.calibrator is None:
-            conf = self.model.confidence_probs(hidden, prev)
-            if conf is None:
-                return None
-            conf = conf.float().cpu()
-            return [conf[j, :k] for j, k in enumerate(lengths)]
-        logits = self.model.confidence_logits(hidden, prev)
+        if self._fast_confidence is not None:
+            logits: torch.Tensor | None = self._fast_confidence(hidden, prev)
+        else:
+            logits = self.model.confidence_logits(hidden, prev)
         if logits is None:
             return None
+        if self.calibrator is None:
+            conf = self.model.calibrated(logits).float().cpu()
+            return [conf[j, :k] for j, k in enumerate(lengths)]
         raw = logits.float().cpu().tolist()
         out = []
         for j, (r, k) in enumerate(zip(batch, lengths)):

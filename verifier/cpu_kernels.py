@@ -134,8 +134,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.norm_rope_bf16.restype = None
     lib.norm_rope_bf16.argtypes = lib.norm_rope_f32.argtypes
     lib.markov_greedy_walk.restype = None
-    # base, anchor, w1, w2 (packed), dtype (0 float32, 1 bf16), d2t, B, K, V, r, tokens, prevs
-    lib.markov_greedy_walk.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i32, i32, i32, i32, ptr, ptr]
+    # base, its dtype, anchor, w1, w2 (packed), their dtype (0 float32, 1 bf16), d2t, B, K, V, r,
+    # tokens, prevs
+    lib.markov_greedy_walk.argtypes = [ptr, i32, ptr, ptr, ptr, i32, ptr, i32, i32, i32, i32, ptr, ptr]
     lib.argmax_rows.restype = None
     # x, dtype (0 float32, 1 bf16), T, V, row stride, out
     lib.argmax_rows.argtypes = [ptr, i32, i32, i64, i64, ptr]

@@ -198,8 +198,11 @@ class DSparkModel(nn.Module):
     def confidence_probs(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor | None:
         """Calibrated c_k = sigmoid(logit_k / T_k). hidden: [..., K, d]; prev: [..., K] -> [..., K]."""
         logits = self.confidence_logits(hidden, prev_tokens)
-        if logits is None:
-            return None
+        return None if logits is None else self.calibrated(logits)
+
+    def calibrated(self, logits: torch.Tensor) -> torch.Tensor:
+        """Raw confidence logits [..., K] -> c_k = sigmoid(logit_k / T_k) (the offline fit's
+        temperatures; none stored: T = 1)."""
         if self.calibration is not None:
             k = logits.shape[-1]
             temps = self.calibration.temperatures

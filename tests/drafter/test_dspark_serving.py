@@ -430,6 +430,31 @@ def test_greedy_markov_walk_over_a_wide_head(dtype):
     assert not GreedyMarkov.applies(mixed, dtype, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("with_markov", [True, False])
+def test_fast_confidence_equals_the_head(with_markov):
+    """The serving confidence logits (a per-token table for the Markov embedding's share, one
+    small product for the hidden's) are the head's, float32 rounding apart; the bias is read
+    live; a CPU drafter on the fast backbone uses them."""
+    from dspark_serve.drafter.dspark_model.fast import FastConfidence
+
+    model = tiny_model().float()
+    if not with_markov:
+        cfg = dataclasses.replace(model.config, confidence_head_with_markov=False)
+        model = DSparkModel(cfg).eval()
+    conf = FastConfidence(model)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(3, BS, D, generator=g)
+    prev = torch.randint(0, V, (3, BS), generator=g)
+    close = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conf(hidden, prev), model.confidence_logits(hidden, prev), **close)
+    with torch.no_grad():
+        model.confidence_head.proj.bias.add_(1.5)
+    torch.testing.assert_close(conf(hidden, prev), model.confidence_logits(hidden, prev), **close)
+    if load_kernels() is not None:
+        dr = make_drafter(tiny_model().float())
+        assert isinstance(dr.backbone, FastDraftBackbone) and dr._fast_confidence is not None
+
+
 def test_factories_share_target_modules(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -240,8 +240,8 @@ void argmax_rows(const void *x, int dtype, int T, int64_t V, int64_t rs, int64_t
 /* Greedy drafting through a vanilla Markov head, the whole block in one call: for each row b
  * and step k, logits[j] = base[b, k, j] + W2[j] . W1[prev] (the head's bias), the first maximal
  * j (torch.argmax's choice), token = d2t[j] (j without a map), and the token becomes the next
- * step's prev. base [B, K, V] float32 contiguous, anchor [B]; w1 [vocab, r] in float32 or
- * bf16 (dtype 0 / 1); w2: W2 [V, r] packed by small_gemm_pack / small_gemm_f32_pack (same
+ * step's prev. base [B, K, V] contiguous, float32 or bf16 (base_dtype 0 / 1), anchor [B];
+ * w1 [vocab, r] in float32 or bf16 (dtype 0 / 1); w2: W2 [V, r] packed by small_gemm_pack / small_gemm_f32_pack (same
  * dtype); tokens, prevs [B, K]: the drafted target ids and the id each was drafted after.
  * A bf16 head's bias is rounded to bf16, as its linear rounds it, then added to the logits in
  * float32. The bias of one position is split across the threads (each core reads its part of
@@ -252,9 +252,9 @@ void small_gemv_part(const void *x, const void *packed, float *y, int N, int K, 
 #include <omp.h>
 #endif
 
-void markov_greedy_walk(const float *base, const int64_t *anchor, const void *w1, const void *w2,
-                        int dtype, const int64_t *d2t, int B, int K, int V, int r, int64_t *tokens,
-                        int64_t *prevs) {
+void markov_greedy_walk(const void *base, int base_dtype, const int64_t *anchor, const void *w1,
+                        const void *w2, int dtype, const int64_t *d2t, int B, int K, int V, int r,
+                        int64_t *tokens, int64_t *prevs) {
     float *v = (float *)malloc((size_t)V * sizeof(float));
     int64_t esize = dtype ? 2 : 4;
     int64_t prev = 0;
@@ -274,11 +274,13 @@ void markov_greedy_walk(const float *base, const int64_t *anchor, const void *w1
 #pragma omp barrier
 #pragma omp single
                 {
-                    const float *lg = base + ((int64_t)b * K + k) * V;
-                    if (dtype)
-                        for (int j = 0; j < V; j++) v[j] = lg[j] + bf16_to_f32(f32_to_bf16(v[j]));
+                    int64_t lg = ((int64_t)b * K + k) * V;
+                    if (dtype) /* the bias rounded to bf16 */
+                        for (int j = 0; j < V; j++) v[j] = bf16_to_f32(f32_to_bf16(v[j]));
+                    if (base_dtype)
+                        for (int j = 0; j < V; j++) v[j] += load_elem(base, lg + j, 1);
                     else
-                        for (int j = 0; j < V; j++) v[j] += lg[j];
+                        for (int j = 0; j < V; j++) v[j] += load_elem(base, lg + j, 0);
                     int64_t arg = argmax_row(v, 0, V);
                     prevs[(int64_t)b * K + k] = prev;
                     prev = d2t ? d2t[arg] : arg;
