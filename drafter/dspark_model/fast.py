@@ -345,11 +345,10 @@ class GreedyMarkov:
     all rows per position is cheaper there).
 
     Each position's bias is one row through the packed small gemm (W2 packed once, in the
-    head's dtype: read whole at every position, so bf16 halves its bytes), rounded to the
-    head's dtype as its linear rounds it, and added to the logits in float32, as torch's walk
-    adds them. The gemm's sums run in its own order: in a near tie the two walks may draft
-    different tokens, and both are proposals verification judges alike (greedy verification
-    reads only the drafted tokens)."""
+    head's dtype: read whole at every position, so bf16 halves its bytes), in float32, added to
+    the logits in float32: a bf16 drafter's bias is not rounded to bf16 as torch's bf16 walk
+    rounds it. In a near tie the two walks may draft different tokens, and both are proposals
+    verification judges alike (greedy verification reads only the drafted tokens)."""
 
     max_rows = 4
 

@@ -383,14 +383,15 @@ def test_greedy_markov_walk_in_c_equals_the_torch_walk(truncated):
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.prev_tokens, want.prev_tokens)
         assert got.probs is None
     assert walk(torch.randn(5, BS, Vd), torch.zeros(5, dtype=torch.long)) is None  # 5 rows: torch's
-    # bf16: each position's bias rounded to bf16 as the head's linear rounds it, then added in
-    # float32: torch's bf16 walk
+    # bf16: the walk runs in float32 over the (exactly upcast) weights and logits: the float32
+    # walk's tokens
     half = copy.deepcopy(head).bfloat16()
     assert GreedyMarkov.applies(half, torch.bfloat16, torch.device("cpu"))
     walk16 = GreedyMarkov(lib, half, d2t)
+    up = copy.deepcopy(half).float()
     base = torch.randn(2, BS, Vd, generator=g).bfloat16()
     anchor = torch.randint(0, V, (2,), generator=g)
-    want = sample_block(base, anchor, [GREEDY] * 2, [None] * 2, half, to_target)
+    want = sample_block(base.float(), anchor, [GREEDY] * 2, [None] * 2, up, to_target)
     got = sample_block(base, anchor, [GREEDY] * 2, [None] * 2, half, to_target, greedy=walk16)
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.prev_tokens, want.prev_tokens)
     dr = make_drafter(model)
@@ -418,10 +419,11 @@ def test_greedy_markov_walk_over_a_wide_head(dtype):
         head.markov_w2.weight.normal_(std=0.5, generator=g)
     d2t = torch.randperm(vocab, generator=g)[:Vd]
     walk = GreedyMarkov(lib, head, d2t)
+    up = copy.deepcopy(head).float()  # the walk's float32 maths over the exactly upcast weights
     for b in (1, 4):
         base = (torch.randn(b, K, Vd, generator=g) * 2).to(dtype)
         anchor = torch.randint(0, vocab, (b,), generator=g)
-        want = sample_block(base, anchor, [GREEDY] * b, [None] * b, head, lambda t: d2t[t])
+        want = sample_block(base.float(), anchor, [GREEDY] * b, [None] * b, up, lambda t: d2t[t])
         got = walk(base, anchor)
         assert got is not None
         assert torch.equal(got[0], want.tokens) and torch.equal(got[1], want.prev_tokens)

@@ -243,8 +243,8 @@ void argmax_rows(const void *x, int dtype, int T, int64_t V, int64_t rs, int64_t
  * step's prev. base [B, K, V] contiguous, float32 or bf16 (base_dtype 0 / 1), anchor [B];
  * w1 [vocab, r] in float32 or bf16 (dtype 0 / 1); w2: W2 [V, r] packed by small_gemm_pack / small_gemm_f32_pack (same
  * dtype); tokens, prevs [B, K]: the drafted target ids and the id each was drafted after.
- * A bf16 head's bias is rounded to bf16, as its linear rounds it, then added to the logits in
- * float32. The bias of one position is split across the threads (each core reads its part of
+ * The bias stays float32 (not rounded to a bf16 head's dtype, as torch's bf16 linear would
+ * round it) and is added to the logits in float32. The bias of one position is split across the threads (each core reads its part of
  * W2 from its own cache: the walk is bound by that read), the argmax taken by one. */
 void small_gemv_part(const void *x, const void *packed, float *y, int N, int K, int bf16, int part, int parts);
 
@@ -275,8 +275,6 @@ void markov_greedy_walk(const void *base, int base_dtype, const int64_t *anchor,
 #pragma omp single
                 {
                     int64_t lg = ((int64_t)b * K + k) * V;
-                    if (dtype) /* the bias rounded to bf16 */
-                        for (int j = 0; j < V; j++) v[j] = bf16_to_f32(f32_to_bf16(v[j]));
                     if (base_dtype)
                         for (int j = 0; j < V; j++) v[j] += load_elem(base, lg + j, 1);
                     else
