@@ -133,7 +133,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.norm_rope_f32.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, ptr, i32, i32, i32]
     lib.norm_rope_bf16.restype = None
     lib.norm_rope_bf16.argtypes = lib.norm_rope_f32.argtypes
-    lib.markov_greedy_walk.restype = None
+    lib.markov_greedy_walk.restype = i32
     # base, its dtype, anchor, w1, w2 (packed), their dtype (0 float32, 1 bf16), d2t, B, K, V, r,
     # tokens, prevs
     lib.markov_greedy_walk.argtypes = [ptr, i32, ptr, ptr, ptr, i32, ptr, i32, i32, i32, i32, ptr, ptr]

@@ -386,7 +386,7 @@ class GreedyMarkov:
         tokens = torch.empty(B, K, dtype=torch.long)
         prevs = torch.empty(B, K, dtype=torch.long)
         d2t = 0 if self.d2t is None else self.d2t.data_ptr()
-        self.fn(
+        rc = self.fn(
             base.data_ptr(),
             1 if base.dtype == torch.bfloat16 else 0,
             anchor.data_ptr(),
@@ -401,6 +401,8 @@ class GreedyMarkov:
             tokens.data_ptr(),
             prevs.data_ptr(),
         )
+        if rc != 0:
+            raise MemoryError("the greedy Markov walk could not allocate its buffer")
         return tokens, prevs
 
 

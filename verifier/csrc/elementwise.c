@@ -9,6 +9,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -241,21 +244,20 @@ void argmax_rows(const void *x, int dtype, int T, int64_t V, int64_t rs, int64_t
  * and step k, logits[j] = base[b, k, j] + W2[j] . W1[prev] (the head's bias), the first maximal
  * j (torch.argmax's choice), token = d2t[j] (j without a map), and the token becomes the next
  * step's prev. base [B, K, V] contiguous, float32 or bf16 (base_dtype 0 / 1), anchor [B];
- * w1 [vocab, r] in float32 or bf16 (dtype 0 / 1); w2: W2 [V, r] packed by small_gemm_pack / small_gemm_f32_pack (same
- * dtype); tokens, prevs [B, K]: the drafted target ids and the id each was drafted after.
+ * w1 [vocab, r] in float32 or bf16 (dtype 0 / 1); w2: W2 [V, r] packed by small_gemm_pack /
+ * small_gemm_f32_pack (same dtype); tokens, prevs [B, K]: the drafted target ids and the id
+ * each was drafted after. Returns 0, or -1 when its buffer could not be allocated.
  * The bias stays float32 (not rounded to a bf16 head's dtype, as torch's bf16 linear would
- * round it) and is added to the logits in float32. The bias of one position is split across the threads (each core reads its part of
- * W2 from its own cache: the walk is bound by that read), the argmax taken by one. */
+ * round it) and is added to the logits in float32. The bias of one position is split across
+ * the threads (each core reads its part of W2 from its own cache: the walk is bound by that
+ * read), the argmax taken by one. */
 void small_gemv_part(const void *x, const void *packed, float *y, int N, int K, int bf16, int part, int parts);
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
-void markov_greedy_walk(const void *base, int base_dtype, const int64_t *anchor, const void *w1,
-                        const void *w2, int dtype, const int64_t *d2t, int B, int K, int V, int r,
-                        int64_t *tokens, int64_t *prevs) {
+int markov_greedy_walk(const void *base, int base_dtype, const int64_t *anchor, const void *w1,
+                       const void *w2, int dtype, const int64_t *d2t, int B, int K, int V, int r,
+                       int64_t *tokens, int64_t *prevs) {
     float *v = (float *)malloc((size_t)V * sizeof(float));
+    if (!v) return -1;
     int64_t esize = dtype ? 2 : 4;
     int64_t prev = 0;
 #pragma omp parallel
@@ -288,4 +290,5 @@ void markov_greedy_walk(const void *base, int base_dtype, const int64_t *anchor,
         }
     }
     free(v);
+    return 0;
 }
