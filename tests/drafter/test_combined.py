@@ -62,3 +62,23 @@ def test_floor_zero_always_drafts_with_the_primary_and_bad_values_are_rejected()
     assert all(len(comb.propose([req()])[0]) == 4 for _ in range(5))
     with pytest.raises(ValueError, match="-0.1"):
         CombinedConfig(primary_floor=-0.1)
+
+
+def test_lookup_wins_a_close_call_by_what_the_primary_costs():
+    """With a lookup match, the primary must make more tokens per unit of time, its proposal's
+    cost counted: a lookup accepting a little less per round is taken at cost 0.2, not at 0."""
+
+    def chosen(cost):
+        comb = CombinedDrafter(
+            Fake("dspark"),
+            Fake("ngram", hit=True, block=3),
+            CombinedConfig(explore_every=100, primary_floor=0.5, decay=1.0, primary_cost=cost),
+        )
+        st = comb._choice("a")
+        st.score = [1.6, 1.3]  # accepted tokens per round: (1 + 1.3) * 1.2 = 2.76 >= 2.6
+        comb.propose([req()])
+        return st.last
+
+    assert chosen(0.0) == 0 and chosen(0.2) == 1
+    with pytest.raises(ValueError, match="-0.5"):
+        CombinedConfig(primary_cost=-0.5)
