@@ -56,7 +56,8 @@ CFLAGS = (
     "-fassociative-math",
     "-ffp-contract=fast",
 )
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# The dtype code every kernel takes (its `dtype` argument).
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
@@ -209,19 +210,19 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         lib is None
         or x.device.type != "cpu"
         or x.dim() != 2
-        or x.dtype not in _DTYPES
+        or x.dtype not in DTYPE_CODES
         or x.stride(-1) != 1
         or x.shape[1] == 0
     ):
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.long)
-    lib.argmax_rows(x.data_ptr(), _DTYPES[x.dtype], x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    lib.argmax_rows(x.data_ptr(), DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out
 
 
 def paged_attention_supports(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the kernel handles this dtype and device (float32 or bfloat16 on a CPU)."""
-    return device.type == "cpu" and dtype in _DTYPES
+    return device.type == "cpu" and dtype in DTYPE_CODES
 
 
 def float32_attention_row_invariant(lib: ctypes.CDLL) -> bool:
@@ -283,8 +284,8 @@ class PagedAttention:
             raise ValueError(
                 f"paged_attention needs each q head's elements contiguous, got strides {q.stride()}"
             )
-        if not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype) or q.dtype not in _DTYPES:
-            raise ValueError(f"paged_attention needs one dtype of {list(_DTYPES)}, got {q.dtype}")
+        if not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype) or q.dtype not in DTYPE_CODES:
+            raise ValueError(f"paged_attention needs one dtype of {list(DTYPE_CODES)}, got {q.dtype}")
         for t in (row0, n, start, block_table):
             if t.dtype != torch.int32:
                 raise ValueError(f"paged_attention needs int32 segment tensors, got {t.dtype}")
@@ -299,7 +300,7 @@ class PagedAttention:
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             out.data_ptr(),
-            _DTYPES[q.dtype],
+            DTYPE_CODES[q.dtype],
             row0.numel(),
             row0.data_ptr(),
             n.data_ptr(),
@@ -352,7 +353,7 @@ class RopeStore:
         for t in (cos, sin, slots, k_cache, v_cache):
             if not t.is_contiguous():
                 raise ValueError("rope_store needs contiguous cos, sin, slots and caches")
-        if slots.dtype != torch.int64 or q.dtype not in _DTYPES:
+        if slots.dtype != torch.int64 or q.dtype not in DTYPE_CODES:
             raise ValueError(
                 f"rope_store needs int64 slots and float32/bf16 rows, got {slots.dtype}, {q.dtype}"
             )
@@ -373,7 +374,7 @@ class RopeStore:
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             k_cache.shape[1],
-            _DTYPES[q.dtype],
+            DTYPE_CODES[q.dtype],
             q.shape[0],
             self.H,
             self.Hkv,
@@ -416,7 +417,7 @@ class FusedElementwise:
         rotate_half's sign folded into sin, w, cos and sin of x's dtype; None where it does not
         apply (another dtype, D > 256 or odd)."""
         T, nh, D = x.shape
-        if x.dtype not in _DTYPES or D > 256 or D % 2 or x.stride(-1) != 1:
+        if x.dtype not in DTYPE_CODES or D > 256 or D % 2 or x.stride(-1) != 1:
             return None
         if not (w.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError("norm_rope needs a contiguous weight, cos and sin")

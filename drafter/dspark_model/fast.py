@@ -28,9 +28,11 @@ from dspark_serve.drafter.dspark_model.model import DSparkModel
 from dspark_serve.drafter.dspark_model.modules import DecoderLayer, MarkovHead
 from dspark_serve.drafter.dspark_model.ops import ACTIVATIONS, rope_cos_sin
 from dspark_serve.verifier.cpu_kernels import (
+    DTYPE_CODES,
     FusedElementwise,
     PagedAttention,
     load_kernels,
+    pack_small_gemm,
     paged_attention_supports,
 )
 from dspark_serve.verifier.fast_forward import FastRMSNorm, Linear, make_linear, mkldnn_linear_works
@@ -353,12 +355,8 @@ class GreedyMarkov:
     max_rows = 4
 
     def __init__(self, lib: ctypes.CDLL, head: MarkovHead, d2t: torch.Tensor | None) -> None:
-        from dspark_serve.verifier.cpu_kernels import pack_small_gemm
-
         self.fn = lib.markov_greedy_walk
-        w1 = head.markov_w1.weight.detach()
-        self.dtype = 1 if w1.dtype == torch.bfloat16 else 0
-        self.w1 = w1.contiguous()  # [vocab, r]
+        self.w1 = head.markov_w1.weight.detach().contiguous()  # [vocab, r]
         w2 = head.markov_w2.weight.detach()  # [V', r]
         self.w2 = pack_small_gemm(lib, w2)
         self.d2t = None if d2t is None else d2t.detach().long().contiguous()
@@ -388,11 +386,11 @@ class GreedyMarkov:
         d2t = 0 if self.d2t is None else self.d2t.data_ptr()
         rc = self.fn(
             base.data_ptr(),
-            1 if base.dtype == torch.bfloat16 else 0,
+            DTYPE_CODES[base.dtype],
             anchor.data_ptr(),
             self.w1.data_ptr(),
             self.w2.data_ptr(),
-            self.dtype,
+            DTYPE_CODES[self.w1.dtype],
             d2t,
             B,
             K,
