@@ -32,6 +32,12 @@ class _Rate:
     steps: float = 0.0
     requests: float = 0.0
     rows: float = 0.0
+    # decayed like the sums, per step: weights, squared weights and the log rate's first two
+    # moments, for how far the ratio of sums can be trusted (`spread`)
+    w: float = 0.0
+    w2: float = 0.0
+    lx: float = 0.0
+    lxx: float = 0.0
 
     @property
     def value(self) -> float:
@@ -47,6 +53,11 @@ class _Rate:
         self.rows += rows
         self.step_seconds = keep * self.step_seconds + (1.0 - keep) * seconds
         self.samples += 1
+        x = math.log(max(tokens, 0.5) / seconds)  # a step that kept nothing still counts
+        self.w += 1.0
+        self.w2 += 1.0
+        self.lx += x
+        self.lxx += x * x
 
     def age(self, keep: float) -> None:
         self.tokens *= keep
@@ -54,6 +65,20 @@ class _Rate:
         self.steps *= keep
         self.requests *= keep
         self.rows *= keep
+        self.w *= keep
+        self.w2 *= keep * keep
+        self.lx *= keep
+        self.lxx *= keep
+
+    def spread(self) -> float:
+        """Squared standard error of the mean per-step log rate (decayed weights): how far this
+        mode's rate may be off by the luck of the steps it remembers; inf with one step."""
+        n = self.w * self.w / self.w2 if self.w2 > 0 else 0.0  # effective number of steps
+        if n <= 1.0 + 1e-9:
+            return math.inf
+        mean = self.lx / self.w
+        var = max(0.0, self.lxx / self.w - mean * mean) * n / (n - 1.0)
+        return var / n
 
 
 @dataclass
@@ -89,8 +114,10 @@ class DraftGate:
     neighbour's verdict: if drafting lost at a lower load (or won there by less than `carry`)
     it starts off here, and if it won at a higher load it starts on. Either way the level's
     own measurements (taken as exploration, at the interval the predicted gap sets) take over
-    once `warmup` steps of each mode are in. With nothing to go on, it alternates the two
-    modes in bursts.
+    once `warmup` steps of each mode are in, where they agree with that prior or clear it by
+    `z` standard errors; a verdict that contradicts it by less keeps the prior in force and
+    explores at the shortest interval until the level's own steps settle it (`favoured`).
+    With nothing to go on, it alternates the two modes in bursts.
     """
 
     warmup: int = 6
@@ -116,6 +143,9 @@ class DraftGate:
     price: Price | None = None
     """The target's forward time per (tokens, requests) (the cost table), for `predicted`;
     None: an unmeasured level borrows a neighbour's verdict (`borrowed`)."""
+    z: float = 1.0
+    """Standard errors by which a level's own verdict must clear its prior to overrule it when
+    the two disagree (`favoured`); 0: the own verdict always rules once measured."""
     _rates: dict[tuple[int, bool], _Rate] = field(default_factory=dict)
     _steps: dict[int, int] = field(default_factory=dict)
     _last: dict[int, bool] = field(default_factory=dict)  # mode of the last recorded step per level
@@ -143,6 +173,8 @@ class DraftGate:
             raise ValueError(f"margin must be in [0, 1), got {self.margin!r}")
         if self.carry < 1.0:
             raise ValueError(f"carry must be >= 1, got {self.carry!r}")
+        if not (0.0 <= self.z < math.inf):
+            raise ValueError(f"z must be a finite number >= 0, got {self.z!r}")
 
     @staticmethod
     def level(num_decodes: int) -> int:
@@ -219,16 +251,48 @@ class DraftGate:
             return self.predicted(num_decodes)
         return self.borrowed(self.level(num_decodes))
 
-    def interval(self, ratio: float, level: int | None = None) -> int:
+    def favoured(self, num_decodes: int) -> tuple[bool, float] | None:
+        """The mode a level runs, as (drafting, the rate ratio faster / slower): its own verdict
+        where it agrees with the prior (the cost-curve prediction or a neighbour's verdict) or
+        clears it by `z` standard errors, else the prior; the prior alone while the level is
+        unmeasured. A verdict rests on the few steps a mode was explored in, against a host
+        whose speed drifts by tens of percent: at sixteen requests on a 2-core CPU, where the
+        cost curve priced a drafting step at 1.8 plain ones, a level's own six-step verdict
+        kept drafting on through three runs while it lost 12-15%."""
+        lvl = self.level(num_decodes)
+        own, prior = self.verdict(lvl), self.prior(num_decodes)
+        if own is None or prior is None or own[0] == prior[0] or self._clears(lvl):
+            return own or prior
+        return prior
+
+    def contested(self, num_decodes: int) -> bool:
+        """The level's own verdict disagrees with its prior without clearing it: exploration
+        then runs at the shortest interval, to settle which is right."""
+        lvl = self.level(num_decodes)
+        own = self.verdict(lvl)
+        return own is not None and self.favoured(num_decodes) != own
+
+    def _clears(self, level: int) -> bool:
+        """The measured gap between the modes (log of the rates' ratio) exceeds `z` standard
+        errors of the two means of per-step log rates."""
+        on, off = self._rates[(level, True)], self._rates[(level, False)]
+        if on.value <= 0 or off.value <= 0:
+            return True
+        se = math.sqrt(on.spread() + off.spread())
+        return abs(math.log(on.value / off.value)) > self.z * se
+
+    def interval(self, ratio: float, level: int | None = None, favoured: bool | None = None) -> int:
         """Steps between the starts of two explorations (a burst each) when the mode not in
         favour is `ratio` times slower; at a `level` whose explorations were measured, also
-        long enough that their measured loss (switches included) stays within `regret`."""
+        long enough that their measured loss (switches included) stays within `regret`.
+        favoured: the mode the level runs (None: its own verdict's)."""
         if not math.isfinite(ratio):
             return self.max_explore_every
         n = math.ceil(self.burst * (ratio - 1.0) / self.regret)
         v = self.verdict(level) if level is not None and level in self._burst_loss else None
         if level is not None and v is not None:
-            step = self._rates[(level, v[0])].step_seconds  # a step of the favoured mode
+            mode = v[0] if favoured is None else favoured
+            step = self._rates[(level, mode)].step_seconds  # a step of the favoured mode
             if step > 0:
                 n = max(n, math.ceil(self._burst_loss[level] / (self.regret * step)))
         return min(self.max_explore_every, max(self.explore_every, n))
@@ -244,18 +308,19 @@ class DraftGate:
         loses."""
         lvl = self.level(num_decodes)
         if not explore:
-            v = self.verdict(lvl) or self.prior(num_decodes)
+            v = self.favoured(num_decodes)
             return v[0] if v is not None else False
         n = self._steps.get(lvl, 0)
         self._steps[lvl] = n + 1
-        v = self.verdict(lvl) or self.prior(num_decodes)
+        v = self.favoured(num_decodes)
         if v is None:  # alternate, in bursts, until both modes are measured here
             return (n // self.burst) % 2 == 0
         best, ratio = v
+        every = self.explore_every if self.contested(num_decodes) else self.interval(ratio, lvl, best)
         # steps since the last exploration burst began; a burst is never cut short, even when
         # the interval (which follows the measured gap) shrinks or grows meanwhile
         k = self._since.get(lvl, self.burst)
-        if k >= self.interval(ratio, lvl):
+        if k >= every:
             k = 0
         self._since[lvl] = k + 1
         return (not best) if k < self.burst else best
@@ -270,7 +335,7 @@ class DraftGate:
         lvl = self.level(num_decodes)
         switched = self._last.get(lvl, drafting) != drafting
         self._last[lvl] = drafting
-        self._account(lvl, drafting, switched, decode_tokens, seconds)
+        self._account(num_decodes, drafting, switched, decode_tokens, seconds)
         if switched:  # the switch's own cost, not the mode's
             return
         # Both modes' memories age with the level's steps, not only with their own: the mode not
@@ -282,12 +347,13 @@ class DraftGate:
         rate = self._rates.setdefault((lvl, drafting), _Rate())
         rate.update(decode_tokens, seconds, self.alpha, num_decodes, num_decodes if rows is None else rows)
 
-    def _account(self, lvl: int, drafting: bool, switched: bool, tokens: int, seconds: float) -> None:
+    def _account(self, num_decodes: int, drafting: bool, switched: bool, tokens: int, seconds: float) -> None:
         """Book what exploring costs at a level with its own verdict: a step of the mode not
         in favour, or a switch either way, loses the time the favoured mode would not have
         needed for the same tokens. The first plain step of the favoured mode closes the
         exploration's account."""
-        v = self.verdict(lvl)
+        lvl = self.level(num_decodes)
+        v = self.favoured(num_decodes) if self.verdict(lvl) is not None else None
         if v is None:
             return
         best = self._rates[(lvl, v[0])].value

@@ -152,6 +152,46 @@ def test_unmeasured_level_predicts_from_the_cost_curve():
     assert g.verdict(4) == (True, pytest.approx(2.0)) and g.should_draft(16) is True
 
 
+def test_a_levels_own_verdict_must_clear_a_prior_it_contradicts():
+    """A level's verdict rests on the few steps its modes were explored in. Where it
+    contradicts the prior (here the cost curve's predicted 1.75x loss at 16 requests) by less
+    than `z` standard errors of the steps' log rates, the prior keeps ruling and exploration
+    runs at the shortest interval until the level's own steps settle it."""
+
+    def compute_bound(tokens, requests):
+        return 0.01 * max(4.0, tokens)
+
+    def gate(z):
+        g = DraftGate(warmup=2, explore_every=8, regret=0.1, price=compute_bound, z=z, alpha=1e-9)
+        _warm_rows(g, 1, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
+        assert g.prior(16) == (False, pytest.approx(1.75))
+        return g
+
+    def level16(g, drafting_steps):
+        for _ in range(4):
+            g.record(16, False, 16, 0.06)  # plain: 267 tok/s
+        for tokens in drafting_steps:  # the first pays the switch and is not measured
+            g.record(16, True, tokens, 0.1)
+
+    noisy = [16, 16, 48, 16, 48]  # 160 or 480 tok/s a step: 320 by the ratio of sums
+    g = gate(z=1.0)
+    level16(g, noisy)
+    assert g.verdict(4) == (True, pytest.approx(1.2))  # drafting measured 1.2x faster...
+    assert g.favoured(16) == (False, pytest.approx(1.75)) and g.contested(16)  # ...not enough
+    picks = [g.should_draft(16) for _ in range(16)]
+    assert picks == ([False] * 5 + [True] * 3) * 2  # a burst every 8 steps, not every 23
+    trusting = gate(z=0.0)
+    level16(trusting, noisy)
+    assert trusting.favoured(16) == (True, pytest.approx(1.2)) and not trusting.contested(16)
+    clear = gate(z=1.0)
+    level16(clear, [32, 32, 32, 32, 32])  # a steady 320 tok/s: the level's own verdict rules
+    assert clear.favoured(16) == (True, pytest.approx(1.2)) and not clear.contested(16)
+    assert [clear.should_draft(16) for _ in range(5)] == [True] * 5
+    agree = gate(z=1.0)
+    level16(agree, [16, 8, 24, 8, 24])  # drafting loses, as predicted, by its own measure
+    assert agree.favoured(16) == agree.verdict(4) and agree.favoured(16)[0] is False
+
+
 def test_gate_config_rejects_bad_values():
     bads = (
         dict(warmup=0),
@@ -162,6 +202,8 @@ def test_gate_config_rejects_bad_values():
         dict(margin=1.5),
         dict(burst=1),
         dict(carry=0.5),
+        dict(z=-1.0),
+        dict(z=float("nan")),
     )
     for bad in bads:
         with pytest.raises(ValueError, match=repr(next(iter(bad.values())))):
