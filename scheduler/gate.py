@@ -114,9 +114,10 @@ class DraftGate:
     neighbour's verdict: if drafting lost at a lower load (or won there by less than `carry`)
     it starts off here, and if it won at a higher load it starts on. Either way the level's
     own measurements (taken as exploration, at the interval the predicted gap sets) take over
-    once `warmup` steps of each mode are in, where they agree with that prior or clear it by
-    `z` standard errors; a verdict that contradicts it by less keeps the prior in force and
-    explores at the shortest interval until the level's own steps settle it (`favoured`).
+    where they agree with that prior (from one measured burst: the gap they measure sets the
+    interval) or, after `warmup` steps of each mode, clear it by `z` standard errors; a
+    verdict that contradicts it by less keeps the prior in force and explores at the shortest
+    interval until the level's own steps settle it (`favoured`).
     With nothing to go on, it alternates the two modes in bursts.
     """
 
@@ -184,11 +185,13 @@ class DraftGate:
     def rate(self, num_decodes: int, drafting: bool) -> float:
         return self._rates.get((self.level(num_decodes), drafting), _Rate()).value
 
-    def verdict(self, level: int) -> tuple[bool, float] | None:
-        """(drafting is faster, the rate ratio faster / slower) at a measured level, else None."""
+    def verdict(self, level: int, samples: int | None = None) -> tuple[bool, float] | None:
+        """(drafting is faster, the rate ratio faster / slower) at a level with `samples`
+        (default `warmup`) measured steps of each mode, else None."""
         on = self._rates.get((level, True), _Rate())
         off = self._rates.get((level, False), _Rate())
-        if on.samples < self.warmup or off.samples < self.warmup:
+        need = self.warmup if samples is None else samples
+        if on.samples < need or off.samples < need:
             return None
         best = on.value >= off.value * (1.0 - self.margin)
         lo = min(on.value, off.value)
@@ -260,16 +263,24 @@ class DraftGate:
         cost curve priced a drafting step at 1.8 plain ones, a level's own six-step verdict
         kept drafting on through three runs while it lost 12-15%."""
         lvl = self.level(num_decodes)
-        own, prior = self.verdict(lvl), self.prior(num_decodes)
-        if own is None or prior is None or own[0] == prior[0] or self._clears(lvl):
-            return own or prior
+        own, prior = self._early(lvl), self.prior(num_decodes)
+        if own is None or prior is None or own[0] == prior[0]:
+            # one measured burst that agrees with the prior is enough to size the gap (and
+            # so the exploration interval) by; with no prior it takes `warmup` steps a mode
+            return own if own is not None and (prior is not None or self.verdict(lvl)) else prior
+        if self.verdict(lvl) is not None and self._clears(lvl):
+            return own
         return prior
 
+    def _early(self, level: int) -> tuple[bool, float] | None:
+        """The level's verdict from as few as two measured steps of each mode."""
+        return self.verdict(level, min(2, self.warmup))
+
     def contested(self, num_decodes: int) -> bool:
-        """The level's own verdict disagrees with its prior without clearing it: exploration
-        then runs at the shortest interval, to settle which is right."""
-        lvl = self.level(num_decodes)
-        own = self.verdict(lvl)
+        """The level's own measurements disagree with what it runs (its prior, which they have
+        not cleared): exploration then runs at the shortest interval, to settle which is
+        right."""
+        own = self._early(self.level(num_decodes))
         return own is not None and self.favoured(num_decodes) != own
 
     def _clears(self, level: int) -> bool:
@@ -289,7 +300,7 @@ class DraftGate:
         if not math.isfinite(ratio):
             return self.max_explore_every
         n = math.ceil(self.burst * (ratio - 1.0) / self.regret)
-        v = self.verdict(level) if level is not None and level in self._burst_loss else None
+        v = self._early(level) if level is not None and level in self._burst_loss else None
         if level is not None and v is not None:
             mode = v[0] if favoured is None else favoured
             step = self._rates[(level, mode)].step_seconds  # a step of the favoured mode
@@ -353,7 +364,7 @@ class DraftGate:
         needed for the same tokens. The first plain step of the favoured mode closes the
         exploration's account."""
         lvl = self.level(num_decodes)
-        v = self.favoured(num_decodes) if self.verdict(lvl) is not None else None
+        v = self.favoured(num_decodes) if self._early(lvl) is not None else None
         if v is None:
             return
         best = self._rates[(lvl, v[0])].value

@@ -161,8 +161,8 @@ def test_a_levels_own_verdict_must_clear_a_prior_it_contradicts():
     def compute_bound(tokens, requests):
         return 0.01 * max(4.0, tokens)
 
-    def gate(z):
-        g = DraftGate(warmup=2, explore_every=8, regret=0.1, price=compute_bound, z=z, alpha=1e-9)
+    def gate(z, warmup=2):
+        g = DraftGate(warmup=warmup, explore_every=8, regret=0.1, price=compute_bound, z=z, alpha=1e-9)
         _warm_rows(g, 1, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
         assert g.prior(16) == (False, pytest.approx(1.75))
         return g
@@ -190,6 +190,18 @@ def test_a_levels_own_verdict_must_clear_a_prior_it_contradicts():
     agree = gate(z=1.0)
     level16(agree, [16, 8, 24, 8, 24])  # drafting loses, as predicted, by its own measure
     assert agree.favoured(16) == agree.verdict(4) and agree.favoured(16)[0] is False
+    # one burst (two measured steps) that agrees with the prior sizes the gap: the prior's
+    # 1.75x would explore every 23 steps, the measured 3.3x every 69
+    early = gate(z=1.0, warmup=6)
+    level16(early, [16, 8, 8])
+    assert early.verdict(4) is None and early.favoured(16) == (False, pytest.approx(10 / 3))
+    assert not early.contested(16) and early.interval(10 / 3, 4, False) == 70
+    picks = [early.should_draft(16) for _ in range(70)]
+    assert picks[:67] == [False] * 67 and picks[67:] == [True] * 3
+    # ...while one that contradicts it is not trusted yet
+    rash = gate(z=1.0, warmup=6)
+    level16(rash, [16, 48, 48])
+    assert rash.favoured(16) == (False, pytest.approx(1.75)) and rash.contested(16)
 
 
 def test_gate_config_rejects_bad_values():
