@@ -200,8 +200,14 @@ def test_a_levels_own_verdict_must_clear_a_prior_it_contradicts():
     assert picks[:67] == [False] * 67 and picks[67:] == [True] * 3
     # ...while one that contradicts it is not trusted yet
     rash = gate(z=1.0, warmup=6)
-    level16(rash, [16, 48, 48])
+    level16(rash, [16, 48, 16])
     assert rash.favoured(16) == (False, pytest.approx(1.75)) and rash.contested(16)
+    # a prior alone claiming a wide gap (225 steps at 1% regret) still lets the level measure
+    # itself within probe_every steps
+    slow = DraftGate(warmup=2, explore_every=8, regret=0.01, price=compute_bound, probe_every=32)
+    _warm_rows(slow, 1, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
+    assert slow.interval(1.75) == 225
+    assert [slow.should_draft(16) for _ in range(32)] == [False] * 29 + [True] * 3
 
 
 def test_gate_config_rejects_bad_values():
@@ -215,6 +221,7 @@ def test_gate_config_rejects_bad_values():
         dict(burst=1),
         dict(carry=0.5),
         dict(z=-1.0),
+        dict(probe_every=4),
         dict(z=float("nan")),
     )
     for bad in bads:
