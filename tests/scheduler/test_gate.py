@@ -152,6 +152,28 @@ def test_unmeasured_level_predicts_from_the_cost_curve():
     assert g.verdict(4) == (True, pytest.approx(2.0)) and g.should_draft(16) is True
 
 
+def test_a_thin_win_predicted_at_a_busier_level_starts_it_plain():
+    """Carried up along the cost curve the prediction runs optimistic (fewer drafts verified at
+    higher load, a drafter whose cost grows faster than a plain step's): a predicted win by
+    less than `carry` starts the busier level plain, exploring at the shortest interval."""
+
+    def mild(tokens, requests):
+        return 0.04 * (1.0 + 0.03 * tokens)
+
+    def gate(carry):
+        g = DraftGate(warmup=2, explore_every=8, regret=0.1, price=mild, carry=carry)
+        _warm_rows(g, 1, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
+        return g
+
+    g = gate(carry=1.25)
+    # rest = 3 / 2 - 1.15 / 1.03; at 4 requests 3 / (1.6 / 1.12 + rest) = 1.66: carried up
+    assert g.predicted(4) == (True, pytest.approx(1.6555, abs=1e-3))
+    # at 16: 3 / (3.4 / 1.48 + rest) = 1.12, under carry: plain, the gap unknown
+    assert g.predicted(16) == (False, 1.0) and g.interval(1.0) == 8
+    assert [g.should_draft(16) for _ in range(16)] == ([False] * 5 + [True] * 3) * 2
+    assert gate(carry=1.0).predicted(16) == (True, pytest.approx(1.1190, abs=1e-3))
+
+
 def test_a_levels_own_verdict_must_clear_a_prior_it_contradicts():
     """A level's verdict rests on the few steps its modes were explored in. Where it
     contradicts the prior (here the cost curve's predicted 1.75x loss at 16 requests) by less
