@@ -244,9 +244,11 @@ def sweep(args) -> dict:
         for c in args.concurrency:
             prompts = prompts_all[: max(args.min_prompts, args.waves * c)]
             # Rounds interleave the policies (none, dspark, none, dspark, ...) so a slow spell of
-            # the shared machine hits both sides; the medians compare them.
+            # the shared machine hits both sides; the medians compare them. Odd rounds run the
+            # policies in reverse, so a drift of the machine's speed within a round does not
+            # always fall on the same side of a pair (plain first, the default last).
             for rnd in range(args.rounds):
-                for p in policies:
+                for p in policies if rnd % 2 == 0 else policies[::-1]:
                     eng.set_policy(p)
                     r = dataclasses.asdict(run_engine_closed_loop(eng, prompts, c, args.max_tokens, temp, p))
                     r["round"] = rnd
@@ -268,7 +270,9 @@ def sweep(args) -> dict:
 
 def sweep_medians(rows: list[dict]) -> list[dict]:
     """Per (temperature, concurrency, policy): the median over rounds of per-user and aggregate
-    tokens/s, and each one's ratio to plain decoding (policy `none`) at the same point."""
+    tokens/s, each one's ratio to plain decoding (policy `none`) at the same point, and the
+    median over rounds of the ratio to the plain run of the same round (`*_vs_plain_rounds`:
+    paired, so less moved by the machine's speed drifting between rounds)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["temperature"], r["concurrency"], r["label"]), []).append(r)
@@ -285,11 +289,20 @@ def sweep_medians(rows: list[dict]) -> list[dict]:
         }
         for k, v in groups.items()
     }
-    for (t, c, _), m in med.items():
+    plain = {(r["temperature"], r["concurrency"], r.get("round", 0)): r for r in rows if r["label"] == "none"}
+    for (t, c, label), m in med.items():
         base = med.get((t, c, "none"))
         if base is not None:
             m["per_user_vs_plain"] = m["per_user_tps"] / base["per_user_tps"]
             m["aggregate_vs_plain"] = m["aggregate_tps"] / base["aggregate_tps"]
+        for key in ("per_user_tps", "aggregate_tps"):
+            paired = [
+                x[key] / b[key]
+                for x in groups[(t, c, label)]
+                if (b := plain.get((t, c, x.get("round", 0)))) is not None and b[key] > 0
+            ]
+            if paired:
+                m[key.replace("_tps", "_vs_plain_rounds")] = statistics.median(paired)
     return list(med.values())
 
 

@@ -26,3 +26,32 @@ def test_script_help_runs(script, tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0 and "usage" in proc.stdout.lower(), proc.stderr[-2000:]
+
+
+def test_sweep_medians_pair_each_round_with_its_own_plain_run():
+    from bench.bench_engine import sweep_medians
+
+    def row(label, rnd, per_user, aggregate):
+        return dict(
+            label=label,
+            round=rnd,
+            temperature=0.0,
+            concurrency=4,
+            per_user_tps=per_user,
+            aggregate_tps=aggregate,
+            tau=2.0 if label != "none" else None,
+            mean_budget=1.0,
+        )
+
+    # the machine ran 2x faster in round 1: paired, the default is 1.1x plain in every round
+    rows = [row("none", 0, 10, 100), row("dspark", 0, 11, 110), row("none", 1, 20, 200)]
+    rows += [row("dspark", 1, 22, 220), row("none", 2, 40, 400), row("dspark", 2, 44, 440)]
+    m = {x["label"]: x for x in sweep_medians(rows)}["dspark"]
+    assert m["aggregate_vs_plain_rounds"] == pytest.approx(1.1)
+    assert m["per_user_vs_plain_rounds"] == pytest.approx(1.1)
+    assert m["aggregate_tps"] == 220 and m["aggregate_vs_plain"] == pytest.approx(1.1)
+    # a slow spell in one plain run moves the ratio of medians, not the paired median
+    rows[4] = row("none", 2, 10, 100)
+    m = {x["label"]: x for x in sweep_medians(rows)}["dspark"]
+    assert m["aggregate_vs_plain_rounds"] == pytest.approx(1.1)
+    assert m["aggregate_vs_plain"] == pytest.approx(2.2)
