@@ -275,9 +275,9 @@ class DraftGate:
         where it agrees with the prior (the cost-curve prediction or a neighbour's verdict) or
         clears it by `z` standard errors, else the prior; the prior alone while the level is
         unmeasured. A verdict rests on the few steps a mode was explored in, against a host
-        whose speed drifts by tens of percent: at sixteen requests on a 2-core CPU, where the
-        cost curve priced a drafting step at 1.8 plain ones, a level's own six-step verdict
-        kept drafting on through three runs while it lost 12-15%."""
+        whose speed drifts by tens of percent: in a logged run on a 2-core CPU, one burst of
+        plain steps at four requests, in a slow spell, made drafting look 1.3-1.8x faster
+        there, and sixteen requests drafted through three runs at a ~1.2x loss."""
         lvl = self.level(num_decodes)
         own, prior = self._early(lvl), self.prior(num_decodes)
         if own is None or prior is None or own[0] == prior[0]:
