@@ -32,9 +32,8 @@ class _Rate:
     steps: float = 0.0
     requests: float = 0.0
     rows: float = 0.0
-    # decayed like the sums, per step: weights, squared weights and the log rate's first two
-    # moments, for how far the ratio of sums can be trusted (`spread`)
-    w: float = 0.0
+    # decayed like the sums, per step: squared weights (`steps` is the weights' sum) and the
+    # log rate's first two moments, for how far the ratio of sums can be trusted (`spread`)
     w2: float = 0.0
     lx: float = 0.0
     lxx: float = 0.0
@@ -54,7 +53,6 @@ class _Rate:
         self.step_seconds = keep * self.step_seconds + (1.0 - keep) * seconds
         self.samples += 1
         x = math.log(max(tokens, 0.5) / seconds)  # a step that kept nothing still counts
-        self.w += 1.0
         self.w2 += 1.0
         self.lx += x
         self.lxx += x * x
@@ -65,7 +63,6 @@ class _Rate:
         self.steps *= keep
         self.requests *= keep
         self.rows *= keep
-        self.w *= keep
         self.w2 *= keep * keep
         self.lx *= keep
         self.lxx *= keep
@@ -73,11 +70,12 @@ class _Rate:
     def spread(self) -> float:
         """Squared standard error of the mean per-step log rate (decayed weights): how far this
         mode's rate may be off by the luck of the steps it remembers; inf with one step."""
-        n = self.w * self.w / self.w2 if self.w2 > 0 else 0.0  # effective number of steps
+        w = self.steps
+        n = w * w / self.w2 if self.w2 > 0 else 0.0  # effective number of steps
         if n <= 1.0 + 1e-9:
             return math.inf
-        mean = self.lx / self.w
-        var = max(0.0, self.lxx / self.w - mean * mean) * n / (n - 1.0)
+        mean = self.lx / w
+        var = max(0.0, self.lxx / w - mean * mean) * n / (n - 1.0)
         return var / n
 
 
@@ -280,13 +278,13 @@ class DraftGate:
         there, and sixteen requests drafted through three runs at a ~1.2x loss."""
         lvl = self.level(num_decodes)
         own, prior = self._early(lvl), self.prior(num_decodes)
-        if own is None or prior is None or own[0] == prior[0]:
-            # one measured burst that agrees with the prior is enough to size the gap (and
-            # so the exploration interval) by; with no prior it takes `warmup` steps a mode
-            return own if own is not None and (prior is not None or self.verdict(lvl)) else prior
-        if self._clears(lvl):  # few steps make a wide error: the test needs no warm-up
-            return own
-        return prior
+        if own is None:
+            return prior
+        if prior is None:  # nothing to agree with: it takes `warmup` steps of each mode
+            return own if self.verdict(lvl) is not None else None
+        # one measured burst that agrees with the prior is enough to size the gap (and so the
+        # exploration interval) by; few steps make a wide error, so the test needs no warm-up
+        return own if own[0] == prior[0] or self._clears(lvl) else prior
 
     def _early(self, level: int) -> tuple[bool, float] | None:
         """The level's verdict from as few as two measured steps of each mode."""
