@@ -359,7 +359,13 @@ class DSparkDrafter:
             self.cache.lengths[slot] = pend.end
             slots += [slot] * (pend.end - pend.start)
             positions += range(pend.start, pend.end)
-            hiddens.extend(h if isinstance(h, torch.Tensor) else h.read(rid) for h in pend.hidden)
+            first = pend.hidden[0]
+            if isinstance(first, _Stored) and all(
+                isinstance(h, _Stored) and h.rows is first.rows for h in pend.hidden
+            ):  # consecutive positions kept in one place: read back at once
+                hiddens.append(_Stored(first.rows, pend.start, pend.end - pend.start).read(rid))
+            else:
+                hiddens.extend(h if isinstance(h, torch.Tensor) else h.read(rid) for h in pend.hidden)
         if not hiddens:
             return None
         dev = self.model.device
@@ -409,9 +415,10 @@ class DSparkDrafter:
             anchors.append(req.token_ids[-1])
             starts.append(start)
         dev = self.model.device
-        anchor_t = torch.tensor(anchors, dtype=torch.long, device=dev)
-        ids = self.model.block_input_ids(anchor_t, L)
-        pos = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(L, device=dev)
+        # [B, L] = [anchor, mask, ..., mask] and its positions, from host lists (one op each)
+        mask_id = self.model.config.mask_token_id
+        ids = torch.tensor([[a] + [mask_id] * (L - 1) for a in anchors], dtype=torch.long, device=dev)
+        pos = torch.tensor([range(s, s + L) for s in starts], dtype=torch.long, device=dev)
         if in_place:
             assert isinstance(self.backbone, FastDraftBackbone)
             self.cache.reserve(max(starts) + L)  # room for the block's own k/v

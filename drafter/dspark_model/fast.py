@@ -130,6 +130,15 @@ class FastDraftBackbone:
         self._fused: FusedElementwise | None = None
         if self._kernels is not None and cfg.hidden_act == "silu":
             self._fused = FusedElementwise(self._kernels)
+        self._paged: dict[int, PagedAttention] = {}  # per pool block size
+
+    def _paged_kernel(self, block_size: int) -> PagedAttention:
+        kernel = self._paged.get(block_size)
+        if kernel is None:
+            assert self._kernels is not None
+            kernel = PagedAttention(self._kernels, self.H, self.Hkv, self.D, block_size, layout="slot-major")
+            self._paged[block_size] = kernel
+        return kernel
 
     def _rope_upto(self, n: int) -> None:
         if self._cos.shape[0] >= n:
@@ -140,9 +149,12 @@ class FastDraftBackbone:
         sin[:, : self.D // 2] *= -1  # rotate_half(x) * sin == roll(x, D/2) * signed sin
         self._cos, self._sin = cos, sin
 
-    def _rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [..., n] -> cos, signed sin: [..., n, 1, D] (broadcast over heads)."""
-        self._rope_upto(int(positions.max()) + 1)
+    def _rope_at(self, positions: torch.Tensor, built: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [..., n] -> cos, signed sin: [..., n, 1, D] (broadcast over heads).
+        built: the caller made the tables long enough already (`_rope_upto`), which spares
+        reading the largest position back from the tensor."""
+        if not built:
+            self._rope_upto(int(positions.max()) + 1)
         flat = positions.reshape(-1)  # index_select: torch's advanced indexing costs ~10x on CPU
         shape = (*positions.shape, 1, self.D)
         return self._cos.index_select(0, flat).view(shape), self._sin.index_select(0, flat).view(shape)
@@ -226,20 +238,21 @@ class FastDraftBackbone:
         sin: torch.Tensor,
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
         context: ContextRows | None = None,
+        built: bool = False,
     ) -> torch.Tensor:
         """The decoder layers over the block. x: [B, L, d] embedded block (a fresh tensor: it is
         updated in place); cos, sin from `_rope_at`; attend(layer, q [B, L, H, D], k, v
         [R, Hkv, D]) -> [B * L, H * D], R = B * L rows of the block, then context's rows when
         given (their k / v computed here, from their features, at their positions) -> hidden
         [B, L, d] (final norm applied). With the C kernels each residual add runs fused with the
-        norm after it, SwiGLU in one call."""
+        norm after it, SwiGLU in one call. built: as `_rope_at`'s, for the context's angles."""
         B, Lb, d = x.shape
         H, Hkv, D = self.H, self.Hkv, self.D
         nq, nk, n = H * D, Hkv * D, B * Lb
         E = self._fused if x.dtype in (torch.float32, torch.bfloat16) else None
         kcos, ksin = cos.reshape(n, 1, D), sin.reshape(n, 1, D)
         if context is not None:  # the context rows' rotary angles, once for every layer
-            ccos, csin = self._rope_at(context.positions)
+            ccos, csin = self._rope_at(context.positions, built)
             kcos, ksin = torch.cat([kcos, ccos]), torch.cat([ksin, csin])
         h = x.reshape(n, d).contiguous()
         xn = E.add_rmsnorm(h, None, self.layers[0].in_norm.w, self.layers[0].in_norm.eps) if E else None
@@ -297,31 +310,43 @@ class FastDraftBackbone:
         capacity = k_pools[0].shape[1]
         bs = capacity & -capacity  # the largest power of two dividing it: a request's run of blocks
         per = capacity // bs
-        nblk = -(-(max(starts) + Lb) // bs)
-        slot_t = torch.tensor(list(slots), dtype=torch.long, device=self.device)
-        table = (slot_t[:, None] * per + torch.arange(nblk)[None, :]).to(torch.int32)
-        row0 = torch.arange(B, dtype=torch.int32) * Lb
-        n = torch.full((B,), Lb, dtype=torch.int32)
-        start = torch.tensor(list(starts), dtype=torch.int32)
-        kernel = PagedAttention(self._kernels, H, Hkv, D, bs, layout="slot-major")
-        x = self.embed(block_ids).to(self.dtype)
-        cos, sin = self._rope_at(block_positions)
-        # where the block's own k/v (then the context rows') go in the pools
-        at_slots = slot_t.repeat_interleave(Lb)
-        at_pos = block_positions.reshape(-1)
+        top = max(starts) + Lb
+        nblk = -(-top // bs)
+        # The kernel's segment arrays from host lists in one tensor (a torch op costs more than
+        # the arithmetic here): row0 | n | start | block table [B, nblk]
+        ints = torch.tensor(
+            [b * Lb for b in range(B)]
+            + [Lb] * B
+            + list(starts)
+            + [s * per + j for s in slots for j in range(nblk)],
+            dtype=torch.int32,
+        )
+        row0, n, start = ints[:B], ints[B : 2 * B], ints[2 * B : 3 * B]
+        table = ints[3 * B :].view(B, nblk)
+        kernel = self._paged_kernel(bs)
+        weight = self.embed.weight
+        x = weight.index_select(0, block_ids.reshape(-1)).view(B, Lb, weight.shape[1])
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        self._rope_upto(top)
+        cos, sin = self._rope_at(block_positions, built=True)
+        # where the block's own k/v (then the context rows') go: rows of the pools viewed as
+        # [num_slots * capacity, Hkv, D] (index_copy_ there, not an indexed put: ~3x cheaper)
+        flat = torch.tensor(
+            [s * capacity + p for s, p0 in zip(slots, starts) for p in range(p0, p0 + Lb)], dtype=torch.long
+        )
         if context is not None:
-            at_slots = torch.cat([at_slots, context.slots])
-            at_pos = torch.cat([at_pos, context.positions])
-        rows = (at_slots, at_pos)
+            flat = torch.cat([flat, context.slots * capacity + context.positions])
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kp, vp = k_pools[li], v_pools[li]
-            kp[rows], vp[rows] = k, v
+            kp.view(-1, Hkv, D).index_copy_(0, flat, k)
+            vp.view(-1, Hkv, D).index_copy_(0, flat, v)
             a = q.new_empty(B * Lb, H, D)
             kernel(q.reshape(B * Lb, H, D), kp, vp, a, row0, n, start, table, self.scale, causal=False)
             return a.view(B * Lb, nq)
 
-        return self._layers(x, cos, sin, attend, context)
+        return self._layers(x, cos, sin, attend, context, built=True)
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
@@ -426,9 +451,10 @@ class FastConfidence:
 
     def __call__(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
         """hidden: [B, K, d]; prev_tokens: [B, K] -> raw logits [B, K] float32."""
-        out = hidden.float() @ self.w_h
+        B, K, d = hidden.shape
+        out = torch.mv(hidden.reshape(B * K, d).float(), self.w_h)  # what [B, K, d] @ [d] runs
         if self.bias is not None:
-            out += self.bias.detach().float()
+            out += self.bias.detach()  # widened exactly: the same sum as a float32 copy's
         if self.per_prev is not None:
-            out += self.per_prev.index_select(0, prev_tokens.reshape(-1)).view(out.shape)
-        return out
+            out += self.per_prev.index_select(0, prev_tokens.reshape(-1))
+        return out.view(B, K)

@@ -65,6 +65,13 @@ def sample_block(
     if head is not None and head.kind != "vanilla" and hidden is None:
         raise ValueError(f"markov_head_type {head.kind!r} needs the block hidden states")
     rows = [i for i, s in enumerate(sampling) if not s.greedy]
+    shaped: list[int] = []
+    if contexts is not None and shape is not None:
+        shaped = [i for i, s in enumerate(sampling) if needs_processing(s, contexts[i])]
+    if greedy is not None and not rows and not shaped and steps > 0:
+        walked = greedy(base_logits, anchor)
+        if walked is not None:
+            return SampledBlock(walked[0].to(dev), None, walked[1].to(dev))
     if rows:
         row_idx = torch.tensor(rows, dtype=torch.long, device=dev)
         st = SamplingTensors.from_params([sampling[i] for i in rows], dev)
@@ -74,13 +81,6 @@ def sample_block(
     tokens: list[torch.Tensor] = []
     probs: list[torch.Tensor] = []
     prevs: list[torch.Tensor] = []
-    shaped: list[int] = []
-    if contexts is not None and shape is not None:
-        shaped = [i for i, s in enumerate(sampling) if needs_processing(s, contexts[i])]
-    if greedy is not None and not rows and not shaped and steps > 0:
-        walked = greedy(base_logits, anchor)
-        if walked is not None:
-            return SampledBlock(walked[0].to(dev), None, walked[1].to(dev))
     for k in range(steps):
         logits = base_logits[:, k].float()
         if head is not None:
