@@ -370,6 +370,46 @@ def test_paged_kernel_on_strided_queries_matches_dense(dtype, head_dim, heads):
             torch.testing.assert_close(got, want, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("geometry", [(9, 3, 64), (8, 2, 128)])
+def test_bf16_long_segments_alone_or_few_match_dense(geometry, causal):
+    """bf16 segments of many query rows (a verify block, a prefill piece) when they are few:
+    every query head of a kv head shares one pass over the keys, and a lone segment's tokens
+    are split between items (each a later start with fewer tokens). Key counts odd and even, a
+    partial last tile; the output within one bf16 rounding of float64 (the probabilities are
+    rounded to bf16 for the value products)."""
+    needs_paged_kernel()
+    lib = load_kernels()
+    H, Hkv, D = geometry
+    bs, nblocks = 16, 48
+    kern = PagedAttention(lib, H, Hkv, D, bs)
+    g = torch.Generator().manual_seed(D + int(causal))
+    kc = torch.randn(Hkv, nblocks * bs, D, generator=g).bfloat16()
+    vc = torch.randn(Hkv, nblocks * bs, D, generator=g).bfloat16()
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
+    for segs in ([(181, 8)], [(0, 33)], [(40, 5), (7, 4)], [(100, 7)], [(3, 64)]):
+        T = sum(n for _, n in segs)
+        q = torch.randn(T, H, D, generator=g).bfloat16()
+        nbs = [-(-(st + n) // bs) for st, n in segs]
+        table = torch.stack([torch.randperm(nblocks, generator=g)[: max(nbs)] for _ in segs]).to(torch.int32)
+        row0 = [sum(n for _, n in segs[:i]) for i in range(len(segs))]
+        out = torch.full((T, H, D), float("nan"), dtype=torch.bfloat16)
+        lens, starts = i32([n for _, n in segs]), i32([s for s, _ in segs])
+        kern(q, kc, vc, out, i32(row0), lens, starts, table, 0.125, causal)
+        for i, (st, n) in enumerate(segs):
+            keys = torch.arange(st + n)
+            slots = table[i, keys // bs].long() * bs + keys % bs
+            k, v = kc[:, slots].transpose(0, 1), vc[:, slots].transpose(0, 1)
+            qi = q[row0[i] : row0[i] + n]
+            if causal:
+                want = dense_attention(qi, k, v, st, 0.125)
+            else:  # every query sees all st + n keys (the drafter's block)
+                want = dense_attention(qi, k, v, st + n, 0.125)
+            got = out[row0[i] : row0[i] + n].reshape(n, -1).double()
+            tol = 2**-7 * want.abs().clamp(min=1).max().item()
+            torch.testing.assert_close(got, want, rtol=0, atol=tol)
+
+
 def test_float32_attention_rows_do_not_depend_on_what_shares_the_call():
     """Where the build says so (AVX2 + FMA), a float32 query row's output is the same bits alone
     (a decode segment of one token at its position), as one row of a verify block, and among

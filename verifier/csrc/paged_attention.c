@@ -8,11 +8,13 @@
  * The drafter's block (every query sees its whole block: causal 0) reads its context the same
  * way from a [requests, positions, Hkv, D] pool, one "block" per request.
  *
- * A work item is a segment and the query heads that share one kv head: scores for its queries in
- * float32, a float32 softmax, then the weighted sum of value rows, rounded once to the model
- * dtype. Items run in parallel on the OpenMP pool torch already uses (the same libgomp). Four
- * bodies of the same maths: bfloat16 on a CPU with AVX512-BF16 (attend_item_bf16: products of
- * the bf16 rows as they lie, 16 keys a tile, register accumulators; the common case), float32
+ * A work item is a segment (or a run of its query tokens) and the query heads that share one kv
+ * head: scores for its queries in float32, a float32 softmax, then the weighted sum of value
+ * rows, rounded once to the model dtype. Items run in parallel on the OpenMP pool torch already
+ * uses (the same libgomp). Five bodies of the same maths: bfloat16 on a CPU with AVX512-BF16
+ * (attend_item_bf16: products of the bf16 rows as they lie, 16 keys a tile, register
+ * accumulators; the common case; attend_item_bf16_rows for items of many query rows: key tiles
+ * transposed once, probabilities rounded to bf16 for the value products), float32
  * on a CPU with AVX2 and FMA (attend_item_f32: the same shape, 8 keys a tile; one order of sums
  * whatever the number of rows, so a row's output does not depend on what shares the call), and
  * elsewhere one dot product per query and key for a few rows (attend_item) or 16-key tiles
@@ -342,6 +344,181 @@ static inline __attribute__((always_inline)) void attend_item_bf16(
         }
     }
 }
+
+/* A 16x16 block of dwords transposed in registers: r[t] = row t in, r[p] = column p out (lane
+ * t = row t's dword p): pairs of dwords, then of qwords, interleaved within 128-bit lanes, then
+ * the lanes themselves moved (64 shuffles). */
+static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int k = 0; k < 8; k++) {
+        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    /* u[4m + c], 128-bit lane L: column 4L + c of rows 4m .. 4m + 3 */
+    for (int m = 0; m < 4; m++) {
+        u[4 * m] = _mm512_unpacklo_epi64(t[4 * m], t[4 * m + 2]);
+        u[4 * m + 1] = _mm512_unpackhi_epi64(t[4 * m], t[4 * m + 2]);
+        u[4 * m + 2] = _mm512_unpacklo_epi64(t[4 * m + 1], t[4 * m + 3]);
+        u[4 * m + 3] = _mm512_unpackhi_epi64(t[4 * m + 1], t[4 * m + 3]);
+    }
+    for (int c = 0; c < 4; c++) { /* a 4x4 transpose of the 128-bit lanes of u[c], u[4 + c], .. */
+        __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        __m512i x2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), x3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+    }
+}
+
+/* acc[r] (16 keys) = q_r . k over D/2 dword pairs: kt [D/2][16] (the tile transposed), each q
+ * pair broadcast; NR rows at once, so NR independent sums hide the product's latency */
+static inline __attribute__((always_inline)) void tile_scores(const uint32_t *kt, const uint32_t *const *qp,
+                                                              int P2, const int NR, __m512 acc[8]) {
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    for (int p = 0; p < P2; p++) {
+        __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + 16 * p);
+        for (int r = 0; r < NR; r++)
+            acc[r] = _mm512_dpbf16_ps(acc[r], kv, (__m512bh)_mm512_set1_epi32((int)qp[r][p]));
+    }
+}
+
+/* acc[r][c] += the value rows weighted by probabilities, two keys a product: vp [pairs][D] dwords
+ * (keys 2j and 2j + 1 interleaved), pb[r] row r's probabilities as bf16 pairs */
+static inline __attribute__((always_inline)) void pairs_values(const uint32_t *vp, const uint32_t *const *pb,
+                                                               int npairs, const int NR, const int CH,
+                                                               __m512 acc[6][8]) {
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < CH; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int jp = 0; jp < npairs; jp++) {
+        const uint32_t *v = vp + (size_t)jp * CH * 16;
+        __m512bh vv[8];
+        for (int c = 0; c < CH; c++) vv[c] = (__m512bh)_mm512_loadu_si512(v + 16 * c);
+        for (int r = 0; r < NR; r++) {
+            __m512bh p = (__m512bh)_mm512_set1_epi32((int)pb[r][jp]);
+            for (int c = 0; c < CH; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv[c], p);
+        }
+    }
+}
+
+/* The work item in bfloat16 for many query rows (verify blocks, prefill pieces; D 64 or 128,
+ * CH = D / 16): the same maths as attend_item_bf16 in fewer instructions where rows share keys.
+ * Scores: each 16-key tile is transposed once (dword pairs of its rows as columns) and every
+ * query row's scores against it are D / 2 vdpbf16ps with the row's pairs broadcast, no
+ * horizontal sums. Softmax in float32 as everywhere. Values: the probabilities are rounded to
+ * bf16 (as FlashAttention rounds them for its second product) and multiplied two keys a
+ * product against value rows interleaved in pairs once per item, so each output element is
+ * float32 sums of exact products. kt: D * 32 bytes; vbuf: (nkeys + 1) / 2 * D dwords. */
+static inline __attribute__((always_inline)) void attend_item_bf16_rows(
+    const void *q, int64_t q_stride, int64_t q_hstride, const void *kh, const void *vh,
+    int64_t kv_stride, void *out, int H, const int D, float scale, int causal, int r0, int nq, int s0,
+    const int32_t *blocks, int block_shift, int h0, int nh, int64_t max_keys, float *scores,
+    uint32_t *kt, uint32_t *vbuf) {
+    const int block_size = 1 << block_shift;
+    const int nkeys = s0 + nq, rows = nh * nq, P2 = D / 2, CH = D / 16;
+    const uint16_t *kb = (const uint16_t *)kh, *vb = (const uint16_t *)vh;
+    const int64_t stride16 = max_keys + 16;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int j0 = 0; j0 < nkeys; j0 += 16) {
+        int64_t slots[16];
+        tile_slots(blocks, block_shift, j0, nkeys, 16, slots);
+        for (int b = 0; b < P2 / 16; b++) {
+            __m512i t[16];
+            for (int k = 0; k < 16; k++) t[k] = _mm512_loadu_si512(kb + slots[k] * kv_stride + 32 * b);
+            transpose16x16(t);
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512(kt + 16 * (16 * b + p), t[p]);
+        }
+        for (int rb = 0; rb < rows; rb += 8) {
+            int nr = rows - rb < 8 ? rows - rb : 8;
+            const uint32_t *qp[8];
+            for (int r = 0; r < nr; r++) {
+                int hi = (rb + r) / nq, i = (rb + r) % nq;
+                qp[r] = (const uint32_t *)((const uint16_t *)q + (int64_t)(r0 + i) * q_stride +
+                                           (int64_t)(h0 + hi) * q_hstride);
+            }
+            __m512 acc[8];
+            switch (nr) { /* a constant row count per call, so the sums stay in registers */
+            case 1: tile_scores(kt, qp, P2, 1, acc); break;
+            case 2: tile_scores(kt, qp, P2, 2, acc); break;
+            case 3: tile_scores(kt, qp, P2, 3, acc); break;
+            case 4: tile_scores(kt, qp, P2, 4, acc); break;
+            case 5: tile_scores(kt, qp, P2, 5, acc); break;
+            case 6: tile_scores(kt, qp, P2, 6, acc); break;
+            case 7: tile_scores(kt, qp, P2, 7, acc); break;
+            default: tile_scores(kt, qp, P2, 8, acc); break;
+            }
+            for (int r = 0; r < nr; r++)
+                _mm512_storeu_ps(scores + (size_t)(rb + r) * stride16 + j0, _mm512_mul_ps(acc[r], vscale));
+        }
+    }
+    /* value rows of keys 2j, 2j + 1 interleaved: dword d of pair j = (v[2j+1][d] << 16) | v[2j][d] */
+    const int npairs_all = (nkeys + 1) / 2;
+    int64_t slot = 0;
+    for (int j = 0; j < 2 * npairs_all; j++) {
+        if (j < nkeys)
+            slot = (j & (block_size - 1)) ? slot + 1 : (int64_t)blocks[j >> block_shift] * block_size;
+        uint32_t *dst = vbuf + (size_t)(j >> 1) * D;
+        for (int c = 0; c < CH; c++) {
+            __m512i w = j < nkeys ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb + slot * kv_stride + 16 * c)))
+                                  : _mm512_setzero_si512();
+            if (j & 1)
+                _mm512_storeu_si512(dst + 16 * c, _mm512_or_si512(_mm512_loadu_si512(dst + 16 * c), _mm512_slli_epi32(w, 16)));
+            else
+                _mm512_storeu_si512(dst + 16 * c, w);
+        }
+    }
+    /* softmax, then each row's probabilities as bf16 in place (pairs of keys per dword; keys the
+     * row may not see, and a last odd key's partner, weigh 0) */
+    for (int r = 0; r < rows; r++) {
+        float *sr = scores + (size_t)r * stride16;
+        int len = causal ? s0 + r % nq + 1 : nkeys;
+        softmax_row(sr, len);
+        for (int j = len; j < 2 * npairs_all; j++) sr[j] = 0.0f;
+        for (int j = 0; j < 2 * npairs_all; j += 16) { /* reads floats j.., writes bf16 over floats < j */
+            __m512 x = _mm512_loadu_ps(sr + j);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)sr + j), (__m256i)_mm512_cvtneps_pbh(x));
+        }
+    }
+    enum { RB = 6 };
+    for (int rb = 0; rb < rows; rb += RB) {
+        int nr = rows - rb < RB ? rows - rb : RB;
+        int last = 0; /* key pairs past every row's last visible key are skipped */
+        const uint32_t *pb[RB];
+        for (int r = 0; r < nr; r++) {
+            int len = causal ? s0 + (rb + r) % nq + 1 : nkeys;
+            last = len > last ? len : last;
+            pb[r] = (const uint32_t *)(scores + (size_t)(rb + r) * stride16);
+        }
+        int np = (last + 1) / 2;
+        __m512 acc[6][8];
+        if (CH == 4) {
+            switch (nr) {
+            case 1: pairs_values(vbuf, pb, np, 1, 4, acc); break;
+            case 2: pairs_values(vbuf, pb, np, 2, 4, acc); break;
+            case 3: pairs_values(vbuf, pb, np, 3, 4, acc); break;
+            case 4: pairs_values(vbuf, pb, np, 4, 4, acc); break;
+            case 5: pairs_values(vbuf, pb, np, 5, 4, acc); break;
+            default: pairs_values(vbuf, pb, np, 6, 4, acc); break;
+            }
+        } else { /* CH 8: three rows a pass keep 24 sums and 8 value vectors in registers */
+            for (int r3 = 0; r3 < nr; r3 += 3) {
+                int n3 = nr - r3 < 3 ? nr - r3 : 3;
+                __m512 a3[6][8];
+                if (n3 == 1) pairs_values(vbuf, pb + r3, np, 1, 8, a3);
+                else if (n3 == 2) pairs_values(vbuf, pb + r3, np, 2, 8, a3);
+                else pairs_values(vbuf, pb + r3, np, 3, 8, a3);
+                for (int r = 0; r < n3; r++)
+                    for (int c = 0; c < 8; c++) acc[r3 + r][c] = a3[r][c];
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            int hi = (rb + r) / nq, i = (rb + r) % nq;
+            float buf[128];
+            for (int c = 0; c < CH; c++) _mm512_storeu_ps(buf + 16 * c, acc[r][c]);
+            store_at(out, 1, ((int64_t)(r0 + i) * H + h0 + hi) * D, D, buf);
+        }
+    }
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -457,15 +634,26 @@ static inline __attribute__((always_inline)) void attend_item_f32(
 /* attend_item or, from TILED_ROWS query rows on, attend_item_tiled, with D a constant where it is
  * 64 or 128 (the compiler unrolls and vectorises the row loops) */
 #define TILED_ROWS 8
+/* bf16 items of this many query rows on take attend_item_bf16_rows */
+#define BF16_ROWS 4
 static void attend(const void *q, int64_t q_stride, int64_t q_hstride, const void *kh, const void *vh,
                    int64_t kv_stride, void *out, int dtype, int H, int D, float scale, int causal,
                    int r0, int nq, int s0, const int32_t *blocks, int block_shift, int h0, int nh,
-                   int64_t max_keys, float *scores, float *qf, float *acc, float *row) {
+                   int64_t max_keys, float *scores, float *qf, float *acc, float *row, uint32_t *vbuf) {
 #define ATTEND_WITH(FN, DD)                                                                        \
     FN(q, q_stride, q_hstride, kh, vh, kv_stride, out, dtype, H, DD, scale, causal, r0, nq, s0,  \
        blocks, block_shift, h0, nh, max_keys, scores, qf, acc, row)
 #ifdef __AVX512BF16__
     if (dtype == 1 && D % 32 == 0 && D <= 256) {
+        if (nh * nq >= BF16_ROWS && (D == 64 || D == 128)) {
+            if (D == 64)
+                attend_item_bf16_rows(q, q_stride, q_hstride, kh, vh, kv_stride, out, H, 64, scale, causal, r0,
+                                      nq, s0, blocks, block_shift, h0, nh, max_keys, scores, (uint32_t *)row, vbuf);
+            else
+                attend_item_bf16_rows(q, q_stride, q_hstride, kh, vh, kv_stride, out, H, 128, scale, causal, r0,
+                                      nq, s0, blocks, block_shift, h0, nh, max_keys, scores, (uint32_t *)row, vbuf);
+            return;
+        }
         if (D == 64)
             attend_item_bf16(q, q_stride, q_hstride, kh, vh, kv_stride, out, H, 64, scale, causal, r0,
                              nq, s0, blocks, block_shift, h0, nh, max_keys, scores);
@@ -525,43 +713,68 @@ int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const vo
                     int block_shift, int64_t kv_token_stride, int64_t kv_head_stride, int causal,
                     int H, int Hkv, int D, float scale) {
     int failed = 0;
+    int threads = omp_get_max_threads();
     int group = H / Hkv;
-    int nh = G * Hkv >= 4 * omp_get_max_threads() ? group : 1; /* query heads per item */
-    int items = G * H / nh;
+    int nh = G * Hkv >= 4 * threads ? group : 1; /* query heads per item */
     int max_q = 0;
     int64_t max_keys = 0;
     for (int g = 0; g < G; g++) {
         if (n[g] > max_q) max_q = n[g];
         if (start[g] + n[g] > max_keys) max_keys = start[g] + n[g];
     }
+    int chunk = max_q; /* query tokens per item */
+#ifdef __AVX512BF16__
+    if (dtype == 1 && causal && (D == 64 || D == 128) && max_q >= 4) {
+        /* many rows a segment (verify blocks, prefill pieces): every query head of a kv head in
+         * one item, so its key tiles are transposed and its value rows paired once
+         * (attend_item_bf16_rows), and the segment's tokens split into chunks so that each
+         * thread has two items or more. A chunk of tokens i0 .. is the segment from i0 on with
+         * i0 more keys before it (causal: those tokens see no further). */
+        nh = group;
+        if (G * Hkv < 2 * threads) {
+            int split = (2 * threads + G * Hkv - 1) / (G * Hkv);
+            chunk = (max_q + split - 1) / split;
+            if (chunk < 2) chunk = 2;
+        }
+    }
+#endif
+    int nchunks = (max_q + chunk - 1) / chunk;
+    int items = G * (H / nh) * nchunks;
     size_t head_bytes = (size_t)kv_head_stride * (dtype == 0 ? 4 : 2);
 #pragma omp parallel
     {
-        size_t rows = (size_t)nh * (size_t)max_q;
-        float *scores = malloc(sizeof(float) * rows * (size_t)(max_keys + 16));
+        size_t rows = (size_t)nh * (size_t)chunk;
+        /* scores: a row per query row, room for a whole last tile (and slack for the bf16
+         * rounding pass's last 16-wide read) */
+        float *scores = malloc(sizeof(float) * (rows * (size_t)(max_keys + 16) + 32));
+        uint32_t *vbuf = malloc(sizeof(uint32_t) * (size_t)D * (size_t)((max_keys + 3) / 2));
         float *qf = malloc(sizeof(float) * rows * (size_t)D);
         float *acc = malloc(sizeof(float) * rows * (size_t)D);
         float *row = malloc(sizeof(float) * (size_t)D * KT); /* a key row, or a tile */
-        if (!scores || !qf || !acc || !row) {
+        if (!scores || !qf || !acc || !row || !vbuf) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; item++) {
             if (failed) continue;
-            int per_seg = H / nh;
-            int g = item / per_seg, h0 = (item % per_seg) * nh, hk = h0 / group;
+            int per_seg = H / nh * nchunks;
+            int g = item / per_seg, h0 = (item % per_seg) / nchunks * nh, hk = h0 / group;
+            int i0 = (item % nchunks) * chunk;
+            if (i0 >= n[g]) continue;
+            int nc = n[g] - i0 < chunk ? n[g] - i0 : chunk;
             const void *kh = (const char *)k_cache + (size_t)hk * head_bytes;
             const void *vh = (const char *)v_cache + (size_t)hk * head_bytes;
             const int32_t *blocks = block_table + (int64_t)g * max_blocks;
             attend(q, q_stride, q_hstride, kh, vh, kv_token_stride, out, dtype, H, D, scale, causal,
-                   row0[g], n[g], start[g], blocks, block_shift, h0, nh, max_keys, scores, qf, acc,
-                   row);
+                   row0[g] + i0, nc, start[g] + i0, blocks, block_shift, h0, nh, max_keys, scores, qf,
+                   acc, row, vbuf);
         }
         free(scores);
         free(qf);
         free(acc);
         free(row);
+        free(vbuf);
     }
     return failed ? -1 : 0;
 }
