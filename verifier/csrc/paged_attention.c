@@ -724,12 +724,13 @@ int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const vo
     }
     int chunk = max_q; /* query tokens per item */
 #ifdef __AVX512BF16__
-    if (dtype == 1 && causal && (D == 64 || D == 128) && max_q >= 4) {
-        /* many rows a segment (verify blocks, prefill pieces): every query head of a kv head in
-         * one item, so its key tiles are transposed and its value rows paired once
-         * (attend_item_bf16_rows), and the segment's tokens split into chunks so that each
-         * thread has two items or more. A chunk of tokens i0 .. is the segment from i0 on with
-         * i0 more keys before it (causal: those tokens see no further). */
+    if (dtype == 1 && (D == 64 || D == 128) && max_q >= 4) {
+        /* many rows a segment (verify blocks, prefill pieces, the drafter's block): every query
+         * head of a kv head in one item, so its key tiles are transposed and its value rows
+         * paired once (attend_item_bf16_rows), and the segment's tokens split into chunks so
+         * that each thread has two items or more. A chunk of tokens i0 .. i0 + nc - 1 is a
+         * segment of nc tokens with more keys before it: i0 more (causal: those tokens see no
+         * further), or all but nc (not causal: every token sees every key). */
         nh = group;
         if (G * Hkv < 2 * threads) {
             int split = (2 * threads + G * Hkv - 1) / (G * Hkv);
@@ -767,8 +768,8 @@ int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const vo
             const void *vh = (const char *)v_cache + (size_t)hk * head_bytes;
             const int32_t *blocks = block_table + (int64_t)g * max_blocks;
             attend(q, q_stride, q_hstride, kh, vh, kv_token_stride, out, dtype, H, D, scale, causal,
-                   row0[g] + i0, nc, start[g] + i0, blocks, block_shift, h0, nh, max_keys, scores, qf,
-                   acc, row, vbuf);
+                   row0[g] + i0, nc, causal ? start[g] + i0 : start[g] + n[g] - nc, blocks, block_shift,
+                   h0, nh, max_keys, scores, qf, acc, row, vbuf);
         }
         free(scores);
         free(qf);
