@@ -9,8 +9,10 @@
 - `rope_store`, `add_rmsnorm`, `silu_mul` fuse a layer's small elementwise steps (rotary with
   the K/V write, the residual add with the next norm, SwiGLU), one call each, for bf16 and
   float32 rows.
+- `draft_layers_bf16` (csrc/draft_layers.c) runs the drafter's decoder layers over a block as
+  one call of the kernels above (`DraftLayers`), without a Python dispatch per kernel.
 
-Both are compiled once per machine into one library (-O3 -march=native, OpenMP) in the user
+All are compiled once per machine into one library (-O3 -march=native, OpenMP) in the user
 cache directory and called through ctypes, so they need no torch headers and build in about a
 second. Where no compiler is found or the build fails, `load_kernels()` returns None and the
 forward keeps torch's kernels: the kernels are an accelerator, never a requirement.
@@ -27,6 +29,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,7 +44,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("paged_attention.c", "small_gemm.c", "elementwise.c"))
+SOURCES = tuple(
+    CSRC / name for name in ("paged_attention.c", "small_gemm.c", "elementwise.c", "draft_layers.c")
+)
 HEADERS = (CSRC / "common.h",)
 # -fassociative-math and friends let the compiler vectorise the float32 dot products and sums
 # (a fixed, deterministic order per build); no -ffinite-math-only: masked scores stay exact.
@@ -149,6 +155,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.small_gemm_f32_pack.argtypes = lib.small_gemm_pack.argtypes
     lib.small_gemm_f32.restype = None
     lib.small_gemm_f32.argtypes = lib.small_gemm.argtypes
+    lib.draft_layers_bf16.restype = i32
+    # layers, L, k_pools, v_pools, h, rows, first_norm, first_eps, flat, cos_q, sin_q, cos_k,
+    # sin_k, G, row0, n, start, table, max_blocks, block_shift, n, m, d, H, Hkv, D, I, scale
+    lib.draft_layers_bf16.argtypes = [ptr, i32, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, ptr, ptr]
+    lib.draft_layers_bf16.argtypes += [ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32]
+    lib.draft_layers_bf16.argtypes += [i32, i32, i32, ctypes.c_float]
 
 
 @functools.cache
@@ -498,3 +510,140 @@ class SmallGemmLinear:
         bias = 0 if self.bias is None else self.bias.data_ptr()
         self.fn(x.data_ptr(), x.stride(0), self.packed.data_ptr(), bias, y.data_ptr(), M, self.N, self.K)
         return y
+
+
+class _DraftLayer(ctypes.Structure):
+    """One layer's weights as `draft_layers_bf16` reads them (csrc/draft_layers.c)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("qkv", "qkv_bias", "o", "o_bias", "gate_up", "down")]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "post_norm", "next_norm")]
+    _fields_ += [(name, ctypes.c_float) for name in ("q_eps", "k_eps", "post_eps", "next_eps")]
+
+
+@dataclass(frozen=True)
+class DraftLayerWeights:
+    """What one drafter layer hands `DraftLayers`: its bf16 products through the packed small gemm
+    (gate_up and down without bias) and its norms as (weight, eps); next_norm is the next layer's
+    input norm, or the final norm after the last layer."""
+
+    qkv: SmallGemmLinear
+    o: SmallGemmLinear
+    gate_up: SmallGemmLinear
+    down: SmallGemmLinear
+    q_norm: tuple[torch.Tensor, float]
+    k_norm: tuple[torch.Tensor, float]
+    post_norm: tuple[torch.Tensor, float]
+    next_norm: tuple[torch.Tensor, float]
+
+
+class DraftLayers:
+    """The drafter's decoder layers over a block in one C call (`draft_layers_bf16`): the kernels
+    of `FastDraftBackbone._layers` with the in-place attention, in its order, without a Python
+    dispatch per kernel. bf16 only; every product's rows must stay within the packed gemm's
+    `max_rows` (above it the Python loop's oneDNN fallback runs)."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        layers: list[DraftLayerWeights],
+        first_norm: tuple[torch.Tensor, float],
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> None:
+        linears = [lin for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
+        norms = [n for w in layers for n in (w.q_norm, w.k_norm, w.post_norm, w.next_norm)] + [first_norm]
+        if any(lin.dtype != torch.bfloat16 for lin in linears) or any(
+            n[0].dtype != torch.bfloat16 or not n[0].is_contiguous() for n in norms
+        ):
+            raise ValueError("draft_layers_bf16 needs bf16 products and contiguous bf16 norms")
+        if any(w.gate_up.bias is not None or w.down.bias is not None for w in layers):
+            raise ValueError("draft_layers_bf16 takes gate_up / down without bias")
+        self.fn = lib.draft_layers_bf16
+        self.H, self.Hkv, self.D = num_heads, num_kv_heads, head_dim
+        self.d = layers[0].o.N
+        self.inter = layers[0].down.K
+        self.first = first_norm
+        self.max_rows = min(lin.max_rows for lin in linears)
+        self._keep = layers  # the packed weights the structs point into
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        self.structs = (_DraftLayer * len(layers))(
+            *[
+                _DraftLayer(
+                    ptr(w.qkv.packed),
+                    ptr(w.qkv.bias),
+                    ptr(w.o.packed),
+                    ptr(w.o.bias),
+                    ptr(w.gate_up.packed),
+                    ptr(w.down.packed),
+                    ptr(w.q_norm[0]),
+                    ptr(w.k_norm[0]),
+                    ptr(w.post_norm[0]),
+                    ptr(w.next_norm[0]),
+                    w.q_norm[1],
+                    w.k_norm[1],
+                    w.post_norm[1],
+                    w.next_norm[1],
+                )
+                for w in layers
+            ]
+        )
+        self.pools_t = ctypes.c_void_p * len(layers)
+
+    def __call__(
+        self,
+        k_pools: Sequence[torch.Tensor],
+        v_pools: Sequence[torch.Tensor],
+        h: torch.Tensor,
+        rows: torch.Tensor,
+        flat: torch.Tensor,
+        cos_q: torch.Tensor,
+        sin_q: torch.Tensor,
+        cos_k: torch.Tensor,
+        sin_k: torch.Tensor,
+        segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        block_shift: int,
+        scale: float,
+    ) -> None:
+        """h [n, d] (the embedded block, updated in place); rows [n + m, d] (context features in
+        rows n..; rows 0 .. n - 1 get the output); flat [n + m] int64 pool rows; cos / sin of the
+        queries [n, D] and keys [n + m, D]; segments: row0, n, start [G] and the block table
+        [G, max_blocks], int32 (the attention's, every row seeing its whole block). All
+        contiguous, on the CPU."""
+        n, m = h.shape[0], rows.shape[0] - h.shape[0]
+        row0, nseg, start, table = segments
+        rc = self.fn(
+            ctypes.addressof(self.structs),
+            len(self.structs),
+            self.pools_t(*[p.data_ptr() for p in k_pools]),
+            self.pools_t(*[p.data_ptr() for p in v_pools]),
+            h.data_ptr(),
+            rows.data_ptr(),
+            self.first[0].data_ptr(),
+            self.first[1],
+            flat.data_ptr(),
+            cos_q.data_ptr(),
+            sin_q.data_ptr(),
+            cos_k.data_ptr(),
+            sin_k.data_ptr(),
+            row0.numel(),
+            row0.data_ptr(),
+            nseg.data_ptr(),
+            start.data_ptr(),
+            table.data_ptr(),
+            table.shape[1],
+            block_shift,
+            n,
+            m,
+            self.d,
+            self.H,
+            self.Hkv,
+            self.D,
+            self.inter,
+            scale,
+        )
+        if rc != 0:
+            raise MemoryError("draft_layers_bf16 could not allocate its work buffers")

@@ -232,6 +232,55 @@ def test_in_place_block_absorbs_the_context_in_its_own_pass(monkeypatch):
     assert fused.cache.length("r0") == 7 and fused.cache.length("r1") == 9
 
 
+def test_bf16_layers_in_one_c_call_equal_the_python_loop(monkeypatch):
+    """bf16 on a CPU with the C kernels: the block's layers run as one C call (`DraftLayers`),
+    the same kernels in the same order as the Python loop: the same block hidden states and the
+    same context K/V, bit for bit, with and without pending context, for one and two requests;
+    past the packed gemm's row limit the Python loop (and its oneDNN fallback) runs instead."""
+    if load_kernels() is None:
+        pytest.skip("the in-place drafter attention needs the C kernels (a C compiler)")
+    model = tiny_model().to(torch.bfloat16)
+    in_c, loop = make_drafter(model, fast="in-place"), make_drafter(model, fast="in-place")
+    assert in_c.backbone._driver is not None
+    loop.backbone._driver = None
+    calls = []
+    driver = in_c.backbone._driver
+    counting = type(
+        "Counting",
+        (),
+        {"max_rows": driver.max_rows, "__call__": lambda self, *a: calls.append(a[2].shape[0]) or driver(*a)},
+    )()
+    monkeypatch.setattr(in_c.backbone, "_driver", counting)
+    g = torch.Generator().manual_seed(11)
+    hid = torch.randn(2, 12, 3 * D, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, V - 1, (2, 12), generator=g)
+    ctx = lambda r, a, b: AcceptedContext(f"r{r}", ids[r, a:b].tolist(), a, hid[r, a:b])
+
+    def reqs(ends):
+        return [DraftRequest(f"r{r}", ids[r, : e + 1].tolist(), 3, GREEDY, None, 100) for r, e in ends]
+
+    for stage, ends in (
+        ([ctx(0, 0, 5), ctx(1, 0, 9)], [(0, 5), (1, 9)]),
+        ([ctx(0, 5, 7)], [(0, 7)]),
+        ([], [(0, 7), (1, 9)]),
+    ):
+        for dr in (in_c, loop):
+            dr.observe(stage)
+        a, b = in_c.block_hidden(reqs(ends)), loop.block_hidden(reqs(ends))
+        assert torch.equal(a, b)
+        for layer in range(2):
+            for pools in ("k", "v"):
+                for r, e in ends:
+                    got = getattr(in_c.cache, pools)[layer][in_c.cache.slot(f"r{r}"), : e + BS]
+                    assert torch.equal(
+                        got, getattr(loop.cache, pools)[layer][loop.cache.slot(f"r{r}"), : e + BS]
+                    )
+    assert calls == [2 * BS, BS, 2 * BS]  # every block went through the one call
+    counting.max_rows = BS  # two requests' rows: more than the limit
+    in_c.block_hidden(reqs([(0, 7), (1, 9)]))
+    assert len(calls) == 3
+
+
 def test_pending_states_are_bounded():
     model = tiny_model()
     dr = DSparkDrafter(model, DSparkDrafterConfig(initial_capacity=4, max_pending=4), "dspark")
