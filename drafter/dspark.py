@@ -23,10 +23,13 @@ from dspark_serve.drafter.dspark_model.fast import (
     FastConfidence,
     FastDraftBackbone,
     GreedyMarkov,
+    GreedyTail,
     prepacked_linears_pay,
 )
 from dspark_serve.drafter.dspark_model.fast import applies as fast_backbone_applies
 from dspark_serve.drafter.online_calibration import OnlineCalibrator
+from dspark_serve.verifier.cpu_kernels import SmallGemmLinear
+from dspark_serve.verifier.processors import needs_processing
 
 
 @dataclass(frozen=True)
@@ -282,6 +285,22 @@ class DSparkDrafter:
             lib = load_kernels()
             assert lib is not None
             self._greedy = GreedyMarkov(lib, head, model.d2t)
+        # all-greedy blocks of a few rows in bf16: LM head, walk and confidences in one C call
+        self._tail: GreedyTail | None = None
+        packed_head = getattr(model.lm_head.forward, "linear", None)  # `_Packed` by _prepack_linears
+        if (
+            self._greedy is not None
+            and self.backbone is not model
+            and model.dtype == torch.bfloat16
+            and isinstance(packed_head, SmallGemmLinear)
+            and packed_head.dtype == torch.bfloat16
+            and packed_head.bias is None
+        ):
+            from dspark_serve.verifier.cpu_kernels import load_kernels
+
+            lib = load_kernels()
+            assert lib is not None
+            self._tail = GreedyTail(lib, packed_head, self._greedy, self._fast_confidence)
         self.config = config
         self.block_size = bs
         self.tap_layers: tuple[int, ...] = tuple(model.config.target_layer_ids)
@@ -448,27 +467,39 @@ class DSparkDrafter:
             # A trimmed block: the positions no request may use are not run (one spare kept).
             trim = kmax + 1 if self.config.trim_block else None
             hidden = self.block_hidden(batch, trim)[:, :kmax].contiguous()
-            base = self.model.lm_head(hidden)
-            anchors = torch.tensor([r.token_ids[-1] for r in batch], dtype=torch.long, device=dev)
             contexts = [r.context() for r in batch]
-            drafted = self.model.sample_block(
-                base,
-                anchors,
-                [r.sampling for r in batch],
-                [r.generator for r in batch],
-                hidden,
-                contexts,
-                self._greedy,
-            )
-            conf = self._confidences(hidden, drafted.prev_tokens, batch, lengths)
-            # Tokens and confidences go to the host once per step (the engine and the policy
-            # read them there); per-request slices of device tensors would sync per request.
-            tokens = drafted.tokens.cpu()
+            tail = None
+            if self._tail is not None and all(
+                r.sampling.greedy and not needs_processing(r.sampling, c) for r, c in zip(batch, contexts)
+            ):
+                tail = self._tail(hidden, [r.token_ids[-1] for r in batch])
+            probs: torch.Tensor | None = None
+            if tail is not None:
+                tokens, _, logits = tail
+                conf = self._calibrate(logits, batch, lengths)
+            else:
+                base = self.model.lm_head(hidden)
+                anchors = torch.tensor([r.token_ids[-1] for r in batch], dtype=torch.long, device=dev)
+                drafted = self.model.sample_block(
+                    base,
+                    anchors,
+                    [r.sampling for r in batch],
+                    [r.generator for r in batch],
+                    hidden,
+                    contexts,
+                    self._greedy,
+                )
+                conf = self._confidences(hidden, drafted.prev_tokens, batch, lengths)
+                # Tokens and confidences go to the host once per step (the engine and the policy
+                # read them there); per-request slices of device tensors would sync per request.
+                tokens, probs = drafted.tokens.cpu(), drafted.probs
             for j, (i, r) in enumerate(zip(live, batch)):
                 k = lengths[j]
                 out[i] = DraftProposal(
                     tokens=tokens[j, :k],
-                    probs=None if r.sampling.greedy else self.model.to_target_probs(drafted.probs[j, :k]),  # type: ignore[index]
+                    probs=None
+                    if probs is None or r.sampling.greedy
+                    else self.model.to_target_probs(probs[j, :k]),
                     confidences=None if conf is None else conf[j],
                 )
         return out  # type: ignore[return-value]
@@ -482,6 +513,13 @@ class DSparkDrafter:
             logits: torch.Tensor | None = self._fast_confidence(hidden, prev)
         else:
             logits = self.model.confidence_logits(hidden, prev)
+        return self._calibrate(logits, batch, lengths)
+
+    def _calibrate(
+        self, logits: torch.Tensor | None, batch: list[DraftRequest], lengths: list[int]
+    ) -> list[torch.Tensor] | None:
+        """Raw confidence logits [B, K] -> c_k per request (offline temperatures, or the online
+        fit)."""
         if logits is None:
             return None
         if self.calibrator is None:

@@ -10,7 +10,9 @@
   the K/V write, the residual add with the next norm, SwiGLU), one call each, for bf16 and
   float32 rows.
 - `draft_layers_bf16` (csrc/draft_layers.c) runs the drafter's decoder layers over a block as
-  one call of the kernels above (`DraftLayers`), without a Python dispatch per kernel.
+  one call of the kernels above (`DraftLayers`), without a Python dispatch per kernel, and
+  `draft_tail_bf16` an all-greedy block's LM head, Markov walk and confidence logits
+  (`drafter.dspark_model.fast.GreedyTail`).
 
 All are compiled once per machine into one library (-O3 -march=native, OpenMP) in the user
 cache directory and called through ctypes, so they need no torch headers and build in about a
@@ -161,6 +163,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.draft_layers_bf16.argtypes = [ptr, i32, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, ptr, ptr]
     lib.draft_layers_bf16.argtypes += [ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32]
     lib.draft_layers_bf16.argtypes += [i32, i32, i32, ctypes.c_float]
+    lib.draft_tail_bf16.restype = i32
+    # hidden, row stride, head (packed), V, w1, w2 (packed), their dtype, d2t, r, anchor, B, K, d,
+    # w_h, per_prev, bias, tokens, prevs, conf
+    lib.draft_tail_bf16.argtypes = [ptr, i64, ptr, i32, ptr, ptr, i32, ptr, i32, ptr, i32, i32, i32]
+    lib.draft_tail_bf16.argtypes += [ptr, ptr, ctypes.c_float, ptr, ptr, ptr]
 
 
 @functools.cache

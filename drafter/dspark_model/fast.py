@@ -530,3 +530,62 @@ class FastConfidence:
         if self.per_prev is not None:
             out += self.per_prev.index_select(0, prev_tokens.reshape(-1))
         return out.view(B, K)
+
+
+class GreedyTail:
+    """An all-greedy block of a few rows, from its final hidden states to its drafts and their
+    raw confidence logits, in one C call (`draft_tail_bf16`): the packed draft LM head, the
+    Markov head's walk (`GreedyMarkov`'s) and the confidence head (`FastConfidence`'s maths,
+    its sum run in C), instead of three Python calls and a dozen torch ops between them, each
+    ~10-30 us right after a kernel has streamed weights through the caches. bf16 only."""
+
+    def __init__(
+        self, lib: ctypes.CDLL, head: SmallGemmLinear, walk: GreedyMarkov, confidence: FastConfidence | None
+    ) -> None:
+        if head.dtype != torch.bfloat16 or head.bias is not None:
+            raise ValueError("the greedy tail takes a bf16 LM head without bias")
+        self.fn = lib.draft_tail_bf16
+        self.head, self.walk, self.confidence = head, walk, confidence
+
+    def __call__(
+        self, hidden: torch.Tensor, anchors: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """hidden: [B, K, d] bf16 contiguous; anchors: B target ids -> (tokens, prev tokens)
+        [B, K] int64 target ids and raw confidence logits [B, K] float32 (None without a
+        confidence head), or None where it does not apply (more rows than the walk or the
+        packed head take)."""
+        B, K, d = hidden.shape
+        w = self.walk
+        if B > w.max_rows or B * K > self.head.max_rows or hidden.dtype != torch.bfloat16:
+            return None
+        anchor = torch.tensor(anchors, dtype=torch.long)
+        tokens = torch.empty(B, K, dtype=torch.long)
+        prevs = torch.empty(B, K, dtype=torch.long)
+        c = self.confidence
+        conf = torch.empty(B, K, dtype=torch.float32) if c is not None else None
+        per_prev = c.per_prev if c is not None else None
+        bias = float(c.bias) if c is not None and c.bias is not None else 0.0
+        rc = self.fn(
+            hidden.data_ptr(),
+            d,
+            self.head.packed.data_ptr(),
+            self.head.N,
+            w.w1.data_ptr(),
+            w.w2.data_ptr(),
+            DTYPE_CODES[w.w1.dtype],
+            0 if w.d2t is None else w.d2t.data_ptr(),
+            w.w1.shape[1],
+            anchor.data_ptr(),
+            B,
+            K,
+            d,
+            0 if c is None else c.w_h.data_ptr(),
+            0 if per_prev is None else per_prev.data_ptr(),
+            bias,
+            tokens.data_ptr(),
+            prevs.data_ptr(),
+            0 if conf is None else conf.data_ptr(),
+        )
+        if rc != 0:
+            raise MemoryError("the greedy tail could not allocate its buffer")
+        return tokens, prevs, conf

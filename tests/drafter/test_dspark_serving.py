@@ -447,6 +447,61 @@ def test_greedy_markov_walk_in_c_equals_the_torch_walk(truncated):
     assert dr._greedy is not None  # a float32 drafter on a CPU with the kernels uses it
 
 
+@pytest.mark.parametrize("truncated", [False, True])
+def test_greedy_tail_in_one_c_call_equals_head_walk_and_confidence(truncated):
+    """bf16 all-greedy blocks of a few rows: the LM head, the Markov walk and the confidence
+    logits in one C call give the walk's tokens and prev tokens over the packed head's logits,
+    bit for bit, and FastConfidence's logits to float32 rounding (the sum runs in C); a drafter
+    uses it for greedy requests only, with the same drafts as without it."""
+    from dspark_serve.drafter.dspark_model.fast import FastConfidence, GreedyMarkov, GreedyTail
+    from dspark_serve.verifier.fast_forward import make_linear
+
+    lib = load_kernels()
+    if lib is None:
+        pytest.skip("the greedy tail needs the C kernels (a C compiler)")
+    model = tiny_model().bfloat16()
+    g = torch.Generator().manual_seed(4)
+    Vd = 40 if truncated else V
+    d2t = torch.randperm(V, generator=g)[:Vd] if truncated else None
+    head = model.markov_head
+    if truncated:
+        head.markov_w2 = torch.nn.Linear(head.rank, Vd, bias=False).bfloat16()
+        torch.nn.init.normal_(head.markov_w2.weight, std=3.0, generator=g)
+    lm = make_linear(torch.randn(Vd, D, generator=g).bfloat16(), None, "auto", "none")
+    walk, conf = GreedyMarkov(lib, head, d2t), FastConfidence(model)
+    tail = GreedyTail(lib, lm, walk, conf)
+    for b in (1, 3):
+        hidden = torch.randn(b, BS, D, generator=g).bfloat16()
+        anchors = torch.randint(0, V, (b,), generator=g)
+        got = tail(hidden, anchors.tolist())
+        assert got is not None
+        base = lm(hidden.reshape(b * BS, D)).view(b, BS, Vd)
+        tokens, prevs = walk(base, anchors)
+        assert torch.equal(got[0], tokens) and torch.equal(got[1], prevs)
+        torch.testing.assert_close(got[2], conf(hidden, prevs), rtol=1e-5, atol=1e-5)
+    assert tail(torch.randn(5, BS, D).bfloat16(), [0] * 5) is None  # more rows than the walk takes
+
+    # through the drafter: greedy requests take the tail, the same drafts as without it
+    with_tail, without = make_drafter(tiny_model().bfloat16()), make_drafter(tiny_model().bfloat16())
+    if with_tail._tail is None:
+        pytest.skip("no packed bf16 LM head on this CPU")
+    without._tail = None
+    hid = torch.randn(9, 3 * D, generator=g).bfloat16()
+    ids = list(range(1, 10))
+    for dr in (with_tail, without):
+        dr.observe([AcceptedContext("a", ids, 0, hid)])
+    calls = []
+    inner = with_tail._tail
+    with_tail._tail = lambda h, a: calls.append(1) or inner(h, a)
+    req = DraftRequest("a", ids + [3], 3, GREEDY, None, 100)
+    p, q = with_tail.propose([req])[0], without.propose([req])[0]
+    assert calls == [1] and torch.equal(p.tokens, q.tokens)
+    torch.testing.assert_close(p.confidences, q.confidences, rtol=1e-4, atol=1e-4)
+    hot = SamplingParams(temperature=0.8, seed=1)
+    with_tail.propose([DraftRequest("a", ids + [3], 3, hot, torch.Generator().manual_seed(1), 100)])
+    assert calls == [1]  # a sampled request draws through sample_block
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_markov_walk_over_a_wide_head(dtype):
     """A draft vocabulary of thousands (the shipped head's size class): the C walk's bias runs in

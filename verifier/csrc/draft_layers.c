@@ -1,5 +1,7 @@
 /* The drafter's decoder layers over a block of query rows in one call (bfloat16), so that a
- * proposal does not pay Python's dispatch for each of a layer's dozen kernels.
+ * proposal does not pay Python's dispatch for each of a layer's dozen kernels (each torch op or
+ * ctypes call right after a kernel that streamed weights through the caches costs ~10-30 us);
+ * and an all-greedy block's tail (draft LM head, Markov walk, confidence logits) likewise.
  *
  * The same kernels in the same order as the Python loop over them (FastDraftBackbone._layers
  * with the in-place attention): per layer the fused q/k/v product over the block's rows and the
@@ -87,4 +89,42 @@ int draft_layers_bf16(const DraftLayer *layers, int L, void *const *k_pools, voi
     free(gu);
     free(act);
     return rc;
+}
+
+int markov_greedy_walk(const void *base, int base_dtype, const int64_t *anchor, const void *w1,
+                       const void *w2, int dtype, const int64_t *d2t, int B, int K, int V, int r,
+                       int64_t *tokens, int64_t *prevs);
+
+/* An all-greedy block's tail in one call (bfloat16 hidden rows): the draft LM head over the
+ * block's rows, the Markov head's greedy walk over its logits (markov_greedy_walk) and the
+ * confidence head's raw logits, what DSparkDrafter.propose otherwise runs as three Python
+ * calls and a dozen torch ops. hidden [B * K, d] (row stride hs); head packed [V, d] (no bias);
+ * w1 / w2 / d2t / r as markov_greedy_walk takes them; anchor [B]. Confidence (w_h non-NULL):
+ * conf[i] = sum_j hidden[i][j] * w_h[j] in float32 (j in order), + bias, + per_prev[prev of
+ * row i] (per_prev NULL: none). -> tokens, prevs [B, K] int64 target ids. Returns 0, or -1 when
+ * a buffer could not be allocated. */
+int draft_tail_bf16(const uint16_t *hidden, int64_t hs, const uint16_t *head, int V, const void *w1,
+                    const void *w2, int wdtype, const int64_t *d2t, int r, const int64_t *anchor,
+                    int B, int K, int d, const float *w_h, const float *per_prev, float bias,
+                    int64_t *tokens, int64_t *prevs, float *conf) {
+    const int R = B * K;
+    uint16_t *base = malloc(sizeof(uint16_t) * (size_t)R * V);
+    if (!base) return -1;
+    small_gemm(hidden, hs, head, NULL, base, R, V, d);
+    int rc = markov_greedy_walk(base, 1, anchor, w1, w2, wdtype, d2t, B, K, V, r, tokens, prevs);
+    free(base);
+    if (rc != 0 || !w_h) return rc;
+    for (int i = 0; i < R; i++) {
+        const uint16_t *h = hidden + (int64_t)i * hs;
+        float s = 0.0f;
+        for (int j = 0; j < d; j++) {
+            union { uint32_t u; float f; } x;
+            x.u = (uint32_t)h[j] << 16;
+            s += x.f * w_h[j];
+        }
+        s += bias;
+        if (per_prev) s += per_prev[prevs[i]];
+        conf[i] = s;
+    }
+    return 0;
 }
