@@ -330,7 +330,8 @@ class FastDraftBackbone:
     ) -> torch.Tensor:
         """`forward_block` reading the context K/V where it lies. k_pools / v_pools: per layer
         [num_slots, capacity, Hkv, D] (the drafter's context cache), request b in slot slots[b]
-        with its context at positions 0 .. starts[b] - 1 and room for its block after them:
+        with its context at positions 0 .. starts[b] - 1 and room for its block after them
+        (block_positions[b] = starts[b] + 0 .. L - 1, where its k/v rows are written):
         each layer writes the block's own k/v at positions starts[b] .. (past the context's
         length, which the caller does not move, so they are never taken for context) and the C
         kernel attends every block query to the context and the whole block, no copies.
