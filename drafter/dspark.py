@@ -28,7 +28,7 @@ from dspark_serve.drafter.dspark_model.fast import (
 )
 from dspark_serve.drafter.dspark_model.fast import applies as fast_backbone_applies
 from dspark_serve.drafter.online_calibration import OnlineCalibrator
-from dspark_serve.verifier.cpu_kernels import SmallGemmLinear
+from dspark_serve.verifier.cpu_kernels import SmallGemmLinear, load_kernels
 from dspark_serve.verifier.processors import needs_processing
 
 
@@ -276,31 +276,25 @@ class DSparkDrafter:
         self._fast_confidence: FastConfidence | None = None
         if self.backbone is not model and model.confidence_head is not None:
             self._fast_confidence = FastConfidence(model)
-        # all-greedy blocks of a few rows: the Markov head's walk in one C call
+        # all-greedy blocks of a few rows: the Markov head's walk in one C call; in bf16 with the
+        # packed LM head, the head, the walk and the confidences in one C call
         self._greedy: GreedyMarkov | None = None
+        self._tail: GreedyTail | None = None
         head = model.markov_head
         if head is not None and GreedyMarkov.applies(head, model.dtype, model.device):
-            from dspark_serve.verifier.cpu_kernels import load_kernels
-
             lib = load_kernels()
             assert lib is not None
             self._greedy = GreedyMarkov(lib, head, model.d2t)
-        # all-greedy blocks of a few rows in bf16: LM head, walk and confidences in one C call
-        self._tail: GreedyTail | None = None
-        packed_head = getattr(model.lm_head.forward, "linear", None)  # `_Packed` by _prepack_linears
-        if (
-            self._greedy is not None
-            and self.backbone is not model
-            and model.dtype == torch.bfloat16
-            and isinstance(packed_head, SmallGemmLinear)
-            and packed_head.dtype == torch.bfloat16
-            and packed_head.bias is None
-        ):
-            from dspark_serve.verifier.cpu_kernels import load_kernels
-
-            lib = load_kernels()
-            assert lib is not None
-            self._tail = GreedyTail(lib, packed_head, self._greedy, self._fast_confidence)
+            packed_head = getattr(model.lm_head.forward, "linear", None)  # `_Packed` by _prepack_linears
+            if (
+                self.backbone is not model
+                and model.dtype == torch.bfloat16
+                and isinstance(packed_head, SmallGemmLinear)
+            ):
+                try:
+                    self._tail = GreedyTail(lib, packed_head, self._greedy, self._fast_confidence)
+                except ValueError:  # a head with a bias
+                    pass
         self.config = config
         self.block_size = bs
         self.tap_layers: tuple[int, ...] = tuple(model.config.target_layer_ids)
@@ -382,7 +376,7 @@ class DSparkDrafter:
             if isinstance(first, _Stored) and all(
                 isinstance(h, _Stored) and h.rows is first.rows for h in pend.hidden
             ):  # consecutive positions kept in one place: read back at once
-                hiddens.append(_Stored(first.rows, pend.start, pend.end - pend.start).read(rid))
+                hiddens.append(first.rows.rows_of(rid, pend.start, pend.end))
             else:
                 hiddens.extend(h if isinstance(h, torch.Tensor) else h.read(rid) for h in pend.hidden)
         if not hiddens:

@@ -387,7 +387,7 @@ static inline __attribute__((always_inline)) void tile_scores(const uint32_t *kt
  * (keys 2j and 2j + 1 interleaved), pb[r] row r's probabilities as bf16 pairs */
 static inline __attribute__((always_inline)) void pairs_values(const uint32_t *vp, const uint32_t *const *pb,
                                                                int npairs, const int NR, const int CH,
-                                                               __m512 acc[6][8]) {
+                                                               __m512 (*acc)[8]) {
     for (int r = 0; r < NR; r++)
         for (int c = 0; c < CH; c++) acc[r][c] = _mm512_setzero_ps();
     for (int jp = 0; jp < npairs; jp++) {
@@ -503,12 +503,9 @@ static inline __attribute__((always_inline)) void attend_item_bf16_rows(
         } else { /* CH 8: three rows a pass keep 24 sums and 8 value vectors in registers */
             for (int r3 = 0; r3 < nr; r3 += 3) {
                 int n3 = nr - r3 < 3 ? nr - r3 : 3;
-                __m512 a3[6][8];
-                if (n3 == 1) pairs_values(vbuf, pb + r3, np, 1, 8, a3);
-                else if (n3 == 2) pairs_values(vbuf, pb + r3, np, 2, 8, a3);
-                else pairs_values(vbuf, pb + r3, np, 3, 8, a3);
-                for (int r = 0; r < n3; r++)
-                    for (int c = 0; c < 8; c++) acc[r3 + r][c] = a3[r][c];
+                if (n3 == 1) pairs_values(vbuf, pb + r3, np, 1, 8, acc + r3);
+                else if (n3 == 2) pairs_values(vbuf, pb + r3, np, 2, 8, acc + r3);
+                else pairs_values(vbuf, pb + r3, np, 3, 8, acc + r3);
             }
         }
         for (int r = 0; r < nr; r++) {
