@@ -108,11 +108,20 @@ class Speculation:
         d = self._drafting
         return tuple(d.tap_layers) if d is not None else ()
 
-    @property
-    def draft_reserve(self) -> int:
-        """Tokens per decoding request the scheduler leaves free for drafts the policy may admit."""
+    def draft_reserve(self, running: list[Request]) -> int:
+        """Tokens per decoding request the scheduler leaves free for drafts the policy may admit.
+        None where the gate runs the running requests' load level plain and none of them is
+        seeded: the reserve only shrinks the prefill chunks, and a step that prefills drafts
+        only in the level's favoured mode (at 32 requests with drafting off the reserve cost
+        one prefill step in eleven)."""
         d = self._drafting
-        return min(2, d.block_size) if d is not None else 0
+        if d is None:
+            return 0
+        if self.gate is not None and not any(r.sampling.seed is not None for r in running):
+            v = self.gate.favoured(len(running))
+            if v is None or not v[0]:
+                return 0
+        return min(2, d.block_size)
 
     # -- propose -------------------------------------------------------------------------------
     def propose(self, decodes: list[Request], room: int, load: LoadState | None) -> StepProposal:

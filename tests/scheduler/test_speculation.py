@@ -51,7 +51,7 @@ LOAD = LoadState(num_running=2)
 
 def test_without_a_drafter_nothing_is_drafted():
     spec = Speculation(None, SchedulerConfig(), max_model_len=512)
-    assert spec.policy.name == "none" and not spec.speculating and spec.draft_reserve == 0
+    assert spec.policy.name == "none" and not spec.speculating and spec.draft_reserve([]) == 0
     p = spec.propose([decoding("a"), decoding("b")], room=100, load=LOAD)
     assert p.lengths == [0, 0] and [len(x) for x in p.proposals] == [0, 0]
     assert p.decision is not None and p.decision.lengths == [0, 0]
@@ -189,3 +189,28 @@ def test_a_step_that_prefills_asks_the_gate_for_no_exploration():
     # the prefilling step is judged at the load it heads for (2 decoding + 5 prefilling);
     # a pure decode step at its own (requests prefilling there carry no chunk in this step)
     assert p.drafting and gate.asked == [(7, False), (2, True)]
+
+
+def test_the_draft_reserve_follows_the_gates_mode_for_the_running_requests():
+    spec = Speculation(FakeDrafter(), SchedulerConfig(verify_policy="dspark"), max_model_len=512)
+    gate = spec.gate
+    assert gate is not None
+    running = [decoding("a"), decoding("b")]
+    assert spec.draft_reserve(running) == 0  # nothing known: a step that prefills runs plain
+
+    def teach(draft_tokens: int, plain_tokens: int) -> None:
+        for drafting, tokens in ((True, draft_tokens), (False, plain_tokens)):
+            for _ in range(8):  # the first step after a switch is not measured
+                gate.record(2, drafting, tokens, 0.1)
+
+    teach(draft_tokens=8, plain_tokens=2)
+    assert gate.favoured(2) == (True, 4.0) and spec.draft_reserve(running) == 2
+    spec2 = Speculation(FakeDrafter(), SchedulerConfig(verify_policy="dspark"), max_model_len=512)
+    gate = spec2.gate
+    assert gate is not None
+    teach(draft_tokens=2, plain_tokens=8)
+    assert gate.favoured(2) is not None and not gate.favoured(2)[0]
+    assert spec2.draft_reserve(running) == 0
+    assert spec2.draft_reserve(running + [decoding("s", seed=1)]) == 2  # seeded requests draft anyway
+    spec2.use_policy("static:3")  # no gate: always the reserve
+    assert spec2.draft_reserve(running) == 2
