@@ -278,7 +278,8 @@ class Engine:
         """One step. Never raises because of one request: a request found invalid before any
         state changed is failed alone; an error later in the step fails the step's batch
         (their KV and drafter state freed, finish_reason "error"), and everyone else goes on."""
-        batch = self.scheduler.schedule(self.speculation.draft_reserve(self.running), self.speculation.lookahead)
+        spec = self.speculation
+        batch = self.scheduler.schedule(spec.draft_reserve(self.running), spec.lookahead)
         for r in batch.preempted:  # it recomputes its context when it runs again
             self.speculation.free(r.request_id)
         if not batch:

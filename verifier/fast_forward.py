@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from dspark_serve.verifier.model_runner import ForwardOutput, Segment
 
 SMALL_SEGMENT = 32
-SMALL_GEMM_ROWS = 128  # up to this many rows small_gemm is faster than oneDNN (bench/gemm_rows.py: 1.09x at 128, even at 192)
+# up to this many rows small_gemm is faster than oneDNN (bench/gemm_rows.py: 1.09x at 128, even at 192)
+SMALL_GEMM_ROWS = 128
 
 
 # -- linear layers ------------------------------------------------------------------------------
