@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
-    CSRC / name for name in ("paged_attention.c", "small_gemm.c", "elementwise.c", "draft_layers.c")
+    CSRC / name
+    for name in ("paged_attention.c", "small_gemm.c", "elementwise.c", "draft_layers.c", "target_layers.c")
 )
 HEADERS = (CSRC / "common.h",)
 # -fassociative-math and friends let the compiler vectorise the float32 dot products and sums
@@ -168,6 +169,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     # w_h, per_prev, bias, tokens, prevs, conf
     lib.draft_tail_bf16.argtypes = [ptr, i64, ptr, i32, ptr, ptr, i32, ptr, i32, ptr, i32, i32, i32]
     lib.draft_tail_bf16.argtypes += [ptr, ptr, ctypes.c_float, ptr, ptr, ptr]
+    lib.target_layers.restype = i32
+    # layers, L, bf16, k_caches, v_caches, num_slots, h, x, first_norm, first_eps, cos, sin, slots,
+    # G, row0, n, start, table, max_blocks, block_shift, T, d, H, Hkv, D, I, scale, tap_col, taps,
+    # ntaps
+    lib.target_layers.argtypes = [ptr, i32, i32, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ptr, ptr]
+    lib.target_layers.argtypes += [ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, i32]
+    lib.target_layers.argtypes += [ctypes.c_float, ptr, ptr, i32]
 
 
 @functools.cache
@@ -654,3 +662,172 @@ class DraftLayers:
         )
         if rc != 0:
             raise MemoryError("draft_layers_bf16 could not allocate its work buffers")
+
+
+class _TargetLayer(ctypes.Structure):
+    """One layer's weights as `target_layers` reads them (csrc/target_layers.c)."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "qkv",
+            "qkv_bias",
+            "o",
+            "o_bias",
+            "gate_up",
+            "down",
+            "down_bias",
+            "post_norm",
+            "next_norm",
+        )
+    ]
+    _fields_ += [(name, ctypes.c_float) for name in ("post_eps", "next_eps")]
+
+
+@dataclass(frozen=True)
+class TargetLayerWeights:
+    """What one target layer hands `TargetLayers`: its products through the packed gemm (gate_up
+    without bias) and its norms as (weight, eps); next_norm is the next layer's input norm, or
+    the final norm after the last layer."""
+
+    qkv: SmallGemmLinear
+    o: SmallGemmLinear
+    gate_up: SmallGemmLinear
+    down: SmallGemmLinear
+    post_norm: tuple[torch.Tensor, float]
+    next_norm: tuple[torch.Tensor, float]
+
+
+class TargetLayers:
+    """The target's decoder layers over one step in one C call (`target_layers`): the kernels of
+    `FastForwardMixin._layers_fused` with the paged attention, in its order, without a Python
+    dispatch, an allocation and the argument checks per kernel. float32 or bf16 (the products'
+    dtype); every product's rows must stay within the packed gemm's `max_rows` (above it the
+    Python loop's fallback runs); no q/k head norms (the loop runs those too)."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        layers: list[TargetLayerWeights],
+        first_norm: tuple[torch.Tensor, float],
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+    ) -> None:
+        linears = [lin for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
+        dtype = linears[0].dtype
+        norms = [n for w in layers for n in (w.post_norm, w.next_norm)] + [first_norm]
+        if dtype not in (torch.float32, torch.bfloat16) or any(lin.dtype != dtype for lin in linears):
+            raise ValueError(f"target_layers needs float32 or bf16 products of one dtype, got {dtype}")
+        if any(n[0].dtype != dtype or not n[0].is_contiguous() for n in norms):
+            raise ValueError("target_layers needs contiguous norms of the products' dtype")
+        if any(w.gate_up.bias is not None for w in layers):
+            raise ValueError("target_layers takes gate_up without bias")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size!r}")
+        self.fn = lib.target_layers
+        self.dtype = dtype
+        self.H, self.Hkv, self.D = num_heads, num_kv_heads, head_dim
+        self.block_shift = block_size.bit_length() - 1
+        self.d = layers[0].o.N
+        self.inter = layers[0].down.K
+        self.first = first_norm
+        self.max_rows = min(lin.max_rows for lin in linears)
+        self._keep = layers  # the packed weights the structs point into
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        self.structs = (_TargetLayer * len(layers))(
+            *[
+                _TargetLayer(
+                    ptr(w.qkv.packed),
+                    ptr(w.qkv.bias),
+                    ptr(w.o.packed),
+                    ptr(w.o.bias),
+                    ptr(w.gate_up.packed),
+                    ptr(w.down.packed),
+                    ptr(w.down.bias),
+                    ptr(w.post_norm[0]),
+                    ptr(w.next_norm[0]),
+                    w.post_norm[1],
+                    w.next_norm[1],
+                )
+                for w in layers
+            ]
+        )
+        self._pools: tuple[int, int, object, object] | None = None
+
+    def _pool_ptrs(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[object, object]:
+        """Each layer's cache pointers, built once per pair of caches."""
+        key = (k_cache.data_ptr(), v_cache.data_ptr())
+        if self._pools is None or self._pools[:2] != key:
+            arr = ctypes.c_void_p * len(self.structs)
+            ks = arr(*[k_cache[i].data_ptr() for i in range(len(self.structs))])
+            vs = arr(*[v_cache[i].data_ptr() for i in range(len(self.structs))])
+            self._pools = (*key, ks, vs)
+        return self._pools[2], self._pools[3]
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        scale: float,
+        tap_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h [T, d] (the embedded rows, contiguous; updated in place: the residual stream);
+        k_cache / v_cache [L, Hkv, num_slots, D] (head-major, contiguous); cos / sin [T, D]
+        contiguous (rotate_half's sign folded into sin); slots [T] int64; segments: row0, n,
+        start [G] and the block table [G, max_blocks], int32 (the causal pieces). tap_layers:
+        distinct layers whose states to copy out (-1: the embeddings; the last layer: the
+        final-normed output). -> (the final-normed output [T, d], the tap states concatenated
+        in tap_layers' order [T, len(tap_layers) * d] or None)."""
+        T, L = h.shape[0], len(self.structs)
+        cols = [-1] * (L + 1)
+        for j, li in enumerate(tap_layers):
+            cols[li + 1] = j
+        taps = h.new_empty(T, len(tap_layers) * self.d) if tap_layers else None
+        x = torch.empty_like(h)
+        ks, vs = self._pool_ptrs(k_cache, v_cache)
+        row0, nseg, start, table = segments
+        rc = self.fn(
+            ctypes.addressof(self.structs),
+            L,
+            int(self.dtype == torch.bfloat16),
+            ks,
+            vs,
+            k_cache.shape[2],
+            h.data_ptr(),
+            x.data_ptr(),
+            self.first[0].data_ptr(),
+            self.first[1],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            row0.numel(),
+            row0.data_ptr(),
+            nseg.data_ptr(),
+            start.data_ptr(),
+            table.data_ptr(),
+            table.shape[1],
+            self.block_shift,
+            T,
+            self.d,
+            self.H,
+            self.Hkv,
+            self.D,
+            self.inter,
+            scale,
+            (ctypes.c_int32 * (L + 1))(*cols),
+            None if taps is None else taps.data_ptr(),
+            len(tap_layers),
+        )
+        if rc != 0:
+            raise MemoryError("target_layers could not allocate its work buffers")
+        return x, taps

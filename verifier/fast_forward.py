@@ -36,7 +36,7 @@ from dspark_serve.verifier.config import LINEAR_KINDS
 
 if TYPE_CHECKING:
     from dspark_serve.verifier.block_manager import BlockManager
-    from dspark_serve.verifier.cpu_kernels import FusedElementwise, PagedAttention, RopeStore
+    from dspark_serve.verifier.cpu_kernels import FusedElementwise, PagedAttention, RopeStore, TargetLayers
     from dspark_serve.verifier.model_runner import ForwardOutput, Segment
 
 SMALL_SEGMENT = 32
@@ -228,6 +228,7 @@ class FastForwardMixin:
     paged_attention: PagedAttention | None  # the C kernel, when attention is "paged"
     rope_store: RopeStore | None  # with paged attention: rotary + K/V write in one C call
     fused: FusedElementwise | None  # with rope_store: residual add + norm, SwiGLU in C
+    target_driver: TargetLayers | None  # with all of those and the packed gemm: the layers in one C call
 
     # -- build ------------------------------------------------------------------------------------
     def _build_fast(self, linear: str) -> None:
@@ -280,6 +281,44 @@ class FastForwardMixin:
         self._cos_table: torch.Tensor | None = None
         self._sin_table: torch.Tensor | None = None
         self._ensure_rope(min(4096, getattr(self.config, "max_position_embeddings", 4096) or 4096))
+        self.target_driver = self._make_target_driver()
+
+    def _make_target_driver(self) -> TargetLayers | None:
+        """The decoder layers in one C call (`cpu_kernels.TargetLayers`) where every kernel of the
+        loop is a C one: the paged attention with rotary and the K/V write fused, the fused
+        elementwise kernels, every product through the packed gemm; no q/k head norms."""
+        from dspark_serve.verifier.cpu_kernels import (
+            SmallGemmLinear,
+            TargetLayers,
+            TargetLayerWeights,
+            load_kernels,
+        )
+
+        if self.fused is None or self.rope_store is None or self.paged_attention is None or self.has_qk_norm:
+            return None
+        lib = load_kernels()
+        layers = self.fast_layers
+        products = [lin for L in layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
+        if lib is None or not all(isinstance(lin, SmallGemmLinear) for lin in products):
+            return None
+        weights = [
+            TargetLayerWeights(
+                L.qkv,  # type: ignore[arg-type]
+                L.o,  # type: ignore[arg-type]
+                L.gate_up,  # type: ignore[arg-type]
+                L.down,  # type: ignore[arg-type]
+                (L.post_norm.w, L.post_norm.eps),
+                (nxt.w, nxt.eps),
+            )
+            for L, nxt in zip(layers, [L.in_norm for L in layers[1:]] + [self.fast_norm])
+        ]
+        first = (layers[0].in_norm.w, layers[0].in_norm.eps)
+        try:
+            return TargetLayers(
+                lib, weights, first, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size
+            )
+        except ValueError:  # a layout it does not take (a bias on gate_up, norms of another dtype)
+            return None
 
     def _ensure_rope(self, n: int) -> None:
         if self._cos_table is not None and self._cos_table.shape[0] >= n:
@@ -486,6 +525,28 @@ class FastForwardMixin:
         nq, nk = H * D, Hkv * D
         h = self.embed(plan.ids)
         taps: dict[int, torch.Tensor] = {}
+        drv = self.target_driver
+        if (
+            drv is not None
+            and plan.p_segments is not None
+            and T <= drv.max_rows
+            and h.dtype == drv.dtype
+            and len(set(tap_layers)) == len(tap_layers)
+        ):
+            # the loop below in one C call: same kernels, same order, bit for bit
+            cos, sin = plan.cos[:, 0].contiguous(), plan.sin[:, 0].contiguous()
+            x, hidden = drv(
+                h.contiguous(),
+                self.k_cache,
+                self.v_cache,
+                cos,
+                sin,
+                plan.slots,
+                plan.p_segments,
+                self.scaling,
+                tap_layers,
+            )
+            return self._output(x, plan, tap_layers, taps, hidden)
         if self.fused is not None and self.rope_store is not None:
             h = self._layers_fused(h, plan, tap_layers, taps)
             return self._output(h, plan, tap_layers, taps)
@@ -551,9 +612,15 @@ class FastForwardMixin:
         return x
 
     def _output(
-        self, h: torch.Tensor, plan: _FastPlan, tap_layers: tuple[int, ...], taps: dict[int, torch.Tensor]
+        self,
+        h: torch.Tensor,
+        plan: _FastPlan,
+        tap_layers: tuple[int, ...],
+        taps: dict[int, torch.Tensor],
+        hidden: torch.Tensor | None = None,
     ) -> ForwardOutput:
-        """Logits of the rows that need them and the tap states, from the final-normed h."""
+        """Logits of the rows that need them and the tap states (`hidden` where already
+        concatenated), from the final-normed h."""
         from dspark_serve.verifier.model_runner import ForwardOutput
 
         T = h.shape[0]
@@ -563,7 +630,8 @@ class FastForwardMixin:
             logits = self.fast_lm_head(rows).float()
         else:
             logits = h.new_zeros(0, self.vocab_size, dtype=torch.float32)
-        hidden = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
+        if hidden is None and tap_layers:
+            hidden = torch.cat([taps[i] for i in tap_layers], dim=-1)
         return ForwardOutput(
             logits=logits, logits_offsets=plan.logits_offsets, hidden=hidden, token_offsets=plan.token_offsets
         )

@@ -446,3 +446,47 @@ def test_float32_attention_rows_do_not_depend_on_what_shares_the_call():
     q_others = torch.randn(6, H, D, generator=g)
     mixed = run([others[0], (s0, n, blocks), *others[1:]], torch.cat([q_others[:1], q, q_others[1:]]))
     assert torch.equal(mixed[1 : 1 + n], block)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: a bias on q/k/v
+def test_layers_in_one_c_call_equal_the_python_loop(kind, dtype):
+    needs_paged_kernel()
+    runners = [ModelRunner(tiny_model(kind, layers=3, dtype=dtype), 64, 4, impl="fast") for _ in range(2)]
+    drv = runners[0].target_driver
+    assert drv is not None and runners[0].attention == "paged"
+    runners[1].target_driver = None  # the Python loop over the same kernels
+    calls = []
+    fn = drv.fn
+    drv.fn = lambda *a: calls.append(a[20]) or fn(*a)  # the step's rows
+    outs = []
+    for r in runners:
+        r.blocks.append("a", 37)
+        r.blocks.append("b", 5)
+        segs = [Segment("a", list(range(37)), 0, 30), Segment("b", [7, 8, 9, 10, 11], 0, 4)]
+        first = r.forward(segs, tap_layers=(-1, 1, 2))  # the embeddings, a middle and the last layer
+        r.blocks.append("a", 3)
+        r.blocks.append("b", 1)
+        second = r.forward([Segment("a", [1, 2, 3], 37, 0), Segment("b", [4], 5, 0)], tap_layers=(2, 0))
+        third = r.forward([Segment("b", [5], 6, 0)])  # no taps
+        outs.append((first, second, third))
+    assert calls == [42, 4, 1]
+    for a, b in zip(*outs):
+        assert a.logits_offsets == b.logits_offsets and a.token_offsets == b.token_offsets
+        assert torch.equal(a.logits, b.logits)
+        assert (a.hidden is None) == (b.hidden is None)
+        if a.hidden is not None:
+            assert torch.equal(a.hidden, b.hidden)
+    assert outs[0][1].hidden.shape == (4, 2 * 64)
+    assert torch.equal(runners[0].k_cache, runners[1].k_cache)
+    assert torch.equal(runners[0].v_cache, runners[1].v_cache)
+    # more rows than the packed gemm takes in bf16: the loop runs
+    drv.max_rows = 3
+    runners[0].blocks.append("a", 4)
+    runners[0].forward([Segment("a", [6, 7, 8, 9], 40, 0)])
+    assert calls == [42, 4, 1]
+
+
+def test_no_layers_in_one_c_call_with_head_norms():
+    needs_paged_kernel()
+    assert ModelRunner(tiny_model("qwen3"), 64, 4, impl="fast").target_driver is None  # q/k norms: the loop
