@@ -34,7 +34,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,7 +50,7 @@ SOURCES = tuple(
     CSRC / name
     for name in ("paged_attention.c", "small_gemm.c", "elementwise.c", "draft_layers.c", "target_layers.c")
 )
-HEADERS = (CSRC / "common.h",)
+HEADERS = (CSRC / "common.h", CSRC / "kernels.h")
 # -fassociative-math and friends let the compiler vectorise the float32 dot products and sums
 # (a fixed, deterministic order per build); no -ffinite-math-only: masked scores stay exact.
 CFLAGS = (
@@ -527,6 +527,52 @@ class SmallGemmLinear:
         return y
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _segment_args(segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[int, ...]:
+    """The attention's segments as the layer drivers take them: G, row0, n, start, the block
+    table and its width."""
+    row0, n, start, table = segments
+    return (row0.numel(), row0.data_ptr(), n.data_ptr(), start.data_ptr(), table.data_ptr(), table.shape[1])
+
+
+def _products(w: LayerProducts) -> list[int | None]:
+    """The first six fields of both layer structs: qkv, its bias, o, its bias, gate_up, down."""
+    return [
+        _ptr(t) for t in (w.qkv.packed, w.qkv.bias, w.o.packed, w.o.bias, w.gate_up.packed, w.down.packed)
+    ]
+
+
+class _LayersInC:
+    """What both layer drivers keep: the C function, the geometry, the first layer's input norm,
+    the row limit of their products and the weights their structs point into. linears: each
+    layer's (qkv, o, gate_up, down) in order."""
+
+    def __init__(
+        self,
+        fn: Any,  # a ctypes function of the library
+        layers: Sequence[object],
+        linears: list[SmallGemmLinear],
+        first_norm: tuple[torch.Tensor, float],
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> None:
+        self.fn = fn
+        self.H, self.Hkv, self.D = num_heads, num_kv_heads, head_dim
+        self.d = linears[1].N  # o's outputs: the model width
+        self.inter = linears[3].K  # down's inputs: the MLP width
+        self.first = first_norm
+        self.max_rows = min(lin.max_rows for lin in linears)
+        self._keep = layers  # the packed weights the structs point into
+
+    def _sizes(self, scale: float) -> tuple[int | float, ...]:
+        """The last arguments both drivers take: d, H, Hkv, D, the MLP width, the attention scale."""
+        return (self.d, self.H, self.Hkv, self.D, self.inter, scale)
+
+
 class _DraftLayer(ctypes.Structure):
     """One layer's weights as `draft_layers_bf16` reads them (csrc/draft_layers.c)."""
 
@@ -536,22 +582,28 @@ class _DraftLayer(ctypes.Structure):
 
 
 @dataclass(frozen=True)
-class DraftLayerWeights:
-    """What one drafter layer hands `DraftLayers`: its bf16 products through the packed small gemm
-    (gate_up and down without bias) and its norms as (weight, eps); next_norm is the next layer's
-    input norm, or the final norm after the last layer."""
+class LayerProducts:
+    """A decoder layer's four products through the packed gemm, as the layer drivers take them."""
 
     qkv: SmallGemmLinear
     o: SmallGemmLinear
     gate_up: SmallGemmLinear
     down: SmallGemmLinear
+
+
+@dataclass(frozen=True)
+class DraftLayerWeights(LayerProducts):
+    """What one drafter layer hands `DraftLayers`: its bf16 products through the packed small gemm
+    (gate_up and down without bias) and its norms as (weight, eps); next_norm is the next layer's
+    input norm, or the final norm after the last layer."""
+
     q_norm: tuple[torch.Tensor, float]
     k_norm: tuple[torch.Tensor, float]
     post_norm: tuple[torch.Tensor, float]
     next_norm: tuple[torch.Tensor, float]
 
 
-class DraftLayers:
+class DraftLayers(_LayersInC):
     """The drafter's decoder layers over a block in one C call (`draft_layers_bf16`): the kernels
     of `FastDraftBackbone._layers` with the in-place attention, in its order, without a Python
     dispatch per kernel. bf16 only; every product's rows must stay within the packed gemm's
@@ -574,30 +626,17 @@ class DraftLayers:
             raise ValueError("draft_layers_bf16 needs bf16 products and contiguous bf16 norms")
         if any(w.gate_up.bias is not None or w.down.bias is not None for w in layers):
             raise ValueError("draft_layers_bf16 takes gate_up / down without bias")
-        self.fn = lib.draft_layers_bf16
-        self.H, self.Hkv, self.D = num_heads, num_kv_heads, head_dim
-        self.d = layers[0].o.N
-        self.inter = layers[0].down.K
-        self.first = first_norm
-        self.max_rows = min(lin.max_rows for lin in linears)
-        self._keep = layers  # the packed weights the structs point into
-
-        def ptr(t: torch.Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
-
+        super().__init__(
+            lib.draft_layers_bf16, layers, linears, first_norm, num_heads, num_kv_heads, head_dim
+        )
         self.structs = (_DraftLayer * len(layers))(
             *[
                 _DraftLayer(
-                    ptr(w.qkv.packed),
-                    ptr(w.qkv.bias),
-                    ptr(w.o.packed),
-                    ptr(w.o.bias),
-                    ptr(w.gate_up.packed),
-                    ptr(w.down.packed),
-                    ptr(w.q_norm[0]),
-                    ptr(w.k_norm[0]),
-                    ptr(w.post_norm[0]),
-                    ptr(w.next_norm[0]),
+                    *_products(w),
+                    _ptr(w.q_norm[0]),
+                    _ptr(w.k_norm[0]),
+                    _ptr(w.post_norm[0]),
+                    _ptr(w.next_norm[0]),
                     w.q_norm[1],
                     w.k_norm[1],
                     w.post_norm[1],
@@ -629,7 +668,6 @@ class DraftLayers:
         [G, max_blocks], int32 (the attention's, every row seeing its whole block). All
         contiguous, on the CPU."""
         n, m = h.shape[0], rows.shape[0] - h.shape[0]
-        row0, nseg, start, table = segments
         rc = self.fn(
             ctypes.addressof(self.structs),
             len(self.structs),
@@ -644,21 +682,11 @@ class DraftLayers:
             sin_q.data_ptr(),
             cos_k.data_ptr(),
             sin_k.data_ptr(),
-            row0.numel(),
-            row0.data_ptr(),
-            nseg.data_ptr(),
-            start.data_ptr(),
-            table.data_ptr(),
-            table.shape[1],
+            *_segment_args(segments),
             block_shift,
             n,
             m,
-            self.d,
-            self.H,
-            self.Hkv,
-            self.D,
-            self.inter,
-            scale,
+            *self._sizes(scale),
         )
         if rc != 0:
             raise MemoryError("draft_layers_bf16 could not allocate its work buffers")
@@ -685,20 +713,16 @@ class _TargetLayer(ctypes.Structure):
 
 
 @dataclass(frozen=True)
-class TargetLayerWeights:
+class TargetLayerWeights(LayerProducts):
     """What one target layer hands `TargetLayers`: its products through the packed gemm (gate_up
     without bias) and its norms as (weight, eps); next_norm is the next layer's input norm, or
     the final norm after the last layer."""
 
-    qkv: SmallGemmLinear
-    o: SmallGemmLinear
-    gate_up: SmallGemmLinear
-    down: SmallGemmLinear
     post_norm: tuple[torch.Tensor, float]
     next_norm: tuple[torch.Tensor, float]
 
 
-class TargetLayers:
+class TargetLayers(_LayersInC):
     """The target's decoder layers over one step in one C call (`target_layers`): the kernels of
     `FastForwardMixin._layers_fused` with the paged attention, in its order, without a Python
     dispatch, an allocation and the argument checks per kernel. float32 or bf16 (the products'
@@ -726,31 +750,16 @@ class TargetLayers:
             raise ValueError("target_layers takes gate_up without bias")
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size!r}")
-        self.fn = lib.target_layers
+        super().__init__(lib.target_layers, layers, linears, first_norm, num_heads, num_kv_heads, head_dim)
         self.dtype = dtype
-        self.H, self.Hkv, self.D = num_heads, num_kv_heads, head_dim
         self.block_shift = block_size.bit_length() - 1
-        self.d = layers[0].o.N
-        self.inter = layers[0].down.K
-        self.first = first_norm
-        self.max_rows = min(lin.max_rows for lin in linears)
-        self._keep = layers  # the packed weights the structs point into
-
-        def ptr(t: torch.Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
-
         self.structs = (_TargetLayer * len(layers))(
             *[
                 _TargetLayer(
-                    ptr(w.qkv.packed),
-                    ptr(w.qkv.bias),
-                    ptr(w.o.packed),
-                    ptr(w.o.bias),
-                    ptr(w.gate_up.packed),
-                    ptr(w.down.packed),
-                    ptr(w.down.bias),
-                    ptr(w.post_norm[0]),
-                    ptr(w.next_norm[0]),
+                    *_products(w),
+                    _ptr(w.down.bias),
+                    _ptr(w.post_norm[0]),
+                    _ptr(w.next_norm[0]),
                     w.post_norm[1],
                     w.next_norm[1],
                 )
@@ -795,7 +804,6 @@ class TargetLayers:
         taps = h.new_empty(T, len(tap_layers) * self.d) if tap_layers else None
         x = torch.empty_like(h)
         ks, vs = self._pool_ptrs(k_cache, v_cache)
-        row0, nseg, start, table = segments
         rc = self.fn(
             ctypes.addressof(self.structs),
             L,
@@ -810,20 +818,10 @@ class TargetLayers:
             cos.data_ptr(),
             sin.data_ptr(),
             slots.data_ptr(),
-            row0.numel(),
-            row0.data_ptr(),
-            nseg.data_ptr(),
-            start.data_ptr(),
-            table.data_ptr(),
-            table.shape[1],
+            *_segment_args(segments),
             self.block_shift,
             T,
-            self.d,
-            self.H,
-            self.Hkv,
-            self.D,
-            self.inter,
-            scale,
+            *self._sizes(scale),
             (ctypes.c_int32 * (L + 1))(*cols),
             None if taps is None else taps.data_ptr(),
             len(tap_layers),

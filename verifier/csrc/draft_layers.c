@@ -14,18 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-void small_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
-                uint16_t *y, int M, int N, int K);
-void norm_rope_bf16(const uint16_t *x, int64_t xs, int64_t hs, const uint16_t *w, float eps,
-                    const uint16_t *cos, const uint16_t *sin, uint16_t *out, int T, int nh, int D);
-void add_rmsnorm(uint16_t *h, const uint16_t *delta, int64_t delta_stride, const uint16_t *w,
-                 uint16_t *out, int T, int d, float eps);
-void silu_mul(const uint16_t *gu, uint16_t *out, int T, int n);
-int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const void *k_cache,
-                    const void *v_cache, void *out, int dtype, int G, const int32_t *row0,
-                    const int32_t *n, const int32_t *start, const int32_t *block_table, int max_blocks,
-                    int block_shift, int64_t kv_token_stride, int64_t kv_head_stride, int causal,
-                    int H, int Hkv, int D, float scale);
+#include "kernels.h"
 
 /* One layer's weights: products packed by small_gemm_pack (bias NULL where none), norms [d] or
  * [D] (next_norm: the next layer's input norm, or the final norm after the last layer). */

@@ -17,6 +17,7 @@
 #endif
 
 #include "common.h"
+#include "kernels.h" /* the prototypes the layer drivers call: checked against the definitions here */
 
 /* h [T, d] (row stride d) += delta [T, d] (row stride delta_stride; NULL: no add), rounded to
  * bf16 in place; then out [T, d] = h / sqrt(mean(h^2) + eps) * w. */

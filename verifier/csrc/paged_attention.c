@@ -32,6 +32,7 @@
 #endif
 
 #include "common.h"
+#include "kernels.h" /* the prototypes the layer drivers call: checked against the definitions here */
 
 /* D elements starting at element `offset` of base, widened to float32 */
 static inline void load_at(const void *base, int dtype, int64_t offset, int D, float *dst) {

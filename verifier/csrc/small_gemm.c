@@ -17,6 +17,7 @@
 #endif
 
 #include "common.h"
+#include "kernels.h" /* the prototypes the layer drivers call: checked against the definitions here */
 
 #define NB 16 /* output rows per packed block */
 #define MB 16 /* rows of x per pass over a block */

@@ -15,25 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-void small_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
-                uint16_t *y, int M, int N, int K);
-void small_gemm_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y,
-                    int M, int N, int K);
-void add_rmsnorm(uint16_t *h, const uint16_t *delta, int64_t delta_stride, const uint16_t *w,
-                 uint16_t *out, int T, int d, float eps);
-void add_rmsnorm_f32(float *h, const float *delta, int64_t delta_stride, const float *w, float *out,
-                     int T, int d, float eps);
-void silu_mul(const uint16_t *gu, uint16_t *out, int T, int n);
-void silu_mul_f32(const float *gu, float *out, int T, int n);
-void rope_store(void *q, int64_t q_stride, int64_t q_hstride, const void *k, int64_t k_stride,
-                int64_t k_hstride, const void *v, int64_t v_stride, const void *cos, const void *sin,
-                const int64_t *slots, void *k_cache, void *v_cache, int64_t num_slots, int dtype, int T,
-                int H, int Hkv, int D);
-int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const void *k_cache,
-                    const void *v_cache, void *out, int dtype, int G, const int32_t *row0,
-                    const int32_t *n, const int32_t *start, const int32_t *block_table, int max_blocks,
-                    int block_shift, int64_t kv_token_stride, int64_t kv_head_stride, int causal,
-                    int H, int Hkv, int D, float scale);
+#include "kernels.h"
 
 /* One layer's weights: products packed by small_gemm_pack / small_gemm_f32_pack (bias NULL
  * where none; gate_up has none), norms [d] (next_norm: the next layer's input norm, or the

@@ -1,0 +1,29 @@
+/* The kernels the layer drivers (draft_layers.c, target_layers.c) call, defined in
+ * small_gemm.c, elementwise.c and paged_attention.c. */
+#ifndef DSPARK_CSRC_KERNELS_H
+#define DSPARK_CSRC_KERNELS_H
+#include <stdint.h>
+
+void small_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                uint16_t *y, int M, int N, int K);
+void small_gemm_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y,
+                    int M, int N, int K);
+void norm_rope_bf16(const uint16_t *x, int64_t xs, int64_t hs, const uint16_t *w, float eps,
+                    const uint16_t *cos, const uint16_t *sin, uint16_t *out, int T, int nh, int D);
+void add_rmsnorm(uint16_t *h, const uint16_t *delta, int64_t delta_stride, const uint16_t *w,
+                 uint16_t *out, int T, int d, float eps);
+void add_rmsnorm_f32(float *h, const float *delta, int64_t delta_stride, const float *w, float *out,
+                     int T, int d, float eps);
+void silu_mul(const uint16_t *gu, uint16_t *out, int T, int n);
+void silu_mul_f32(const float *gu, float *out, int T, int n);
+void rope_store(void *q, int64_t q_stride, int64_t q_hstride, const void *k, int64_t k_stride,
+                int64_t k_hstride, const void *v, int64_t v_stride, const void *cos, const void *sin,
+                const int64_t *slots, void *k_cache, void *v_cache, int64_t num_slots, int dtype, int T,
+                int H, int Hkv, int D);
+int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const void *k_cache,
+                    const void *v_cache, void *out, int dtype, int G, const int32_t *row0,
+                    const int32_t *n, const int32_t *start, const int32_t *block_table, int max_blocks,
+                    int block_shift, int64_t kv_token_stride, int64_t kv_head_stride, int causal,
+                    int H, int Hkv, int D, float scale);
+
+#endif
