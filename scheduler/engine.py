@@ -473,19 +473,18 @@ class Engine:
             verified = proposal.lengths[i]
             assert res is not None  # decodes always get a verdict
             a = res.accepted(i)
+            accepted = proposal.drafts(i)[:a].tolist() if a else []
             start = r.num_computed
             r.num_computed += 1 + a
             self.runner.blocks.truncate(r.request_id, r.num_computed)  # roll back rejected drafts
             # only now are these tokens committed: their full blocks may enter the prefix cache
-            self.runner.blocks.commit(
-                r.request_id, r.token_ids + proposal.drafts(i)[:a].tolist(), r.num_computed
-            )
+            self.runner.blocks.commit(r.request_id, r.token_ids + accepted, r.num_computed)
             if keep_context:
                 off = v.forward.token_offsets[i]
                 contexts.append(
                     AcceptedContext(
                         r.request_id,
-                        [r.output_ids[-1]] + proposal.drafts(i)[:a].tolist(),
+                        [r.output_ids[-1]] + accepted,
                         start,
                         None if hidden is None else hidden[off : off + 1 + a],
                     )

@@ -10,8 +10,6 @@ its block, so every cached block has its rows. Rolled-back drafts never get a ro
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from dspark_serve.drafter.base import AcceptedContext
@@ -43,7 +41,7 @@ class TapCache:
                 continue
             slots += self.blocks.slots(c.request_id, c.start_pos, c.start_pos + len(c.token_ids))
             rows.append(c.hidden)
-            out.append(replace(c, stored=self))
+            out.append(AcceptedContext(c.request_id, c.token_ids, c.start_pos, c.hidden, stored=self))
         if not rows:
             return out
         h = torch.cat(rows)
