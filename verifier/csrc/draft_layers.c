@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common.h"
 #include "kernels.h"
 
 /* One layer's weights: products packed by small_gemm_pack (bias NULL where none), norms [d] or
@@ -80,10 +81,6 @@ int draft_layers_bf16(const DraftLayer *layers, int L, void *const *k_pools, voi
     return rc;
 }
 
-int markov_greedy_walk(const void *base, int base_dtype, const int64_t *anchor, const void *w1,
-                       const void *w2, int dtype, const int64_t *d2t, int B, int K, int V, int r,
-                       int64_t *tokens, int64_t *prevs);
-
 /* An all-greedy block's tail in one call (bfloat16 hidden rows): the draft LM head over the
  * block's rows, the Markov head's greedy walk over its logits (markov_greedy_walk) and the
  * confidence head's raw logits, what DSparkDrafter.propose otherwise runs as three Python
@@ -106,11 +103,7 @@ int draft_tail_bf16(const uint16_t *hidden, int64_t hs, const uint16_t *head, in
     for (int i = 0; i < R; i++) {
         const uint16_t *h = hidden + (int64_t)i * hs;
         float s = 0.0f;
-        for (int j = 0; j < d; j++) {
-            union { uint32_t u; float f; } x;
-            x.u = (uint32_t)h[j] << 16;
-            s += x.f * w_h[j];
-        }
+        for (int j = 0; j < d; j++) s += bf16_to_f32(h[j]) * w_h[j];
         s += bias;
         if (per_prev) s += per_prev[prevs[i]];
         conf[i] = s;

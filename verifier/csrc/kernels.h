@@ -20,6 +20,9 @@ void rope_store(void *q, int64_t q_stride, int64_t q_hstride, const void *k, int
                 int64_t k_hstride, const void *v, int64_t v_stride, const void *cos, const void *sin,
                 const int64_t *slots, void *k_cache, void *v_cache, int64_t num_slots, int dtype, int T,
                 int H, int Hkv, int D);
+int markov_greedy_walk(const void *base, int base_dtype, const int64_t *anchor, const void *w1,
+                       const void *w2, int dtype, const int64_t *d2t, int B, int K, int V, int r,
+                       int64_t *tokens, int64_t *prevs);
 int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const void *k_cache,
                     const void *v_cache, void *out, int dtype, int G, const int32_t *row0,
                     const int32_t *n, const int32_t *start, const int32_t *block_table, int max_blocks,
