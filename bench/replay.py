@@ -113,6 +113,9 @@ class ReplayDrafter:
         self.stats.accepted += accepted
         self.stats.tried += accepted + (1 if accepted < proposed else 0)
 
+    def catch_up_seconds(self, request_ids: list[str]) -> float | None:
+        return 0.0  # absorbs nothing
+
     def free(self, request_id: str) -> None:
         self._observed.pop(request_id, None)
         self._checked.pop(request_id, None)

@@ -127,6 +127,12 @@ class Drafter(Protocol):
         """Feedback after verification (online confidence estimates use it)."""
         ...
 
+    def catch_up_seconds(self, request_ids: list[str]) -> float | None:
+        """Seconds the next proposal for these requests would spend first absorbing the
+        context they kept since they last drafted (0: nothing waits; None: not known yet).
+        The draft gate weighs it before exploring drafting at a load where plain steps win."""
+        ...
+
     def free(self, request_id: str) -> None:
         """Drop all state for a finished or aborted request."""
         ...

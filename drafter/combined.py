@@ -134,6 +134,11 @@ class CombinedDrafter:
         for d in self.drafters:  # both keep complete contexts, whichever drafted
             d.observe(contexts)
 
+    def catch_up_seconds(self, request_ids: list[str]) -> float | None:
+        # the lookup absorbs nothing; what the primary would is an upper bound (requests
+        # the lookup drafts for this step leave their context waiting)
+        return self.drafters[0].catch_up_seconds(request_ids)
+
     def observe_acceptance(self, request_id: str, proposed: int, accepted: int) -> None:
         st = self._state.get(request_id)
         if st is None or st.last < 0 or proposed <= 0:

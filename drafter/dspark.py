@@ -8,6 +8,7 @@ when drafts are rejected.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,11 @@ class DSparkDrafterConfig:
         its next draft (the context is absorbed lazily); beyond this they are projected at
         once. Positions whose states the engine keeps readable (`AcceptedContext.stored`: the
         prefix cache's tap rows) wait without a copy and without this bound.
+    absorb_apart: more pending positions than this (over the requests of one proposal) are
+        projected on their own, k and v only, before the block's pass, instead of riding in
+        it (where the layers compute their queries too, and past a few rows the C driver gives
+        way to the Python loop): measured on the embedded drafter in bf16, 5,000 positions
+        65 against 83 ms, 100 positions 2.6 against 2.9 ms; 3 positions 1.1 against 0.8 ms.
     """
 
     block_size: int | None = None
@@ -57,6 +63,7 @@ class DSparkDrafterConfig:
     initial_capacity: int = 256
     online_calibration: bool = True
     max_pending: int = 256
+    absorb_apart: int = 64
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size <= 0:
@@ -65,6 +72,8 @@ class DSparkDrafterConfig:
             raise ValueError(f"initial_capacity must be > 0, got {self.initial_capacity!r}")
         if self.max_pending <= 0:
             raise ValueError(f"max_pending must be > 0, got {self.max_pending!r}")
+        if self.absorb_apart < 0:
+            raise ValueError(f"absorb_apart must be >= 0, got {self.absorb_apart!r}")
 
 
 class ContextKVCache:
@@ -315,6 +324,9 @@ class DSparkDrafter:
         self._last: dict[str, tuple[list[float], list[float]]] = {}
         # per request: tap states observed but not yet projected into the context K/V
         self._pending: dict[str, _Pending] = {}
+        # seconds one pending position costs to absorb (a moving average over absorptions of
+        # at least `absorb_apart` positions, where the cost is the rows', not the dispatch's)
+        self._row_seconds: float | None = None
 
     # -- context ------------------------------------------------------------------------
 
@@ -385,10 +397,21 @@ class DSparkDrafter:
         hidden = hiddens[0].to(dev) if len(hiddens) == 1 else torch.cat([h.to(dev) for h in hiddens])
         return _PendingRows(hidden, torch.tensor(slots, device=dev), torch.tensor(positions, device=dev))
 
+    def _pending_rows(self, request_ids: list[str]) -> int:
+        """Positions of these requests waiting to be projected."""
+        return sum(p.end - p.start for p in map(self._pending.get, request_ids) if p is not None)
+
+    def catch_up_seconds(self, request_ids: list[str]) -> float | None:
+        n = self._pending_rows(request_ids)
+        if n == 0:
+            return 0.0
+        return None if self._row_seconds is None else n * self._row_seconds
+
     @torch.no_grad()
     def _absorb(self, request_ids: list[str]) -> None:
         """Project the pending tap states of these requests into their context K/V, in one
         batch across requests."""
+        t0 = time.perf_counter()
         rows = self._take_pending(request_ids)
         if rows is None:
             return
@@ -396,6 +419,13 @@ class DSparkDrafter:
         for layer in range(len(self.model.layers)):
             k, v = self.backbone.context_kv(layer, feats, rows.positions)
             self.cache.write(layer, rows.slots, rows.positions, k, v)
+        n = rows.positions.shape[0]
+        if n >= max(1, self.config.absorb_apart):
+            if rows.positions.is_cuda:
+                torch.cuda.synchronize(rows.positions.device)
+            per = (time.perf_counter() - t0) / n
+            old = self._row_seconds
+            self._row_seconds = per if old is None else 0.5 * (old + per)
 
     # -- drafting -----------------------------------------------------------------------
 
@@ -408,10 +438,11 @@ class DSparkDrafter:
         L = self.block_size if length is None else max(1, min(length, self.block_size))
         in_place = isinstance(self.backbone, FastDraftBackbone) and self.backbone.reads_pools_in_place
         pending = None
-        if in_place:
-            pending = self._take_pending([r.request_id for r in requests])
+        rids = [r.request_id for r in requests]
+        if in_place and self._pending_rows(rids) <= self.config.absorb_apart:
+            pending = self._take_pending(rids)  # projected in the block's own pass
         else:
-            self._absorb([r.request_id for r in requests])
+            self._absorb(rids)
         slots, anchors, starts = [], [], []
         for req in requests:
             start = len(req.token_ids) - 1

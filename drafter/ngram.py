@@ -113,6 +113,9 @@ class NgramDrafter:
     def observe(self, contexts: list[AcceptedContext]) -> None:
         """Nothing to absorb: lookups read the request's token ids directly."""
 
+    def catch_up_seconds(self, request_ids: list[str]) -> float | None:
+        return 0.0  # nothing to absorb
+
     def observe_acceptance(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return

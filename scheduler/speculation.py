@@ -144,7 +144,11 @@ class Speculation:
         # that stop drafting once all of them decode at a level where drafting loses.
         prefilling = load is not None and load.prefill_tokens > 0
         soon = len(decodes) + (load.num_prefilling if load is not None and prefilling else 0)
-        drafting = self.gate is None or own_choice or self.gate.should_draft(soon, explore=not prefilling)
+        drafting = self.gate is None or own_choice
+        if not drafting:
+            assert self.gate is not None and self.drafter is not None
+            catch_up = None if prefilling else self.drafter.catch_up_seconds([r.request_id for r in decodes])
+            drafting = self.gate.should_draft(soon, explore=not prefilling, catch_up=catch_up)
         if drafting:
             proposals = self._draft(decodes)
         else:

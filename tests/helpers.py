@@ -19,5 +19,8 @@ class FakeDrafterBase:
     def observe_acceptance(self, rid, proposed, accepted):
         self.feedback.append((rid, proposed, accepted))
 
+    def catch_up_seconds(self, rids):
+        return 0.0
+
     def free(self, rid):
         pass

@@ -232,6 +232,52 @@ def test_in_place_block_absorbs_the_context_in_its_own_pass(monkeypatch):
     assert fused.cache.length("r0") == 7 and fused.cache.length("r1") == 9
 
 
+def test_a_large_catch_up_is_projected_apart_and_priced(monkeypatch):
+    """More pending positions than `absorb_apart` are projected on their own (k / v only)
+    before the block's pass: the same block and context K/V as riding in it, bit for bit
+    (float32). Their cost per position is measured there, and `catch_up_seconds` prices what
+    waits with it: unknown before any such projection, 0 with nothing pending, then in
+    proportion to the positions waiting."""
+    model = model_for("in-place")
+    g = torch.Generator().manual_seed(9)
+    hid = torch.randn(2, 12, 3 * D, generator=g)
+    ids = torch.randint(0, V - 1, (2, 12), generator=g)
+    apart, riding = make_drafter(model, fast="in-place"), make_drafter(model, fast="in-place")
+    apart.config = DSparkDrafterConfig(initial_capacity=4, absorb_apart=8)
+    calls = []
+    kv = apart.backbone.context_kv
+    monkeypatch.setattr(apart.backbone, "context_kv", lambda *a: calls.append(a[1].shape[0]) or kv(*a))
+    ctx = lambda r, a, b: AcceptedContext(f"r{r}", ids[r, a:b].tolist(), a, hid[r, a:b])
+
+    def reqs(ends):
+        return [DraftRequest(f"r{r}", ids[r, : e + 1].tolist(), 3, GREEDY, None, 100) for r, e in ends]
+
+    assert apart.catch_up_seconds(["r0", "r1"]) == 0.0
+    for dr in (apart, riding):
+        dr.observe([ctx(0, 0, 3), ctx(1, 0, 4)])
+    assert apart.catch_up_seconds(["r0", "r1"]) is None  # nothing measured yet
+    first = reqs([(0, 3), (1, 4)])
+    assert torch.equal(apart.block_hidden(first), riding.block_hidden(first))
+    assert calls == [] and apart._row_seconds is None  # 7 rows rode in the pass: not measured
+    for dr in (apart, riding):
+        dr.observe([ctx(0, 3, 9), ctx(1, 4, 10)])
+    ends = [(0, 9), (1, 10)]
+    assert torch.equal(apart.block_hidden(reqs(ends)), riding.block_hidden(reqs(ends)))
+    assert calls == [12, 12]  # 12 rows, one pass per layer of their own
+    for layer in range(2):
+        for pools in ("k", "v"):
+            for r, e in ends:
+                got = getattr(apart.cache, pools)[layer][apart.cache.slot(f"r{r}"), :e]
+                assert torch.equal(got, getattr(riding.cache, pools)[layer][riding.cache.slot(f"r{r}"), :e])
+    per = apart._row_seconds
+    assert per is not None and per > 0
+    apart.observe([ctx(0, 9, 11)])
+    assert apart.catch_up_seconds(["r0", "r1"]) == pytest.approx(2 * per)
+    assert apart.catch_up_seconds(["r1"]) == 0.0
+    with pytest.raises(ValueError, match="absorb_apart"):
+        DSparkDrafterConfig(absorb_apart=-1)
+
+
 def test_bf16_layers_in_one_c_call_equal_the_python_loop(monkeypatch):
     """bf16 on a CPU with the C kernels: the block's layers run as one C call (`DraftLayers`),
     the same kernels in the same order as the Python loop: the same block hidden states and the

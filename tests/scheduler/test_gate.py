@@ -1,5 +1,6 @@
 """The draft gate: learns per load level whether drafting pays, from past steps only."""
 
+import copy
 import time
 
 import pytest
@@ -230,6 +231,35 @@ def test_a_levels_own_verdict_must_clear_a_prior_it_contradicts():
     _warm_rows(slow, 1, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
     assert slow.interval(1.75) == 225
     assert [slow.should_draft(16) for _ in range(32)] == [False] * 29 + [True] * 3
+
+
+def test_an_exploration_of_drafting_waits_until_its_catch_up_fits_the_regret():
+    """Where plain steps win, exploring drafting first pays the drafter's catch-up on the
+    context the plain steps kept: the gate explores only once as many steps are behind it as
+    keep that within `regret` of their time. Where drafting wins, explorations are plain steps
+    and the catch-up changes nothing."""
+    g = DraftGate(warmup=2, explore_every=4, regret=0.5)
+    _warm(g, 1, on_rate=1, off_rate=2)
+    assert g.favoured(1) == (False, pytest.approx(2.0)) and g.interval(2.0, 0, False) == 6
+    assert g.catch_up_interval(0, 5.0) == 10  # 5 s within 50% of 1 s steps
+    assert g.catch_up_interval(0, 1e9) == g.max_explore_every and g.catch_up_interval(3, 5.0) == 0
+    cheap, dear = copy.deepcopy(g), copy.deepcopy(g)
+    assert [cheap.should_draft(1, catch_up=0.5) for _ in range(12)] == ([False] * 3 + [True] * 3) * 2
+    assert [g.should_draft(1) for _ in range(12)] == ([False] * 3 + [True] * 3) * 2  # unknown: as before
+    assert [dear.should_draft(1, catch_up=5.0) for _ in range(20)] == ([False] * 7 + [True] * 3) * 2
+    wins = DraftGate(warmup=2, explore_every=4, regret=0.5)
+    _warm(wins, 1, on_rate=2, off_rate=1)
+    twin = copy.deepcopy(wins)
+    same = [twin.should_draft(1) for _ in range(12)]
+    assert [wins.should_draft(1, catch_up=5.0) for _ in range(12)] == same
+    # a prior alone would probe within probe_every steps; a dear catch-up defers that probe too
+    price = lambda tokens, requests: 0.01 * max(4.0, tokens)
+    probe = DraftGate(warmup=2, explore_every=8, regret=0.01, price=price, probe_every=32)
+    _warm_rows(probe, 1, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
+    probe.record(16, False, 16, 0.05)
+    probe.record(16, False, 16, 0.05)
+    picks = [probe.should_draft(16, catch_up=0.4) for _ in range(800)]
+    assert picks.index(True) == probe.max_explore_every - 3  # 0.4 s over 1% of 0.05 s steps: 800
 
 
 def test_gate_config_rejects_bad_values():

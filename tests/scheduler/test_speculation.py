@@ -33,7 +33,11 @@ class FakeDrafter(FakeDrafterBase):
 
 
 class ClosedGate:
-    def should_draft(self, n, explore=True):
+    def __init__(self):
+        self.asked = []
+
+    def should_draft(self, n, explore=True, catch_up=None):
+        self.asked.append((n, explore, catch_up))
         return False
 
     def record(self, *a):
@@ -175,7 +179,7 @@ def test_a_step_that_prefills_asks_the_gate_for_no_exploration():
         def __init__(self):
             self.asked = []
 
-        def should_draft(self, n, explore=True):
+        def should_draft(self, n, explore=True, catch_up=None):
             self.asked.append((n, explore))
             return explore  # an exploration is due: drafting, unless it may not explore
 
@@ -214,3 +218,22 @@ def test_the_draft_reserve_follows_the_gates_mode_for_the_running_requests():
     assert spec2.draft_reserve(running + [decoding("s", seed=1)]) == 2  # seeded requests draft anyway
     spec2.use_policy("static:3")  # no gate: always the reserve
     assert spec2.draft_reserve(running) == 2
+
+
+def test_the_gate_hears_what_the_drafters_catch_up_would_cost():
+    """A pure decode step tells the gate the drafter's catch-up price for the requests that
+    would draft (exploring drafting at a load where plain wins pays it); a step that prefills
+    explores nothing, so it is not asked."""
+
+    class Pricing(FakeDrafter):
+        def catch_up_seconds(self, rids):
+            self.priced = list(rids)
+            return 0.25
+
+    dr = Pricing()
+    spec = Speculation(dr, SchedulerConfig(verify_policy="dspark"), max_model_len=512)
+    spec.gate = gate = ClosedGate()
+    spec.propose([decoding("a"), decoding("b")], room=100, load=LOAD)
+    assert gate.asked == [(2, True, 0.25)] and dr.priced == ["a", "b"]
+    spec.propose([decoding("a")], room=100, load=LoadState(num_running=2, prefill_tokens=8, num_prefilling=1))
+    assert gate.asked[1] == (2, False, None)
