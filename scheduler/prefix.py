@@ -44,7 +44,7 @@ class TapCache:
             out.append(AcceptedContext(c.request_id, c.token_ids, c.start_pos, c.hidden, stored=self))
         if not rows:
             return out
-        h = torch.cat(rows)
+        h = rows[0] if len(rows) == 1 else torch.cat(rows)  # a prefill chunk alone: no copy
         if self.rows is not None and (self.rows.shape[1] != h.shape[1] or self.rows.dtype != h.dtype):
             self.rows = None
         # Grown by doubling up to the highest slot written (low blocks are handed out first),

@@ -548,8 +548,8 @@ class FastForwardMixin:
             )
             return self._output(x, plan, tap_layers, taps, hidden)
         if self.fused is not None and self.rope_store is not None:
-            h = self._layers_fused(h, plan, tap_layers, taps)
-            return self._output(h, plan, tap_layers, taps)
+            h, hidden = self._layers_fused(h, plan, tap_layers)
+            return self._output(h, plan, tap_layers, taps, hidden)
         if -1 in tap_layers:
             taps[-1] = h
         cos, sin = plan.cos, plan.sin
@@ -578,18 +578,28 @@ class FastForwardMixin:
         return self._output(h, plan, tap_layers, taps)
 
     def _layers_fused(
-        self, h: torch.Tensor, plan: _FastPlan, tap_layers: tuple[int, ...], taps: dict[int, torch.Tensor]
-    ) -> torch.Tensor:
+        self, h: torch.Tensor, plan: _FastPlan, tap_layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder layers on a CPU with the C kernels (bf16 or float32): each residual add is
         fused with the norm after it (h is updated in place, so taps take copies), rotary with the K/V
-        write, SwiGLU into one call. -> the final-normed hidden states [T, d]."""
+        write, SwiGLU into one call. -> the final-normed hidden states [T, d] and the tap states
+        [T, len(tap_layers) * d] (None without tap layers), each copied once into its columns
+        (a prefill chunk's taps are megabytes: no clone-then-concatenate)."""
         assert self.fused is not None and self.rope_store is not None
         E, T = self.fused, h.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         nq, nk = H * D, Hkv * D
         h = h.contiguous()
-        if -1 in tap_layers:
-            taps[-1] = h.clone()
+        d = h.shape[1]
+        hidden = h.new_empty(T, len(tap_layers) * d) if tap_layers else None
+
+        def tap(layer: int, state: torch.Tensor) -> None:
+            if hidden is not None:
+                for j, t in enumerate(tap_layers):
+                    if t == layer:
+                        hidden[:, j * d : (j + 1) * d].copy_(state)
+
+        tap(-1, h)
         last = self.num_layers - 1
         first = self.fast_layers[0].in_norm
         x = E.add_rmsnorm(h, None, first.w, first.eps)
@@ -605,11 +615,10 @@ class FastForwardMixin:
             )
             after = self.fast_layers[li + 1].in_norm if li < last else self.fast_norm
             x = E.add_rmsnorm(h, L.down(E.silu_mul(L.gate_up(x))), after.w, after.eps)
-            if li in tap_layers and li != last:
-                taps[li] = h.clone()
-        if last in tap_layers:
-            taps[last] = x
-        return x
+            if li != last:
+                tap(li, h)
+        tap(last, x)
+        return x, hidden
 
     def _output(
         self,
