@@ -127,6 +127,22 @@ void small_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, con
 #else
 #define MBF 4
 #endif
+/* The plain C path (no AVX2 with FMA): -fassociative-math lets the compiler vectorise a row's sum
+ * over k one way when the call has one row and another way for several (it did, on x86-64
+ * without AVX), which breaks the batch invariance above; there the sums stay in k order. The
+ * intrinsics paths fix their order themselves and keep the flag. */
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
+#if defined(__clang__)
+#define F32_IN_ORDER
+#define F32_IN_ORDER_HERE _Pragma("clang fp reassociate(off)")
+#else
+#define F32_IN_ORDER __attribute__((optimize("no-associative-math")))
+#define F32_IN_ORDER_HERE
+#endif
+#else
+#define F32_IN_ORDER
+#define F32_IN_ORDER_HERE
+#endif
 
 /* W [N, K] (row stride K) -> packed [ceil(N/16)][K][16]; rows past N are zero. */
 void small_gemm_f32_pack(const float *W, float *packed, int N, int K) {
@@ -140,7 +156,7 @@ void small_gemm_f32_pack(const float *W, float *packed, int N, int K) {
 }
 
 /* out[mc][16] over one block: its weights against mc (<= MBF) rows of x */
-static inline __attribute__((always_inline)) void block_dot_f32(
+static inline __attribute__((always_inline)) F32_IN_ORDER void block_dot_f32(
     const float *wb, const float *x, int64_t x_stride, int K, int mc, float out[MBF][NB]) {
 #ifdef __AVX512F__
     __m512 a[MBF];
@@ -168,6 +184,7 @@ static inline __attribute__((always_inline)) void block_dot_f32(
         _mm256_storeu_ps(out[m] + 8, hi[m]);
     }
 #else
+    F32_IN_ORDER_HERE
     for (int m = 0; m < mc; m++)
         for (int j = 0; j < NB; j++) out[m][j] = 0.0f;
     for (int k = 0; k < K; k++)
@@ -178,8 +195,8 @@ static inline __attribute__((always_inline)) void block_dot_f32(
 
 /* x: [M, K] with row stride x_stride (elements); packed from small_gemm_f32_pack; bias: [N] or
  * NULL; y: [M, N] contiguous. */
-void small_gemm_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y,
-                    int M, int N, int K) {
+F32_IN_ORDER void small_gemm_f32(const float *x, int64_t x_stride, const float *packed, const float *bias,
+                                 float *y, int M, int N, int K) {
     int blocks = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static)
     for (int b = 0; b < blocks; b++) {

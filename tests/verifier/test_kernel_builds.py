@@ -1,0 +1,61 @@
+"""The C kernels' narrower code paths, checked on a wider CPU: the library is rebuilt with the
+CPU's AVX512 extensions (or all of AVX) switched off, and the kernel, fast-forward and drafter
+tests run against it in a child process. On an AVX2-only CPU the main suite already runs the
+AVX2 paths; here an AVX512 host checks them too, and an x86 host the plain C paths other CPUs
+build."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark_serve.verifier.cpu_kernels import _cpu_flags, find_compiler
+
+ROOT = Path(__file__).resolve().parents[2]
+NO_AVX512 = (
+    "-mno-avx512f -mno-avx512bw -mno-avx512cd -mno-avx512dq -mno-avx512vl -mno-avx512bf16 "
+    "-mno-avx512vnni -mno-avx512ifma -mno-avx512vbmi -mno-avx512vbmi2 -mno-avx512bitalg "
+    "-mno-avx512vpopcntdq"
+).split()
+NO_AVX = [*NO_AVX512, "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx"]
+TESTS = [
+    "tests/verifier/test_cpu_kernels.py",
+    "tests/verifier/test_fast_forward.py",
+    "tests/drafter/test_dspark_serving.py",
+]
+# flags appended to cpu_kernels.CFLAGS, and the CPU flag that makes the build narrower than native
+BUILDS = {"avx2": (NO_AVX512, "avx512f"), "no-avx": (NO_AVX, "avx2")}
+CHILD = """
+import sys
+import dspark_serve.verifier.cpu_kernels as ck
+ck.CFLAGS = ck.CFLAGS + tuple(sys.argv[1].split())
+assert ck.load_kernels() is not None, "the narrower build failed"
+import pytest
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-x", *sys.argv[2:]]))
+"""
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_narrower_kernel_builds_pass_the_kernel_tests(name, tmp_path):
+    flags, wider = BUILDS[name]
+    if platform.machine() not in ("x86_64", "AMD64") or find_compiler() is None:
+        pytest.skip("needs an x86-64 CPU and a C compiler")
+    if wider not in _cpu_flags().split():
+        pytest.skip(f"this CPU has no {wider}: the main suite already runs the {name} build's paths")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))  # a fresh kernel cache: built here
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD, " ".join(flags), *TESTS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    built = list((tmp_path / "dspark-serve" / "kernels").glob("cpu_kernels-*.so"))
+    assert len(built) == 1  # the narrower library, and no other, was built and used
