@@ -524,7 +524,6 @@ class FastForwardMixin:
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         nq, nk = H * D, Hkv * D
         h = self.embed(plan.ids)
-        taps: dict[int, torch.Tensor] = {}
         drv = self.target_driver
         if (
             drv is not None
@@ -546,10 +545,11 @@ class FastForwardMixin:
                 self.scaling,
                 tap_layers,
             )
-            return self._output(x, plan, tap_layers, taps, hidden)
+            return self._output(x, plan, hidden)
         if self.fused is not None and self.rope_store is not None:
             h, hidden = self._layers_fused(h, plan, tap_layers)
-            return self._output(h, plan, tap_layers, taps, hidden)
+            return self._output(h, plan, hidden)
+        taps: dict[int, torch.Tensor] = {}
         if -1 in tap_layers:
             taps[-1] = h
         cos, sin = plan.cos, plan.sin
@@ -575,7 +575,8 @@ class FastForwardMixin:
         h = self.fast_norm(h)
         if last in tap_layers:
             taps[last] = h
-        return self._output(h, plan, tap_layers, taps)
+        hidden = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
+        return self._output(h, plan, hidden)
 
     def _layers_fused(
         self, h: torch.Tensor, plan: _FastPlan, tap_layers: tuple[int, ...]
@@ -620,16 +621,9 @@ class FastForwardMixin:
         tap(last, x)
         return x, hidden
 
-    def _output(
-        self,
-        h: torch.Tensor,
-        plan: _FastPlan,
-        tap_layers: tuple[int, ...],
-        taps: dict[int, torch.Tensor],
-        hidden: torch.Tensor | None = None,
-    ) -> ForwardOutput:
-        """Logits of the rows that need them and the tap states (`hidden` where already
-        concatenated), from the final-normed h."""
+    def _output(self, h: torch.Tensor, plan: _FastPlan, hidden: torch.Tensor | None) -> ForwardOutput:
+        """Logits of the rows that need them, from the final-normed h, beside the tap states
+        (hidden: [T, len(tap_layers) * d] or None)."""
         from dspark_serve.verifier.model_runner import ForwardOutput
 
         T = h.shape[0]
@@ -639,8 +633,6 @@ class FastForwardMixin:
             logits = self.fast_lm_head(rows).float()
         else:
             logits = h.new_zeros(0, self.vocab_size, dtype=torch.float32)
-        if hidden is None and tap_layers:
-            hidden = torch.cat([taps[i] for i in tap_layers], dim=-1)
         return ForwardOutput(
             logits=logits, logits_offsets=plan.logits_offsets, hidden=hidden, token_offsets=plan.token_offsets
         )
