@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.common import DATA, load_prompts, machine, median, run_engine_closed_loop  # noqa: E402
+from dspark_serve.drafter.training.plots import save_png  # noqa: E402
 
 
 def chat_ids(tok, text: str, max_prompt: int) -> list[int]:
@@ -216,7 +217,7 @@ def plot_plain(result: dict, out: Path) -> list[str]:
     fig.suptitle(result["machine"], fontsize=8)
     fig.tight_layout()
     p = out.with_suffix(".png")
-    fig.savefig(p, dpi=110)
+    save_png(fig, p, dpi=110)
     return [str(p)]
 
 
@@ -344,7 +345,7 @@ def plot(result: dict, out: Path) -> list[str]:
         fig.suptitle(f"{result.get('drafter')} drafter - {result['machine']}", fontsize=8)
         fig.tight_layout()
         p = out.with_name(out.stem + f"-T{temp:g}.png")
-        fig.savefig(p, dpi=110)
+        save_png(fig, p, dpi=110)
         paths.append(str(p))
     return paths
 

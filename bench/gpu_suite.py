@@ -49,6 +49,7 @@ from bench.common import machine, median, run_engine_closed_loop  # noqa: E402
 from bench.models import SHAPES, CharTokenizer, TargetShape, random_dspark, random_qwen3  # noqa: E402
 from dspark_serve.drafter.base import AcceptedContext, DraftRequest  # noqa: E402
 from dspark_serve.drafter.registry import build_drafter  # noqa: E402
+from dspark_serve.drafter.training.plots import save_png  # noqa: E402
 from dspark_serve.scheduler.config import SchedulerConfig  # noqa: E402
 from dspark_serve.scheduler.engine import Engine  # noqa: E402
 from dspark_serve.scheduler.policy import CostTable  # noqa: E402
@@ -985,7 +986,7 @@ def plot_cost_tables(prof: dict, path: Path, device: str) -> str:
         a.grid(alpha=0.3, which="both")
         a.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    save_png(fig, path, dpi=90)
     plt.close(fig)
     return str(path)
 
@@ -1033,7 +1034,7 @@ def plot_sweep(rows: list[dict], path: Path, device: str, accept_rate: float) ->
             a.legend(fontsize=7)
     fig.suptitle(device, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    save_png(fig, path, dpi=80)
     plt.close(fig)
     return str(path)
 

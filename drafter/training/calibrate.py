@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark_serve.drafter.training.plots import save_png
+
 
 @dataclass(frozen=True)
 class STSConfig:
@@ -199,7 +201,7 @@ def plot_reliability(
         ax.grid(alpha=0.25)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 
