@@ -139,11 +139,14 @@ class Speculation:
         # A step that also prefills is not measured by the gate: it drafts only when drafting
         # is the level's favoured mode, never as an exploration (drafting there pays for the
         # drafter's catch-up on every request's kept context, and the step teaches nothing).
-        # Its level counts the requests still prefilling, which decode within a few steps:
-        # while many ramp up, drafting for the first few would pay that catch-up for contexts
-        # that stop drafting once all of them decode at a level where drafting loses.
+        # Its level counts the requests still prefilling and those queued behind them, which
+        # decode within a few steps: while many ramp up, drafting for the first few would pay
+        # that catch-up for contexts that stop drafting once all of them decode at a level
+        # where drafting loses (32 requests arriving at once are admitted a few a step).
         prefilling = load is not None and load.prefill_tokens > 0
-        soon = len(decodes) + (load.num_prefilling if load is not None and prefilling else 0)
+        soon = len(decodes) + (
+            load.num_prefilling + load.num_waiting if load is not None and prefilling else 0
+        )
         drafting = self.gate is None or own_choice
         if not drafting:
             assert self.gate is not None and self.drafter is not None

@@ -187,12 +187,14 @@ def test_a_step_that_prefills_asks_the_gate_for_no_exploration():
     spec = Speculation(dr, SchedulerConfig(verify_policy="dspark"), max_model_len=512)
     spec.gate = gate = Gate()
     reqs = [decoding("a"), decoding("b")]
-    p = spec.propose(reqs, room=100, load=LoadState(num_running=2, prefill_tokens=300, num_prefilling=5))
+    load = LoadState(num_running=2, num_waiting=3, prefill_tokens=300, num_prefilling=5)
+    p = spec.propose(reqs, room=100, load=load)
     assert not p.drafting and [len(x) for x in p.proposals] == [0, 0] and dr.asked == []
-    p = spec.propose(reqs, room=100, load=LoadState(num_running=2, num_prefilling=5))
-    # the prefilling step is judged at the load it heads for (2 decoding + 5 prefilling);
-    # a pure decode step at its own (requests prefilling there carry no chunk in this step)
-    assert p.drafting and gate.asked == [(7, False), (2, True)]
+    p = spec.propose(reqs, room=100, load=LoadState(num_running=2, num_waiting=3, num_prefilling=5))
+    # the prefilling step is judged at the load it heads for (2 decoding + 5 prefilling + 3
+    # queued); a pure decode step at its own (requests prefilling there carry no chunk in
+    # this step, and the queued ones may wait for KV room)
+    assert p.drafting and gate.asked == [(10, False), (2, True)]
 
 
 def test_the_draft_reserve_follows_the_gates_mode_for_the_running_requests():
