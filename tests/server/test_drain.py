@@ -48,7 +48,7 @@ def test_sigterm_drains_then_exits():
             "--port",
             str(port),
             "--max-model-len",
-            "1024",
+            "4096",
             "--kv-cache-tokens",
             "16384",
             "--shutdown-timeout",
@@ -79,7 +79,9 @@ def test_sigterm_drains_then_exits():
             target=events,
             args=(
                 url,
-                {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True},
+                # more tokens than a CPU writes in TIMEOUT (plain bf16 decoding on a 2-core
+                # Zen 5 writes 900 in ~6 s), so the drain has to cut the stream
+                {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True},
                 out,
                 "long",
                 started,
