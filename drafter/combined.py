@@ -14,7 +14,7 @@ deterministic function of the context). A fixed schedule sends every
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -48,6 +48,9 @@ class CombinedConfig:
         / 113 / 122 of ~278 request-steps, tokens per round 2.44 / 2.48 / 2.52, and 0.2 beat 0
         per user in 5 of 7 paired rounds (medians 119.0 -> 123.0 and 103.0 -> 150.4 tok/s in
         the two runs; 0.4 132.2 in the second).
+    primary_alternate: whether a step led by a lookup match also drafts the primary's block as
+        the second block where the engine verifies one (`DraftRequest.alternate`). A lookup
+        match always rides beside a primary-led block (it costs nothing to find).
     """
 
     decay: float = 0.3
@@ -55,6 +58,7 @@ class CombinedConfig:
     explore_every: int = 8
     primary_floor: float = 0.3
     primary_cost: float = 0.2
+    primary_alternate: bool = False
 
     def __post_init__(self) -> None:
         if not (0.0 < self.decay <= 1.0):
@@ -119,20 +123,40 @@ class CombinedDrafter:
         for i, (r, p) in enumerate(zip(requests, out)):
             which = self.choose(r.request_id, len(p) > 0)
             self._state[r.request_id].last = which
-            if which == 0:
+            # Where the engine verifies a second block (r.alternate), a lookup match and the
+            # primary's block are both sent; the choice above only says which one leads.
+            if which == 0 or (which == 1 and r.alternate and self.config.primary_alternate):
                 use_primary.append(i)
             elif which < 0:
                 out[i] = DraftProposal(tokens=torch.empty(0, dtype=torch.long))
         if use_primary:
             for i, p in zip(use_primary, primary.propose([requests[i] for i in use_primary])):
-                out[i] = p
-        self.uses[0] += len(use_primary)
-        self.uses[1] += sum(1 for r in requests if self._state[r.request_id].last == 1)
+                found = out[i]
+                if self._state[requests[i].request_id].last == 1:
+                    out[i] = replace(found, alternate=p.tokens if len(p) else None)
+                elif requests[i].alternate and len(found):
+                    out[i] = replace(p, alternate=found.tokens)
+                else:
+                    out[i] = p
+        for r in requests:
+            last = self._state[r.request_id].last
+            if last >= 0:
+                self.uses[last] += 1
         return out
 
     def observe(self, contexts: list[AcceptedContext]) -> None:
         for d in self.drafters:  # both keep complete contexts, whichever drafted
             d.observe(contexts)
+
+    def observe_alternate(self, request_id: str, proposed: int, accepted: int) -> None:
+        """Feedback on the block that rode along as the alternate (the drafter not leading)."""
+        st = self._state.get(request_id)
+        if st is None or st.last < 0 or proposed <= 0:
+            return
+        other = 1 - st.last
+        d = self.config.decay
+        st.score[other] = (1 - d) * st.score[other] + d * accepted
+        self.drafters[other].observe_acceptance(request_id, proposed, accepted)
 
     def catch_up_seconds(self, request_ids: list[str]) -> float | None:
         # the lookup absorbs nothing; what the primary would is an upper bound (requests

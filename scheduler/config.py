@@ -35,6 +35,15 @@ class SchedulerConfig:
     """With the dspark policy: a request drafts at most this many positions past the budget
     the policy gave it last step (0 = always a full block). Positions the policy cannot
     admit are not worth drafting; the cap follows load within a few steps."""
+    branch_rows: int = 0
+    """Verified rows within which a greedy request also verifies a second block from the same
+    anchor (with the combined drafters: prompt lookup's match beside a DSpark-led block),
+    keeping the longer accepted run; never in a step that prefills. 0 = never (the default):
+    on the 2-core AVX512-BF16 CPU (bf16, the embedded model, one stream) second blocks raised
+    tokens per round 4% (13% with DSpark's block beside lookup-led ones too) but rows past ~8
+    cost compute there (the target's forward took 6.8 ms for 8 rows, 8.1 ms for 16), so
+    per-user speed did not move (bench/second_block.py). Worth it where 16 rows cost what 8
+    do (an accelerator)."""
     enable_prefix_caching: bool = True
     """Share the KV of full blocks of committed tokens across requests by a hash of their
     content and position (automatic prefix caching): a prompt whose leading blocks are cached
@@ -59,6 +68,8 @@ class SchedulerConfig:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting!r}")
         if self.draft_headroom < 0:
             raise ValueError(f"draft_headroom must be >= 0, got {self.draft_headroom!r}")
+        if self.branch_rows < 0:
+            raise ValueError(f"branch_rows must be >= 0, got {self.branch_rows!r}")
         if self.explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {self.explore_every!r}")
         if not isinstance(self.enable_prefix_caching, bool):

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -56,11 +56,29 @@ class Verification:
 
     forward: the flat forward's logits and hidden states.
     result: rejection sampling's verdict; its requests are the decodes, then the prefills that
-        completed their prompt (None when only partial prefill chunks ran).
+        completed their prompt, then the second blocks (None when only partial prefill chunks
+        ran).
+    branches: per decode index with a second block, where its segment and verdict row are.
     """
 
     forward: ForwardOutput
     result: RejectionResult | None
+    branches: dict[int, Branch] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A second block verified for one decoding request, as a fork of its block table.
+
+    request_id: the fork's id in the block manager.
+    tokens: [M] int64, its drafts.
+    segment: its segment's index in the forward; row: its request row in the verdict.
+    """
+
+    request_id: str
+    tokens: torch.Tensor
+    segment: int
+    row: int
 
 
 @dataclass
@@ -115,6 +133,8 @@ class Engine:
         self.taps = TapCache(runner.blocks, runner.device)
         self.load = LoadMonitor(runner)
         self.requests: dict[str, Request] = {}
+        # block tables forked for second blocks this step; adopted or freed when it settles
+        self._open_branches: list[str] = []
         self.eos_ids = eos_token_ids(runner.model, tokenizer)
         self.vocab_size = int(runner.embed.num_embeddings)  # type: ignore[arg-type]
         # Structured output: built on the first request that needs it (llguidance reads the
@@ -303,6 +323,9 @@ class Engine:
             log.exception(
                 "engine step failed; failing its %d requests", len(batch.decodes) + len(batch.prefills)
             )
+            for bid in self._open_branches:
+                self.runner.blocks.free(bid)
+            self._open_branches.clear()
             out = failed + [
                 self._fail(r, "internal error while generating")
                 for r in batch.requests
@@ -405,12 +428,44 @@ class Engine:
                         r.sampling, r.generator, torch.empty(0, dtype=torch.long), None, self._context(r)
                     )
                 )
+        branches = self._fork_branches(batch, proposal, segments, checks)
         t0 = time.perf_counter()
         fwd = self.runner.forward(segments, self.tap_layers)
         self.metrics.record_forward(sum(len(s.token_ids) for s in segments), time.perf_counter() - t0)
         if not checks:
             return Verification(fwd, None)
-        return Verification(fwd, verify(fwd.logits, checks))
+        return Verification(fwd, verify(fwd.logits, checks), branches)
+
+    def _fork_branches(
+        self,
+        batch: ScheduledBatch,
+        proposal: StepProposal,
+        segments: list[Segment],
+        checks: list[VerifyRequest],
+    ) -> dict[int, Branch]:
+        """A segment and a verdict row of their own for each second block: a fork of the
+        request's block table from its anchor on (`BlockManager.fork`), after everything else."""
+        blocks = self.runner.blocks
+        out: dict[int, Branch] = {}
+        for i, r in enumerate(batch.decodes):
+            alt = proposal.alternate(i)
+            if alt is None:
+                continue
+            bid = f"{r.request_id}\x00branch"
+            n = r.num_computed
+            need = blocks.blocks_needed(n + 1 + len(alt)) - n // blocks.block_size
+            if need > blocks.num_free_blocks:
+                continue
+            pair = blocks.fork(r.request_id, bid, n)
+            self._open_branches.append(bid)
+            if pair is not None:
+                self.runner.copy_kv_block(*pair)
+            toks = [r.output_ids[-1]] + alt.tolist()
+            blocks.append(bid, len(toks))
+            out[i] = Branch(bid, alt, len(segments), len(checks))
+            segments.append(Segment(bid, toks, n, 0))
+            checks.append(VerifyRequest(r.sampling, r.generator, alt, None, None))
+        return out
 
     @staticmethod
     def _context(r: Request) -> TokenContext | None:
@@ -473,14 +528,25 @@ class Engine:
             verified = proposal.lengths[i]
             assert res is not None  # decodes always get a verdict
             a = res.accepted(i)
-            accepted = proposal.drafts(i)[:a].tolist() if a else []
+            drafts, row, seg, alternate = proposal.drafts(i), i, i, None
+            b = v.branches.get(i)
+            if b is not None:  # the longer accepted run of two blocks is kept
+                alternate = (len(b.tokens), res.accepted(b.row))
+                if alternate[1] > a:
+                    self.runner.blocks.adopt(r.request_id, b.request_id)
+                    drafts, row, seg, a = b.tokens, b.row, b.segment, alternate[1]
+                else:
+                    self.runner.blocks.free(b.request_id)
+                self.metrics.record_second_block(row != i)
+                self._open_branches.remove(b.request_id)
+            accepted = drafts[:a].tolist() if a else []
             start = r.num_computed
             r.num_computed += 1 + a
             self.runner.blocks.truncate(r.request_id, r.num_computed)  # roll back rejected drafts
             # only now are these tokens committed: their full blocks may enter the prefix cache
             self.runner.blocks.commit(r.request_id, r.token_ids + accepted, r.num_computed)
             if keep_context:
-                off = v.forward.token_offsets[i]
+                off = v.forward.token_offsets[seg]
                 contexts.append(
                     AcceptedContext(
                         r.request_id,
@@ -489,16 +555,19 @@ class Engine:
                         None if hidden is None else hidden[off : off + 1 + a],
                     )
                 )
-            if self.speculation.settle(r, verified, a):
-                self.metrics.record_round(verified, a)
-            toks = res.tokens(i)
+            booked = self.speculation.settle(r, verified, res.accepted(i), alternate)
+            if booked is not None:
+                self.metrics.record_round(*booked)
+            if row != i:  # the second block's run was kept
+                verified = len(drafts)
+            toks = res.tokens(row)
             kept.append(
                 Committed(
                     r,
                     toks,
                     round_provenance(a, verified if self.speculating else 0),
                     True,
-                    self._logprobs(r, v, i, toks),
+                    self._logprobs(r, v, row, toks),
                 )
             )
         nd = len(batch.decodes)

@@ -212,6 +212,13 @@ class EngineMetrics:
             ),
             "vllm:spec_decode_num_accepted_tokens_per_pos",
         )
+        self.second_blocks = Counter(
+            "dspark:spec_decode_second_blocks",
+            "Second draft blocks verified beside a request's first (greedy, low load), by "
+            "whether their accepted run was the longer one and kept.",
+            L + ["outcome"],
+            registry=r,
+        )
         self.accept_len = Histogram(
             "dspark:spec_decode_acceptance_length",
             "Tokens per round, the target's own token included.",
@@ -355,6 +362,10 @@ class EngineMetrics:
 
     def record_tokens(self, n: int) -> None:
         self.gen_tokens.labels(**self.labels).inc(n)
+
+    def record_second_block(self, kept: bool) -> None:
+        """A second block was verified; kept: its run was the longer and replaced the first's."""
+        self.second_blocks.labels(**self.labels, outcome="kept" if kept else "dropped").inc()
 
     def record_realized(self, n: int) -> None:
         """Tokens a decoding request produced this step (before stop conditions cut them)."""

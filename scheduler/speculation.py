@@ -10,7 +10,7 @@ drafted tokens' values, so verification stays lossless.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +32,7 @@ class StepProposal:
 
     proposals: one DraftProposal per decoding request (possibly empty blocks).
     lengths: drafts each request verifies (<= len(proposals[i])).
+        A proposal's `alternate` block, where one is kept, is verified whole.
     drafting: the draft gate let this step draft (seeded requests draft regardless).
     decision: what the policy decided (None when no request decodes).
     """
@@ -40,6 +41,10 @@ class StepProposal:
     lengths: list[int]
     drafting: bool = True
     decision: PolicyDecision | None = None
+
+    def alternate(self, i: int) -> torch.Tensor | None:  # [M] int64 or None
+        """Request i's second block, verified beside `drafts(i)` from the same anchor."""
+        return self.proposals[i].alternate
 
     def drafts(self, i: int) -> torch.Tensor:  # [lengths[i]] int64
         """The draft tokens request i sends to verification."""
@@ -153,7 +158,7 @@ class Speculation:
             catch_up = None if prefilling else self.drafter.catch_up_seconds([r.request_id for r in decodes])
             drafting = self.gate.should_draft(soon, explore=not prefilling, catch_up=catch_up)
         if drafting:
-            proposals = self._draft(decodes)
+            proposals = self._draft(decodes, alternates=not prefilling)
         else:
             # Seeded requests keep drafting: the gate follows timings, and a seeded request's
             # output must not depend on them.
@@ -163,6 +168,13 @@ class Speculation:
                 for i, p in zip(seeded, self._draft([decodes[i] for i in seeded])):
                     proposals[i] = p
         lengths, decision = self._choose_lengths(decodes, proposals, room, load)
+        rows = sum(1 + n for n in lengths)
+        cap = min(self.cfg.branch_rows, room + len(decodes))
+        for i, p in enumerate(proposals):  # alternates ride only within the nearly-free rows
+            if p.alternate is not None:
+                keep = min(len(p.alternate), cap - rows - 1)  # its anchor row + its drafts
+                proposals[i] = replace(p, alternate=p.alternate[:keep] if keep > 0 else None)
+                rows += 1 + keep if keep > 0 else 0
         return StepProposal(proposals, lengths, drafting, decision)
 
     def lookahead(self, r: Request) -> int:
@@ -186,10 +198,15 @@ class Speculation:
             cap = min(cap, r.last_budget + self.cfg.draft_headroom)
         return max(0, cap)
 
-    def _draft(self, decodes: list[Request]) -> list[DraftProposal]:
+    def _draft(self, decodes: list[Request], alternates: bool = False) -> list[DraftProposal]:
+        """alternates: greedy requests may get a second block (`DraftRequest.alternate`) where
+        every request's full block and a second block's anchor and first draft fit in
+        `branch_rows` verified rows (`propose` trims second blocks to the rows left)."""
         proposals = no_drafts(len(decodes))
         if not self.speculating or not decodes:
             return proposals
+        assert self.drafter is not None
+        two = alternates and (1 + self.drafter.block_size) * len(decodes) + 2 <= self.cfg.branch_rows
         views = [
             DraftRequest(
                 r.request_id,
@@ -199,6 +216,7 @@ class Speculation:
                 r.generator,
                 self._max_draft(r),
                 r.constraint,
+                two and r.sampling.greedy and r.constraint is None and not r.sampling.penalized,
             )
             for r in decodes
         ]
@@ -233,18 +251,31 @@ class Speculation:
         return lengths, decision
 
     # -- after verification ----------------------------------------------------------------------
-    def settle(self, r: Request, verified: int, accepted: int) -> bool:
-        """Book one decode step of `r` that verified `verified` drafts and kept `accepted`;
-        True when it was a speculative round (at least one draft verified)."""
+    def settle(
+        self, r: Request, verified: int, accepted: int, alternate: tuple[int, int] | None = None
+    ) -> tuple[int, int] | None:
+        """Book one decode step of `r` that verified `verified` drafts and kept `accepted`
+        (and, with a second block, `alternate` = its verified and accepted drafts; the round
+        counts the block whose run was kept, the first on a tie). Returns the round's
+        (verified, accepted), or None when no draft was verified."""
         r.spec.steps += 1
         d = self._drafting
-        if d is None or verified <= 0:
-            return False
-        d.observe_acceptance(r.request_id, verified, accepted)
+        if d is None:
+            return None
+        if verified > 0:
+            d.observe_acceptance(r.request_id, verified, accepted)
+        if alternate is not None and alternate[0] > 0:
+            feedback = getattr(d, "observe_alternate", None)
+            if feedback is not None:
+                feedback(r.request_id, *alternate)
+            if alternate[1] > accepted or verified <= 0:
+                verified, accepted = alternate
+        if verified <= 0:
+            return None
         r.spec.rounds += 1
         r.spec.drafted += verified
         r.spec.accepted += accepted
-        return True
+        return verified, accepted
 
     def observe(self, contexts: list[AcceptedContext]) -> None:
         """The drafter absorbs what the target kept (only when it drafts)."""

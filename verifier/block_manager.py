@@ -235,6 +235,40 @@ class BlockManager:
         bs = self.block_size
         return [t.blocks[p // bs] * bs + p % bs for p in range(start, t.num_tokens)]
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | None:
+        """Start `child_id` as a copy of the parent's first `num_tokens` tokens (a second
+        branch verified beside the parent's own drafts): it shares the parent's full blocks
+        and gets a fresh block for a partial last one. Returns (source, destination) of that
+        partial block, whose KV the caller copies; None when there is none."""
+        if child_id in self._tables:
+            raise ValueError(f"request {child_id!r} already has blocks")
+        t = self._tables[parent_id]
+        if not (0 <= num_tokens <= t.num_tokens):
+            raise ValueError(f"cannot fork {num_tokens!r} tokens (request has {t.num_tokens})")
+        full = num_tokens // self.block_size
+        partial = num_tokens % self.block_size != 0
+        if partial and not self.num_free_blocks:
+            raise OutOfBlocks("no free block for the fork's partial block")
+        child = self._tables[child_id] = BlockTable(list(t.blocks[:full]), full * self.block_size)
+        child.hashes = list(t.hashes[:full])
+        for b in child.blocks:
+            self._ref[b] += 1
+        if not partial:
+            return None
+        child.blocks.append(self._take())
+        child.num_tokens = num_tokens
+        return t.blocks[full], child.blocks[-1]
+
+    def adopt(self, parent_id: str, child_id: str) -> None:
+        """The parent takes a fork's table (its branch won); the parent's own blocks past the
+        shared ones return to the pool."""
+        child = self._tables.pop(child_id)
+        old = self._tables[parent_id]
+        child.hashes = old.hashes[: len(child.hashes)]  # committed blocks: the shared prefix
+        self._tables[parent_id] = child
+        for b in reversed(old.blocks):
+            self._release(b)
+
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Roll back: keep only the first `num_tokens` tokens; blocks past them return to the pool."""
         t = self._tables[request_id]

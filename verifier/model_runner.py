@@ -190,6 +190,13 @@ class ModelRunner(FastForwardMixin):
         key = kernels_key() if uses_c else None
         return self.describe() + (f" [kernels {key}]" if key else "")
 
+    @torch.inference_mode()
+    def copy_kv_block(self, src: int, dst: int) -> None:
+        """Copy one block's K/V in every layer (a fork's partial block, `BlockManager.fork`)."""
+        bs = self.block_size
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, :, dst * bs : (dst + 1) * bs].copy_(cache[:, :, src * bs : (src + 1) * bs])
+
     def forward(self, segments: list[Segment], tap_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """Forward the new tokens of all segments. The caller has already reserved their KV slots
         with `self.blocks.append` (so a failed allocation never leaves half a forward)."""

@@ -4,6 +4,8 @@ broken sampler fails)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from dspark_serve.drafter.dspark_model import DSparkConfig, DSparkModel, save_ds
 from dspark_serve.drafter.registry import build_drafter
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
+from dspark_serve.scheduler.metrics_sink import NullMetrics
 from dspark_serve.scheduler.request import Request
 from dspark_serve.verifier.rejection import greedy_verify, rejection_sample
 from dspark_serve.verifier.sampling_params import SamplingParams
@@ -273,6 +276,51 @@ def test_greedy_combined_drafters_equal_plain_and_both_propose(tmp_path):
         assert r.output_ids == hf_greedy(model, p, 30)
     assert dr.uses[0] > 0 and dr.uses[1] > 0, dr.uses
     assert engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks
+
+
+class SecondBlocks(NullMetrics):
+    def __init__(self):
+        self.kept = self.dropped = 0
+
+    def record_second_block(self, kept):
+        self.kept += kept
+        self.dropped += not kept
+
+
+@pytest.mark.parametrize("branch_rows", [0, 64])
+def test_greedy_second_blocks_equal_plain_and_the_longer_run_is_kept(tmp_path, branch_rows):
+    """With room for two blocks a request verifies prompt lookup's match beside DSpark's
+    block (forking its block table from the anchor) and keeps the longer accepted run: the
+    output is still plain greedy decoding's, bit for bit in float32, and no block leaks."""
+    model = tiny_model("qwen3")
+    path = random_dspark(model, tmp_path)
+    dr = build_drafter("dspark+ngram", path=str(path), target_model=model)
+    assert isinstance(dr, CombinedDrafter)
+    dr.config = dataclasses.replace(dr.config, primary_alternate=True)  # both ways round
+    seen = SecondBlocks()
+    engine = Engine(
+        runner_for(model),
+        ByteTokenizer(),
+        SchedulerConfig(verify_policy="dspark", max_num_batched_tokens=64, branch_rows=branch_rows),
+        max_model_len=512,
+        drafter=dr,
+        metrics=seen,
+    )
+    forks = []
+    fork = engine.runner.blocks.fork
+    engine.runner.blocks.fork = lambda *a: forks.append(a[2] % 16) or fork(*a)
+    prompts = [list(b"abcdabcdabcdabcd"), list(range(60, 75)), list(b"xyzxyzxyz") + list(range(90, 97))]
+    reqs = [Request(f"r{i}", p, GREEDY, max_tokens=40, ignore_eos=True) for i, p in enumerate(prompts)]
+    run(engine, reqs)
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == hf_greedy(model, p, 40)
+    blocks = engine.runner.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks and not engine._open_branches
+    if branch_rows == 0:
+        assert seen.kept == seen.dropped == 0 and not forks
+    else:  # both outcomes happened, and forks inside a block (a partial block copied) too
+        assert seen.kept > 0 and seen.dropped > 0, (seen.kept, seen.dropped)
+        assert any(n != 0 for n in forks), forks
 
 
 def test_drafts_no_positions_the_policy_cannot_admit():

@@ -55,3 +55,53 @@ def test_bad_sizes_rejected(bad):
         BlockManager(num_blocks=bad, block_size=4)
     with pytest.raises(ValueError, match=str(bad)):
         BlockManager(num_blocks=4, block_size=bad)
+
+
+def test_a_fork_shares_full_blocks_copies_the_partial_one_and_is_freed_or_adopted():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_caching=True)
+    ids = list(range(10))
+    bm.append("a", 10)
+    bm.commit("a", ids, 10)  # two full blocks hashed
+    a0, a1, a2 = bm.table("a").blocks
+    bm.append("a", 3)  # the parent's own drafts: positions 10..12, a fourth block
+    own = list(bm.table("a").blocks)
+    pair = bm.fork("a", "a/b", 10)
+    c = bm.table("a/b")
+    assert c.blocks[:2] == [a0, a1] and c.num_tokens == 10 and c.hashes == bm.table("a").hashes
+    assert pair == (a2, c.blocks[2]) and c.blocks[2] not in (a0, a1, a2)  # copy a2's rows here
+    assert bm.refcount(a0) == bm.refcount(a1) == 2 and bm.refcount(a2) == 1
+    bm.append("a/b", 5)  # the branch's anchor + 4 drafts: positions 10..14, a block more
+    assert bm.slots("a/b", 0, 8) == bm.slots("a", 0, 8)  # the same KV below the fork's block
+    assert set(bm.slots("a/b", 10, 15)).isdisjoint(bm.slots("a", 0, 13))
+    free = bm.num_free_blocks
+    with pytest.raises(ValueError, match="already has blocks"):
+        bm.fork("a", "a/b", 10)
+    # dropped: everything the fork took comes back, the parent is untouched
+    bm.free("a/b")
+    assert bm.num_free_blocks == free + 2 and bm.table("a").blocks == own
+    assert bm.refcount(a0) == 1
+    # kept: the parent holds the fork's blocks, its own past the shared ones go back
+    bm.fork("a", "a/b", 10)
+    bm.append("a/b", 5)
+    branch = bm.table("a/b").blocks
+    bm.adopt("a", "a/b")
+    assert not bm.has("a/b") and bm.table("a").blocks == branch and bm.num_tokens("a") == 15
+    assert bm.refcount(a0) == 1 and bm.refcount(a2) == bm.refcount(own[3]) == 0
+    bm.truncate("a", 12)
+    bm.commit("a", ids + [10, 11], 12)
+    assert len(bm.table("a").hashes) == 3
+    bm.free("a")
+    assert bm.num_free_blocks == 16
+
+
+def test_a_fork_at_a_block_boundary_copies_nothing_and_needs_a_free_block_otherwise():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    bm.append("a", 8)
+    assert bm.fork("a", "a/b", 8) is None and bm.table("a/b").blocks == bm.table("a").blocks
+    bm.free("a/b")
+    bm.append("a", 2)  # all 3 blocks held
+    with pytest.raises(OutOfBlocks):
+        bm.fork("a", "a/b", 9)
+    assert not bm.has("a/b") and bm.refcount(bm.table("a").blocks[0]) == 1
+    with pytest.raises(ValueError, match="cannot fork"):
+        bm.fork("a", "a/c", 11)
