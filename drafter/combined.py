@@ -10,6 +10,9 @@ exponential average of accepted tokens per verified round, the primary's weighed
 its proposal costs beside lookup's), and whether prompt lookup finds a match at all (a
 deterministic function of the context). A fixed schedule sends every
 `explore_every`-th round of a request to the other drafter, so both estimates stay current.
+Where the engine verifies a second block (`DraftRequest.alternate`, greedy requests only), a
+lookup match rides beside a DSpark-led block (and, with `primary_alternate`, DSpark's block beside
+a lookup-led one); each drafter hears its own block's outcome.
 """
 
 from __future__ import annotations
