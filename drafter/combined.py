@@ -5,10 +5,13 @@ no match, the step is a plain one.
 
 The choice must not look at this step's drafted tokens, nor at confidences computed from them:
 that would bias sampled output (the Appendix A argument). It uses only quantities fixed before
-any draft token of the step is sampled: each drafter's recent acceptance on this request (an
-exponential average of accepted tokens per verified round, the primary's weighed against what
-its proposal costs beside lookup's), and whether prompt lookup finds a match at all (a
-deterministic function of the context). A fixed schedule sends every
+any draft token of the step is sampled: the primary's recent acceptance on this request (an
+exponential average of accepted tokens per verified round, weighed against what its proposal
+costs beside lookup's), and prompt lookup's block, a deterministic function of the context:
+whether it matches at all, and the acceptance its confidences expect (learned across requests
+per length of the suffix matched: a one-token match is a far weaker sign than a four-token one;
+a lookup drafter without confidences is judged by its recent acceptance on the request). A
+fixed schedule sends every
 `explore_every`-th round of a request to the other drafter, so both estimates stay current.
 Where the engine verifies a second block (`DraftRequest.alternate`, greedy requests only), a
 lookup match rides beside a DSpark-led block (and, with `primary_alternate`, DSpark's block beside
@@ -76,6 +79,12 @@ class CombinedConfig:
             raise ValueError(f"primary_cost must be >= 0, got {self.primary_cost!r}")
 
 
+def expected_accepted(confidences: torch.Tensor) -> float:
+    """confidences: [K] c_k = P(draft k accepted | drafts < k accepted) -> the expected number
+    of drafts accepted, sum over k of c_1 ... c_k."""
+    return float(torch.cumprod(confidences.double(), 0).sum()) if len(confidences) else 0.0
+
+
 @dataclass
 class _RequestChoice:
     """Per request: running accepted tokens per round of each drafter, and the last choice."""
@@ -106,17 +115,19 @@ class CombinedDrafter:
             self._state[request_id] = _RequestChoice([self.config.prior, self.config.prior])
         return self._state[request_id]
 
-    def choose(self, request_id: str, lookup_hit: bool) -> int:
-        """0 = primary, 1 = lookup, -1 = no draft this step, from this request's history and the
-        lookup's match alone."""
+    def choose(self, request_id: str, found: DraftProposal) -> int:
+        """0 = primary, 1 = lookup, -1 = no draft this step, from this request's history and
+        lookup's block `found` (its match, and its confidences where it has them: prompt
+        lookup's follow the length of the suffix matched, fixed by the context alone)."""
         st = self._choice(request_id)
         st.steps += 1
         explore = st.steps % self.config.explore_every == 0
         primary_pays = st.score[0] >= self.config.primary_floor
-        if not lookup_hit:
+        if not len(found):
             return 0 if (primary_pays or explore) else -1
         c = self.config.primary_cost
-        best = 1 if ((1.0 + st.score[1]) * (1.0 + c) >= 1.0 + st.score[0] or not primary_pays) else 0
+        est = st.score[1] if found.confidences is None else expected_accepted(found.confidences)
+        best = 1 if ((1.0 + est) * (1.0 + c) >= 1.0 + st.score[0] or not primary_pays) else 0
         return 1 - best if explore else best
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
@@ -124,7 +135,7 @@ class CombinedDrafter:
         out: list[DraftProposal] = lookup.propose(requests)  # cheap: a suffix match per request
         use_primary = []
         for i, (r, p) in enumerate(zip(requests, out)):
-            which = self.choose(r.request_id, len(p) > 0)
+            which = self.choose(r.request_id, p)
             self._state[r.request_id].last = which
             # Where the engine verifies a second block (r.alternate), a lookup match and the
             # primary's block are both sent; the choice above only says which one leads.

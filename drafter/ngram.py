@@ -1,5 +1,6 @@
 """Prompt-lookup drafter: propose what followed the most recent earlier occurrence of the
-last n tokens. No weights; confidences come from its own running acceptance statistics."""
+last n tokens. No weights; confidences come from its own running acceptance statistics, kept
+apart by the length of the suffix matched."""
 
 from __future__ import annotations
 
@@ -45,7 +46,12 @@ class NgramConfig:
 
 def lookup_continuation(tokens: np.ndarray, max_ngram: int, min_ngram: int, k: int) -> np.ndarray:
     """tokens: [L] int64 -> up to k tokens that followed the most recent earlier match of the
-    longest suffix (length max_ngram down to min_ngram); empty if none matches.
+    longest suffix (length max_ngram down to min_ngram); empty if none matches."""
+    return lookup_match(tokens, max_ngram, min_ngram, k)[0]
+
+
+def lookup_match(tokens: np.ndarray, max_ngram: int, min_ngram: int, k: int) -> tuple[np.ndarray, int]:
+    """`lookup_continuation` and the length of the suffix it matched (0 when none did).
 
     One pass over the context finds where the last token occurred before (every match of any
     suffix ends at such a place); each of those is then extended backwards against the suffix,
@@ -55,10 +61,10 @@ def lookup_continuation(tokens: np.ndarray, max_ngram: int, min_ngram: int, k: i
     n_tok = tokens.shape[0]
     longest = min(max_ngram, n_tok - 1)
     if k <= 0 or longest < min_ngram:
-        return tokens[:0]
+        return tokens[:0], 0
     ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # a match ends here; a token follows it
     if not ends.size:
-        return tokens[:0]
+        return tokens[:0], 0
     length = np.ones(ends.shape[0], dtype=np.int64)  # matched suffix length, while unbroken
     alive = np.ones(ends.shape[0], dtype=bool)
     for j in range(1, longest):
@@ -68,9 +74,9 @@ def lookup_continuation(tokens: np.ndarray, max_ngram: int, min_ngram: int, k: i
         length += alive
     best = int(length.max())
     if best < min_ngram:
-        return tokens[:0]
+        return tokens[:0], 0
     start = int(ends[np.flatnonzero(length == best)[-1]]) + 1  # the most recent of the longest
-    return tokens[start : start + k]
+    return tokens[start : start + k], best
 
 
 class NgramDrafter:
@@ -84,30 +90,37 @@ class NgramDrafter:
     def __init__(self, config: NgramConfig):
         self.config = config
         self.block_size = config.block_size
-        # Global per-position counts: trials[k] = times position k was verified with all
-        # earlier drafts accepted; accepts[k] = times it was then accepted too.
-        self.trials = np.zeros(config.block_size, dtype=np.float64)
-        self.accepts = np.zeros(config.block_size, dtype=np.float64)
+        # Global per-position counts by the length of the suffix matched (a one-token match
+        # is a far weaker sign than a four-token one): trials[n, k] = times position k of a
+        # block found by an n-token match was verified with all earlier drafts accepted;
+        # accepts[n, k] = times it was then accepted too.
+        self.trials = np.zeros((config.max_ngram + 1, config.block_size), dtype=np.float64)
+        self.accepts = np.zeros((config.max_ngram + 1, config.block_size), dtype=np.float64)
+        self._matched: dict[str, int] = {}  # per request: its last proposal's match length
 
-    def confidences(self, k: int) -> torch.Tensor:
-        """[k] float32 posterior-mean conditional acceptance per position."""
+    def confidences(self, k: int, matched: int | None = None) -> torch.Tensor:
+        """[k] float32 posterior-mean conditional acceptance per position of a block found by a
+        `matched`-token match (None: the longest)."""
         c = self.config
-        mean = (self.accepts[:k] + c.prior_accept) / (self.trials[:k] + c.prior_accept + c.prior_reject)
+        n = c.max_ngram if matched is None else matched
+        mean = (self.accepts[n, :k] + c.prior_accept) / (self.trials[n, :k] + c.prior_accept + c.prior_reject)
         return torch.from_numpy(mean.astype(np.float32))
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         out = []
         for req in requests:
             k = min(self.block_size, max(req.max_draft, 0))
-            cont = lookup_continuation(
+            cont, matched = lookup_match(
                 np.asarray(req.token_ids, dtype=np.int64), self.config.max_ngram, self.config.min_ngram, k
             )
             if req.constraint is not None and len(cont):
                 # q is one-hot: cutting the block at the first token the grammar forbids is
                 # exact (that token could only be rejected), and saves verifying it.
                 cont = cont[: req.constraint.valid_prefix(cont.tolist())]
+            self._matched[req.request_id] = matched if len(cont) else 0
             tokens = torch.from_numpy(cont.copy())
-            out.append(DraftProposal(tokens=tokens, probs=None, confidences=self.confidences(len(cont))))
+            conf = self.confidences(len(cont), matched)
+            out.append(DraftProposal(tokens=tokens, probs=None, confidences=conf))
         return out
 
     def observe(self, contexts: list[AcceptedContext]) -> None:
@@ -121,16 +134,19 @@ class NgramDrafter:
             return
         if not (0 <= accepted <= proposed):
             raise ValueError(f"accepted must be in [0, proposed={proposed}], got {accepted!r}")
+        n = self._matched.get(request_id, 0)
+        if n == 0:  # its last proposal was empty: the verified block was not this drafter's
+            return
         proposed = min(proposed, self.block_size)
         accepted = min(accepted, proposed)
         # Positions before the first rejection succeeded; the rejected one failed; later
         # ones were never tested under the "earlier accepted" condition.
         seen = min(accepted + 1, proposed)
-        self.trials[:seen] += 1
-        self.accepts[:accepted] += 1
+        self.trials[n, :seen] += 1
+        self.accepts[n, :accepted] += 1
 
     def free(self, request_id: str) -> None:
-        """No per-request state."""
+        self._matched.pop(request_id, None)
 
 
 def build_ngram(

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dspark_serve.drafter.base import DraftProposal, DraftRequest
-from dspark_serve.drafter.combined import CombinedConfig, CombinedDrafter
+from dspark_serve.drafter.combined import CombinedConfig, CombinedDrafter, expected_accepted
 from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import FakeDrafterBase
 
@@ -110,3 +110,31 @@ def test_a_second_block_rides_along_only_where_the_request_allows_one():
     p = ask(comb, True)
     assert len(p) == 3 and p.alternate.tolist() == [0, 1, 2, 3] and primary.asked == asked + 1
     assert ask(comb, False).alternate is None
+
+
+class Confident(Fake):
+    """A lookup whose blocks come with confidences (prompt lookup's follow the match length)."""
+
+    def __init__(self, conf):
+        super().__init__("ngram", block=3)
+        self.conf = conf
+
+    def propose(self, requests):
+        self.asked += len(requests)
+        return [DraftProposal(torch.arange(3), confidences=torch.tensor(self.conf)) for _ in requests]
+
+
+def test_a_lookup_block_is_judged_by_the_acceptance_its_confidences_expect():
+    assert expected_accepted(torch.tensor([0.5, 0.5, 1.0])) == pytest.approx(0.5 + 0.25 + 0.25)
+    assert expected_accepted(torch.empty(0)) == 0.0
+    cfg = CombinedConfig(explore_every=100, primary_cost=0.0, decay=1.0)
+    primary = Fake("dspark")
+    strong = CombinedDrafter(primary, Confident([0.9, 0.9, 0.9]), cfg)  # expects 2.44 accepted
+    weak = CombinedDrafter(primary, Confident([0.2, 0.2, 0.2]), cfg)  # expects 0.25
+    for comb in (strong, weak):
+        comb.propose([req()])
+        comb.observe_acceptance("a", 4, 1)  # whoever drafted: one accepted
+        comb._state["a"].score = [1.5, 0.0]  # the primary averages 1.5; lookup's rounds failed
+        comb.propose([req()])
+    # the request's own lookup score (0) is not what decides where the block carries confidences
+    assert strong._state["a"].last == 1 and weak._state["a"].last == 0

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dspark_serve.drafter.base import DraftRequest
-from dspark_serve.drafter.ngram import NgramConfig, lookup_continuation
+from dspark_serve.drafter.ngram import NgramConfig, lookup_continuation, lookup_match
 from dspark_serve.drafter.registry import build_drafter
 from dspark_serve.verifier.sampling_params import SamplingParams
 
@@ -76,6 +76,29 @@ def test_confidences_follow_acceptance_feedback():
     assert c2[0] > c[0] and c2[1] > c[1] and c2[2] == c[2]
     with pytest.raises(ValueError, match="5"):
         d.observe_acceptance("r", proposed=3, accepted=5)
+
+
+def test_confidences_are_kept_apart_by_the_length_of_the_suffix_matched():
+    """A one-token match is a weaker sign than a four-token one: each block's confidences come
+    from the outcomes of blocks found by matches of its own length."""
+    d = build_drafter("ngram", block_size=3, max_ngram=4)
+    long_match = [1, 2, 3, 4, 9, 1, 2, 3, 4]  # suffix [1, 2, 3, 4] seen before: 4 tokens
+    short_match = [5, 6, 7, 8, 6]  # only [6] seen before: 1 token
+    assert lookup_match(np.array(long_match), 4, 1, 3)[1] == 4
+    assert lookup_match(np.array(short_match), 4, 1, 3)[1] == 1
+    assert lookup_match(np.array([1, 2, 3]), 4, 1, 3)[1] == 0
+    d.propose([req(short_match, rid="s"), req(long_match, rid="l")])
+    for _ in range(6):
+        d.observe_acceptance("s", proposed=3, accepted=0)  # one-token matches fail
+        d.observe_acceptance("l", proposed=3, accepted=3)  # four-token ones succeed
+    s, l = d.propose([req(short_match, rid="x"), req(long_match, rid="y")])
+    torch.testing.assert_close(s.confidences, torch.tensor([3 / 10, 0.75, 0.75]))
+    torch.testing.assert_close(l.confidences, torch.full((3,), 9 / 10))
+    d.propose([req([1, 2, 3], rid="s")])  # no match: its next feedback teaches nothing
+    d.observe_acceptance("s", proposed=3, accepted=0)
+    assert d.trials.sum() == 6 * 1 + 6 * 3
+    d.free("s")
+    assert "s" not in d._matched
 
 
 def test_config_validation():
