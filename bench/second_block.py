@@ -9,6 +9,15 @@ at one stream per round; rounds alternate the arms' order, so a slow spell of a 
 hits all of them. Reported per arm: per-user tokens/s per round and its ratio to the baseline's
 in the same round (the median of those ratios is the figure), tokens per round (tau), and how
 many second blocks were verified and kept.
+
+  python bench/second_block.py --potential --prompts 36 --out bench/results/second-block-potential.json
+
+--potential measures what a second block could gain, before any arm runs: one pass of the
+default (one block), where every step also drafts both drafters' blocks on the side; greedy
+output is the target's argmax chain, so each block's accepted run is read off the final text.
+Reported per dev set: the mean accepted drafts of DSpark's block, of lookup's, of the block the
+combined drafter chose (0 where it drafted nothing), and of the longer of the two, and lookup's
+mean by the length of the suffix it matched.
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ import json
 import statistics
 import sys
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -38,6 +49,85 @@ class _Blocks(NullMetrics):
         self.dropped += not kept
 
 
+def _run(block: list[int], ref: list[int]) -> int:
+    """Drafts of `block` the target accepts greedily: the common prefix with its own text."""
+    n = 0
+    for a, b in zip(block, ref):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def potential(args: argparse.Namespace) -> None:
+    from bench.bench_engine import chat_ids
+    from dspark_serve.drafter.combined import CombinedDrafter
+    from dspark_serve.drafter.ngram import NgramDrafter, lookup_match
+    from dspark_serve.scheduler.llm import LLM
+
+    llm = LLM(drafter="dspark+ngram", verify_policy="dspark", dtype="auto")
+    eng = llm.engine
+    comb = eng.drafter
+    assert isinstance(comb, CombinedDrafter)
+    primary, lookup = comb.drafters
+    assert isinstance(lookup, NgramDrafter)
+    steps: list[tuple[str, int, list[int], list[int], int, int]] = []
+    chosen = comb.propose
+
+    def propose(requests):  # the default's own choice, then both blocks on the side
+        out = chosen(requests)
+        found = lookup.propose(requests)
+        drafted = primary.propose(requests)
+        for r, d, f in zip(requests, drafted, found):
+            cfg = lookup.config
+            matched = lookup_match(np.asarray(r.token_ids), cfg.max_ngram, cfg.min_ngram, len(f))[1]
+            last = comb._state[r.request_id].last
+            n = len(r.token_ids)
+            steps.append((r.request_id, n, d.tokens.tolist(), f.tokens.tolist(), last, matched))
+        return out
+
+    comb.propose = propose  # type: ignore[method-assign]
+    data = load_prompts(DATA, args.prompts)
+    prompts = [chat_ids(llm.tokenizer, t, 512) for _, t in data]
+    done: list = []
+    run_engine_closed_loop(eng, prompts, 1, args.max_tokens, 0.0, "p", finished=done)
+    text = {r.request_id: list(r.token_ids) for r in done}
+    domain = {f"p-{i}": d for i, (d, _) in enumerate(data)}
+    per: dict[str, list[tuple[int, int, int, int]]] = {}
+    by_match: dict[int, list[int]] = {}
+    for rid, n, d, f, last, matched in steps:
+        ref = text[rid][n : n + max(len(d), len(f))]
+        a_d, a_f = _run(d, ref), _run(f, ref)
+        a_c = a_d if last == 0 else a_f if last == 1 else 0
+        for key in (domain[rid], "all"):
+            per.setdefault(key, []).append((a_d, a_f, a_c, max(a_d, a_f)))
+        if f:
+            by_match.setdefault(matched, []).append(a_f)
+    mean = statistics.fmean
+    summary = {
+        k: {
+            "steps": len(v),
+            "dspark": mean(x[0] for x in v),
+            "lookup": mean(x[1] for x in v),
+            "chosen": mean(x[2] for x in v),
+            "longer": mean(x[3] for x in v),
+            "tokens_per_step_longer_over_chosen": (1 + mean(x[3] for x in v)) / (1 + mean(x[2] for x in v)),
+        }
+        for k, v in per.items()
+    }
+    lookup_by_match = {str(k): {"blocks": len(v), "accepted": mean(v)} for k, v in sorted(by_match.items())}
+    for k, v in summary.items():
+        print(k, json.dumps({kk: round(x, 3) for kk, x in v.items()}))
+    print("lookup by match length", json.dumps(lookup_by_match))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(
+        json.dumps(
+            {"machine": machine(), "args": vars(args), "summary": summary, "by_match": lookup_by_match},
+            indent=1,
+        )
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--branch-rows", default="0,12,16", help="arms; the first is the baseline")
@@ -46,6 +136,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--potential", action="store_true", help="the per-step potential (see above)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -57,6 +148,9 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.potential:
+        potential(args)
+        return
     llm = LLM(drafter="dspark+ngram", verify_policy="dspark", dtype="auto")
     eng = llm.engine
     counts = _Blocks()
