@@ -143,3 +143,14 @@ def test_engine_snapshot_feeds_the_gauges_and_the_calibration_export():
     assert got[("dspark:num_requests_running", (("model_name", "tiny"),))] == 2
     assert got[("dspark:spec_decode_confidence_temperature", pos)] == 1.5
     assert got[("dspark:spec_decode_confidence_samples", pos)] == 9
+
+
+def test_second_blocks_are_counted_by_outcome():
+    reg = CollectorRegistry()
+    m = EngineMetrics(reg, "tiny")
+    for kept in (True, False, False):
+        m.record_second_block(kept)
+    got = samples(reg)
+    lab = lambda outcome: (("model_name", "tiny"), ("outcome", outcome))
+    assert got[("dspark:spec_decode_second_blocks_total", lab("kept"))] == 1
+    assert got[("dspark:spec_decode_second_blocks_total", lab("dropped"))] == 2
