@@ -458,8 +458,9 @@ class Engine:
                 continue
             pair = blocks.fork(r.request_id, bid, n)
             self._open_branches.append(bid)
-            if pair is not None:
+            if pair is not None:  # the shared positions of its partial block: KV and tap rows
                 self.runner.copy_kv_block(*pair)
+                self.taps.copy_block(*pair)
             toks = [r.output_ids[-1]] + alt.tolist()
             blocks.append(bid, len(toks))
             out[i] = Branch(bid, alt, len(segments), len(checks))

@@ -49,18 +49,33 @@ class TapCache:
             self.rows = None
         # Grown by doubling up to the highest slot written (low blocks are handed out first),
         # so the memory follows the KV actually used, not the pool's size.
-        need = max(slots) + 1
+        rows = self._room(max(slots) + 1, h)
+        rows.index_copy_(0, torch.tensor(slots, device=h.device), h)
+        return out
+
+    def _room(self, need: int, like: torch.Tensor) -> torch.Tensor:
+        """The buffer, grown (by doubling) to hold at least `need` rows like `like`'s."""
         have = 0 if self.rows is None else self.rows.shape[0]
         if need > have:
             cap = min(max(need, 2 * have, 1024), self.blocks.num_blocks * self.blocks.block_size)
             # empty, not zeros: a row is read only for a cached block, which had its rows written
-            grown = torch.empty(cap, h.shape[1], device=h.device, dtype=h.dtype)
+            grown = torch.empty(cap, like.shape[1], device=like.device, dtype=like.dtype)
             if self.rows is not None:
                 grown[:have] = self.rows
             self.rows = grown
         assert self.rows is not None
-        self.rows.index_copy_(0, torch.tensor(slots, device=h.device), h)
-        return out
+        return self.rows
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's rows (beside `ModelRunner.copy_kv_block`: a fork's partial block keeps
+        the rows of the positions it shares with its parent)."""
+        if self.rows is None:
+            return
+        bs = self.blocks.block_size
+        if (src + 1) * bs > self.rows.shape[0]:  # nothing was ever stored there
+            return
+        rows = self._room((dst + 1) * bs, self.rows)
+        rows[dst * bs : (dst + 1) * bs] = rows[src * bs : (src + 1) * bs]
 
     def rows_of(self, request_id: str, start: int, end: int) -> torch.Tensor:
         """The stored rows of a request's positions start .. end - 1 (`TapRows`)."""

@@ -270,3 +270,23 @@ def test_aborts_of_requests_sharing_blocks_return_every_reference(tmp_path):
         eng.step()
     assert others[1].finish_reason == "length" and len(others[1].output_ids) == 30
     assert all_free(eng) and blocks.stats().cached_free_blocks > 0
+
+
+def test_a_forks_copied_block_keeps_its_tap_rows():
+    """`TapCache.copy_block` beside the KV copy of a fork's partial block: the shared positions
+    read back the rows their parent stored (a second block that wins is adopted with them)."""
+    from dspark_serve.drafter.base import AcceptedContext
+    from dspark_serve.scheduler.prefix import TapCache
+    from dspark_serve.verifier.block_manager import BlockManager
+
+    bm = BlockManager(num_blocks=8, block_size=4)
+    taps = TapCache(bm, torch.device("cpu"))
+    taps.copy_block(0, 1)  # nothing stored yet: nothing to do
+    bm.append("a", 6)
+    hidden = torch.randn(6, 3)
+    taps.write([AcceptedContext("a", list(range(6)), 0, hidden)])
+    src, dst = bm.fork("a", "a/b", 6)
+    taps.copy_block(src, dst)
+    torch.testing.assert_close(taps.rows_of("a/b", 0, 6), hidden)  # 4 shared + 2 copied
+    bm.adopt("a", "a/b")
+    torch.testing.assert_close(taps.rows_of("a", 0, 6), hidden)

@@ -287,8 +287,8 @@ class SecondBlocks(NullMetrics):
         self.dropped += not kept
 
 
-@pytest.mark.parametrize("branch_rows", [0, 64])
-def test_greedy_second_blocks_equal_plain_and_the_longer_run_is_kept(tmp_path, branch_rows):
+@pytest.mark.parametrize("branch_rows,both_ways", [(0, False), (64, False), (64, True)])
+def test_greedy_second_blocks_equal_plain_and_the_longer_run_is_kept(tmp_path, branch_rows, both_ways):
     """With room for two blocks a request verifies prompt lookup's match beside DSpark's
     block (forking its block table from the anchor) and keeps the longer accepted run: the
     output is still plain greedy decoding's, bit for bit in float32, and no block leaks."""
@@ -296,19 +296,44 @@ def test_greedy_second_blocks_equal_plain_and_the_longer_run_is_kept(tmp_path, b
     path = random_dspark(model, tmp_path)
     dr = build_drafter("dspark+ngram", path=str(path), target_model=model)
     assert isinstance(dr, CombinedDrafter)
-    dr.config = dataclasses.replace(dr.config, primary_alternate=True)  # both ways round
+    dr.config = dataclasses.replace(dr.config, primary_alternate=both_ways)
     seen = SecondBlocks()
     engine = Engine(
         runner_for(model),
         ByteTokenizer(),
-        SchedulerConfig(verify_policy="dspark", max_num_batched_tokens=64, branch_rows=branch_rows),
+        SchedulerConfig(
+            verify_policy="dspark", max_num_batched_tokens=64, branch_rows=branch_rows, draft_gate=False
+        ),
         max_model_len=512,
         drafter=dr,
         metrics=seen,
     )
     forks = []
     fork = engine.runner.blocks.fork
-    engine.runner.blocks.fork = lambda *a: forks.append(a[2] % 16) or fork(*a)
+    bs = engine.runner.blocks.block_size
+    engine.runner.blocks.fork = lambda *a: forks.append(a[2] % bs) or fork(*a)
+    # every tap row the drafter reads back (by the request's slots, after a fork was adopted
+    # too) is the one the target computed for that position
+    taps, kept, reads = engine.taps, {}, []
+    write, rows_of = taps.write, taps.rows_of
+
+    def spy_write(contexts):
+        for c in contexts:
+            for j in range(len(c.token_ids) if c.hidden is not None else 0):
+                kept[(c.request_id, c.start_pos + j)] = c.hidden[j].clone()
+        return write(contexts)
+
+    def spy_rows_of(rid, start, end):
+        out = rows_of(rid, start, end)
+        for j in range(start, end):
+            assert torch.equal(out[j - start], kept[(rid, j)]), (rid, j)
+            reads.append(j)
+        return out
+
+    taps.write, taps.rows_of = spy_write, spy_rows_of
+    copies = []
+    copy = taps.copy_block
+    taps.copy_block = lambda *a: copies.append(a) or copy(*a)
     prompts = [list(b"abcdabcdabcdabcd"), list(range(60, 75)), list(b"xyzxyzxyz") + list(range(90, 97))]
     reqs = [Request(f"r{i}", p, GREEDY, max_tokens=40, ignore_eos=True) for i, p in enumerate(prompts)]
     run(engine, reqs)
@@ -321,6 +346,8 @@ def test_greedy_second_blocks_equal_plain_and_the_longer_run_is_kept(tmp_path, b
     else:  # both outcomes happened, and forks inside a block (a partial block copied) too
         assert seen.kept > 0 and seen.dropped > 0, (seen.kept, seen.dropped)
         assert any(n != 0 for n in forks), forks
+        assert len(copies) == sum(1 for n in forks if n)  # tap rows beside every KV copy
+    assert reads  # the drafter read stored rows back
 
 
 def test_drafts_no_positions_the_policy_cannot_admit():
