@@ -49,8 +49,7 @@ class TapCache:
             self.rows = None
         # Grown by doubling up to the highest slot written (low blocks are handed out first),
         # so the memory follows the KV actually used, not the pool's size.
-        rows = self._room(max(slots) + 1, h)
-        rows.index_copy_(0, torch.tensor(slots, device=h.device), h)
+        self._room(max(slots) + 1, h).index_copy_(0, torch.tensor(slots, device=h.device), h)
         return out
 
     def _room(self, need: int, like: torch.Tensor) -> torch.Tensor:
