@@ -528,7 +528,7 @@ class Engine:
         for i, r in enumerate(batch.decodes):  # decodes are rows 0.. of the verdict
             verified = proposal.lengths[i]
             assert res is not None  # decodes always get a verdict
-            a = res.accepted(i)
+            a = first = res.accepted(i)
             drafts, row, seg, alternate = proposal.drafts(i), i, i, None
             b = v.branches.get(i)
             if b is not None:  # the longer accepted run of two blocks is kept
@@ -556,7 +556,7 @@ class Engine:
                         None if hidden is None else hidden[off : off + 1 + a],
                     )
                 )
-            booked = self.speculation.settle(r, verified, res.accepted(i), alternate)
+            booked = self.speculation.settle(r, verified, first, alternate)
             if booked is not None:
                 self.metrics.record_round(*booked)
             if row != i:  # the second block's run was kept

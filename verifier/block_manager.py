@@ -249,23 +249,20 @@ class BlockManager:
         partial = num_tokens % self.block_size != 0
         if partial and not self.num_free_blocks:
             raise OutOfBlocks("no free block for the fork's partial block")
-        child = self._tables[child_id] = BlockTable(list(t.blocks[:full]), full * self.block_size)
-        child.hashes = list(t.hashes[:full])
+        child = self._tables[child_id] = BlockTable(t.blocks[:full], num_tokens, t.hashes[:full])
         for b in child.blocks:
             self._ref[b] += 1
         if not partial:
             return None
         child.blocks.append(self._take())
-        child.num_tokens = num_tokens
         return t.blocks[full], child.blocks[-1]
 
     def adopt(self, parent_id: str, child_id: str) -> None:
         """The parent takes a fork's table (its branch won); the parent's own blocks past the
         shared ones return to the pool."""
-        child = self._tables.pop(child_id)
+        # the fork holds the parent's hashes already: nothing is committed between fork and adopt
         old = self._tables[parent_id]
-        child.hashes = old.hashes[: len(child.hashes)]  # committed blocks: the shared prefix
-        self._tables[parent_id] = child
+        self._tables[parent_id] = self._tables.pop(child_id)
         for b in reversed(old.blocks):
             self._release(b)
 
