@@ -6,7 +6,9 @@ drafter's survival probabilities, at a fixed verification length (default static
 tau = (accepted drafts + rounds) / rounds over every verification round of every request;
 `rounds` says how many rounds stand behind each figure. For drafters with a confidence head
 the per-position ECE of the cumulative survival probability (what the policy uses) is reported
-over every verified draft of the run, with their number (`survival_ece`, `ece_samples`), and
+over every verified draft of the run, with their number (`survival_ece`, `ece_samples`) and the
+ECE a perfectly calibrated head would show on as many drafts (`ece_noise_floor`: each bin's
+binomial noise; ~1.4% at 5,000 drafts, so an aim of 2% needs more than the 1,000 minimum), and
 over the calibrator's window alone (`window_ece`, what `/metrics` exports).
 """
 
@@ -93,8 +95,10 @@ def main() -> None:
         }
         if cal is not None:
             cum = cal.cumulative_ece()
-            out["survival_ece"] = [e for e, _ in cum]  # every verified draft of the run
-            out["ece_samples"] = [n for _, n in cum]
+            out["survival_ece"] = [c.ece for c in cum]  # every verified draft of the run
+            out["ece_samples"] = [c.samples for c in cum]
+            # what a perfectly calibrated head would show on as many drafts (binomial noise)
+            out["ece_noise_floor"] = [c.noise_floor for c in cum]
             out["window_ece"] = cal.survival_ece()  # the last `window` ones (what /metrics shows)
             out["temperatures"] = list(cal.temperatures)
             out["biases"] = list(cal.biases)

@@ -59,6 +59,22 @@ class OnlineCalibrationConfig:
             raise ValueError(f"max_bias must be >= 0, got {self.max_bias!r}")
 
 
+@dataclass(frozen=True)
+class CalibrationError:
+    """One position's calibration over a run.
+
+    ece: expected calibration error of the survival probability against the outcomes.
+    samples: verified drafts it is measured on.
+    noise_floor: the ECE a perfectly calibrated predictor with these very probabilities would
+        show on average (binomial noise of each bin's outcome mean): an ECE near it is as good
+        as this many samples can tell; more samples lower it (~1 / sqrt(samples)).
+    """
+
+    ece: float
+    samples: int
+    noise_floor: float
+
+
 def fit_platt(
     z: np.ndarray,
     y: np.ndarray,
@@ -125,7 +141,8 @@ class OnlineCalibrator:
         self._a_out: list[deque[float]] = [deque(maxlen=w) for _ in range(block_size)]
         self._since_fit = [0] * block_size
         # the same pairs over every round so far, as per-bin sums (bounded memory)
-        self._bins = np.zeros((block_size, self.config.ece_bins, 3))  # count, sum a_used, sum out
+        # count, sum a_used, sum out, sum a_used^2 (the last sizes the ECE's noise floor)
+        self._bins = np.zeros((block_size, self.config.ece_bins, 4))
         self.rounds = 0
 
     @property
@@ -151,7 +168,7 @@ class OnlineCalibrator:
             self._a_used[k].append(survival)
             self._a_out[k].append(1.0 if k < accepted else 0.0)
             b = min(int(survival * self.config.ece_bins), self.config.ece_bins - 1)
-            self._bins[k, b] += (1.0, survival, 1.0 if k < accepted else 0.0)
+            self._bins[k, b] += (1.0, survival, 1.0 if k < accepted else 0.0, survival * survival)
             if k > accepted:
                 continue  # not tested under "earlier drafts accepted"
             outcome = 1.0 if k < accepted else 0.0
@@ -173,14 +190,21 @@ class OnlineCalibrator:
         """Verified drafts at position k (0-based) in the window."""
         return len(self._a_used[k])
 
-    def cumulative_ece(self) -> list[tuple[float, int]]:
-        """(ECE, verified drafts) of the cumulative survival probability per position over every
-        round recorded so far, not just the window: what a benchmark over fixed traffic reports."""
+    def cumulative_ece(self) -> list[CalibrationError]:
+        """The cumulative survival probability's ECE per position over every round recorded so
+        far, not just the window: what a benchmark over fixed traffic reports."""
         out = []
         for k in range(self.block_size):
-            n, a, y = self._bins[k, :, 0], self._bins[k, :, 1], self._bins[k, :, 2]
+            n, a, y, a2 = (self._bins[k, :, j] for j in range(4))
             total = int(n.sum())
-            out.append((float(np.abs(a - y).sum() / total) if total else 0.0, total))
+            if not total:
+                out.append(CalibrationError(0.0, 0, 0.0))
+                continue
+            # Perfectly calibrated outcomes y_i ~ Bernoulli(a_i) still leave each bin's mean off
+            # by N(0, sum a_i (1 - a_i)) / n_b: E|.| = sigma sqrt(2 / pi), summed over the bins.
+            sigma = np.sqrt(np.maximum(a - a2, 0.0))
+            floor = float(sigma.sum() * math.sqrt(2.0 / math.pi) / total)
+            out.append(CalibrationError(float(np.abs(a - y).sum() / total), total, floor))
         return out
 
     def survival_ece(self) -> list[float]:

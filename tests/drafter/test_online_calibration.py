@@ -71,9 +71,31 @@ def test_cumulative_ece_covers_every_round_while_the_window_keeps_the_last():
     cum = cal.cumulative_ece()
     for k in range(3):
         want = expected_calibration_error(np.array(used_all[k]), np.array(out_all[k]), 10)
-        assert cum[k][1] == 1500 and cum[k][0] == pytest.approx(want, abs=1e-9)
+        assert cum[k].samples == 1500 and cum[k].ece == pytest.approx(want, abs=1e-9)
         last = expected_calibration_error(np.array(used_all[k][-256:]), np.array(out_all[k][-256:]), 10)
         assert cal.samples(k) == 256 and cal.survival_ece()[k] == pytest.approx(last, abs=1e-9)
+
+
+def test_the_noise_floor_is_what_a_calibrated_head_shows_and_a_biased_one_exceeds():
+    """Outcomes drawn with exactly the probabilities used: the ECE lands on the noise floor
+    (averaged over runs), and shrinks with samples; a head 8 points overconfident stays above."""
+    rng = np.random.default_rng(0)
+
+    def run(n, shift):
+        cal = OnlineCalibrator(1, config=OnlineCalibrationConfig(window=64, refit_every=10**9, min_samples=64))
+        for p in rng.uniform(0.05, 0.95, n):
+            cal.record([0.0], [float(p)], 1, int(rng.random() < p - shift))
+        return cal.cumulative_ece()[0]
+
+    small = [run(1000, 0.0) for _ in range(40)]
+    mean_ece = float(np.mean([c.ece for c in small]))
+    mean_floor = float(np.mean([c.noise_floor for c in small]))
+    assert 0.02 < mean_floor < 0.04  # ~1 / sqrt(1000) scale
+    assert mean_ece == pytest.approx(mean_floor, rel=0.15)
+    large = run(16000, 0.0)
+    assert large.noise_floor < mean_floor / 3 and large.ece < 3 * large.noise_floor
+    biased = run(16000, 0.08)
+    assert biased.ece > 0.07 and biased.noise_floor < 0.01
 
 
 def test_fit_is_bounded_and_config_validated():
