@@ -51,7 +51,11 @@ class LossOutput:
     """The objective and its parts (scalars; `loss` carries the gradient).
 
     accept_rate: [bs] mean analytic acceptance c*_k per position over valid slots.
-    tau: expected accepted length per block, 1 + sum_k prod_{i<=k} c*_i (teacher-forced).
+    tau: expected accepted length per block, 1 + sum_k prod_{i<=k} c*_i (teacher-forced):
+        what sampling at temperature 1 accepts.
+    greedy_tau: accepted length per block under greedy verification, 1 + the number of leading
+        positions whose draft argmax is the target's argmax (teacher-forced): what temperature 0
+        accepts.
     """
 
     loss: torch.Tensor
@@ -60,6 +64,7 @@ class LossOutput:
     confidence: torch.Tensor
     accept_rate: torch.Tensor
     tau: torch.Tensor
+    greedy_tau: torch.Tensor
 
 
 def position_weights(mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -143,6 +148,11 @@ def dspark_loss(
         ).clamp_min(1.0)
         blocks = m[..., 0] > 0
         tau = ((c_star * m).cumprod(-1).sum(-1) + 1.0)[blocks].mean() if blocks.any() else m.new_zeros(())
+        pick = logq.argmax(-1)
+        if d2t is not None:
+            pick = d2t.to(pick.device)[pick]
+        hit = (pick == target_logits.argmax(-1)).to(torch.float32) * m
+        greedy_tau = (hit.cumprod(-1).sum(-1) + 1.0)[blocks].mean() if blocks.any() else m.new_zeros(())
     return LossOutput(
         loss=loss,
         ce=ce_mean.detach(),
@@ -150,4 +160,5 @@ def dspark_loss(
         confidence=conf_mean.detach(),
         accept_rate=per_pos,
         tau=tau,
+        greedy_tau=greedy_tau,
     )

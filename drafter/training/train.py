@@ -206,12 +206,14 @@ class HeldOutStats:
     """Teacher-forced acceptance on held-out sequences at one checkpoint (no gradient).
 
     tau: mean expected tokens per block (1 + sum_k prod_{i<=k} c*_i); accept_rate: mean c*_k
-    per draft position k; blocks: how many (sequence, anchor) blocks were scored."""
+    per draft position k; blocks: how many (sequence, anchor) blocks were scored; greedy_tau:
+    mean tokens per block under greedy verification (leading argmax matches + 1)."""
 
     step: int
     tau: float
     accept_rate: list[float]
     blocks: int
+    greedy_tau: float = 0.0
 
 
 @torch.no_grad()
@@ -231,6 +233,7 @@ def evaluate_held_out(
     model.eval()
     gen = torch.Generator().manual_seed(12345)
     taus: list[tuple[float, int]] = []
+    greedy: list[float] = []
     rates: list[tuple[torch.Tensor, int]] = []
     bs = model.config.block_size
     for i in range(0, len(seqs), batch_seqs):
@@ -238,6 +241,7 @@ def evaluate_held_out(
         out = forward_loss(model, batch, loss_cfg, bf16, target_head)
         n = int(batch.anchor_valid.sum())
         taus.append((float(out.tau), n))
+        greedy.append(float(out.greedy_tau) * n)
         rates.append((out.accept_rate.detach().float().cpu(), n))
     model.train(was_training)
     total = sum(n for _, n in taus) or 1
@@ -247,6 +251,7 @@ def evaluate_held_out(
         tau=sum(t * n for t, n in taus) / total,
         accept_rate=[round(float(x), 4) for x in rate],
         blocks=sum(n for _, n in taus),
+        greedy_tau=sum(greedy) / total,
     )
 
 

@@ -62,6 +62,28 @@ def test_loss_hand_computed():
     assert float(out.loss) == pytest.approx(0.1 * ce + 0.9 * l1 + 1.0 * conf_loss, rel=1e-5)
     assert out.accept_rate.tolist() == pytest.approx([c1, c2], rel=1e-5)
     assert float(out.tau) == pytest.approx(1 + c1 + c1 * c2, rel=1e-5)
+    # greedy: position 1's argmax (0) misses the target's (1): nothing after it counts
+    assert float(out.greedy_tau) == 1.0
+    hit = dspark_loss(target, target, labels, mask, conf, LossConfig())  # q = p: both match
+    assert float(hit.greedy_tau) == 3.0
+
+
+def test_greedy_acceptance_counts_leading_argmax_matches_through_the_draft_vocabulary():
+    # 2 blocks of 3 over a target vocabulary of 5, a draft vocabulary of 3 (target ids 4, 0, 2)
+    d2t = torch.tensor([4, 0, 2])
+    target = torch.full((1, 2, 3, 5), -5.0)
+    draft = torch.full((1, 2, 3, 3), -5.0)
+    for k, t in enumerate([4, 0, 3]):  # block 0: the target's argmaxes
+        target[0, 0, k, t] = 5.0
+    for k, d in enumerate([0, 1, 2]):  # draft ids -> target 4, 0, 2: two leading matches
+        draft[0, 0, k, d] = 5.0
+    target[0, 1, :, 2] = 5.0  # block 1: target 2 everywhere, draft id 2 = target 2 everywhere
+    draft[0, 1, :, 2] = 5.0
+    labels = torch.zeros(1, 2, 3, dtype=torch.long)
+    mask = torch.ones(1, 2, 3, dtype=torch.bool)
+    mask[0, 1, 2] = False  # block 1's last slot is past the sequence: not counted
+    out = dspark_loss(draft, target, labels, mask, None, LossConfig(), d2t=d2t)
+    assert float(out.greedy_tau) == pytest.approx(((1 + 2) + (1 + 2)) / 2)
 
 
 def test_loss_ignores_masked_slots_and_decay_is_configurable():
@@ -217,6 +239,7 @@ def test_held_out_acceptance_is_logged_at_every_checkpoint(tmp_path):
     # the same function on the training sequences sees the fit (so it measures something)
     after = evaluate_held_out(model, train, 6, LossConfig(), False, 40)
     assert after.tau > before.tau
+    assert all(1.0 <= h["greedy_tau"] <= 5.0 for h in ho)
     # scoring is deterministic and leaves the model's mode alone
     model.train()
     again = evaluate_held_out(model, held, 6, LossConfig(), False, 40)
