@@ -82,7 +82,9 @@ def test_the_noise_floor_is_what_a_calibrated_head_shows_and_a_biased_one_exceed
     rng = np.random.default_rng(0)
 
     def run(n, shift):
-        cal = OnlineCalibrator(1, config=OnlineCalibrationConfig(window=64, refit_every=10**9, min_samples=64))
+        cal = OnlineCalibrator(
+            1, config=OnlineCalibrationConfig(window=64, refit_every=10**9, min_samples=64)
+        )
         for p in rng.uniform(0.05, 0.95, n):
             cal.record([0.0], [float(p)], 1, int(rng.random() < p - shift))
         return cal.cumulative_ece()[0]
