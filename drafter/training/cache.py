@@ -18,6 +18,7 @@ from dspark_serve.drafter.training.data import (
     SHARD_PATTERN,
     Sample,
     is_holdout,
+    read_token_shard,
     save_atomic,
     shard_index,
     shard_paths,
@@ -203,5 +204,4 @@ def run_cache_target(
 
 
 def _shard_samples(path: Path) -> list[Sample]:
-    shard = torch.load(path)
-    return [Sample(p, r) for p, r in zip(shard["prompt_ids"], shard["response_ids"])]
+    return read_token_shard(path)[0]

@@ -1,7 +1,9 @@
 """Stage 1: the target writes its own responses to the training prompts.
 
 Responses are stored as token ids in numbered shards (`data/shard_00000.pt`, one per
-generation batch) so an interrupted run resumes at the first missing shard. The HF backend
+generation batch) so an interrupted run resumes at the first missing shard. A shard holds its
+ids as lzma-compressed uint16 (`token_shard`: a third of the size of pickled lists, so many
+passes of data fit in the repository); shards written as lists still load. The HF backend
 can also store the target's tap hidden states in the same pass (the cache of stage 1b), which
 saves a second forward over every sequence.
 """
@@ -9,12 +11,14 @@ saves a second forward over every sequence.
 from __future__ import annotations
 
 import json
+import lzma
 import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 SHARD_PATTERN = "shard_{:05d}.pt"
@@ -149,6 +153,70 @@ def shard_index(path: Path) -> int:
     return int(path.stem.split("_")[1])
 
 
+def token_shard(samples: Sequence[Sample], holdout: bool) -> dict:
+    """A data shard's contents: every prompt's and response's ids, concatenated, as one
+    lzma-compressed array each (uint16 while the ids fit, else int32), and their lengths."""
+    prompts = [i for s in samples for i in s.prompt_ids]
+    responses = [i for s in samples for i in s.response_ids]
+    wide = max(prompts + responses, default=0) > 0xFFFF or min(prompts + responses, default=0) < 0
+    dtype = "int32" if wide else "uint16"
+
+    def pack(ids: list[int]) -> torch.Tensor:
+        # a uint8 tensor, not bytes: torch.save pickles bytes as latin-1 text (~1.5x larger)
+        data = lzma.compress(np.asarray(ids, dtype=dtype).tobytes(), preset=9)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    return {
+        "format": f"{dtype}-lzma",
+        "prompt_lengths": [len(s.prompt_ids) for s in samples],
+        "response_lengths": [len(s.response_ids) for s in samples],
+        "prompt_tokens": pack(prompts),
+        "response_tokens": pack(responses),
+        "holdout": holdout,
+    }
+
+
+def read_token_shard(path: Path) -> tuple[list[Sample], bool]:
+    """A data shard's samples and whether it is held out (either layout: `token_shard`'s or
+    the lists of ids earlier runs wrote)."""
+    shard = torch.load(path)
+    holdout = bool(shard.get("holdout", False))
+    if "format" not in shard:
+        return [Sample(list(p), list(r)) for p, r in zip(shard["prompt_ids"], shard["response_ids"])], holdout
+    dtype = shard["format"].split("-")[0]
+    if shard["format"] != f"{dtype}-lzma" or dtype not in ("uint16", "int32"):
+        raise ValueError(f"{path}: unknown token shard format {shard['format']!r}")
+
+    def unpack(data: torch.Tensor, lengths: list[int]) -> list[list[int]]:
+        flat = np.frombuffer(lzma.decompress(data.numpy().tobytes()), dtype=dtype).tolist()
+        if len(flat) != sum(lengths):
+            raise ValueError(f"{path}: {len(flat)} token ids for lengths summing to {sum(lengths)}")
+        cuts = np.cumsum([0, *lengths]).tolist()
+        return [flat[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+
+    prompts = unpack(shard["prompt_tokens"], shard["prompt_lengths"])
+    responses = unpack(shard["response_tokens"], shard["response_lengths"])
+    return [Sample(p, r) for p, r in zip(prompts, responses)], holdout
+
+
+def compact_shards(folder: str | os.PathLike) -> int:
+    """Rewrite a folder's list-layout data shards in `token_shard`'s layout (same samples, same
+    holdout flag; each read back and compared before it replaces the old one). -> how many."""
+    n = 0
+    for path in shard_paths(folder):
+        samples, holdout = read_token_shard(path)
+        if "format" in torch.load(path):
+            continue
+        tmp = path.with_suffix(".compact")
+        torch.save(token_shard(samples, holdout), tmp)
+        if read_token_shard(tmp) != (samples, holdout):
+            tmp.unlink()
+            raise RuntimeError(f"{path}: the compact shard does not read back the same")
+        os.replace(tmp, path)
+        n += 1
+    return n
+
+
 def save_atomic(obj, path: Path) -> None:
     """Write then rename, so a killed run never leaves a truncated shard behind."""
     tmp = path.with_suffix(".tmp")
@@ -274,11 +342,7 @@ def run_gen_data(
                     cache_record_shard(samples, records, tap_ids), cache_dir / SHARD_PATTERN.format(sh.index)
                 )
             save_atomic(
-                {
-                    "prompt_ids": [s.prompt_ids for s in samples],
-                    "response_ids": [s.response_ids for s in samples],
-                    "holdout": is_holdout(sh.index, cfg.holdout_every),
-                },
+                token_shard(samples, is_holdout(sh.index, cfg.holdout_every)),
                 data_dir / SHARD_PATTERN.format(sh.index),
             )
             tokens_done += sum(len(s.response_ids) for s in samples)
@@ -303,8 +367,7 @@ def load_samples(data_dir: str | os.PathLike, holdout: bool | None = None) -> li
     """Samples of every shard (holdout None = all, True/False = only that split)."""
     out = []
     for path in shard_paths(data_dir):
-        shard = torch.load(path)
-        if holdout is not None and bool(shard.get("holdout", False)) != holdout:
-            continue
-        out += [Sample(p, r) for p, r in zip(shard["prompt_ids"], shard["response_ids"])]
+        samples, held = read_token_shard(path)
+        if holdout is None or held == holdout:
+            out += samples
     return out

@@ -82,3 +82,50 @@ def test_plan_batches_keeps_the_length_window_and_rejects_an_empty_one():
     assert sorted(i for b in plan_batches(prompt_ids, everything) for i in b) == list(range(6))
     with pytest.raises(ValueError, match="20"):
         GenDataConfig(prompts="p", out_dir="o", min_prompt_tokens=20, max_prompt_tokens=20)
+
+
+def test_token_shards_are_compact_read_back_exactly_and_old_shards_still_load(tmp_path):
+    import random
+
+    from dspark_serve.drafter.training.data import (
+        Sample,
+        compact_shards,
+        read_token_shard,
+        save_atomic,
+        token_shard,
+    )
+
+    rng = random.Random(0)
+    # text-like ids: phrases recur (what lzma finds in a target's responses)
+    phrases = [[rng.randrange(49152) for _ in range(rng.randrange(3, 12))] for _ in range(40)]
+
+    def ids(n):
+        out: list[int] = []
+        while len(out) < n:
+            out += rng.choice(phrases) if rng.random() < 0.8 else [rng.randrange(49152)]
+        return out[:n]
+
+    samples = [Sample(ids(rng.randrange(1, 60)), ids(n)) for n in (0, 1, 2000, 370)]
+    new, old = tmp_path / "shard_00000.pt", tmp_path / "shard_00001.pt"
+    save_atomic(token_shard(samples, holdout=True), new)
+    save_atomic(
+        {
+            "prompt_ids": [s.prompt_ids for s in samples],
+            "response_ids": [s.response_ids for s in samples],
+            "holdout": False,
+        },
+        old,
+    )
+    assert read_token_shard(new) == (samples, True)
+    assert read_token_shard(old) == (samples, False)
+    assert new.stat().st_size < old.stat().st_size / 2
+    assert load_samples(tmp_path) == samples + samples
+    assert load_samples(tmp_path, holdout=False) == samples
+    # compaction rewrites the list layout only, and keeps samples and holdout flag
+    before = new.read_bytes()
+    assert compact_shards(tmp_path) == 1 and new.read_bytes() == before
+    assert read_token_shard(old) == (samples, False) and "format" in torch.load(old)
+    # ids past uint16 are kept whole
+    wide = [Sample([70000, 1], [2**31 - 1])]
+    save_atomic(token_shard(wide, holdout=False), new)
+    assert read_token_shard(new) == (wide, False)
