@@ -204,9 +204,9 @@ def compact_shards(folder: str | os.PathLike) -> int:
     holdout flag; each read back and compared before it replaces the old one). -> how many."""
     n = 0
     for path in shard_paths(folder):
-        samples, holdout = read_token_shard(path)
         if "format" in torch.load(path):
-            continue
+            continue  # already compact
+        samples, holdout = read_token_shard(path)
         tmp = path.with_suffix(".compact")
         torch.save(token_shard(samples, holdout), tmp)
         if read_token_shard(tmp) != (samples, holdout):
