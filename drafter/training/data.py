@@ -158,8 +158,8 @@ def token_shard(samples: Sequence[Sample], holdout: bool) -> dict:
     lzma-compressed array each (uint16 while the ids fit, else int32), and their lengths."""
     prompts = [i for s in samples for i in s.prompt_ids]
     responses = [i for s in samples for i in s.response_ids]
-    wide = max(prompts + responses, default=0) > 0xFFFF or min(prompts + responses, default=0) < 0
-    dtype = "int32" if wide else "uint16"
+    every = prompts + responses
+    dtype = "int32" if max(every, default=0) > 0xFFFF or min(every, default=0) < 0 else "uint16"
 
     def pack(ids: list[int]) -> torch.Tensor:
         # a uint8 tensor, not bytes: torch.save pickles bytes as latin-1 text (~1.5x larger)
@@ -179,7 +179,10 @@ def token_shard(samples: Sequence[Sample], holdout: bool) -> dict:
 def read_token_shard(path: Path) -> tuple[list[Sample], bool]:
     """A data shard's samples and whether it is held out (either layout: `token_shard`'s or
     the lists of ids earlier runs wrote)."""
-    shard = torch.load(path)
+    return _decode_token_shard(torch.load(path), path)
+
+
+def _decode_token_shard(shard: dict, path: Path) -> tuple[list[Sample], bool]:
     holdout = bool(shard.get("holdout", False))
     if "format" not in shard:
         return [Sample(list(p), list(r)) for p, r in zip(shard["prompt_ids"], shard["response_ids"])], holdout
@@ -204,9 +207,10 @@ def compact_shards(folder: str | os.PathLike) -> int:
     holdout flag; each read back and compared before it replaces the old one). -> how many."""
     n = 0
     for path in shard_paths(folder):
-        if "format" in torch.load(path):
+        shard = torch.load(path)
+        if "format" in shard:
             continue  # already compact
-        samples, holdout = read_token_shard(path)
+        samples, holdout = _decode_token_shard(shard, path)
         tmp = path.with_suffix(".compact")
         torch.save(token_shard(samples, holdout), tmp)
         if read_token_shard(tmp) != (samples, holdout):

@@ -147,12 +147,15 @@ def dspark_loss(
             dim=tuple(range(m.dim() - 1))
         ).clamp_min(1.0)
         blocks = m[..., 0] > 0
-        tau = ((c_star * m).cumprod(-1).sum(-1) + 1.0)[blocks].mean() if blocks.any() else m.new_zeros(())
         pick = logq.argmax(-1)
         if d2t is not None:
             pick = d2t.to(pick.device)[pick]
         hit = (pick == target_logits.argmax(-1)).to(torch.float32) * m
-        greedy_tau = (hit.cumprod(-1).sum(-1) + 1.0)[blocks].mean() if blocks.any() else m.new_zeros(())
+
+        def per_block(rate: torch.Tensor) -> torch.Tensor:  # 1 + sum_k prod_{i<=k} rate_i
+            return (rate.cumprod(-1).sum(-1) + 1.0)[blocks].mean() if blocks.any() else m.new_zeros(())
+
+        tau, greedy_tau = per_block(c_star * m), per_block(hit)
     return LossOutput(
         loss=loss,
         ce=ce_mean.detach(),

@@ -232,26 +232,25 @@ def evaluate_held_out(
     was_training = model.training
     model.eval()
     gen = torch.Generator().manual_seed(12345)
-    taus: list[tuple[float, int]] = []
-    greedy: list[float] = []
+    taus: list[tuple[float, float, int]] = []  # (tau, greedy tau, blocks) per batch
     rates: list[tuple[torch.Tensor, int]] = []
     bs = model.config.block_size
     for i in range(0, len(seqs), batch_seqs):
         batch = make_batch(list(seqs[i : i + batch_seqs]), num_anchors, bs, gen)
         out = forward_loss(model, batch, loss_cfg, bf16, target_head)
         n = int(batch.anchor_valid.sum())
-        taus.append((float(out.tau), n))
-        greedy.append(float(out.greedy_tau) * n)
+        taus.append((float(out.tau), float(out.greedy_tau), n))
         rates.append((out.accept_rate.detach().float().cpu(), n))
     model.train(was_training)
-    total = sum(n for _, n in taus) or 1
+    blocks = sum(n for _, _, n in taus)
+    total = blocks or 1
     rate = sum((r * n for r, n in rates), torch.zeros(bs)) / total
     return HeldOutStats(
         step=step,
-        tau=sum(t * n for t, n in taus) / total,
+        tau=sum(t * n for t, _, n in taus) / total,
         accept_rate=[round(float(x), 4) for x in rate],
-        blocks=sum(n for _, n in taus),
-        greedy_tau=sum(greedy) / total,
+        blocks=blocks,
+        greedy_tau=sum(g * n for _, g, n in taus) / total,
     )
 
 
