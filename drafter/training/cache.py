@@ -123,13 +123,21 @@ def block_targets(
     return labels, mask, safe
 
 
-def make_batch(
-    seqs: Sequence[CachedSequence],
-    num_anchors: int,
-    block_size: int,
-    generator: torch.Generator | None = None,
-) -> TrainBatch:
-    """Pad `seqs` to one length and sample `num_anchors` anchors in each."""
+@dataclass
+class PaddedSequences:
+    """Cached sequences padded to one length, before anchors are chosen.
+
+    input_ids: [B, S] int64; loss_mask: [B, S] bool (response positions); context_hidden:
+    [B, S, m*d] taps; last: [B, S, d] final-norm target hidden (position j predicts j+1).
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    context_hidden: torch.Tensor
+    last: torch.Tensor
+
+
+def pad_sequences(seqs: Sequence[CachedSequence]) -> PaddedSequences:
     bsz = len(seqs)
     seq = max(len(s.input_ids) for s in seqs)
     md, d = seqs[0].taps.shape[1], seqs[0].last.shape[1]
@@ -143,24 +151,67 @@ def make_batch(
         loss_mask[b, s.num_prompt : n] = True
         ctx[b, : n - 1] = s.taps
         last[b, : n - 1] = s.last
-    anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
-    labels, mask, safe = block_targets(input_ids, loss_mask, anchors, valid, block_size)
+    return PaddedSequences(input_ids, loss_mask, ctx, last)
+
+
+def anchored_batch(
+    padded: PaddedSequences, anchors: torch.Tensor, anchor_valid: torch.Tensor, block_size: int
+) -> TrainBatch:
+    """The training batch for chosen anchors: anchors, anchor_valid [B, N]."""
+    input_ids, d = padded.input_ids, padded.last.shape[-1]
+    labels, mask, safe = block_targets(input_ids, padded.loss_mask, anchors, anchor_valid, block_size)
     prev = torch.cat([torch.gather(input_ids, 1, anchors).unsqueeze(-1), labels[..., :-1]], -1)
     # The target's hidden at position j predicts token j+1.
     src = (safe - 1).clamp(min=0)
     target_hidden = torch.gather(
-        last.unsqueeze(1).expand(-1, anchors.shape[1], -1, -1), 2, src.unsqueeze(-1).expand(-1, -1, -1, d)
+        padded.last.unsqueeze(1).expand(-1, anchors.shape[1], -1, -1),
+        2,
+        src.unsqueeze(-1).expand(-1, -1, -1, d),
     )
     return TrainBatch(
         input_ids=input_ids,
-        context_hidden=ctx,
+        context_hidden=padded.context_hidden,
         anchors=anchors,
-        anchor_valid=valid,
+        anchor_valid=anchor_valid,
         labels=labels,
         prev_tokens=prev,
         mask=mask,
         target_hidden=target_hidden,
     )
+
+
+def make_batch(
+    seqs: Sequence[CachedSequence],
+    num_anchors: int,
+    block_size: int,
+    generator: torch.Generator | None = None,
+) -> TrainBatch:
+    """Pad `seqs` to one length and sample `num_anchors` anchors in each."""
+    padded = pad_sequences(seqs)
+    anchors, valid = sample_anchors(padded.loss_mask, num_anchors, generator)
+    return anchored_batch(padded, anchors, valid, block_size)
+
+
+def follow_anchors(
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, hits: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where serving drafts next after each block: the position after the block's leading hits.
+
+    anchors, anchor_valid: [B, N]; hits: [B, N, bs] bool (the drafter's greedy token equals the
+    label, on valid slots); loss_mask: [B, S] -> anchors [B, N] int64, valid [B, N] bool.
+    A block from anchor a whose first m drafts match stops at a + 1 + m: the token there is the
+    target's own (its correction, or the bonus after a full block), and the next block is
+    drafted from it. Such anchors follow a token the drafter missed, so they are harder than
+    uniform ones; serving visits them on every step but the first. A follow anchor is valid
+    when it and the next position are both supervised.
+    """
+    seq = loss_mask.shape[1]
+    m = hits.to(torch.int64).cumprod(-1).sum(-1)
+    nxt = anchors + 1 + m
+    safe = nxt.clamp(max=seq - 2)
+    ok = anchor_valid & (nxt < seq - 1)
+    ok = ok & torch.gather(loss_mask, 1, safe) & torch.gather(loss_mask, 1, safe + 1)
+    return torch.where(ok, safe, torch.zeros_like(safe)), ok
 
 
 @torch.no_grad()

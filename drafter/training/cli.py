@@ -147,6 +147,7 @@ def cmd_train(a: argparse.Namespace) -> None:
         bf16=not a.fp32,
         init_from_target=not a.no_init_from_target,
         seed=a.seed,
+        follow_fraction=a.follow_fraction,
     )
     lcfg = LossConfig(
         ce_alpha=a.ce_alpha,
@@ -418,6 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-anchors", type=int, default=24, help="random anchors per sequence")
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--warmup-ratio", type=float, default=0.04)
+    t.add_argument(
+        "--follow-fraction",
+        type=float,
+        default=0.0,
+        help="share of anchors moved to where the drafter's greedy block from them stops "
+        "(the anchors serving drafts from; 0 = uniform)",
+    )
     t.add_argument("--checkpoint-every", type=int, default=25)
     t.add_argument("--ce-alpha", type=float, default=0.1)
     t.add_argument("--l1-alpha", type=float, default=0.9)

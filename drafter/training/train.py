@@ -27,7 +27,16 @@ from dspark_serve.drafter.dspark_model import (
     load_dspark,
     save_dspark,
 )
-from dspark_serve.drafter.training.cache import CachedSequence, TrainBatch, load_cache, make_batch
+from dspark_serve.drafter.training.cache import (
+    CachedSequence,
+    PaddedSequences,
+    TrainBatch,
+    anchored_batch,
+    follow_anchors,
+    load_cache,
+    pad_sequences,
+    sample_anchors,
+)
 from dspark_serve.drafter.training.loss import LossConfig, LossOutput, dspark_loss
 
 
@@ -42,6 +51,10 @@ class TrainConfig:
     bf16: run matmuls under bfloat16 autocast (losses stay float32).
     init_from_target: copy the target's last decoder layers into the draft layers.
     seed: data order and anchor sampling.
+    follow_fraction: share of each sequence's anchors moved to where the drafter's own greedy
+        block from them stops (`follow_anchors`: the position serving drafts from next), so
+        training sees the harder anchors serving visits; 0 = uniform anchors (DeepSpec). Costs
+        one gradient-free drafter forward over the moved anchors per step.
     """
 
     steps: int = 400
@@ -55,6 +68,7 @@ class TrainConfig:
     bf16: bool = True
     init_from_target: bool = True
     seed: int = 0
+    follow_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_seqs", "num_anchors", "checkpoint_every"):
@@ -66,6 +80,8 @@ class TrainConfig:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
         if self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm!r}")
+        if not (0 <= self.follow_fraction <= 1):
+            raise ValueError(f"follow_fraction must be in [0, 1], got {self.follow_fraction!r}")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -167,6 +183,10 @@ class StepStats:
     seconds: float
 
 
+def _autocast(model: DSparkModel, bf16: bool) -> torch.autocast:
+    return torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16)
+
+
 def forward_loss(
     model: DSparkModel,
     batch: TrainBatch,
@@ -176,13 +196,8 @@ def forward_loss(
 ) -> LossOutput:
     """One teacher-forced forward over a batch -> the DSpark objective. `target_head`: the
     target's full LM head (needed with a truncated draft vocabulary; default the drafter's)."""
-    ctx = (
-        torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
-        if model.device.type == "cpu"
-        else torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16)
-    )
     dev = model.device
-    with ctx:
+    with _autocast(model, bf16):
         hidden = model.forward_train(
             batch.context_hidden.to(dev),
             batch.input_ids.to(dev),
@@ -201,19 +216,71 @@ def forward_loss(
     )
 
 
+@torch.no_grad()
+def greedy_hits(model: DSparkModel, batch: TrainBatch, bf16: bool) -> torch.Tensor:
+    """-> [B, N, bs] bool: the drafter's teacher-forced argmax (as a target id) equals the
+    label, on valid slots."""
+    dev = model.device
+    with _autocast(model, bf16):
+        hidden = model.forward_train(
+            batch.context_hidden.to(dev),
+            batch.input_ids.to(dev),
+            batch.anchors.to(dev),
+            batch.anchor_valid.to(dev),
+        )
+        pick = model.block_logits(hidden, batch.prev_tokens.to(dev)).argmax(-1)
+    return ((model.to_target_ids(pick) == batch.labels.to(dev)) & batch.mask.to(dev)).cpu()
+
+
+def followed_batch(
+    model: DSparkModel,
+    padded: PaddedSequences,
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    slots: torch.Tensor,
+    bf16: bool,
+) -> TrainBatch:
+    """The batch with the anchors in `slots` ([n] indices into N) replaced by their follow
+    anchors under the current drafter (an invalid follow anchor keeps the uniform one)."""
+    bs = model.config.block_size
+    picked = anchored_batch(padded, anchors[:, slots], anchor_valid[:, slots], bs)
+    hits = greedy_hits(model, picked, bf16)
+    nxt, ok = follow_anchors(picked.anchors, picked.anchor_valid, hits, padded.loss_mask)
+    anchors, anchor_valid = anchors.clone(), anchor_valid.clone()
+    anchors[:, slots] = torch.where(ok, nxt, anchors[:, slots])
+    return anchored_batch(padded, anchors, anchor_valid, bs)
+
+
+def training_batch(
+    model: DSparkModel, seqs: Sequence[CachedSequence], cfg: TrainConfig, gen: torch.Generator
+) -> TrainBatch:
+    """One step's batch: uniform anchors, a `follow_fraction` share of them followed."""
+    padded = pad_sequences(seqs)
+    anchors, valid = sample_anchors(padded.loss_mask, cfg.num_anchors, gen)
+    n = round(cfg.follow_fraction * cfg.num_anchors)
+    if n == 0:
+        return anchored_batch(padded, anchors, valid, model.config.block_size)
+    slots = torch.randperm(cfg.num_anchors, generator=gen)[:n]
+    return followed_batch(model, padded, anchors, valid, slots, cfg.bf16)
+
+
 @dataclass
 class HeldOutStats:
     """Teacher-forced acceptance on held-out sequences at one checkpoint (no gradient).
 
     tau: mean expected tokens per block (1 + sum_k prod_{i<=k} c*_i); accept_rate: mean c*_k
     per draft position k; blocks: how many (sequence, anchor) blocks were scored; greedy_tau:
-    mean tokens per block under greedy verification (leading argmax matches + 1)."""
+    mean tokens per block under greedy verification (leading argmax matches + 1);
+    follow_greedy_tau: the same at the follow anchors of those blocks (where the drafter's own
+    greedy block stops, the anchors serving drafts from after its first step), which is
+    what greedy serving's acceptance length tracks."""
 
     step: int
     tau: float
     accept_rate: list[float]
     blocks: int
     greedy_tau: float = 0.0
+    follow_greedy_tau: float = 0.0
 
 
 @torch.no_grad()
@@ -233,14 +300,21 @@ def evaluate_held_out(
     model.eval()
     gen = torch.Generator().manual_seed(12345)
     taus: list[tuple[float, float, int]] = []  # (tau, greedy tau, blocks) per batch
+    follow: list[tuple[float, int]] = []  # (greedy tau, blocks) at the follow anchors
     rates: list[tuple[torch.Tensor, int]] = []
     bs = model.config.block_size
     for i in range(0, len(seqs), batch_seqs):
-        batch = make_batch(list(seqs[i : i + batch_seqs]), num_anchors, bs, gen)
+        padded = pad_sequences(list(seqs[i : i + batch_seqs]))
+        batch = anchored_batch(padded, *sample_anchors(padded.loss_mask, num_anchors, gen), bs)
         out = forward_loss(model, batch, loss_cfg, bf16, target_head)
         n = int(batch.anchor_valid.sum())
         taus.append((float(out.tau), float(out.greedy_tau), n))
         rates.append((out.accept_rate.detach().float().cpu(), n))
+        hits = greedy_hits(model, batch, bf16)
+        nxt, ok = follow_anchors(batch.anchors, batch.anchor_valid, hits, padded.loss_mask)
+        if ok.any():
+            fol = forward_loss(model, anchored_batch(padded, nxt, ok, bs), loss_cfg, bf16, target_head)
+            follow.append((float(fol.greedy_tau), int(ok.sum())))
     model.train(was_training)
     blocks = sum(n for _, _, n in taus)
     total = blocks or 1
@@ -251,6 +325,7 @@ def evaluate_held_out(
         accept_rate=[round(float(x), 4) for x in rate],
         blocks=blocks,
         greedy_tau=sum(g * n for _, g, n in taus) / total,
+        follow_greedy_tau=sum(g * n for g, n in follow) / max(1, sum(n for _, n in follow)),
     )
 
 
@@ -278,7 +353,6 @@ def run_train(
         model.load_state_dict(ck["model"], strict=False)
         opt.load_state_dict(ck["optimizer"])
         start = int(ck["step"])
-    bs = model.config.block_size
     history: list[StepStats] = []
     model.train()
     log = open(work / "log.jsonl", "a")
@@ -286,7 +360,7 @@ def run_train(
         t0 = time.time()
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # resumable data order
         idx = torch.randint(len(data), (cfg.batch_seqs,), generator=gen).tolist()
-        batch = make_batch([data[i] for i in idx], cfg.num_anchors, bs, gen)
+        batch = training_batch(model, [data[i] for i in idx], cfg, gen)
         lr = lr_at(step, cfg)
         for g in opt.param_groups:
             g["lr"] = lr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -10,8 +11,11 @@ import torch
 from dspark_serve.drafter.dspark_model import Calibration, DSparkConfig, load_dspark
 from dspark_serve.drafter.training.cache import (
     CachedSequence,
+    anchored_batch,
     block_targets,
+    follow_anchors,
     make_batch,
+    pad_sequences,
     sample_anchors,
     target_states,
 )
@@ -21,10 +25,13 @@ from dspark_serve.drafter.training.loss import LossConfig, dspark_loss, position
 from dspark_serve.drafter.training.train import (
     TrainConfig,
     build_draft_model,
+    evaluate_held_out,
     forward_loss,
+    greedy_hits,
     run_train,
     trainable_parameters,
     trainable_state,
+    training_batch,
 )
 
 NEG_INF = float("-inf")
@@ -222,8 +229,6 @@ def test_held_out_acceptance_is_logged_at_every_checkpoint(tmp_path):
     record the same metric on sequences the run never sees, at each checkpoint."""
     import json
 
-    from dspark_serve.drafter.training.train import evaluate_held_out
-
     torch.manual_seed(0)
     target = _tiny_target()
     seqs = _cached_sequences(target, 10, 24, 4)
@@ -392,3 +397,110 @@ def test_training_data_joins_work_directories_and_keeps_held_out_shards_apart(tm
     assert torch.equal(got.taps, saved["b", 1]["taps"][1]) and got.num_prompt == 2
     args = build_parser().parse_args(["train", "--out", "a", "--extra-data", "b", "--extra-data", "c"])
     assert args.extra_data == ["b", "c"]
+
+
+def test_follow_anchors_start_after_the_leading_hits():
+    """A block from anchor a with m leading hits stops at a + 1 + m; the anchor there is valid
+    only when it and the next position are supervised, and invalid blocks stay invalid."""
+    loss_mask = torch.zeros(1, 14, dtype=torch.bool)
+    loss_mask[0, 3:] = True  # prompt 0..2, response 3..13
+    anchors = torch.tensor([[3, 5, 6, 9, 2]])
+    valid = torch.tensor([[True, True, True, True, False]])
+    hits = torch.tensor(
+        [
+            [
+                [True, True, False, True],  # m = 2 (a later hit does not count) -> 6
+                [True, True, True, True],  # a full block -> 5 + 1 + 4 = 10
+                [False, True, True, True],  # m = 0 -> 7
+                [True, True, True, False],  # -> 13, the last position: nothing after it to predict
+                [True, True, True, True],  # an invalid block stays invalid
+            ]
+        ]
+    )
+    nxt, ok = follow_anchors(anchors, valid, hits, loss_mask)
+    assert ok.tolist() == [[True, True, True, False, False]]
+    assert nxt[ok].tolist() == [6, 10, 7]
+
+
+def test_follow_anchors_are_the_anchors_a_greedy_speculative_loop_drafts_from(tmp_path):
+    """Chaining follow anchors over a greedy speculative generation, teacher-forced, visits the
+    same anchors as the loop itself (the same drafter, verified by the target), round by round."""
+    torch.manual_seed(0)
+    target = _tiny_target()
+    model = build_draft_model(_tiny_drafter_config(target), target, init_from_target=True)
+    # Briefly trained on the target's own greedy text, so blocks stop at varied lengths.
+    prompts = [
+        [5, 9, 5, 9, 5, 9, 7, 3],
+        [11, 12, 13, 11, 12, 13, 40, 2],
+        [8, 8, 30, 8, 8, 30, 8, 8],
+        [17, 3, 64, 22, 9, 41, 5, 70],
+    ]
+    seqs = []
+    for pr in prompts:
+        ids = pr + speculative_generate(target, NgramEvalDrafter(4), pr, 40, 0.0, eos_id=-1).generated
+        taps, last = target_states(target, ids, (0, 2))
+        seqs.append(CachedSequence(torch.tensor(ids), len(pr), taps, last))
+    tcfg = TrainConfig(steps=15, batch_seqs=3, num_anchors=12, lr=3e-3, checkpoint_every=15, bf16=False)
+    run_train(model, seqs, tcfg, LossConfig(), tmp_path / "run")
+    model.eval()
+    rounds = []
+    for pr in prompts:
+        stats = speculative_generate(target, NeuralDrafter(model), pr, 40, 0.0, eos_id=-1)
+        ids = pr + stats.generated
+        taps, last = target_states(target, ids, (0, 2))
+        padded = pad_sequences([CachedSequence(torch.tensor(ids), len(pr), taps, last)])
+        anchor = len(pr)  # the first generated token: the loop drafts its first block from it
+        for proposed, accepted in zip(stats.proposed, stats.accepted):
+            if proposed < model.config.block_size:
+                break  # the loop's last, shortened rounds
+            a = torch.tensor([[anchor]])
+            batch = anchored_batch(padded, a, torch.ones_like(a, dtype=torch.bool), model.config.block_size)
+            nxt, ok = follow_anchors(
+                a, batch.anchor_valid, greedy_hits(model, batch, False), padded.loss_mask
+            )
+            assert bool(ok) and int(nxt) == anchor + 1 + accepted
+            rounds.append(accepted)
+            anchor = int(nxt)
+    assert len(rounds) >= 20 and {0, 4} <= set(rounds)  # blocks stopped at once and ran full
+
+
+def test_training_with_follow_anchors_moves_only_the_chosen_share_and_still_learns(tmp_path):
+    """follow_fraction 0 builds exactly the uniform batch (old runs resume alike); 0.5 moves
+    half the anchors of each sequence to their follow anchors and leaves the rest; such runs
+    lower the loss, and held-out scoring reports the greedy tau at follow anchors too."""
+    torch.manual_seed(0)
+    target = _tiny_target()
+    seqs = _cached_sequences(target, 8, 24, 4)
+    model = build_draft_model(_tiny_drafter_config(target), target, init_from_target=True)
+    base = TrainConfig(steps=40, batch_seqs=4, num_anchors=6, lr=3e-3, checkpoint_every=20, bf16=False)
+    uniform = training_batch(model, seqs[:4], base, torch.Generator().manual_seed(9))
+    same = make_batch(seqs[:4], 6, 4, torch.Generator().manual_seed(9))
+    assert torch.equal(uniform.anchors, same.anchors) and torch.equal(uniform.labels, same.labels)
+
+    half = dataclasses.replace(base, follow_fraction=0.5)
+    moved = training_batch(model, seqs[:4], half, torch.Generator().manual_seed(9))
+    slots = torch.randperm(6, generator=_after_anchors(seqs[:4], 9))[:3]
+    hits = greedy_hits(model, make_batch(seqs[:4], 6, 4, torch.Generator().manual_seed(9)), False)
+    nxt, ok = follow_anchors(same.anchors, same.anchor_valid, hits, pad_sequences(seqs[:4]).loss_mask)
+    want = same.anchors.clone()
+    want[:, slots] = torch.where(ok[:, slots], nxt[:, slots], same.anchors[:, slots])
+    assert torch.equal(moved.anchors, want) and not torch.equal(moved.anchors, same.anchors)
+    assert torch.equal(moved.anchor_valid, same.anchor_valid)
+
+    fixed = make_batch(seqs[:4], 6, 4, torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        before = float(forward_loss(model, fixed, LossConfig(), False).loss)
+    run_train(model, seqs, half, LossConfig(), tmp_path / "run", held_out=seqs[6:])
+    with torch.no_grad():
+        assert float(forward_loss(model, fixed, LossConfig(), False).loss) < 0.7 * before
+    ho = evaluate_held_out(model, seqs[6:], 6, LossConfig(), False, 40)
+    assert 1.0 <= ho.follow_greedy_tau <= 5.0
+    with pytest.raises(ValueError, match="1.5"):
+        TrainConfig(follow_fraction=1.5)
+
+
+def _after_anchors(seqs, seed: int) -> torch.Generator:
+    """A generator in the state training_batch leaves it after sampling the uniform anchors."""
+    gen = torch.Generator().manual_seed(seed)
+    sample_anchors(pad_sequences(seqs).loss_mask, 6, gen)
+    return gen
