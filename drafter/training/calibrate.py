@@ -226,6 +226,7 @@ def collect_confidences(
     `target_head`: the target's full LM head (default the drafter's, when not truncated)."""
     from dspark_serve.drafter.training.cache import make_batch
     from dspark_serve.drafter.training.loss import acceptance_rate
+    from dspark_serve.drafter.training.train import block_hidden
 
     gen = torch.Generator().manual_seed(seed)
     bs = model.config.block_size
@@ -234,12 +235,7 @@ def collect_confidences(
     for s in seqs:
         batch = make_batch([s], num_anchors, bs, gen)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-            hidden = model.forward_train(
-                batch.context_hidden.to(dev),
-                batch.input_ids.to(dev),
-                batch.anchors.to(dev),
-                batch.anchor_valid.to(dev),
-            )
+            hidden = block_hidden(model, batch)
             prev = batch.prev_tokens.to(dev)
             q = model.block_logits(hidden, prev).float().softmax(-1)
             conf = model.confidence_logits(hidden, prev)

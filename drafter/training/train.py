@@ -187,6 +187,13 @@ def _autocast(model: DSparkModel, bf16: bool) -> torch.autocast:
     return torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
+def block_hidden(model: DSparkModel, batch: TrainBatch) -> torch.Tensor:
+    """The drafter's teacher-forced hidden states for every block of `batch`: [B, N, bs, d]."""
+    dev = model.device
+    ctx, ids = batch.context_hidden.to(dev), batch.input_ids.to(dev)
+    return model.forward_train(ctx, ids, batch.anchors.to(dev), batch.anchor_valid.to(dev))
+
+
 def forward_loss(
     model: DSparkModel,
     batch: TrainBatch,
@@ -198,12 +205,7 @@ def forward_loss(
     target's full LM head (needed with a truncated draft vocabulary; default the drafter's)."""
     dev = model.device
     with _autocast(model, bf16):
-        hidden = model.forward_train(
-            batch.context_hidden.to(dev),
-            batch.input_ids.to(dev),
-            batch.anchors.to(dev),
-            batch.anchor_valid.to(dev),
-        )
+        hidden = block_hidden(model, batch)
         prev = batch.prev_tokens.to(dev)
         draft_logits = model.block_logits(hidden, prev)
         conf = model.confidence_logits(hidden, prev)
@@ -222,12 +224,7 @@ def greedy_hits(model: DSparkModel, batch: TrainBatch, bf16: bool) -> torch.Tens
     label, on valid slots."""
     dev = model.device
     with _autocast(model, bf16):
-        hidden = model.forward_train(
-            batch.context_hidden.to(dev),
-            batch.input_ids.to(dev),
-            batch.anchors.to(dev),
-            batch.anchor_valid.to(dev),
-        )
+        hidden = block_hidden(model, batch)
         pick = model.block_logits(hidden, batch.prev_tokens.to(dev)).argmax(-1)
     return ((model.to_target_ids(pick) == batch.labels.to(dev)) & batch.mask.to(dev)).cpu()
 
