@@ -127,6 +127,8 @@ def cmd_train(a: argparse.Namespace) -> None:
         build_draft_model,
         draft_model_from_checkpoint,
         draft_vocabulary,
+        grow_draft_model,
+        grown_config,
         load_step_weights,
         load_train_data,
         run_train,
@@ -134,6 +136,8 @@ def cmd_train(a: argparse.Namespace) -> None:
         vocabulary_coverage,
     )
 
+    if (a.grow_layers or a.grow_markov_rank) and not a.init_from:
+        raise SystemExit("train: --grow-layers and --grow-markov-rank grow the drafter given by --init-from")
     _set_threads(a.threads)
     target = _load_target(a)
     cfg = _drafter_config(a, target)
@@ -171,12 +175,14 @@ def cmd_train(a: argparse.Namespace) -> None:
     start = None  # an exported drafter to start from (--init-from), unless the run resumes
     if a.init_from and not ckpt.exists():
         start = draft_model_from_checkpoint(a.init_from, target.model)
+        if a.grow_layers or a.grow_markov_rank:
+            start = grow_draft_model(start, target.model, a.grow_layers, a.grow_markov_rank)
         cfg, d2t = start.config, start.d2t
         print(f"train {a.name}: starting from {a.init_from} (its architecture and draft vocabulary)")
     elif a.init_from:  # resuming such a run: the start's architecture, the run's own vocabulary
         from dspark_serve.drafter.dspark_model import read_config
 
-        cfg = read_config(a.init_from)
+        cfg = grown_config(read_config(a.init_from), a.grow_layers, a.grow_markov_rank)
         d2t = torch.load(ckpt, weights_only=False)["model"]["d2t"] if cfg.truncated else None
     elif a.draft_vocab:
         # A resumed run keeps the vocabulary it started with (the data may have grown since).
@@ -452,6 +458,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from an exported drafter directory (its architecture, draft vocabulary and "
         "weights; fresh optimizer and schedule) instead of the target's layers; a run with a "
         "ckpt.pt resumes that instead",
+    )
+    t.add_argument(
+        "--grow-layers",
+        type=int,
+        default=0,
+        help="with --init-from: stack new layers on the start's, up to this many in all, each "
+        "the identity until trained (0 = as the start)",
+    )
+    t.add_argument(
+        "--grow-markov-rank",
+        type=int,
+        default=0,
+        help="with --init-from: widen the start's Markov head to this rank, the bias unchanged "
+        "until trained (0 = as the start)",
     )
     t.add_argument(
         "--draft-vocab",

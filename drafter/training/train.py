@@ -170,6 +170,52 @@ def draft_model_from_checkpoint(path: str | Path, target: Any) -> DSparkModel:
     return model
 
 
+def grown_config(cfg: DSparkConfig, layers: int = 0, markov_rank: int = 0) -> DSparkConfig:
+    """cfg with more draft layers and/or a wider Markov head (0: unchanged); never smaller."""
+    new_layers = layers or cfg.num_hidden_layers
+    new_rank = markov_rank or cfg.markov_rank
+    if new_layers < cfg.num_hidden_layers:
+        raise ValueError(f"grow to {layers!r} layers: the drafter already has {cfg.num_hidden_layers}")
+    if new_rank < cfg.markov_rank or (new_rank and not cfg.has_markov):
+        raise ValueError(f"grow the Markov rank to {markov_rank!r}: it is {cfg.markov_rank} (0 = no head)")
+    return cfg.replace(num_hidden_layers=new_layers, markov_rank=new_rank)
+
+
+def grow_draft_model(model: DSparkModel, target: Any, layers: int = 0, markov_rank: int = 0) -> DSparkModel:
+    """A bigger drafter that computes exactly what `model` does, so that training its new
+    capacity starts from where `model` stands instead of from scratch.
+
+    New layers go on top of the old ones (before the final norm), initialised from the
+    target's last layers as `build_draft_model`'s are, but with zero output projections
+    (o_proj, down_proj): each is the identity on the residual stream until training grows it.
+    A wider Markov head keeps the old rank's factors; the new rank's W1 columns start small
+    and random and its W2 columns (and the confidence head's weights on them) at zero, so the
+    bias and the confidence are unchanged while gradients reach the new columns."""
+    old = model.config
+    cfg = grown_config(old, layers, markov_rank)
+    d2t = None if model.d2t is None else model.d2t.clone()
+    new = build_draft_model(cfg, target, init_from_target=True, d2t=d2t)
+    state = trainable_state(model)
+    with torch.no_grad():
+        for name, p in trainable_state(new).items():
+            if name not in state:  # a new layer
+                if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+                    p.zero_()
+                continue
+            src = state[name].to(p.dtype)
+            if src.shape == p.shape:
+                p.copy_(src)
+            elif name.endswith(("markov_w2.weight", "confidence_head.proj.weight")):
+                p.zero_()
+                p[:, : src.shape[1]].copy_(src)
+            elif name.endswith("markov_w1.weight"):
+                p[:, : src.shape[1]].copy_(src)
+            else:
+                raise ValueError(f"cannot grow {name!r} from {tuple(src.shape)} to {tuple(p.shape)}")
+    new.calibration = model.calibration
+    return new
+
+
 @dataclass
 class StepStats:
     step: int

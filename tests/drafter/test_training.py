@@ -297,6 +297,49 @@ def test_training_starts_from_an_exported_drafter(tmp_path):
         draft_model_from_checkpoint(tmp_path / "ckpt", target)
 
 
+def test_a_grown_drafter_computes_what_it_grew_from_and_its_new_capacity_learns(tmp_path):
+    """`--grow-layers` / `--grow-markov-rank`: the bigger drafter (a layer stacked on top, a
+    wider Markov head) gives the same logits and confidences as the trained one it grew from,
+    training reaches its new weights (the new layer's output projections leave zero, the new
+    Markov columns' W2 too) and lowers the loss; shrinking is refused."""
+    from dspark_serve.drafter.training.train import grow_draft_model, grown_config
+
+    target = _tiny_target()
+    seqs = _cached_sequences(target, 8, 24, 4)
+    head = target.get_output_embeddings()
+    model = build_draft_model(_tiny_drafter_config(target), target, init_from_target=True)
+    tcfg = TrainConfig(steps=20, batch_seqs=4, num_anchors=6, lr=3e-3, checkpoint_every=20, bf16=False)
+    run_train(model, seqs, tcfg, LossConfig(), tmp_path / "small", target_head=head)
+    model.calibration = Calibration((1.5, 2.0, 0.7, 3.0))
+    big = grow_draft_model(model, target, layers=2, markov_rank=16)
+    assert (big.config.num_hidden_layers, big.config.markov_rank) == (2, 16)
+    assert big.calibration is model.calibration
+    fixed = make_batch(seqs[:4], 6, 4, torch.Generator().manual_seed(9))
+    model.eval()
+    big.eval()
+
+    def outputs(m):
+        h = m.forward_train(fixed.context_hidden, fixed.input_ids, fixed.anchors, fixed.anchor_valid)
+        return m.block_logits(h, fixed.prev_tokens), m.confidence_logits(h, fixed.prev_tokens)
+
+    with torch.no_grad():
+        for a, b in zip(outputs(model), outputs(big)):
+            assert torch.allclose(a, b, atol=1e-5)
+        before = float(forward_loss(big, fixed, LossConfig(), False, head).loss)
+    new = big.layers[1]
+    assert float(new.self_attn.o_proj.weight.detach().abs().sum()) == 0.0
+    run_train(big, seqs, tcfg, LossConfig(), tmp_path / "big", target_head=head)
+    with torch.no_grad():
+        assert float(forward_loss(big, fixed, LossConfig(), False, head).loss) < before
+    assert float(new.self_attn.o_proj.weight.detach().abs().sum()) > 0.0
+    assert float(new.mlp.down_proj.weight.detach().abs().sum()) > 0.0
+    assert float(big.markov_head.markov_w2.weight[:, 8:].detach().abs().sum()) > 0.0
+    with pytest.raises(ValueError, match="already has 2"):
+        grown_config(big.config, layers=1)
+    with pytest.raises(ValueError, match="rank to 4"):
+        grown_config(big.config, markov_rank=4)
+
+
 def test_export_then_load_gives_identical_logits(tmp_path):
     target = _tiny_target()
     cfg = _tiny_drafter_config(target)
