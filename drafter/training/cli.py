@@ -19,6 +19,7 @@ import logging
 import sys
 from pathlib import Path
 
+from dspark_serve.drafter.training.loss import CE_LABELS
 from dspark_serve.drafter.training.progress import Progress
 
 # The embedded target: 30 decoder layers; five taps spread over them (never the last layer,
@@ -158,6 +159,7 @@ def cmd_train(a: argparse.Namespace) -> None:
         l1_alpha=a.l1_alpha,
         confidence_alpha=a.confidence_alpha,
         decay_gamma=a.decay_gamma,
+        ce_labels=a.ce_labels,
     )
     work = Path(a.out) / "train" / a.name
     ckpt = work / "ckpt.pt"
@@ -437,6 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--l1-alpha", type=float, default=0.9)
     t.add_argument("--confidence-alpha", type=float, default=1.0)
     t.add_argument("--decay-gamma", type=float, default=None, help="default: the block size")
+    t.add_argument(
+        "--ce-labels",
+        default="data",
+        choices=CE_LABELS,
+        help="cross-entropy labels: the tokens the target wrote (data) or its argmax at every slot",
+    )
     t.add_argument("--holdout-every", type=int, default=10)
     t.add_argument(
         "--extra-data",

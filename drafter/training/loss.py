@@ -1,7 +1,8 @@
 """DeepSpec's DSpark objective, as pure functions.
 
 Per supervised slot (anchor n, block position k = 1..bs):
-    ce_k   = -log q_k(y_k)                      (y = the target's own next token)
+    ce_k   = -log q_k(y_k)                      (y = the target's own next token, as written
+                                                 in the data, or its argmax: `ce_labels`)
     l1_k   = ||q_k - p_k||_1                    (DeepSpec's total-variation term: the L1
                                                  distance, i.e. twice the TV distance)
     c*_k   = clamp(1 - 0.5 * ||q_k - p_k||_1)   (analytic acceptance rate, no gradient)
@@ -19,6 +20,9 @@ import torch
 import torch.nn.functional as F
 
 
+CE_LABELS = ("data", "argmax")
+
+
 @dataclass(frozen=True)
 class LossConfig:
     """Weights of the DSpark objective.
@@ -27,12 +31,17 @@ class LossConfig:
     l1_alpha: weight of the ||q - p||_1 distribution term (DeepSpec: 0.9).
     confidence_alpha: weight of the confidence-head BCE (DeepSpec: 1.0).
     decay_gamma: position decay exp(-(k-1)/gamma); None = the block size; 0 = no decay.
+    ce_labels: what the cross-entropy's labels are: "data", the tokens the target wrote (its
+        greedy choice in a greedy pass, a sample in a sampled one; DeepSpec's), or "argmax",
+        the target's most likely token at every slot (what greedy verification accepts, in
+        sampled passes too).
     """
 
     ce_alpha: float = 0.1
     l1_alpha: float = 0.9
     confidence_alpha: float = 1.0
     decay_gamma: float | None = None
+    ce_labels: str = "data"
 
     def __post_init__(self) -> None:
         for name in ("ce_alpha", "l1_alpha", "confidence_alpha"):
@@ -41,6 +50,8 @@ class LossConfig:
                 raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
         if self.decay_gamma is not None and not (self.decay_gamma >= 0 and math.isfinite(self.decay_gamma)):
             raise ValueError(f"decay_gamma must be None or finite and >= 0, got {self.decay_gamma!r}")
+        if self.ce_labels not in CE_LABELS:
+            raise ValueError(f"ce_labels must be one of {CE_LABELS}, got {self.ce_labels!r}")
 
     def gamma(self, block_size: int) -> float:
         return float(block_size) if self.decay_gamma is None else float(self.decay_gamma)
@@ -109,7 +120,8 @@ def dspark_loss(
     draft_logits: [B, N, bs, V'] drafter logits (Markov-corrected, teacher-forced) over the
         draft vocabulary (V' = V unless truncated).
     target_logits: [B, N, bs, V] the target's logits for the same slots (no gradient).
-    labels: [B, N, bs] the target's tokens y_k (target ids).
+    labels: [B, N, bs] the target's tokens y_k (target ids); replaced by the target's argmax
+        with cfg.ce_labels = "argmax".
     mask: [B, N, bs] bool, valid slots (a contiguous prefix of each block).
     confidence_logits: [B, N, bs] raw confidence-head outputs, or None (no head).
     d2t: [V'] target id of each draft id for a truncated vocabulary, else None. Labels
@@ -121,6 +133,8 @@ def dspark_loss(
     den = w.sum().clamp_min(1e-6)
     logq = draft_logits.float().log_softmax(-1)  # one normalization serves CE and q
     labels, w_ce = labels.long(), w
+    if cfg.ce_labels == "argmax":
+        labels = target_logits.argmax(-1)
     if d2t is not None:
         t2d = torch.full((target_logits.shape[-1],), -1, dtype=torch.long, device=labels.device)
         t2d[d2t.to(labels.device)] = torch.arange(d2t.numel(), device=labels.device)

@@ -75,6 +75,23 @@ def test_loss_hand_computed():
     assert float(hit.greedy_tau) == 3.0
 
 
+def test_argmax_labels_train_the_cross_entropy_on_the_targets_most_likely_token():
+    """ce_labels="argmax": the CE term reads the target's argmax at every slot, not the token
+    the data holds (a sample, in a sampled pass); the other terms stay as they were."""
+    draft = torch.tensor([[[_log([0.5, 0.3, 0.2]), [0.0, 0.0, 0.0]]]])
+    target = torch.tensor([[[_log([0.25, 0.5, 0.25]), _log([0.6, 0.4, 0.0])]]])  # argmax 1, 0
+    sampled = torch.tensor([[[2, 1]]])  # what a sampled pass might have written instead
+    mask = torch.ones(1, 1, 2, dtype=torch.bool)
+    greedy_labels = dspark_loss(draft, target, torch.tensor([[[1, 0]]]), mask, None, LossConfig())
+    data = dspark_loss(draft, target, sampled, mask, None, LossConfig())
+    argmax = dspark_loss(draft, target, sampled, mask, None, LossConfig(ce_labels="argmax"))
+    assert float(argmax.ce) == pytest.approx(float(greedy_labels.ce), rel=1e-6)
+    assert float(data.ce) != pytest.approx(float(argmax.ce), rel=1e-3)
+    assert float(argmax.l1) == pytest.approx(float(data.l1), rel=1e-6)
+    with pytest.raises(ValueError, match="'mode'"):
+        LossConfig(ce_labels="mode")
+
+
 def test_greedy_acceptance_counts_leading_argmax_matches_through_the_draft_vocabulary():
     # 2 blocks of 3 over a target vocabulary of 5, a draft vocabulary of 3 (target ids 4, 0, 2)
     d2t = torch.tensor([4, 0, 2])
