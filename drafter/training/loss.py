@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-
 CE_LABELS = ("data", "argmax")
 
 
