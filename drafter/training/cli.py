@@ -176,9 +176,12 @@ def cmd_train(a: argparse.Namespace) -> None:
     d2t = None
     start = None  # an exported drafter to start from (--init-from), unless the run resumes
     if a.init_from and not ckpt.exists():
-        start = draft_model_from_checkpoint(a.init_from, target.model)
-        if a.grow_layers or a.grow_markov_rank:
-            start = grow_draft_model(start, target.model, a.grow_layers, a.grow_markov_rank)
+        start = grow_draft_model(
+            draft_model_from_checkpoint(a.init_from, target.model),
+            target.model,
+            a.grow_layers,
+            a.grow_markov_rank,
+        )
         cfg, d2t = start.config, start.d2t
         print(f"train {a.name}: starting from {a.init_from} (its architecture and draft vocabulary)")
     elif a.init_from:  # resuming such a run: the start's architecture, the run's own vocabulary

@@ -131,9 +131,8 @@ def dspark_loss(
     w = position_weights(mask, cfg.gamma(bs))
     den = w.sum().clamp_min(1e-6)
     logq = draft_logits.float().log_softmax(-1)  # one normalization serves CE and q
-    labels, w_ce = labels.long(), w
-    if cfg.ce_labels == "argmax":
-        labels = target_logits.argmax(-1)
+    top = target_logits.argmax(-1)  # the target's greedy token: argmax labels, greedy hits
+    labels, w_ce = (top if cfg.ce_labels == "argmax" else labels.long()), w
     if d2t is not None:
         t2d = torch.full((target_logits.shape[-1],), -1, dtype=torch.long, device=labels.device)
         t2d[d2t.to(labels.device)] = torch.arange(d2t.numel(), device=labels.device)
@@ -163,7 +162,7 @@ def dspark_loss(
         pick = logq.argmax(-1)
         if d2t is not None:
             pick = d2t.to(pick.device)[pick]
-        hit = (pick == target_logits.argmax(-1)).to(torch.float32) * m
+        hit = (pick == top).to(torch.float32) * m
 
         def per_block(rate: torch.Tensor) -> torch.Tensor:  # 1 + sum_k prod_{i<=k} rate_i
             return (rate.cumprod(-1).sum(-1) + 1.0)[blocks].mean() if blocks.any() else m.new_zeros(())

@@ -190,11 +190,12 @@ def grow_draft_model(model: DSparkModel, target: Any, layers: int = 0, markov_ra
     (o_proj, down_proj): each is the identity on the residual stream until training grows it.
     A wider Markov head keeps the old rank's factors; the new rank's W1 columns start small
     and random and its W2 columns (and the confidence head's weights on them) at zero, so the
-    bias and the confidence are unchanged while gradients reach the new columns."""
-    old = model.config
-    cfg = grown_config(old, layers, markov_rank)
-    d2t = None if model.d2t is None else model.d2t.clone()
-    new = build_draft_model(cfg, target, init_from_target=True, d2t=d2t)
+    bias and the confidence are unchanged while gradients reach the new columns. With nothing
+    to grow (0 and 0, or the sizes it has), `model` itself."""
+    cfg = grown_config(model.config, layers, markov_rank)
+    if cfg == model.config:
+        return model
+    new = build_draft_model(cfg, target, init_from_target=True, d2t=model.d2t)
     state = trainable_state(model)
     with torch.no_grad():
         for name, p in trainable_state(new).items():
