@@ -137,8 +137,11 @@ def cmd_train(a: argparse.Namespace) -> None:
         vocabulary_coverage,
     )
 
-    if (a.grow_layers or a.grow_markov_rank) and not a.init_from:
-        raise SystemExit("train: --grow-layers and --grow-markov-rank grow the drafter given by --init-from")
+    if (a.grow_layers or a.grow_markov_rank or a.convert_markov_head) and not a.init_from:
+        raise SystemExit(
+            "train: --grow-layers, --grow-markov-rank and --convert-markov-head change the drafter "
+            "given by --init-from"
+        )
     _set_threads(a.threads)
     target = _load_target(a)
     cfg = _drafter_config(a, target)
@@ -181,13 +184,14 @@ def cmd_train(a: argparse.Namespace) -> None:
             target.model,
             a.grow_layers,
             a.grow_markov_rank,
+            a.convert_markov_head,
         )
         cfg, d2t = start.config, start.d2t
         print(f"train {a.name}: starting from {a.init_from} (its architecture and draft vocabulary)")
     elif a.init_from:  # resuming such a run: the start's architecture, the run's own vocabulary
         from dspark_serve.drafter.dspark_model import read_config
 
-        cfg = grown_config(read_config(a.init_from), a.grow_layers, a.grow_markov_rank)
+        cfg = grown_config(read_config(a.init_from), a.grow_layers, a.grow_markov_rank, a.convert_markov_head)
         d2t = torch.load(ckpt, weights_only=False)["model"]["d2t"] if cfg.truncated else None
     elif a.draft_vocab:
         # A resumed run keeps the vocabulary it started with (the data may have grown since).
@@ -483,6 +487,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="with --init-from: widen the start's Markov head to this rank, the bias unchanged "
         "until trained (0 = as the start)",
+    )
+    t.add_argument(
+        "--convert-markov-head",
+        default="",
+        choices=("", "gated", "rnn"),
+        help="with --init-from: turn the start's vanilla Markov head into a gated or recurrent "
+        "one computing (nearly) the same bias until trained (empty = as the start)",
     )
     t.add_argument(
         "--draft-vocab",

@@ -27,6 +27,7 @@ from dspark_serve.drafter.dspark_model import (
     load_dspark,
     save_dspark,
 )
+from dspark_serve.drafter.dspark_model.modules import MarkovHead
 from dspark_serve.drafter.training.cache import (
     CachedSequence,
     PaddedSequences,
@@ -170,36 +171,75 @@ def draft_model_from_checkpoint(path: str | Path, target: Any) -> DSparkModel:
     return model
 
 
-def grown_config(cfg: DSparkConfig, layers: int = 0, markov_rank: int = 0) -> DSparkConfig:
-    """cfg with more draft layers and/or a wider Markov head (0: unchanged); never smaller."""
+def grown_config(
+    cfg: DSparkConfig, layers: int = 0, markov_rank: int = 0, markov_head_type: str = ""
+) -> DSparkConfig:
+    """cfg with more draft layers, a wider Markov head and/or a vanilla Markov head turned
+    into a gated or recurrent one (0 / "": unchanged); never smaller, never back to vanilla."""
     new_layers = layers or cfg.num_hidden_layers
     new_rank = markov_rank or cfg.markov_rank
+    new_kind = markov_head_type or cfg.markov_head_type
     if new_layers < cfg.num_hidden_layers:
         raise ValueError(f"grow to {layers!r} layers: the drafter already has {cfg.num_hidden_layers}")
     if new_rank < cfg.markov_rank or (new_rank and not cfg.has_markov):
         raise ValueError(f"grow the Markov rank to {markov_rank!r}: it is {cfg.markov_rank} (0 = no head)")
-    return cfg.replace(num_hidden_layers=new_layers, markov_rank=new_rank)
+    if new_kind != cfg.markov_head_type and (cfg.markov_head_type != "vanilla" or not cfg.has_markov):
+        raise ValueError(
+            f"turn the Markov head into {markov_head_type!r}: only a vanilla head converts, "
+            f"this one is {cfg.markov_head_type!r} with rank {cfg.markov_rank}"
+        )
+    return cfg.replace(num_hidden_layers=new_layers, markov_rank=new_rank, markov_head_type=new_kind)
 
 
-def grow_draft_model(model: DSparkModel, target: Any, layers: int = 0, markov_rank: int = 0) -> DSparkModel:
-    """A bigger drafter that computes exactly what `model` does, so that training its new
-    capacity starts from where `model` stands instead of from scratch.
+# The recurrent head's bias is W2 tanh(o): a converted head reads o = EPS * W1[x] and writes
+# W2 / EPS, which is W2 W1[x] to within EPS^2 |W1[x]|^3 / 3 (W1's entries are small).
+RNN_CONVERT_EPS = 0.25
+
+
+def _convert_markov_head(head: MarkovHead, old_w2: torch.Tensor, seed: int = 0) -> None:
+    """Give a freshly built gated / rnn head the bias the vanilla head (W1 copied already,
+    its W2 = old_w2) computes. gated: the gate starts at sigmoid(0) = 1/2 and W2 doubles,
+    exact. rnn: gate 1/2, the output reads EPS * W1[x] and W2 is divided by EPS (near
+    exact); the candidate starts small and random so the state carries a signal that
+    gradients can pick up, and the output's weights on the state and on h start at zero."""
+    r = old_w2.shape[1]
+    with torch.no_grad():
+        if head.kind == "gated":
+            head.gate_proj.weight.zero_()
+            head.gate_proj.bias.zero_()
+            head.markov_w2.weight.copy_(2.0 * old_w2)
+        elif head.kind == "rnn":
+            w, b = head.joint_proj.weight, head.joint_proj.bias  # [3r, 2r + d]: rows g | c | o
+            gen = torch.Generator().manual_seed(seed)
+            w.zero_()
+            b.zero_()
+            w[r : 2 * r, r:].copy_(torch.randn(r, w.shape[1] - r, generator=gen) * 0.01)
+            w[2 * r :, r : 2 * r].copy_(RNN_CONVERT_EPS * torch.eye(r))
+            head.markov_w2.weight.copy_(old_w2 / RNN_CONVERT_EPS)
+
+
+def grow_draft_model(
+    model: DSparkModel, target: Any, layers: int = 0, markov_rank: int = 0, markov_head_type: str = ""
+) -> DSparkModel:
+    """A bigger drafter that computes what `model` does, so that training its new capacity
+    starts from where `model` stands instead of from scratch.
 
     New layers go on top of the old ones (before the final norm), initialised from the
     target's last layers as `build_draft_model`'s are, but with zero output projections
     (o_proj, down_proj): each is the identity on the residual stream until training grows it.
     A wider Markov head keeps the old rank's factors; the new rank's W1 columns start small
     and random and its W2 columns (and the confidence head's weights on them) at zero, so the
-    bias and the confidence are unchanged while gradients reach the new columns. With nothing
-    to grow (0 and 0, or the sizes it has), `model` itself."""
-    cfg = grown_config(model.config, layers, markov_rank)
+    bias and the confidence are unchanged while gradients reach the new columns. A vanilla
+    head turned gated or recurrent keeps its bias (`_convert_markov_head`). With nothing to
+    change (0, 0 and "", or what it has), `model` itself."""
+    cfg = grown_config(model.config, layers, markov_rank, markov_head_type)
     if cfg == model.config:
         return model
     new = build_draft_model(cfg, target, init_from_target=True, d2t=model.d2t)
     state = trainable_state(model)
     with torch.no_grad():
         for name, p in trainable_state(new).items():
-            if name not in state:  # a new layer
+            if name not in state:  # a new layer, or a gated / rnn head's own projection
                 if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
                     p.zero_()
                 continue
@@ -213,6 +253,9 @@ def grow_draft_model(model: DSparkModel, target: Any, layers: int = 0, markov_ra
                 p[:, : src.shape[1]].copy_(src)
             else:
                 raise ValueError(f"cannot grow {name!r} from {tuple(src.shape)} to {tuple(p.shape)}")
+    if cfg.markov_head_type != model.config.markov_head_type:
+        assert new.markov_head is not None
+        _convert_markov_head(new.markov_head, new.markov_head.markov_w2.weight.detach().float().clone())
     new.calibration = model.calibration
     return new
 

@@ -357,6 +357,49 @@ def test_a_grown_drafter_computes_what_it_grew_from_and_its_new_capacity_learns(
         grown_config(big.config, markov_rank=4)
 
 
+@pytest.mark.parametrize("kind", ["gated", "rnn"])
+def test_a_converted_markov_head_keeps_the_bias_and_its_new_inputs_learn(tmp_path, kind):
+    """`--convert-markov-head`: a trained vanilla head turned gated (exact) or recurrent (to
+    within the conversion's small tanh error) gives the logits and confidences it gave, and
+    training reaches the weights that read the backbone's hidden state and the recurrent
+    state (zero at conversion), lowering the loss; only a vanilla head converts."""
+    from dspark_serve.drafter.training.train import grow_draft_model, grown_config
+
+    target = _tiny_target()
+    seqs = _cached_sequences(target, 8, 24, 4)
+    head = target.get_output_embeddings()
+    model = build_draft_model(_tiny_drafter_config(target), target, init_from_target=True)
+    tcfg = TrainConfig(steps=20, batch_seqs=4, num_anchors=6, lr=3e-3, checkpoint_every=20, bf16=False)
+    run_train(model, seqs, tcfg, LossConfig(), tmp_path / "vanilla", target_head=head)
+    conv = grow_draft_model(model, target, markov_head_type=kind)
+    assert conv.config.markov_head_type == kind and conv.config.markov_rank == model.config.markov_rank
+    fixed = make_batch(seqs[:4], 6, 4, torch.Generator().manual_seed(9))
+    model.eval()
+    conv.eval()
+
+    def outputs(m):
+        h = m.forward_train(fixed.context_hidden, fixed.input_ids, fixed.anchors, fixed.anchor_valid)
+        return m.block_logits(h, fixed.prev_tokens), m.confidence_logits(h, fixed.prev_tokens)
+
+    with torch.no_grad():
+        (la, ca), (lb, cb) = outputs(model), outputs(conv)
+        spread = float((la - la.mean(-1, keepdim=True)).abs().mean())
+        assert torch.allclose(ca, cb, atol=1e-5)
+        assert float((la - lb).abs().max()) < (1e-5 if kind == "gated" else 0.02 * spread)
+        before = float(forward_loss(conv, fixed, LossConfig(), False, head).loss)
+    mh = conv.markov_head
+    r = conv.config.markov_rank
+    # The weights fed by what the vanilla head never saw: the backbone's h (and the state).
+    fresh = mh.gate_proj.weight[:, :-r] if kind == "gated" else mh.joint_proj.weight[2 * r :, :r]
+    assert float(fresh.detach().abs().sum()) == 0.0
+    run_train(conv, seqs, tcfg, LossConfig(), tmp_path / kind, target_head=head)
+    with torch.no_grad():
+        assert float(forward_loss(conv, fixed, LossConfig(), False, head).loss) < before
+    assert float(fresh.detach().abs().sum()) > 0.0
+    with pytest.raises(ValueError, match="only a vanilla head converts"):
+        grown_config(conv.config, markov_head_type="gated" if kind == "rnn" else "rnn")
+
+
 def test_export_then_load_gives_identical_logits(tmp_path):
     target = _tiny_target()
     cfg = _tiny_drafter_config(target)
