@@ -35,6 +35,12 @@ class SchedulerConfig:
     """With the dspark policy: a request drafts at most this many positions past the budget
     the policy gave it last step (0 = always a full block). Positions the policy cannot
     admit are not worth drafting; the cap follows load within a few steps."""
+    price_overhead: bool = True
+    """With the dspark policy: price what a drafting step spends besides the target forward
+    (drafting, sampling, bookkeeping; measured per load level from past steps) into the
+    choice of verification lengths, as time every step pays whatever its size, so a longer
+    verification spreads it over more tokens. False prices the target forward alone (the
+    cost table, the paper's SPS)."""
     branch_rows: int = 0
     """Verified rows within which a greedy request also verifies a second block from the same
     anchor (with the combined drafters: prompt lookup's match beside a DSpark-led block),
@@ -72,10 +78,9 @@ class SchedulerConfig:
             raise ValueError(f"branch_rows must be >= 0, got {self.branch_rows!r}")
         if self.explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {self.explore_every!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(
-                f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}"
-            )
+        for flag in ("enable_prefix_caching", "price_overhead"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         name = self.verify_policy.split(":", 1)[0]
         if name != AUTO_POLICY and name not in policy_names():
             raise ValueError(

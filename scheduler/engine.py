@@ -59,11 +59,13 @@ class Verification:
         completed their prompt, then the second blocks (None when only partial prefill chunks
         ran).
     branches: per decode index with a second block, where its segment and verdict row are.
+    forward_seconds: how long the target forward took (the step's overhead is the rest).
     """
 
     forward: ForwardOutput
     result: RejectionResult | None
     branches: dict[int, Branch] = field(default_factory=dict)
+    forward_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -343,7 +345,12 @@ class Engine:
         decoding = {r.request_id for r in batch.decodes}
         made = sum(len(o.token_ids) for o in outputs if o.request_id in decoding)
         self.speculation.record_step(
-            proposal, len(batch.decodes), bool(batch.prefills), made, time.perf_counter() - t0
+            proposal,
+            len(batch.decodes),
+            bool(batch.prefills),
+            made,
+            time.perf_counter() - t0,
+            verification.forward_seconds,
         )
         return outputs
 
@@ -431,10 +438,11 @@ class Engine:
         branches = self._fork_branches(batch, proposal, segments, checks)
         t0 = time.perf_counter()
         fwd = self.runner.forward(segments, self.tap_layers)
-        self.metrics.record_forward(sum(len(s.token_ids) for s in segments), time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        self.metrics.record_forward(sum(len(s.token_ids) for s in segments), took)
         if not checks:
-            return Verification(fwd, None)
-        return Verification(fwd, verify(fwd.logits, checks), branches)
+            return Verification(fwd, None, forward_seconds=took)
+        return Verification(fwd, verify(fwd.logits, checks), branches, forward_seconds=took)
 
     def _fork_branches(
         self,

@@ -60,14 +60,21 @@ class CostTable:
         tokens (anchor + drafts): what verifying a block costs beyond the decode itself.
         A step of R requests and B tokens then costs the decode of R requests plus the
         in-request price of the B - R extra tokens; without them, B alone prices the step.
+    overhead_seconds: what an engine step spends besides the target forward (drafting,
+        verification's sampling, bookkeeping), >= 0: paid once a step whatever the batch,
+        so it makes a verified draft relatively cheaper (`step_rate`). Measured while
+        serving (scheduler/overhead.py), never profiled or saved with the table.
     """
 
     batch_sizes: tuple[int, ...]
     steps_per_second: tuple[float, ...]
     block_sizes: tuple[int, ...] | None = None
     block_steps_per_second: tuple[float, ...] | None = None
+    overhead_seconds: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.overhead_seconds) and self.overhead_seconds >= 0):
+            raise ValueError(f"overhead_seconds must be finite and >= 0, got {self.overhead_seconds!r}")
         object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
         object.__setattr__(self, "steps_per_second", tuple(float(s) for s in self.steps_per_second))
         _check_points(self.batch_sizes, self.steps_per_second, "decode")
@@ -97,6 +104,11 @@ class CostTable:
         bb, bs = self.block_sizes, self.block_steps_per_second
         extra = 1.0 / _interp(bb, bs, 1 + b - requests) - 1.0 / _interp(bb, bs, 1)
         return 1.0 / (1.0 / decode + max(extra, 0.0))
+
+    def step_rate(self, b: float, requests: int | None = None) -> float:
+        """Engine steps per second whose forward carries b tokens: the forward (`sps`) plus
+        the step's overhead."""
+        return 1.0 / (1.0 / self.sps(b, requests) + self.overhead_seconds)
 
     def to_dict(self) -> dict[str, list[float]]:
         d: dict[str, list[float]] = {
@@ -263,7 +275,8 @@ class DSparkPolicy:
 
     Admit (request, position) pairs in order of survival a_{r,j}, each adding one token to
     the batch B and a_{r,j} to tau, and keep the admission count maximising
-    Theta = tau * SPS(B).
+    Theta = tau * SPS(B), SPS the engine's whole step (`CostTable.step_rate`: the forward
+    and the step's overhead, which a longer verification spreads over more tokens).
 
     early_stop: stop at the first admission that does not strictly improve Theta. This is
         what makes it lossless: whether x_{r,j} is verified then depends only on survivals
@@ -294,11 +307,11 @@ class DSparkPolicy:
         batch = r_count + load.prefill_tokens
         tau = float(r_count)
         # R decoding requests; drafts and prefill tokens are priced as extra tokens on top.
-        best_theta, best_n = tau * table.sps(batch, r_count), 0
+        best_theta, best_n = tau * table.step_rate(batch, r_count), 0
         for n, (neg_a, _, _) in enumerate(order, start=1):
             batch += 1
             tau -= neg_a
-            theta = tau * table.sps(batch, r_count)
+            theta = tau * table.step_rate(batch, r_count)
             if theta > best_theta:
                 best_theta, best_n = theta, n
             elif self.early_stop:

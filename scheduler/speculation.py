@@ -18,6 +18,7 @@ from dspark_serve.drafter.base import AcceptedContext, Drafter, DraftProposal, D
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.gate import DraftGate
 from dspark_serve.scheduler.load import LoadState
+from dspark_serve.scheduler.overhead import StepOverhead
 from dspark_serve.scheduler.policy import CostTable, Policy, PolicyDecision, PolicyInput, parse_policy
 from dspark_serve.scheduler.request import Request
 
@@ -78,6 +79,8 @@ class Speculation:
         self.cfg = cfg
         self.max_model_len = max_model_len
         self.cost_table = cost_table
+        self.overhead = StepOverhead()
+        self._drafted_last = False
         self._gate: DraftGate | None = None
         policy = cfg.verify_policy
         if policy == "auto":
@@ -237,7 +240,11 @@ class Speculation:
             share, extra = divmod(max(room, 0), len(caps))
             caps = [min(c, share + (i < extra)) for i, c in enumerate(caps)]
         inp = PolicyInput(confidences=[p.confidences for p in proposals], max_lengths=caps)
-        decision = self.policy(inp, self.cost_table or DEFAULT_COST, load or LoadState(len(decodes)))
+        table = self.cost_table or DEFAULT_COST
+        overhead = self.overhead.seconds(len(decodes)) if self.cfg.price_overhead else None
+        if overhead:
+            table = replace(table, overhead_seconds=overhead)
+        decision = self.policy(inp, table, load or LoadState(len(decodes)))
         lengths = list(decision.lengths)
         for r, p, n in zip(decodes, proposals, lengths):
             if len(p):  # a step the gate kept plain says nothing about the budget
@@ -284,13 +291,25 @@ class Speculation:
             d.observe(contexts)
 
     def record_step(
-        self, proposal: StepProposal, num_decodes: int, has_prefills: bool, decode_tokens: int, seconds: float
+        self,
+        proposal: StepProposal,
+        num_decodes: int,
+        has_prefills: bool,
+        decode_tokens: int,
+        seconds: float,
+        forward_seconds: float = 0.0,
     ) -> None:
         """Teach the gate how fast this step was (pure decode steps only: a prefill chunk would
-        dominate the time, and a gate-closed step where seeded requests drafted is neither mode)."""
-        if self.gate is not None and num_decodes and not has_prefills and not proposal.mixed:
+        dominate the time, and a gate-closed step where seeded requests drafted is neither mode),
+        and the overhead estimate what the step spent besides the forward (drafting steps that
+        follow a drafting step: the first after plain ones also absorbs the context they kept)."""
+        pure = num_decodes > 0 and not has_prefills and not proposal.mixed
+        if self.gate is not None and pure:
             rows = num_decodes + sum(proposal.lengths)
             self.gate.record(num_decodes, proposal.drafting, decode_tokens, seconds, rows)
+        if pure and proposal.drafting and self._drafted_last:
+            self.overhead.record(num_decodes, seconds, forward_seconds)
+        self._drafted_last = proposal.drafting
 
     def free(self, request_id: str) -> None:
         if self.drafter is not None:

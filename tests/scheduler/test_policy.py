@@ -255,3 +255,28 @@ def test_dspark_policy_verifies_blocks_where_they_are_cheap_in_request():
     # priced as 1 + k decode requests, drafts look dear; priced in-request they pay
     assert shaped.lengths[0] > steep_only.lengths[0]
     assert shaped.lengths[0] >= 4
+
+
+def test_a_steps_overhead_makes_longer_verification_pay():
+    """A compute-bound forward (time grows with every token) and a fixed cost every step
+    besides it: priced, the overhead is spread over more tokens, so the policy verifies more,
+    and the lengths it picks maximise tau over the whole step's time, not the forward's."""
+    table = linear_time_table(0.002, 0.001)
+    inp = PolicyInput([CONF] * 4, [7] * 4)
+    dspark = parse_policy("dspark")
+    bare = dspark(inp, table, load(4))
+    priced_table = dataclasses.replace(table, overhead_seconds=0.02)
+    priced = dspark(inp, priced_table, load(4))
+    assert sum(priced.lengths) > sum(bare.lengths), (bare.lengths, priced.lengths)
+    curves = inp.survival_curves()
+
+    def whole_step(lengths):
+        tau = sum(1 + sum(c[:n]) for c, n in zip(curves, lengths))
+        return tau * priced_table.step_rate(4 + sum(lengths), 4)
+
+    assert whole_step(priced.lengths) > whole_step(bare.lengths)
+    assert priced_table.step_rate(8, 4) == pytest.approx(1.0 / (1.0 / table.sps(8, 4) + 0.02))
+    assert table.step_rate(8, 4) == table.sps(8, 4)  # no overhead: the forward alone
+    for bad in (-0.001, math.inf, math.nan):
+        with pytest.raises(ValueError, match="overhead_seconds"):
+            dataclasses.replace(table, overhead_seconds=bad)

@@ -1,6 +1,7 @@
 """The speculation component alone: drafter, gate and policy behind one `propose` call, with
 the seeded-request, token-room, headroom and exploration rules."""
 
+import pytest
 import torch
 
 from dspark_serve.drafter.base import DraftProposal
@@ -239,3 +240,33 @@ def test_the_gate_hears_what_the_drafters_catch_up_would_cost():
     assert gate.asked == [(2, True, 0.25)] and dr.priced == ["a", "b"]
     spec.propose([decoding("a")], room=100, load=LoadState(num_running=2, prefill_tokens=8, num_prefilling=1))
     assert gate.asked[1] == (2, False, None)
+
+
+def test_the_measured_overhead_moves_the_policys_lengths():
+    """Drafting steps that follow drafting steps teach the overhead estimate (the first one
+    after a plain step does not: it also absorbs the context plain steps kept), and the policy
+    prices it: on a forward whose time grows with every token, a large overhead admits more
+    drafts; with `price_overhead` off the lengths stay the forward's choice."""
+    from dspark_serve.scheduler.policy import CostTable
+
+    table = CostTable(tuple(2**i for i in range(9)), tuple(1.0 / (0.002 + 0.001 * 2**i) for i in range(9)))
+
+    def lengths(price):
+        dr = FakeDrafter(block_size=6, confidence=0.8)
+        cfg = SchedulerConfig(
+            verify_policy="dspark", draft_gate=False, draft_headroom=0, price_overhead=price
+        )
+        spec = Speculation(dr, cfg, max_model_len=512, cost_table=table)
+        reqs = [decoding(f"r{i}") for i in range(4)]
+        first = spec.propose(reqs, room=100, load=LoadState(num_running=4))
+        spec.record_step(first, 4, False, 8, seconds=0.5, forward_seconds=0.01)  # after no step: ignored
+        assert spec.overhead.seconds(4) is None
+        for _ in range(3):
+            p = spec.propose(reqs, room=100, load=LoadState(num_running=4))
+            spec.record_step(p, 4, False, 8, seconds=0.06, forward_seconds=0.01)
+        assert spec.overhead.seconds(4) == pytest.approx(0.05)
+        return first.lengths, spec.propose(reqs, room=100, load=LoadState(num_running=4)).lengths
+
+    before, after = lengths(True)
+    assert sum(after) > sum(before), (before, after)
+    assert lengths(False) == (before, before)
