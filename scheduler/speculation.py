@@ -241,7 +241,10 @@ class Speculation:
             caps = [min(c, share + (i < extra)) for i, c in enumerate(caps)]
         inp = PolicyInput(confidences=[p.confidences for p in proposals], max_lengths=caps)
         table = self.cost_table or DEFAULT_COST
-        overhead = self.overhead.seconds(len(decodes)) if self.cfg.price_overhead else None
+        # The overhead is measured from timings; a seeded request's output must not depend on
+        # them (as with the gate), so a step that decodes one prices the forward alone.
+        seeded = any(r.sampling.seed is not None for r in decodes)
+        overhead = self.overhead.seconds(len(decodes)) if self.cfg.price_overhead and not seeded else None
         if overhead:
             table = replace(table, overhead_seconds=overhead)
         decision = self.policy(inp, table, load or LoadState(len(decodes)))

@@ -246,7 +246,8 @@ def test_the_measured_overhead_moves_the_policys_lengths():
     """Drafting steps that follow drafting steps teach the overhead estimate (the first one
     after a plain step does not: it also absorbs the context plain steps kept), and the policy
     prices it: on a forward whose time grows with every token, a large overhead admits more
-    drafts; with `price_overhead` off the lengths stay the forward's choice."""
+    drafts; with `price_overhead` off, or a seeded request in the step, the lengths stay the
+    forward's choice."""
     from dspark_serve.scheduler.policy import CostTable
 
     table = CostTable(tuple(2**i for i in range(9)), tuple(1.0 / (0.002 + 0.001 * 2**i) for i in range(9)))
@@ -265,8 +266,12 @@ def test_the_measured_overhead_moves_the_policys_lengths():
             p = spec.propose(reqs, room=100, load=LoadState(num_running=4))
             spec.record_step(p, 4, False, 8, seconds=0.06, forward_seconds=0.01)
         assert spec.overhead.seconds(4) == pytest.approx(0.05)
-        return first.lengths, spec.propose(reqs, room=100, load=LoadState(num_running=4)).lengths
+        then = spec.propose(reqs, room=100, load=LoadState(num_running=4)).lengths
+        # a seeded request's output may not depend on timings: its step prices the forward alone
+        seeded = spec.propose([*reqs[:3], decoding("s", seed=1)], room=100, load=LoadState(num_running=4))
+        return first.lengths, then, seeded.lengths
 
-    before, after = lengths(True)
+    before, after, seeded = lengths(True)
     assert sum(after) > sum(before), (before, after)
-    assert lengths(False) == (before, before)
+    assert seeded == before
+    assert lengths(False) == (before, before, before)
