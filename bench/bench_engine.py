@@ -221,6 +221,24 @@ def plot_plain(result: dict, out: Path) -> list[str]:
     return [str(p)]
 
 
+_FIRST_CFG: dict[int, object] = {}  # per engine, the scheduler settings it was built with
+
+
+def set_arm(eng, arm: str) -> None:
+    """An arm is a policy spec, optionally with scheduler settings of its own after '@'
+    (`dspark@price_overhead=false`); settings the arm does not name are the engine's own."""
+    spec, _, extra = arm.partition("@")
+    cfg = _FIRST_CFG.setdefault(id(eng), eng.speculation.cfg)
+    changes = {}
+    for item in filter(None, extra.split("+")):
+        key, _, value = item.partition("=")
+        default = getattr(cfg, key)  # an unknown name is an AttributeError
+        flag = value.lower() in ("1", "true", "on")
+        changes[key] = flag if isinstance(default, bool) else type(default)(value)
+    eng.speculation.cfg = dataclasses.replace(cfg, **changes)
+    eng.set_policy(spec)
+
+
 def sweep(args) -> dict:
     from dspark_serve.scheduler.llm import LLM
 
@@ -250,7 +268,7 @@ def sweep(args) -> dict:
             # always fall on the same side of a pair (plain first, the default last).
             for rnd in range(args.rounds):
                 for p in policies if rnd % 2 == 0 else policies[::-1]:
-                    eng.set_policy(p)
+                    set_arm(eng, p)
                     r = dataclasses.asdict(run_engine_closed_loop(eng, prompts, c, args.max_tokens, temp, p))
                     r["round"] = rnd
                     rows.append(r)
@@ -372,6 +390,8 @@ def main() -> None:
         "--policies",
         type=lambda s: s.split(","),
         default=["none", "static:1", "static:block", "threshold:0.5", "dspark"],
+        help="arms: policy specs, each optionally with scheduler settings after '@', joined by '+' "
+        "(dspark@price_overhead=false+draft_headroom=1)",
     )
     ap.add_argument("--drafter", default="ngram")
     ap.add_argument("--drafter-path", default=None)

@@ -239,6 +239,13 @@ class EngineMetrics:
             L,
             registry=r,
         )
+        self.step_overhead = Gauge(
+            "dspark:spec_decode_step_overhead_seconds",
+            "Seconds a drafting step spends besides the target forward at the last step's load "
+            "(drafting, sampling, bookkeeping), as the verification policy prices it.",
+            L,
+            registry=r,
+        )
         self.expected = Counter(
             "dspark:spec_decode_expected_tokens",
             "Tokens per step the policy expected (tau), summed over steps.",
@@ -332,7 +339,11 @@ class EngineMetrics:
         self.forward_tokens.labels(**self.labels).observe(tokens)
         self.forward_seconds.labels(**self.labels).observe(seconds)
 
-    def record_policy(self, decision: PolicyDecision, load: LoadState | None = None) -> None:
+    def record_policy(
+        self, decision: PolicyDecision, load: LoadState | None = None, overhead: float | None = None
+    ) -> None:
+        if overhead is not None:
+            self.step_overhead.labels(**self.labels).set(overhead)
         if load is not None and load.accel_mem_used is not None:
             self.accel_mem.labels(**self.labels).set(load.accel_mem_used)
         ls = list(decision.lengths)

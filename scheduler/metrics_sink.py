@@ -43,7 +43,9 @@ class EngineMetricsSink(Protocol):
     `NullMetrics` (metrics disabled) drops it."""
 
     def record_forward(self, tokens: int, seconds: float) -> None: ...
-    def record_policy(self, decision: PolicyDecision, load: LoadState | None = None) -> None: ...
+    def record_policy(
+        self, decision: PolicyDecision, load: LoadState | None = None, overhead: float | None = None
+    ) -> None: ...
     def record_round(self, drafted: int, accepted: int) -> None: ...
     def record_second_block(self, kept: bool) -> None: ...
     def record_first_token(self, seconds: float, prompt_tokens: int) -> None: ...
@@ -64,7 +66,9 @@ class NullMetrics:
     def record_forward(self, tokens: int, seconds: float) -> None:
         pass
 
-    def record_policy(self, decision: PolicyDecision, load: LoadState | None = None) -> None:
+    def record_policy(
+        self, decision: PolicyDecision, load: LoadState | None = None, overhead: float | None = None
+    ) -> None:
         pass
 
     def record_round(self, drafted: int, accepted: int) -> None:

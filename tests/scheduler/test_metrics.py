@@ -154,3 +154,16 @@ def test_second_blocks_are_counted_by_outcome():
     lab = lambda outcome: (("model_name", "tiny"), ("outcome", outcome))
     assert got[("dspark:spec_decode_second_blocks_total", lab("kept"))] == 1
     assert got[("dspark:spec_decode_second_blocks_total", lab("dropped"))] == 2
+
+
+def test_the_policy_report_exports_the_step_overhead_it_priced():
+    from dspark_serve.scheduler.policy import PolicyDecision
+
+    reg = CollectorRegistry()
+    m = EngineMetrics(reg, "tiny")
+    key = ("dspark:spec_decode_step_overhead_seconds", (("model_name", "tiny"),))
+    m.record_policy(PolicyDecision([2, 3], 4.5))
+    assert key not in samples(reg)  # not measured yet: no sample
+    m.record_policy(PolicyDecision([2, 3], 4.5), overhead=0.004)
+    assert samples(reg)[key] == 0.004
+    assert samples(reg)[("dspark:spec_decode_verify_budget_mean", (("model_name", "tiny"),))] == 2.5
