@@ -400,9 +400,7 @@ class Engine:
         room = self.cfg.max_num_batched_tokens - batch.prefill_tokens - len(batch.decodes)
         proposal = self.speculation.propose(batch.decodes, room, load)
         if proposal.decision is not None:
-            self.metrics.record_policy(
-                proposal.decision, load, self.speculation.overhead.seconds(len(batch.decodes))
-            )
+            self.metrics.record_policy(proposal.decision, load, self.speculation.priced_overhead)
         return proposal
 
     # -- verify ------------------------------------------------------------------------------

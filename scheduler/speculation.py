@@ -80,6 +80,7 @@ class Speculation:
         self.max_model_len = max_model_len
         self.cost_table = cost_table
         self.overhead = StepOverhead()
+        self.priced_overhead: float | None = None  # what the last step's lengths were priced with
         self._drafted_last = False
         self._gate: DraftGate | None = None
         policy = cfg.verify_policy
@@ -247,6 +248,7 @@ class Speculation:
         overhead = self.overhead.seconds(len(decodes)) if self.cfg.price_overhead and not seeded else None
         if overhead:
             table = replace(table, overhead_seconds=overhead)
+        self.priced_overhead = overhead or None
         decision = self.policy(inp, table, load or LoadState(len(decodes)))
         lengths = list(decision.lengths)
         for r, p, n in zip(decodes, proposals, lengths):

@@ -267,8 +267,10 @@ def test_the_measured_overhead_moves_the_policys_lengths():
             spec.record_step(p, 4, False, 8, seconds=0.06, forward_seconds=0.01)
         assert spec.overhead.seconds(4) == pytest.approx(0.05)
         then = spec.propose(reqs, room=100, load=LoadState(num_running=4)).lengths
+        assert spec.priced_overhead == (pytest.approx(0.05) if price else None)
         # a seeded request's output may not depend on timings: its step prices the forward alone
         seeded = spec.propose([*reqs[:3], decoding("s", seed=1)], room=100, load=LoadState(num_running=4))
+        assert spec.priced_overhead is None
         return first.lengths, then, seeded.lengths
 
     before, after, seeded = lengths(True)
