@@ -314,6 +314,25 @@ def test_training_starts_from_an_exported_drafter(tmp_path):
         draft_model_from_checkpoint(tmp_path / "ckpt", target)
 
 
+def _trained_tiny_drafter(tmp_path):
+    """A tiny target, its cached sequences and LM head, a drafter trained 20 steps on them,
+    the training config, and a fixed batch: what growing or converting starts from."""
+    target = _tiny_target()
+    seqs = _cached_sequences(target, 8, 24, 4)
+    head = target.get_output_embeddings()
+    model = build_draft_model(_tiny_drafter_config(target), target, init_from_target=True)
+    tcfg = TrainConfig(steps=20, batch_seqs=4, num_anchors=6, lr=3e-3, checkpoint_every=20, bf16=False)
+    run_train(model, seqs, tcfg, LossConfig(), tmp_path / "start", target_head=head)
+    model.eval()
+    return target, seqs, head, model, tcfg, make_batch(seqs[:4], 6, 4, torch.Generator().manual_seed(9))
+
+
+def _block_outputs(m, fixed):
+    """(block logits, confidence logits) of drafter m on the batch."""
+    h = m.forward_train(fixed.context_hidden, fixed.input_ids, fixed.anchors, fixed.anchor_valid)
+    return m.block_logits(h, fixed.prev_tokens), m.confidence_logits(h, fixed.prev_tokens)
+
+
 def test_a_grown_drafter_computes_what_it_grew_from_and_its_new_capacity_learns(tmp_path):
     """`--grow-layers` / `--grow-markov-rank`: the bigger drafter (a layer stacked on top, a
     wider Markov head) gives the same logits and confidences as the trained one it grew from,
@@ -321,26 +340,14 @@ def test_a_grown_drafter_computes_what_it_grew_from_and_its_new_capacity_learns(
     Markov columns' W2 too) and lowers the loss; shrinking is refused."""
     from dspark_serve.drafter.training.train import grow_draft_model, grown_config
 
-    target = _tiny_target()
-    seqs = _cached_sequences(target, 8, 24, 4)
-    head = target.get_output_embeddings()
-    model = build_draft_model(_tiny_drafter_config(target), target, init_from_target=True)
-    tcfg = TrainConfig(steps=20, batch_seqs=4, num_anchors=6, lr=3e-3, checkpoint_every=20, bf16=False)
-    run_train(model, seqs, tcfg, LossConfig(), tmp_path / "small", target_head=head)
+    target, seqs, head, model, tcfg, fixed = _trained_tiny_drafter(tmp_path)
     model.calibration = Calibration((1.5, 2.0, 0.7, 3.0))
     big = grow_draft_model(model, target, layers=2, markov_rank=16)
     assert (big.config.num_hidden_layers, big.config.markov_rank) == (2, 16)
     assert big.calibration is model.calibration
-    fixed = make_batch(seqs[:4], 6, 4, torch.Generator().manual_seed(9))
-    model.eval()
     big.eval()
-
-    def outputs(m):
-        h = m.forward_train(fixed.context_hidden, fixed.input_ids, fixed.anchors, fixed.anchor_valid)
-        return m.block_logits(h, fixed.prev_tokens), m.confidence_logits(h, fixed.prev_tokens)
-
     with torch.no_grad():
-        for a, b in zip(outputs(model), outputs(big)):
+        for a, b in zip(_block_outputs(model, fixed), _block_outputs(big, fixed)):
             assert torch.allclose(a, b, atol=1e-5)
         before = float(forward_loss(big, fixed, LossConfig(), False, head).loss)
     new = big.layers[1]
@@ -365,24 +372,12 @@ def test_a_converted_markov_head_keeps_the_bias_and_its_new_inputs_learn(tmp_pat
     state (zero at conversion), lowering the loss; only a vanilla head converts."""
     from dspark_serve.drafter.training.train import grow_draft_model, grown_config
 
-    target = _tiny_target()
-    seqs = _cached_sequences(target, 8, 24, 4)
-    head = target.get_output_embeddings()
-    model = build_draft_model(_tiny_drafter_config(target), target, init_from_target=True)
-    tcfg = TrainConfig(steps=20, batch_seqs=4, num_anchors=6, lr=3e-3, checkpoint_every=20, bf16=False)
-    run_train(model, seqs, tcfg, LossConfig(), tmp_path / "vanilla", target_head=head)
+    target, seqs, head, model, tcfg, fixed = _trained_tiny_drafter(tmp_path)
     conv = grow_draft_model(model, target, markov_head_type=kind)
     assert conv.config.markov_head_type == kind and conv.config.markov_rank == model.config.markov_rank
-    fixed = make_batch(seqs[:4], 6, 4, torch.Generator().manual_seed(9))
-    model.eval()
     conv.eval()
-
-    def outputs(m):
-        h = m.forward_train(fixed.context_hidden, fixed.input_ids, fixed.anchors, fixed.anchor_valid)
-        return m.block_logits(h, fixed.prev_tokens), m.confidence_logits(h, fixed.prev_tokens)
-
     with torch.no_grad():
-        (la, ca), (lb, cb) = outputs(model), outputs(conv)
+        (la, ca), (lb, cb) = _block_outputs(model, fixed), _block_outputs(conv, fixed)
         spread = float((la - la.mean(-1, keepdim=True)).abs().mean())
         assert torch.allclose(ca, cb, atol=1e-5)
         assert float((la - lb).abs().max()) < (1e-5 if kind == "gated" else 0.02 * spread)
