@@ -22,18 +22,21 @@ class StepOverhead:
     alpha: weight of the newest step, in (0, 1].
     clip: a sample above clip x the level's estimate counts as clip x the estimate (a pause of
         the process, a collector run), once the level has `settled` samples.
+    settled: samples a level takes before its estimate clips new ones (>= 1).
     """
 
     alpha: float = 0.1
     clip: float = 3.0
     settled: int = 5
-    _levels: dict[int, tuple[float, int]] = field(default_factory=dict)
+    _levels: dict[int, tuple[float, int]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not (0.0 < self.alpha <= 1.0):
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha!r}")
         if not self.clip > 1.0:
             raise ValueError(f"clip must be > 1, got {self.clip!r}")
+        if self.settled < 1:
+            raise ValueError(f"settled must be >= 1, got {self.settled!r}")
 
     def record(self, requests: int, step_seconds: float, forward_seconds: float) -> None:
         """One drafting step of `requests` decoding requests that took `step_seconds`, of

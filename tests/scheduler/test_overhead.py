@@ -30,3 +30,5 @@ def test_a_settled_level_clips_outliers():
         StepOverhead(alpha=0.0)
     with pytest.raises(ValueError, match="clip"):
         StepOverhead(clip=1.0)
+    with pytest.raises(ValueError, match="settled"):
+        StepOverhead(settled=0)
