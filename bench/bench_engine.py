@@ -221,21 +221,18 @@ def plot_plain(result: dict, out: Path) -> list[str]:
     return [str(p)]
 
 
-_FIRST_CFG: dict[int, object] = {}  # per engine, the scheduler settings it was built with
-
-
-def set_arm(eng, arm: str) -> None:
+def set_arm(eng, arm: str, base) -> None:
     """An arm is a policy spec, optionally with scheduler settings of its own after '@'
-    (`dspark@price_overhead=false`); settings the arm does not name are the engine's own."""
+    (`dspark@price_overhead=false`); settings the arm does not name are `base`'s (the
+    engine's scheduler settings as built)."""
     spec, _, extra = arm.partition("@")
-    cfg = _FIRST_CFG.setdefault(id(eng), eng.speculation.cfg)
     changes = {}
     for item in filter(None, extra.split("+")):
         key, _, value = item.partition("=")
-        default = getattr(cfg, key)  # an unknown name is an AttributeError
+        default = getattr(base, key)  # an unknown name is an AttributeError
         flag = value.lower() in ("1", "true", "on")
         changes[key] = flag if isinstance(default, bool) else type(default)(value)
-    eng.speculation.cfg = dataclasses.replace(cfg, **changes)
+    eng.speculation.cfg = dataclasses.replace(base, **changes)
     eng.set_policy(spec)
 
 
@@ -250,6 +247,7 @@ def sweep(args) -> dict:
         max_model_len=2048,
     )
     eng = llm.engine
+    base_cfg = eng.speculation.cfg
     block = eng.drafter.block_size
     policies = [p.replace("block", str(block)) for p in args.policies]
     rows = []
@@ -268,7 +266,7 @@ def sweep(args) -> dict:
             # always fall on the same side of a pair (plain first, the default last).
             for rnd in range(args.rounds):
                 for p in policies if rnd % 2 == 0 else policies[::-1]:
-                    set_arm(eng, p)
+                    set_arm(eng, p, base_cfg)
                     r = dataclasses.asdict(run_engine_closed_loop(eng, prompts, c, args.max_tokens, temp, p))
                     r["round"] = rnd
                     rows.append(r)

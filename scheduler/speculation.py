@@ -302,7 +302,7 @@ class Speculation:
         has_prefills: bool,
         decode_tokens: int,
         seconds: float,
-        forward_seconds: float = 0.0,
+        forward_seconds: float,
     ) -> None:
         """Teach the gate how fast this step was (pure decode steps only: a prefill chunk would
         dominate the time, and a gate-closed step where seeded requests drafted is neither mode),

@@ -196,26 +196,26 @@ def grown_config(
 RNN_CONVERT_EPS = 0.25
 
 
-def _convert_markov_head(head: MarkovHead, old_w2: torch.Tensor, seed: int = 0) -> None:
-    """Give a freshly built gated / rnn head the bias the vanilla head (W1 copied already,
-    its W2 = old_w2) computes. gated: the gate starts at sigmoid(0) = 1/2 and W2 doubles,
-    exact. rnn: gate 1/2, the output reads EPS * W1[x] and W2 is divided by EPS (near
-    exact); the candidate starts small and random so the state carries a signal that
+def _convert_markov_head(head: MarkovHead) -> None:
+    """Give a freshly built gated / rnn head, its W1 and W2 copied from a vanilla head, the
+    bias the vanilla head computed. gated: the gate starts at sigmoid(0) = 1/2 and W2
+    doubles, exact. rnn: gate 1/2, the output reads EPS * W1[x] and W2 is divided by EPS
+    (near exact); the candidate starts small and random so the state carries a signal that
     gradients can pick up, and the output's weights on the state and on h start at zero."""
-    r = old_w2.shape[1]
+    r = head.rank
     with torch.no_grad():
         if head.kind == "gated":
             head.gate_proj.weight.zero_()
             head.gate_proj.bias.zero_()
-            head.markov_w2.weight.copy_(2.0 * old_w2)
+            head.markov_w2.weight.mul_(2.0)
         elif head.kind == "rnn":
             w, b = head.joint_proj.weight, head.joint_proj.bias  # [3r, 2r + d]: rows g | c | o
-            gen = torch.Generator().manual_seed(seed)
+            gen = torch.Generator().manual_seed(0)
             w.zero_()
             b.zero_()
             w[r : 2 * r, r:].copy_(torch.randn(r, w.shape[1] - r, generator=gen) * 0.01)
             w[2 * r :, r : 2 * r].copy_(RNN_CONVERT_EPS * torch.eye(r))
-            head.markov_w2.weight.copy_(old_w2 / RNN_CONVERT_EPS)
+            head.markov_w2.weight.div_(RNN_CONVERT_EPS)
 
 
 def grow_draft_model(
@@ -255,7 +255,7 @@ def grow_draft_model(
                 raise ValueError(f"cannot grow {name!r} from {tuple(src.shape)} to {tuple(p.shape)}")
     if cfg.markov_head_type != model.config.markov_head_type:
         assert new.markov_head is not None
-        _convert_markov_head(new.markov_head, new.markov_head.markov_w2.weight.detach().float().clone())
+        _convert_markov_head(new.markov_head)
     new.calibration = model.calibration
     return new
 

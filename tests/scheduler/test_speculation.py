@@ -71,7 +71,9 @@ def test_seeded_requests_draft_even_when_the_gate_closes():
     assert not p.drafting and p.mixed
     assert [len(x) for x in p.proposals] == [0, 4]
     assert dr.asked == [{"seeded": 4}]
-    spec.record_step(p, num_decodes=2, has_prefills=False, decode_tokens=3, seconds=0.1)  # ignored
+    spec.record_step(
+        p, num_decodes=2, has_prefills=False, decode_tokens=3, seconds=0.1, forward_seconds=0.05
+    )  # ignored
 
 
 def test_the_token_room_caps_lengths_before_the_policy():
@@ -140,9 +142,9 @@ def test_pure_decode_steps_teach_the_gate():
     spec = Speculation(FakeDrafter(), SchedulerConfig(verify_policy="dspark"), max_model_len=512)
     assert spec.gate is not None
     p = spec.propose([decoding("a")], room=100, load=LoadState(num_running=1))
-    spec.record_step(p, num_decodes=1, has_prefills=True, decode_tokens=5, seconds=0.1)
+    spec.record_step(p, num_decodes=1, has_prefills=True, decode_tokens=5, seconds=0.1, forward_seconds=0.05)
     assert spec.gate.rate(1, p.drafting) == 0.0  # a prefill chunk was in the step
-    spec.record_step(p, num_decodes=1, has_prefills=False, decode_tokens=5, seconds=0.1)
+    spec.record_step(p, num_decodes=1, has_prefills=False, decode_tokens=5, seconds=0.1, forward_seconds=0.05)
     assert abs(spec.gate.rate(1, p.drafting) - 50.0) < 1e-9
 
 
@@ -155,7 +157,7 @@ def test_the_gate_prices_verification_with_the_cost_table_and_learns_rows():
     assert abs(spec.gate.price(8, 8) - 1 / 20.0) < 1e-12 and abs(spec.gate.price(64, 8) - 1 / 4.0) < 1e-12
     p = spec.propose([decoding("a"), decoding("b")], room=100, load=LOAD)
     assert p.drafting and sum(p.lengths) > 0
-    spec.record_step(p, num_decodes=2, has_prefills=False, decode_tokens=5, seconds=0.1)
+    spec.record_step(p, num_decodes=2, has_prefills=False, decode_tokens=5, seconds=0.1, forward_seconds=0.05)
     rate = spec.gate._rates[(1, True)]
     assert (rate.requests, rate.rows) == (2, 2 + sum(p.lengths))  # anchors + verified drafts
     assert Speculation(FakeDrafter(), SchedulerConfig(verify_policy="dspark"), 512).gate.price is None
@@ -166,7 +168,7 @@ def test_the_gate_keeps_what_it_learned_across_policy_switches():
     gate = spec.gate
     assert gate is not None
     p = spec.propose([decoding("a")], room=100, load=LoadState(num_running=1))
-    spec.record_step(p, num_decodes=1, has_prefills=False, decode_tokens=5, seconds=0.1)
+    spec.record_step(p, num_decodes=1, has_prefills=False, decode_tokens=5, seconds=0.1, forward_seconds=0.05)
     spec.use_policy("none")
     assert spec.gate is None  # plain decoding has no gate
     spec.use_policy("static:2")
