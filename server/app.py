@@ -69,6 +69,21 @@ DEFAULT_CODES = {401: "invalid_api_key", 413: "request_too_large", 429: "rate_li
 RETRY_AFTER_S = 1  # told to clients answered 429 (the queue drains in about a request's time)
 
 
+# Characters JSON leaves raw that many line splitters (Python's str.splitlines, httpx's
+# iter_lines) take for a line break; SSE itself breaks lines only at CR and LF.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_event(payload: Mapping[str, Any]) -> str:
+    """One SSE ``data:`` event holding ``payload`` as JSON on a single line.
+
+    Text stays UTF-8 (no ASCII escaping of every non-ASCII character), but the three characters
+    above are escaped: a model can write them, and a client splitting the stream with
+    ``splitlines`` would otherwise cut the event in two.
+    """
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS_JSON_KEEPS)}\n\n"
+
+
 def error_response(
     status: int,
     message: str,
@@ -712,7 +727,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def sse(payload: dict[str, Any]) -> str:
-            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+            return sse_event(payload)
 
         def chunk(
             choices: list[dict[str, Any]],

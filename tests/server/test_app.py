@@ -111,6 +111,33 @@ def test_chat_non_streaming_and_streaming():
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
 
 
+class LineBreakingEngine(FakeEngine):
+    """Writes the characters JSON leaves raw that ``splitlines``-style readers break lines at."""
+
+    async def generate(self, request_id, prompt_ids, params):
+        words = ["a\u2028b", "\x85", "c\u2029 é\n", "end"]
+        for i, w in enumerate(words):
+            last = i == len(words) - 1
+            yield StreamDelta(w, [i], last, "stop" if last else None, len(prompt_ids), i + 1)
+
+
+def test_a_streamed_event_stays_one_line_whatever_text_the_model_writes():
+    import json
+
+    with client(LineBreakingEngine()).stream(
+        "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stream": True}
+    ) as s:
+        raw = s.read().decode()
+    # httpx's iter_lines and str.splitlines both break at U+0085/U+2028/U+2029; every event
+    # must still come out as one "data:" line that parses.
+    lines = [line for line in raw.splitlines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+    assert text == "a\u2028b\x85c\u2029 é\nend"
+    assert "é" in raw  # non-ASCII text is not escaped wholesale
+
+
 def test_errors_have_openai_shape_and_right_status():
     c = client()
     r = c.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
