@@ -106,8 +106,9 @@ def plain(args) -> dict:
     transformers' generate on the same prompts. Variants of one dtype live in one process and
     take turns (`--rounds` times, medians kept), so a noisy machine hits them alike.
     A variant name is ModelConfig.forward (`reference`, `fast`), optionally with `+linear`,
-    `+int8` (`fast+torch`) or `+attention` (`fast+matmul`, `fast+sdpa`, `fast+paged`), or `default` (pass
-    nothing: for running this script on older code)."""
+    `+int8` (`fast+torch`), `+attention` (`fast+matmul`, `fast+sdpa`, `fast+paged`) or `+gemmN`
+    (`fast+gemm128`: ModelConfig.gemm_rows), or `default` (pass nothing: for running this script
+    on older code)."""
     from dspark_serve.scheduler.llm import LLM
     from dspark_serve.verifier.config import ATTENTION_KINDS
 
@@ -120,6 +121,9 @@ def plain(args) -> dict:
                 fwd, *mods = var.split("+")
                 kw["forward"] = fwd
                 for m in mods:
+                    if m.startswith("gemm") and m[4:].isdigit():  # fast+gemm128: ModelConfig.gemm_rows
+                        kw["gemm_rows"] = int(m[4:])
+                        continue
                     key = "quantize" if m == "int8" else "attention" if m in ATTENTION_KINDS else "linear"
                     kw[key] = m
             llms[var] = LLM(
@@ -245,6 +249,7 @@ def sweep(args) -> dict:
         block_size=args.block_size,
         max_num_seqs=max(args.concurrency),
         max_model_len=2048,
+        **({"gemm_rows": args.gemm_rows} if args.gemm_rows else {}),
     )
     eng = llm.engine
     base_cfg = eng.speculation.cfg
@@ -412,6 +417,7 @@ def main() -> None:
         "--rounds", type=int, default=1, help="plain: turns per variant; sweep: interleaved rounds per point"
     )
     ap.add_argument("--no-hf", action="store_true", help="plain mode: skip transformers' generate")
+    ap.add_argument("--gemm-rows", type=int, default=0, help="sweep: ModelConfig.gemm_rows (0: by the CPU)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     if args.threads:

@@ -112,6 +112,7 @@ def build_engine(
         linear=model_cfg.linear,
         quantize=model_cfg.quantize,
         attention=model_cfg.attention,
+        gemm_rows=model_cfg.gemm_rows,
     )
     log.info("target forward: %s", runner.describe())
     log.info(

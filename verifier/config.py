@@ -33,10 +33,15 @@ class ModelConfig:
     """fast (fused weights, vectorised step planning, block-granular KV reads) or reference (the
     original per-module forward, kept as the fallback and the tests' reference)."""
     linear: str = "auto"
-    """Matmul kernels of the fast forward: auto (on CPU: gemm for bfloat16 where the C kernels
-    build, oneDNN prepacked weights for float32, and for bfloat16 without a compiler; torch
-    elsewhere), torch (F.linear), mkldnn (CPU only), or gemm (a C kernel streaming weights packed
-    at load for steps of up to 64 tokens, oneDNN above; bfloat16 on CPU only)."""
+    """Matmul kernels of the fast forward: auto (on CPU: the C gemm kernel where it builds,
+    oneDNN prepacked weights for bfloat16 without a compiler; torch elsewhere), torch
+    (F.linear), mkldnn (CPU only), or gemm (a C kernel streaming weights packed at load: float32
+    at every row count, bfloat16 for steps of up to gemm_rows tokens, oneDNN above; CPU only)."""
+    gemm_rows: int = 0
+    """The most rows (tokens of one forward) a bfloat16 product takes through the C gemm kernel
+    before oneDNN's; 0 = by the CPU and the kernels' build: 48 where the kernel runs on AMX tiles,
+    8 where only oneDNN does (it then wins from ~10 rows), 128 elsewhere (bench/gemm_rows.py
+    measures the crossover)."""
     attention: str = "auto"
     """How the fast forward attends: paged (a C kernel, built on first use with the system
     compiler, that reads the paged KV cache in place for every segment, decode, verify and
@@ -67,6 +72,8 @@ class ModelConfig:
             raise ValueError(f"forward must be fast or reference, got {self.forward!r}")
         if self.linear not in LINEAR_KINDS:
             raise ValueError(f"linear must be one of {LINEAR_KINDS}, got {self.linear!r}")
+        if self.gemm_rows < 0:
+            raise ValueError(f"gemm_rows must be >= 0 (0 = by the CPU), got {self.gemm_rows!r}")
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
         if self.quantize not in ("none", "int8"):

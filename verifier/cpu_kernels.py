@@ -150,6 +150,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.argmax_rows.restype = None
     # x, dtype (0 float32, 1 bf16), T, V, row stride, out
     lib.argmax_rows.argtypes = [ptr, i32, i32, i64, i64, ptr]
+    lib.small_gemm_tiles.restype = i32
+    lib.small_gemm_tiles.argtypes = []
     lib.small_gemm_pack.restype = None
     lib.small_gemm_pack.argtypes = [ptr, ptr, i32, i32]  # W, packed, N, K
     lib.small_gemm.restype = None

@@ -40,8 +40,32 @@ if TYPE_CHECKING:
     from dspark_serve.verifier.model_runner import ForwardOutput, Segment
 
 SMALL_SEGMENT = 32
-# up to this many rows small_gemm is faster than oneDNN (bench/gemm_rows.py: 1.09x at 128, even at 192)
+# Up to this many rows the C gemm kernel beats oneDNN's bf16 one on AVX512-BF16 CPUs
+# (bench/gemm_rows.py: 1.09x at 128, even at 192) ...
 SMALL_GEMM_ROWS = 128
+# ... but on a CPU with AMX tiles oneDNN runs on them and wins from ~10 rows against the AVX512
+# path (1.3x at 16, 4.5x at 128); the kernel's own tile path (from 5 rows) keeps ahead of it to
+# 48 rows (1.2-1.3x), and a product of 64 rows or more takes two passes over the weights.
+SMALL_GEMM_ROWS_TILES = 48
+SMALL_GEMM_ROWS_AMX_UNUSED = 8  # AMX on the CPU, but the kernel may not use it: oneDNN from 9 rows
+
+
+def default_gemm_rows(cpu_amx: bool, kernel_tiles: bool) -> int:
+    """The most rows a bfloat16 product takes through the C gemm kernel before oneDNN's:
+    `cpu_amx` whether the CPU has AMX (oneDNN then runs bf16 on it), `kernel_tiles` whether the
+    C kernel does too (`small_gemm_tiles()` of the built library)."""
+    if kernel_tiles:
+        return SMALL_GEMM_ROWS_TILES
+    return SMALL_GEMM_ROWS_AMX_UNUSED if cpu_amx else SMALL_GEMM_ROWS
+
+
+@functools.cache
+def _gemm_rows_here() -> int:
+    from dspark_serve.verifier.cpu_kernels import load_kernels
+    from dspark_serve.verifier.loader import cpu_flags
+
+    lib = load_kernels()
+    return default_gemm_rows("amx_bf16" in cpu_flags(), lib is not None and bool(lib.small_gemm_tiles()))
 
 
 # -- linear layers ------------------------------------------------------------------------------
@@ -118,11 +142,14 @@ def mkldnn_linear_works(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
-def make_linear(w: torch.Tensor, b: torch.Tensor | None, kind: str, quantize: str) -> Linear:
+def make_linear(
+    w: torch.Tensor, b: torch.Tensor | None, kind: str, quantize: str, gemm_rows: int = 0
+) -> Linear:
     """kind: auto (gemm for float32 and bf16 on a CPU where the C kernels build, else mkldnn
     where it works: float32/bf16 on CPU; else torch), torch, mkldnn, or gemm (the C kernel: bf16
-    for up to SMALL_GEMM_ROWS rows, oneDNN above, or torch's linear where oneDNN cannot run bf16,
-    as on a CPU without AVX512; float32 for every row count; CPU only)."""
+    for up to `gemm_rows` rows (0: `default_gemm_rows` for this CPU and build), oneDNN above, or
+    torch's linear where oneDNN cannot run bf16, as on a CPU without AVX512; float32 for every
+    row count; CPU only)."""
     if quantize == "int8":
         return _Int8Linear(w, b)
     bf16 = w.dtype == torch.bfloat16
@@ -141,7 +168,7 @@ def make_linear(w: torch.Tensor, b: torch.Tensor | None, kind: str, quantize: st
                 return SmallGemmLinear(lib, w, b, _TorchLinear(w, b), 1 << 30)
             onednn = mkldnn_linear_works(w.dtype, w.device)
             above: Linear = _MkldnnLinear(w, b) if onednn else _TorchLinear(w, b)
-            return SmallGemmLinear(lib, w, b, above, SMALL_GEMM_ROWS)
+            return SmallGemmLinear(lib, w, b, above, gemm_rows or _gemm_rows_here())
     if kind == "gemm":
         raise ValueError(
             f"linear 'gemm' needs float32 weights, or bfloat16 ones with an even input size, on a CPU "
@@ -224,6 +251,7 @@ class FastForwardMixin:
     has_qk_norm: bool
     scaling: float
     linear_kind: str
+    gemm_max_rows: int | None
     attention: str  # "sdpa", "matmul" or "paged" (resolved from "auto")
     paged_attention: PagedAttention | None  # the C kernel, when attention is "paged"
     rope_store: RopeStore | None  # with paged attention: rotary + K/V write in one C call
@@ -231,7 +259,7 @@ class FastForwardMixin:
     target_driver: TargetLayers | None  # with all of those and the packed gemm: the layers in one C call
 
     # -- build ------------------------------------------------------------------------------------
-    def _build_fast(self, linear: str) -> None:
+    def _build_fast(self, linear: str, gemm_rows: int = 0) -> None:
         if linear not in LINEAR_KINDS:
             raise ValueError(f"linear must be one of {LINEAR_KINDS}, got {linear!r}")
         if linear == "mkldnn" and not mkldnn_linear_works(self.dtype, self.device):
@@ -263,10 +291,10 @@ class FastForwardMixin:
             fl = _FastLayer(
                 in_norm=FastRMSNorm.of(layer.input_layernorm),
                 post_norm=FastRMSNorm.of(layer.post_attention_layernorm),
-                qkv=make_linear(wqkv, bqkv, linear, self.quantize),
-                o=make_linear(a.o_proj.weight, a.o_proj.bias, linear, self.quantize),
-                gate_up=make_linear(wgu, None, linear, self.quantize),
-                down=make_linear(m.down_proj.weight, m.down_proj.bias, linear, self.quantize),
+                qkv=make_linear(wqkv, bqkv, linear, self.quantize, gemm_rows),
+                o=make_linear(a.o_proj.weight, a.o_proj.bias, linear, self.quantize, gemm_rows),
+                gate_up=make_linear(wgu, None, linear, self.quantize, gemm_rows),
+                down=make_linear(m.down_proj.weight, m.down_proj.bias, linear, self.quantize, gemm_rows),
                 q_norm=FastRMSNorm.of(a.q_norm) if self.has_qk_norm else None,
                 k_norm=FastRMSNorm.of(a.k_norm) if self.has_qk_norm else None,
             )
@@ -274,8 +302,11 @@ class FastForwardMixin:
             self.fast_layers.append(fl)
         # The LM head stays as is (tied to the embedding the drafter shares); prepacking helps it too.
         lm_w = self.lm_head.weight
-        self.fast_lm_head = make_linear(lm_w, self.lm_head.bias, linear, "none")
+        self.fast_lm_head = make_linear(lm_w, self.lm_head.bias, linear, "none", gemm_rows)
         self.linear_kind = "/".join(sorted(kinds))
+        # bf16 products of more rows than this leave the C kernel for oneDNN (None: no such limit)
+        rows = getattr(self.fast_layers[0].qkv, "max_rows", None) if self.fast_layers else None
+        self.gemm_max_rows = rows if rows is not None and rows < 1 << 30 else None
         self.fast_norm = FastRMSNorm.of(self.norm)
         self._rope_dynamic = "dynamic" in str(getattr(self.rotary, "rope_type", ""))
         self._cos_table: torch.Tensor | None = None

@@ -97,12 +97,15 @@ class ModelRunner(FastForwardMixin):
         linear: str = "auto",
         quantize: str = "none",
         attention: str = "auto",
+        gemm_rows: int = 0,
     ) -> None:
         """impl: "fast" (fused weights, vectorised planning, block-granular KV reads) or
         "reference" (the original per-module forward). linear: how the fast path multiplies
         (see `verifier.kernels.make_linear`). quantize: "none" or "int8" (weight-only,
         per output channel; changes the target's numerics). attention: how the fast path attends
-        decode/verify segments (auto, sdpa or matmul; see ModelConfig.attention)."""
+        decode/verify segments (auto, sdpa or matmul; see ModelConfig.attention). gemm_rows: the
+        most rows a bf16 product takes through the C gemm kernel (0: by the CPU; see
+        ModelConfig.gemm_rows)."""
         if impl not in ("fast", "reference"):
             raise ValueError(f"impl must be fast or reference, got {impl!r}")
         if quantize not in ("none", "int8"):
@@ -140,6 +143,7 @@ class ModelRunner(FastForwardMixin):
         self.has_qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         self.scaling = self.head_dim**-0.5
         self.linear_kind = "module"
+        self.gemm_max_rows = None
         self.attention, self.paged_attention = self._resolve_attention(attention, impl)
         # With the paged kernel (bf16 or float32): rotary and the K/V write fused too, and the
         # residual adds with their norms and SwiGLU (csrc/elementwise.c).
@@ -150,7 +154,7 @@ class ModelRunner(FastForwardMixin):
             self.rope_store = RopeStore(lib, self.num_heads, self.num_kv_heads, self.head_dim)
             self.fused = FusedElementwise(lib)
         if impl == "fast":
-            self._build_fast(linear)
+            self._build_fast(linear, gemm_rows)
 
     def _resolve_attention(self, attention: str, impl: str) -> tuple[str, PagedAttention | None]:
         """auto: the paged C kernel on a CPU (float32/bfloat16) where it builds; else matmul for
@@ -181,7 +185,8 @@ class ModelRunner(FastForwardMixin):
             return "reference"
         q = "" if self.quantize == "none" else f", weights {self.quantize}"
         fused = ", fused elementwise" if self.fused is not None else ""
-        return f"fast (linear {self.linear_kind}, attention {self.attention}{fused}{q})"
+        rows = "" if self.gemm_max_rows is None else f" up to {self.gemm_max_rows} rows, oneDNN above"
+        return f"fast (linear {self.linear_kind}{rows}, attention {self.attention}{fused}{q})"
 
     def cost_signature(self) -> str:
         """describe() plus the C kernels' build key where the forward runs them: a cost table

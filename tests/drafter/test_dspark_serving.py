@@ -285,6 +285,8 @@ def test_bf16_layers_in_one_c_call_equal_the_python_loop(monkeypatch):
     past the packed gemm's row limit the Python loop (and its oneDNN fallback) runs instead."""
     if load_kernels() is None:
         pytest.skip("the in-place drafter attention needs the C kernels (a C compiler)")
+    # products of up to 64 rows in the packed gemm (every stage below), whatever the CPU's default
+    monkeypatch.setattr("dspark_serve.verifier.fast_forward._gemm_rows_here", lambda: 64)
     model = tiny_model().to(torch.bfloat16)
     in_c, loop = make_drafter(model, fast="in-place"), make_drafter(model, fast="in-place")
     assert in_c.backbone._driver is not None
@@ -513,7 +515,7 @@ def test_greedy_tail_in_one_c_call_equals_head_walk_and_confidence(truncated):
     if truncated:
         head.markov_w2 = torch.nn.Linear(head.rank, Vd, bias=False).bfloat16()
         torch.nn.init.normal_(head.markov_w2.weight, std=3.0, generator=g)
-    lm = make_linear(torch.randn(Vd, D, generator=g).bfloat16(), None, "auto", "none")
+    lm = make_linear(torch.randn(Vd, D, generator=g).bfloat16(), None, "auto", "none", gemm_rows=64)
     walk, conf = GreedyMarkov(lib, head, d2t), FastConfidence(model)
     tail = GreedyTail(lib, lm, walk, conf)
     for b in (1, 3):

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import dspark_serve.verifier.fast_forward as ff
+from dspark_serve.verifier.config import ModelConfig
 from dspark_serve.verifier.cpu_kernels import SmallGemmLinear, argmax_rows, load_kernels
+from dspark_serve.verifier.loader import cpu_flags
 from dspark_serve.verifier.model_runner import ModelRunner, Segment
 from tests.helpers import tiny_model
 
@@ -38,8 +40,10 @@ def test_small_gemm_matches_float64_within_one_bf16_rounding(lib, n, k, bias):
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     spy = Spy(w, b)
-    lin = SmallGemmLinear(lib, w, b, spy, max_rows=40)
-    for m in (1, 2, 5, 8, 12, 16, 17, 33, 40, 41):  # rows in passes of 16, and a tail
+    lin = SmallGemmLinear(lib, w, b, spy, max_rows=64)
+    # rows in passes of 16, tails, and (on AMX tiles, from 5 rows) one to three 16-row chunks a
+    # pass over the weights and a second pass past 48
+    for m in (1, 2, 4, 5, 8, 12, 16, 17, 33, 40, 48, 49, 64, 65):
         x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, :k]  # rows at stride 2k: a view
         y = lin(x)
         ref = x.double() @ w.double().T + (b.double() if bias else 0.0)
@@ -47,7 +51,7 @@ def test_small_gemm_matches_float64_within_one_bf16_rounding(lib, n, k, bias):
         # float32 accumulation, one rounding to bf16 (2^-8 relative); float32 sums add ~1e-6
         err = (y.double() - ref).abs()
         assert (err <= ref.abs() * 2**-8 + 1e-3 * k**0.5).all(), err.max()
-    assert spy.rows == [41]  # only the row count above the limit left the kernel
+    assert spy.rows == [65]  # only the row count above the limit left the kernel
 
 
 def test_small_gemm_catches_a_wrong_packing(lib):
@@ -109,6 +113,31 @@ def test_make_linear_picks_gemm_on_cpu_only(lib, monkeypatch):
     assert ff.make_linear(w.bfloat16(), None, "auto", "none").kind == above
     with pytest.raises(ValueError, match="gemm"):
         ff.make_linear(w.bfloat16(), None, "gemm", "none")
+
+
+def test_bf16_rows_leave_the_c_kernel_where_onednn_wins_on_this_cpu(lib):
+    """Where oneDNN runs bf16 on AMX tiles it beats the C kernel's AVX512 path from ~10 rows,
+    elsewhere only past 128, and the kernel's own tile path to 48: the crossover follows the CPU
+    and the build, and an explicit limit overrides it."""
+    assert ff.default_gemm_rows(cpu_amx=True, kernel_tiles=True) == 48  # the kernel on the tiles too
+    assert ff.default_gemm_rows(cpu_amx=True, kernel_tiles=False) == 8  # oneDNN alone on them
+    assert ff.default_gemm_rows(cpu_amx=False, kernel_tiles=False) == 128
+    w = torch.randn(48, 32).bfloat16()
+    here = ff.default_gemm_rows("amx_bf16" in cpu_flags(), bool(lib.small_gemm_tiles()))
+    assert ff.make_linear(w, None, "auto", "none").max_rows == here
+    lin = ff.make_linear(w, None, "gemm", "none", gemm_rows=5)
+    assert lin.max_rows == 5
+    x = torch.randn(9, 32).bfloat16()
+    lin.fallback = spy = Spy(w, None)
+    lin(x[:5])
+    assert spy.rows == []  # five rows: the C kernel
+    lin(x)
+    assert spy.rows == [9]  # nine: oneDNN (here the spy standing in for it)
+    runner = ModelRunner(tiny_model("llama", dtype=torch.bfloat16), 32, 4, gemm_rows=12)
+    assert runner.gemm_max_rows == 12 and "up to 12 rows" in runner.describe()
+    assert ModelRunner(tiny_model("llama"), 32, 4).gemm_max_rows is None  # float32: no limit
+    with pytest.raises(ValueError, match="-1"):
+        ModelConfig(gemm_rows=-1)
 
 
 def test_bf16_decode_and_verify_steps_through_gemm_track_the_reference(lib):

@@ -452,7 +452,11 @@ def test_float32_attention_rows_do_not_depend_on_what_shares_the_call():
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: a bias on q/k/v
 def test_layers_in_one_c_call_equal_the_python_loop(kind, dtype):
     needs_paged_kernel()
-    runners = [ModelRunner(tiny_model(kind, layers=3, dtype=dtype), 64, 4, impl="fast") for _ in range(2)]
+    # gemm_rows 64: every step below in one C call, whatever the CPU's default limit
+    runners = [
+        ModelRunner(tiny_model(kind, layers=3, dtype=dtype), 64, 4, impl="fast", gemm_rows=64)
+        for _ in range(2)
+    ]
     drv = runners[0].target_driver
     assert drv is not None and runners[0].attention == "paged"
     runners[1].target_driver = None  # the Python loop over the same kernels

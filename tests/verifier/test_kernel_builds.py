@@ -1,8 +1,8 @@
 """The C kernels' narrower code paths, checked on a wider CPU: the library is rebuilt with the
-CPU's AVX512 extensions (or all of AVX) switched off, and the kernel, fast-forward and drafter
-tests run against it in a child process. On an AVX2-only CPU the main suite already runs the
-AVX2 paths; here an AVX512 host checks them too, and an x86 host the plain C paths other CPUs
-build."""
+CPU's AMX tiles, its AVX512 extensions (and AMX) or all of AVX switched off, and the kernel,
+fast-forward and drafter tests run against it in a child process. On an AVX2-only CPU the main
+suite already runs the AVX2 paths; here an AVX512 host checks them too, an AMX host its AVX512
+paths, and an x86 host the plain C paths other CPUs build."""
 
 from __future__ import annotations
 
@@ -17,11 +17,15 @@ import pytest
 from dspark_serve.verifier.cpu_kernels import _cpu_flags, find_compiler
 
 ROOT = Path(__file__).resolve().parents[2]
-NO_AVX512 = (
-    "-mno-avx512f -mno-avx512bw -mno-avx512cd -mno-avx512dq -mno-avx512vl -mno-avx512bf16 "
-    "-mno-avx512vnni -mno-avx512ifma -mno-avx512vbmi -mno-avx512vbmi2 -mno-avx512bitalg "
-    "-mno-avx512vpopcntdq"
-).split()
+NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+NO_AVX512 = [
+    *NO_AMX,
+    *(
+        "-mno-avx512f -mno-avx512bw -mno-avx512cd -mno-avx512dq -mno-avx512vl -mno-avx512bf16 "
+        "-mno-avx512vnni -mno-avx512ifma -mno-avx512vbmi -mno-avx512vbmi2 -mno-avx512bitalg "
+        "-mno-avx512vpopcntdq"
+    ).split(),
+]
 NO_AVX = [*NO_AVX512, "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx"]
 TESTS = [
     "tests/verifier/test_cpu_kernels.py",
@@ -29,7 +33,7 @@ TESTS = [
     "tests/drafter/test_dspark_serving.py",
 ]
 # flags appended to cpu_kernels.CFLAGS, and the CPU flag that makes the build narrower than native
-BUILDS = {"avx2": (NO_AVX512, "avx512f"), "no-avx": (NO_AVX, "avx2")}
+BUILDS = {"avx2": (NO_AVX512, "avx512f"), "no-avx": (NO_AVX, "avx2"), "no-amx": (NO_AMX, "amx_tile")}
 CHILD = """
 import sys
 import dspark_serve.verifier.cpu_kernels as ck

@@ -12,7 +12,7 @@
  * Built with verifier/csrc/paged_attention.c into one library by verifier/cpu_kernels.py. */
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512BF16__) || defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX512BF16__) || defined(__AVX2__) || defined(__AVX512F__) || defined(__AMX_TILE__)
 #include <immintrin.h>
 #endif
 
@@ -21,6 +21,9 @@
 
 #define NB 16 /* output rows per packed block */
 #define MB 16 /* rows of x per pass over a block */
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 5 /* from this many rows the tile path runs, where the CPU has one */
+#endif
 #define PF 128 /* weight lines prefetched ahead into L2 (8 KiB): the hardware prefetcher alone left
                  a third of the bandwidth unused at 8-16 rows, and a prefetch only 2 KiB ahead
                  into L1 still let the weights' streaming and the products take turns at 8-32
@@ -74,10 +77,187 @@ static inline __attribute__((always_inline)) void block_dot(
 #endif
 }
 
+/* ---- AMX ---------------------------------------------------------------------------------------
+ * Where the CPU has AMX tiles, a block of 16 outputs times up to 16 rows of x is one tile product
+ * per 32 inputs: the packed layout above is already the B tile's (16 input pairs x 16 outputs x
+ * 2 = 1 KiB a tile), and an A tile is 16 rows of x as they lie (row stride x_stride). The tile
+ * unit does in one instruction what 16 vdpbf16ps do, so rows cost almost nothing until the weights'
+ * streaming stops being the limit: 8 rows take about the time of 1, where the AVX512 path's time
+ * grows with every row. Up to AMX_CHUNKS chunks of 16 rows share each B tile load (one pass of the
+ * weights for up to 48 rows). Linux hands the tile state out on request (arch_prctl, once per
+ * process); where it refuses, or K is not a multiple of 32, the AVX512 path runs. Accumulation is
+ * float32 per row, independent of the other rows of the call, the output rounded once. */
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_CHUNKS 3
+#ifndef AMX_PF
+#define AMX_PF 16 /* tiles of weights (1 KiB each) prefetched ahead */
+#endif
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* 1 where this process may use the tiles (asked once), 0 where not */
+static int amx_allowed(void) {
+    static int state = -1; /* benign race: every thread computes the same answer */
+    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return state;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* tiles: 0 = B (16 pairs x 64 bytes; 7 a second one), 1 .. c = A of each chunk, 4 .. 3 + c =
+ * C of each chunk */
+static void amx_configure_tiles(const int *rows, int c, int second_b) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    cfg.rows[0] = 16;
+    cfg.colsb[0] = 64;
+    if (second_b) {
+        cfg.rows[7] = 16;
+        cfg.colsb[7] = 64;
+    }
+    for (int i = 0; i < c; i++) {
+        cfg.rows[1 + i] = cfg.rows[4 + i] = (uint8_t)rows[i];
+        cfg.colsb[1 + i] = cfg.colsb[4 + i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static void amx_configure(const int *rows, int c) {
+    if (c == 1) { /* one chunk: A in 1, 2, 3 and C in 4, 5, 6 (three accumulators), B in 0 and 7 */
+        int r = rows[0];
+        const int three[AMX_CHUNKS] = {r, r, r};
+        amx_configure_tiles(three, AMX_CHUNKS, 1);
+        return;
+    }
+    amx_configure_tiles(rows, c, 0);
+}
+
+/* y rows m0 .. m0 + mc - 1 (mc <= 16 * AMX_CHUNKS) of block b; the tiles configured for them */
+static inline void amx_pass(const uint16_t *wb, const uint16_t *x, int64_t x_stride, const uint16_t *bias,
+                            uint16_t *y, int m0, int mc, int n0, int nc, int N, int K) {
+    float acc[16 * AMX_CHUNKS][NB];
+    int c = (mc + 15) / 16;
+    size_t xs = (size_t)x_stride * 2;
+    const uint16_t *xm = x + (size_t)m0 * x_stride;
+    /* tile numbers must be constants: one body per chunk count */
+#define AMX_STEP(C)                                                                                 \
+    do {                                                                                            \
+        _tile_zero(4);                                                                              \
+        if (C > 1) _tile_zero(5);                                                                   \
+        if (C > 2) _tile_zero(6);                                                                   \
+        for (int kb = 0; kb < K / 32; kb++) {                                                       \
+            for (int l = 0; l < 16; l++) /* the tile AMX_PF ahead, into L2 */                    \
+                _mm_prefetch((const char *)(wb + (size_t)(kb + AMX_PF) * 512 + l * 32), _MM_HINT_T1); \
+            _tile_loadd(0, wb + (size_t)kb * 512, 64);                                              \
+            _tile_loadd(1, xm + kb * 32, xs);                                                       \
+            _tile_dpbf16ps(4, 1, 0);                                                                \
+            if (C > 1) {                                                                            \
+                _tile_loadd(2, xm + 16 * x_stride + kb * 32, xs);                                   \
+                _tile_dpbf16ps(5, 2, 0);                                                            \
+            }                                                                                       \
+            if (C > 2) {                                                                            \
+                _tile_loadd(3, xm + 32 * x_stride + kb * 32, xs);                                   \
+                _tile_dpbf16ps(6, 3, 0);                                                            \
+            }                                                                                       \
+        }                                                                                           \
+        _tile_stored(4, acc[0], 64);                                                                \
+        if (C > 1) _tile_stored(5, acc[16], 64);                                                    \
+        if (C > 2) _tile_stored(6, acc[32], 64);                                                    \
+    } while (0)
+    if (c == 1) {
+        /* one chunk: three accumulators over alternate runs of 32 inputs (a chain of products
+         * into one tile waits on each one's latency), summed at the end */
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        int kb = 0;
+        for (; kb + 3 <= K / 32; kb += 3) {
+            for (int l = 0; l < 48; l++) /* the 3 KiB of weights AMX_PF tiles ahead, into L2 */
+                _mm_prefetch((const char *)(wb + (size_t)(kb + AMX_PF) * 512 + l * 32), _MM_HINT_T1);
+            _tile_loadd(0, wb + (size_t)kb * 512, 64);
+            _tile_loadd(1, xm + kb * 32, xs);
+            _tile_dpbf16ps(4, 1, 0);
+            _tile_loadd(7, wb + (size_t)(kb + 1) * 512, 64);
+            _tile_loadd(2, xm + (kb + 1) * 32, xs);
+            _tile_dpbf16ps(5, 2, 7);
+            _tile_loadd(0, wb + (size_t)(kb + 2) * 512, 64);
+            _tile_loadd(3, xm + (kb + 2) * 32, xs);
+            _tile_dpbf16ps(6, 3, 0);
+        }
+        for (; kb < K / 32; kb++) {
+            _tile_loadd(0, wb + (size_t)kb * 512, 64);
+            _tile_loadd(1, xm + kb * 32, xs);
+            _tile_dpbf16ps(4, 1, 0);
+        }
+        float part[2][16][NB];
+        _tile_stored(4, acc[0], 64);
+        _tile_stored(5, part[0], 64);
+        _tile_stored(6, part[1], 64);
+        for (int m = 0; m < mc; m++)
+            for (int j = 0; j < NB; j++) acc[m][j] += part[0][m][j] + part[1][m][j];
+    } else if (c == 2) AMX_STEP(2);
+    else AMX_STEP(3);
+#undef AMX_STEP
+    for (int m = 0; m < mc; m++) {
+        uint16_t *ym = y + (size_t)(m0 + m) * N + n0;
+        for (int j = 0; j < nc; j++) ym[j] = f32_to_bf16(acc[m][j] + (bias ? bf16_to_f32(bias[n0 + j]) : 0.0f));
+    }
+}
+
+static void small_gemm_amx(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                           uint16_t *y, int M, int N, int K) {
+    int blocks = (N + NB - 1) / NB;
+    const int span = 16 * AMX_CHUNKS;
+#pragma omp parallel
+    {
+        int configured = -1; /* the pass size the tiles are set up for */
+#pragma omp for schedule(static)
+        for (int b = 0; b < blocks; b++) {
+            const uint16_t *wb = packed + (size_t)b * (K / 2) * NB * 2;
+            int n0 = b * NB, nc = N - n0 < NB ? N - n0 : NB;
+            for (int m0 = 0; m0 < M; m0 += span) {
+                int mc = M - m0 < span ? M - m0 : span;
+                if (mc != configured) {
+                    int rows[AMX_CHUNKS], c = (mc + 15) / 16;
+                    for (int i = 0; i < c; i++) rows[i] = mc - 16 * i < 16 ? mc - 16 * i : 16;
+                    amx_configure(rows, c);
+                    configured = mc;
+                }
+                amx_pass(wb, x, x_stride, bias, y, m0, mc, n0, nc, N, K);
+            }
+        }
+        if (configured >= 0) _tile_release();
+    }
+}
+#endif
+
+/* 1 where bf16 products of AMX_MIN_ROWS rows or more run on AMX tiles (built for a CPU with
+ * them, and this process allowed to use them), 0 where they run the AVX512 (or plain) path. */
+int small_gemm_tiles(void) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    return amx_allowed();
+#else
+    return 0;
+#endif
+}
+
 /* x: [M, K] with row stride x_stride (elements); packed from small_gemm_pack; bias: [N] or
  * NULL; y: [M, N] contiguous. */
 void small_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
                 uint16_t *y, int M, int N, int K) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (M >= AMX_MIN_ROWS && K % 32 == 0 && amx_allowed()) {
+        small_gemm_amx(x, x_stride, packed, bias, y, M, N, K);
+        return;
+    }
+#endif
     int blocks = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static)
     for (int b = 0; b < blocks; b++) {
