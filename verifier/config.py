@@ -39,9 +39,9 @@ class ModelConfig:
     at every row count, bfloat16 for steps of up to gemm_rows tokens, oneDNN above; CPU only)."""
     gemm_rows: int = 0
     """The most rows (tokens of one forward) a bfloat16 product takes through the C gemm kernel
-    before oneDNN's; 0 = by the CPU and the kernels' build: 48 where the kernel runs on AMX tiles,
-    8 where only oneDNN does (it then wins from ~10 rows), 128 elsewhere (bench/gemm_rows.py
-    measures the crossover)."""
+    before oneDNN's; 0 = by the CPU and the kernels' build: 8 where oneDNN runs on AMX tiles and
+    the kernel does not (oneDNN then wins from ~10 rows), else 128 (bench/gemm_rows.py measures
+    the crossover)."""
     attention: str = "auto"
     """How the fast forward attends: paged (a C kernel, built on first use with the system
     compiler, that reads the paged KV cache in place for every segment, decode, verify and

@@ -43,10 +43,9 @@ SMALL_SEGMENT = 32
 # Up to this many rows the C gemm kernel beats oneDNN's bf16 one on AVX512-BF16 CPUs
 # (bench/gemm_rows.py: 1.09x at 128, even at 192) ...
 SMALL_GEMM_ROWS = 128
-# ... but on a CPU with AMX tiles oneDNN runs on them and wins from ~10 rows against the AVX512
-# path (1.3x at 16, 4.5x at 128); the kernel's own tile path (from 5 rows) keeps ahead of it to
-# 48 rows (1.2-1.3x), and a product of 64 rows or more takes two passes over the weights.
-SMALL_GEMM_ROWS_TILES = 48
+# ... but on a CPU with AMX oneDNN runs on its tiles and wins from ~10 rows against the AVX512
+# path (1.3x at 16, 4.5x at 128). The kernel's own tile path (from 5 rows) is ahead of oneDNN
+# to 64 rows (1.15-1.3x from 8 to 48) and level with it to 160, so there the limit stays 128.
 SMALL_GEMM_ROWS_AMX_UNUSED = 8  # AMX on the CPU, but the kernel may not use it: oneDNN from 9 rows
 
 
@@ -54,9 +53,7 @@ def default_gemm_rows(cpu_amx: bool, kernel_tiles: bool) -> int:
     """The most rows a bfloat16 product takes through the C gemm kernel before oneDNN's:
     `cpu_amx` whether the CPU has AMX (oneDNN then runs bf16 on it), `kernel_tiles` whether the
     C kernel does too (`small_gemm_tiles()` of the built library)."""
-    if kernel_tiles:
-        return SMALL_GEMM_ROWS_TILES
-    return SMALL_GEMM_ROWS_AMX_UNUSED if cpu_amx else SMALL_GEMM_ROWS
+    return SMALL_GEMM_ROWS_AMX_UNUSED if cpu_amx and not kernel_tiles else SMALL_GEMM_ROWS
 
 
 @functools.cache

@@ -40,10 +40,10 @@ def test_small_gemm_matches_float64_within_one_bf16_rounding(lib, n, k, bias):
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     spy = Spy(w, b)
-    lin = SmallGemmLinear(lib, w, b, spy, max_rows=64)
-    # rows in passes of 16, tails, and (on AMX tiles, from 5 rows) one to three 16-row chunks a
-    # pass over the weights and a second pass past 48
-    for m in (1, 2, 4, 5, 8, 12, 16, 17, 33, 40, 48, 49, 64, 65):
+    lin = SmallGemmLinear(lib, w, b, spy, max_rows=100)
+    # rows in passes of 16, tails, and (on AMX tiles, from 5 rows) one to five 16-row chunks a
+    # pass over the weights, a zero-padded last chunk, and a second pass past 80
+    for m in (1, 2, 4, 5, 8, 12, 16, 17, 33, 40, 48, 49, 64, 65, 80, 81, 96, 100, 101):
         x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, :k]  # rows at stride 2k: a view
         y = lin(x)
         ref = x.double() @ w.double().T + (b.double() if bias else 0.0)
@@ -51,7 +51,7 @@ def test_small_gemm_matches_float64_within_one_bf16_rounding(lib, n, k, bias):
         # float32 accumulation, one rounding to bf16 (2^-8 relative); float32 sums add ~1e-6
         err = (y.double() - ref).abs()
         assert (err <= ref.abs() * 2**-8 + 1e-3 * k**0.5).all(), err.max()
-    assert spy.rows == [65]  # only the row count above the limit left the kernel
+    assert spy.rows == [101]  # only the row count above the limit left the kernel
 
 
 def test_small_gemm_catches_a_wrong_packing(lib):
@@ -117,9 +117,9 @@ def test_make_linear_picks_gemm_on_cpu_only(lib, monkeypatch):
 
 def test_bf16_rows_leave_the_c_kernel_where_onednn_wins_on_this_cpu(lib):
     """Where oneDNN runs bf16 on AMX tiles it beats the C kernel's AVX512 path from ~10 rows,
-    elsewhere only past 128, and the kernel's own tile path to 48: the crossover follows the CPU
-    and the build, and an explicit limit overrides it."""
-    assert ff.default_gemm_rows(cpu_amx=True, kernel_tiles=True) == 48  # the kernel on the tiles too
+    elsewhere only past 128, as its own tile path does: the crossover follows the CPU and the
+    build, and an explicit limit overrides it."""
+    assert ff.default_gemm_rows(cpu_amx=True, kernel_tiles=True) == 128  # the kernel on the tiles too
     assert ff.default_gemm_rows(cpu_amx=True, kernel_tiles=False) == 8  # oneDNN alone on them
     assert ff.default_gemm_rows(cpu_amx=False, kernel_tiles=False) == 128
     w = torch.randn(48, 32).bfloat16()

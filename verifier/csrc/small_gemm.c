@@ -78,19 +78,24 @@ static inline __attribute__((always_inline)) void block_dot(
 }
 
 /* ---- AMX ---------------------------------------------------------------------------------------
- * Where the CPU has AMX tiles, a block of 16 outputs times up to 16 rows of x is one tile product
- * per 32 inputs: the packed layout above is already the B tile's (16 input pairs x 16 outputs x
- * 2 = 1 KiB a tile), and an A tile is 16 rows of x as they lie (row stride x_stride). The tile
- * unit does in one instruction what 16 vdpbf16ps do, so rows cost almost nothing until the weights'
- * streaming stops being the limit: 8 rows take about the time of 1, where the AVX512 path's time
- * grows with every row. Up to AMX_CHUNKS chunks of 16 rows share each B tile load (one pass of the
- * weights for up to 48 rows). Linux hands the tile state out on request (arch_prctl, once per
- * process); where it refuses, or K is not a multiple of 32, the AVX512 path runs. Accumulation is
- * float32 per row, independent of the other rows of the call, the output rounded once. */
+ * Where the CPU has AMX tiles, a block of 16 outputs times 16 rows of x is one tile product per
+ * 32 inputs: the packed layout above is already the B tile's (16 input pairs x 16 outputs x 2 =
+ * 1 KiB a tile), and an A tile is 16 rows of x as they lie (row stride x_stride; a last chunk of
+ * fewer rows is read from a zero-padded copy). The tile unit does in one instruction what 16
+ * vdpbf16ps do, so rows cost little until the weights' streaming stops being the limit: 16 rows
+ * take about the time of 5, where the AVX512 path's time grows with every row. Every tile is 16
+ * rows of 64 bytes, configured once a call: 0 holds B, 1 and 7 A (alternately), 2 .. 6 the
+ * float32 sums C of up to AMX_CHUNKS chunks of 16 rows, which share each B tile load (one pass
+ * of the weights for up to 80 rows, more passes above, the block's weights then read from cache);
+ * one chunk alone sums into three tiles over alternate runs of 32 inputs (a chain of products
+ * into one tile waits on each one's latency). Linux hands the tile state out on request
+ * (arch_prctl, once per process); where it refuses, or K is not a multiple of 32, the AVX512 path
+ * runs. A row's sums never mix with another row's, the output rounded once. */
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMX_CHUNKS 3
+#define AMX_CHUNKS 5
 #ifndef AMX_PF
 #define AMX_PF 16 /* tiles of weights (1 KiB each) prefetched ahead */
 #endif
@@ -110,131 +115,132 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-/* tiles: 0 = B (16 pairs x 64 bytes; 7 a second one), 1 .. c = A of each chunk, 4 .. 3 + c =
- * C of each chunk */
-static void amx_configure_tiles(const int *rows, int c, int second_b) {
+static void amx_configure(void) {
     struct tile_config cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
-    cfg.rows[0] = 16;
-    cfg.colsb[0] = 64;
-    if (second_b) {
-        cfg.rows[7] = 16;
-        cfg.colsb[7] = 64;
-    }
-    for (int i = 0; i < c; i++) {
-        cfg.rows[1 + i] = cfg.rows[4 + i] = (uint8_t)rows[i];
-        cfg.colsb[1 + i] = cfg.colsb[4 + i] = 64;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
 }
 
-static void amx_configure(const int *rows, int c) {
-    if (c == 1) { /* one chunk: A in 1, 2, 3 and C in 4, 5, 6 (three accumulators), B in 0 and 7 */
-        int r = rows[0];
-        const int three[AMX_CHUNKS] = {r, r, r};
-        amx_configure_tiles(three, AMX_CHUNKS, 1);
-        return;
-    }
-    amx_configure_tiles(rows, c, 0);
+static inline void amx_prefetch(const uint16_t *wb, int kb, int tiles) {
+    for (int l = 0; l < 16 * tiles; l++) /* the weights AMX_PF tiles ahead, into L2 */
+        _mm_prefetch((const char *)(wb + (size_t)(kb + AMX_PF) * 512 + l * 32), _MM_HINT_T1);
 }
 
-/* y rows m0 .. m0 + mc - 1 (mc <= 16 * AMX_CHUNKS) of block b; the tiles configured for them */
-static inline void amx_pass(const uint16_t *wb, const uint16_t *x, int64_t x_stride, const uint16_t *bias,
-                            uint16_t *y, int m0, int mc, int n0, int nc, int N, int K) {
-    float acc[16 * AMX_CHUNKS][NB];
-    int c = (mc + 15) / 16;
-    size_t xs = (size_t)x_stride * 2;
-    const uint16_t *xm = x + (size_t)m0 * x_stride;
-    /* tile numbers must be constants: one body per chunk count */
-#define AMX_STEP(C)                                                                                 \
-    do {                                                                                            \
-        _tile_zero(4);                                                                              \
-        if (C > 1) _tile_zero(5);                                                                   \
-        if (C > 2) _tile_zero(6);                                                                   \
-        for (int kb = 0; kb < K / 32; kb++) {                                                       \
-            for (int l = 0; l < 16; l++) /* the tile AMX_PF ahead, into L2 */                    \
-                _mm_prefetch((const char *)(wb + (size_t)(kb + AMX_PF) * 512 + l * 32), _MM_HINT_T1); \
-            _tile_loadd(0, wb + (size_t)kb * 512, 64);                                              \
-            _tile_loadd(1, xm + kb * 32, xs);                                                       \
-            _tile_dpbf16ps(4, 1, 0);                                                                \
-            if (C > 1) {                                                                            \
-                _tile_loadd(2, xm + 16 * x_stride + kb * 32, xs);                                   \
-                _tile_dpbf16ps(5, 2, 0);                                                            \
-            }                                                                                       \
-            if (C > 2) {                                                                            \
-                _tile_loadd(3, xm + 32 * x_stride + kb * 32, xs);                                   \
-                _tile_dpbf16ps(6, 3, 0);                                                            \
-            }                                                                                       \
-        }                                                                                           \
-        _tile_stored(4, acc[0], 64);                                                                \
-        if (C > 1) _tile_stored(5, acc[16], 64);                                                    \
-        if (C > 2) _tile_stored(6, acc[32], 64);                                                    \
-    } while (0)
+/* acc[16 c][16]: block wb against c chunks of 16 rows, chunk i at xc[i] (row stride xs bytes) */
+static inline void amx_block(const uint16_t *wb, const uint16_t *const *xc, const size_t *xs, int c, int K,
+                             float acc[16 * AMX_CHUNKS][NB]) {
+    int kbs = K / 32;
     if (c == 1) {
-        /* one chunk: three accumulators over alternate runs of 32 inputs (a chain of products
-         * into one tile waits on each one's latency), summed at the end */
+        _tile_zero(2);
+        _tile_zero(3);
         _tile_zero(4);
-        _tile_zero(5);
-        _tile_zero(6);
         int kb = 0;
-        for (; kb + 3 <= K / 32; kb += 3) {
-            for (int l = 0; l < 48; l++) /* the 3 KiB of weights AMX_PF tiles ahead, into L2 */
-                _mm_prefetch((const char *)(wb + (size_t)(kb + AMX_PF) * 512 + l * 32), _MM_HINT_T1);
+        for (; kb + 3 <= kbs; kb += 3) {
+            amx_prefetch(wb, kb, 3);
             _tile_loadd(0, wb + (size_t)kb * 512, 64);
-            _tile_loadd(1, xm + kb * 32, xs);
-            _tile_dpbf16ps(4, 1, 0);
-            _tile_loadd(7, wb + (size_t)(kb + 1) * 512, 64);
-            _tile_loadd(2, xm + (kb + 1) * 32, xs);
-            _tile_dpbf16ps(5, 2, 7);
-            _tile_loadd(0, wb + (size_t)(kb + 2) * 512, 64);
-            _tile_loadd(3, xm + (kb + 2) * 32, xs);
-            _tile_dpbf16ps(6, 3, 0);
+            _tile_loadd(1, xc[0] + kb * 32, xs[0]);
+            _tile_dpbf16ps(2, 1, 0);
+            _tile_loadd(5, wb + (size_t)(kb + 1) * 512, 64);
+            _tile_loadd(7, xc[0] + (kb + 1) * 32, xs[0]);
+            _tile_dpbf16ps(3, 7, 5);
+            _tile_loadd(6, wb + (size_t)(kb + 2) * 512, 64);
+            _tile_loadd(1, xc[0] + (kb + 2) * 32, xs[0]);
+            _tile_dpbf16ps(4, 1, 6);
         }
-        for (; kb < K / 32; kb++) {
+        for (; kb < kbs; kb++) {
             _tile_loadd(0, wb + (size_t)kb * 512, 64);
-            _tile_loadd(1, xm + kb * 32, xs);
-            _tile_dpbf16ps(4, 1, 0);
+            _tile_loadd(1, xc[0] + kb * 32, xs[0]);
+            _tile_dpbf16ps(2, 1, 0);
         }
         float part[2][16][NB];
-        _tile_stored(4, acc[0], 64);
-        _tile_stored(5, part[0], 64);
-        _tile_stored(6, part[1], 64);
-        for (int m = 0; m < mc; m++)
+        _tile_stored(2, acc[0], 64);
+        _tile_stored(3, part[0], 64);
+        _tile_stored(4, part[1], 64);
+        for (int m = 0; m < 16; m++)
             for (int j = 0; j < NB; j++) acc[m][j] += part[0][m][j] + part[1][m][j];
-    } else if (c == 2) AMX_STEP(2);
-    else AMX_STEP(3);
-#undef AMX_STEP
-    for (int m = 0; m < mc; m++) {
-        uint16_t *ym = y + (size_t)(m0 + m) * N + n0;
-        for (int j = 0; j < nc; j++) ym[j] = f32_to_bf16(acc[m][j] + (bias ? bf16_to_f32(bias[n0 + j]) : 0.0f));
+        return;
     }
+    /* tile numbers must be constants: the chunk loop unrolled by hand */
+    _tile_zero(2);
+    _tile_zero(3);
+    if (c > 2) _tile_zero(4);
+    if (c > 3) _tile_zero(5);
+    if (c > 4) _tile_zero(6);
+    for (int kb = 0; kb < kbs; kb++) {
+        amx_prefetch(wb, kb, 1);
+        _tile_loadd(0, wb + (size_t)kb * 512, 64);
+        _tile_loadd(1, xc[0] + kb * 32, xs[0]);
+        _tile_dpbf16ps(2, 1, 0);
+        _tile_loadd(7, xc[1] + kb * 32, xs[1]);
+        _tile_dpbf16ps(3, 7, 0);
+        if (c > 2) {
+            _tile_loadd(1, xc[2] + kb * 32, xs[2]);
+            _tile_dpbf16ps(4, 1, 0);
+        }
+        if (c > 3) {
+            _tile_loadd(7, xc[3] + kb * 32, xs[3]);
+            _tile_dpbf16ps(5, 7, 0);
+        }
+        if (c > 4) {
+            _tile_loadd(1, xc[4] + kb * 32, xs[4]);
+            _tile_dpbf16ps(6, 1, 0);
+        }
+    }
+    _tile_stored(2, acc[0], 64);
+    _tile_stored(3, acc[16], 64);
+    if (c > 2) _tile_stored(4, acc[32], 64);
+    if (c > 3) _tile_stored(5, acc[48], 64);
+    if (c > 4) _tile_stored(6, acc[64], 64);
 }
 
-static void small_gemm_amx(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
-                           uint16_t *y, int M, int N, int K) {
+/* Returns 0, or -1 when the padded copy of a last partial chunk could not be allocated. */
+static int small_gemm_amx(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                          uint16_t *y, int M, int N, int K) {
     int blocks = (N + NB - 1) / NB;
-    const int span = 16 * AMX_CHUNKS;
+    int full = M / 16, tail = M % 16;
+    uint16_t *pad = NULL; /* the last partial chunk's rows, zero-padded to 16 */
+    if (tail) {
+        pad = calloc((size_t)16 * K, sizeof(uint16_t));
+        if (!pad) return -1;
+        for (int m = 0; m < tail; m++)
+            memcpy(pad + (size_t)m * K, x + (size_t)(16 * full + m) * x_stride, sizeof(uint16_t) * K);
+    }
+    int chunks = full + (tail > 0);
 #pragma omp parallel
     {
-        int configured = -1; /* the pass size the tiles are set up for */
+        amx_configure();
 #pragma omp for schedule(static)
         for (int b = 0; b < blocks; b++) {
             const uint16_t *wb = packed + (size_t)b * (K / 2) * NB * 2;
             int n0 = b * NB, nc = N - n0 < NB ? N - n0 : NB;
-            for (int m0 = 0; m0 < M; m0 += span) {
-                int mc = M - m0 < span ? M - m0 : span;
-                if (mc != configured) {
-                    int rows[AMX_CHUNKS], c = (mc + 15) / 16;
-                    for (int i = 0; i < c; i++) rows[i] = mc - 16 * i < 16 ? mc - 16 * i : 16;
-                    amx_configure(rows, c);
-                    configured = mc;
+            for (int c0 = 0; c0 < chunks; c0 += AMX_CHUNKS) {
+                int c = chunks - c0 < AMX_CHUNKS ? chunks - c0 : AMX_CHUNKS;
+                const uint16_t *xc[AMX_CHUNKS];
+                size_t xs[AMX_CHUNKS];
+                for (int i = 0; i < c; i++) {
+                    int last = c0 + i == full; /* the partial chunk */
+                    xc[i] = last ? pad : x + (size_t)(c0 + i) * 16 * x_stride;
+                    xs[i] = (size_t)(last ? K : x_stride) * 2;
                 }
-                amx_pass(wb, x, x_stride, bias, y, m0, mc, n0, nc, N, K);
+                float acc[16 * AMX_CHUNKS][NB];
+                amx_block(wb, xc, xs, c, K, acc);
+                int rows = c0 + c > full ? 16 * (c - 1) + tail : 16 * c;
+                for (int m = 0; m < rows; m++) {
+                    uint16_t *ym = y + (size_t)(16 * c0 + m) * N + n0;
+                    for (int j = 0; j < nc; j++)
+                        ym[j] = f32_to_bf16(acc[m][j] + (bias ? bf16_to_f32(bias[n0 + j]) : 0.0f));
+                }
             }
         }
-        if (configured >= 0) _tile_release();
+        _tile_release();
     }
+    free(pad);
+    return 0;
 }
 #endif
 
@@ -253,10 +259,8 @@ int small_gemm_tiles(void) {
 void small_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
                 uint16_t *y, int M, int N, int K) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-    if (M >= AMX_MIN_ROWS && K % 32 == 0 && amx_allowed()) {
-        small_gemm_amx(x, x_stride, packed, bias, y, M, N, K);
+    if (M >= AMX_MIN_ROWS && K % 32 == 0 && amx_allowed() && small_gemm_amx(x, x_stride, packed, bias, y, M, N, K) == 0)
         return;
-    }
 #endif
     int blocks = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static)
