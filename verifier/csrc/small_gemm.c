@@ -81,7 +81,8 @@ static inline __attribute__((always_inline)) void block_dot(
  * Where the CPU has AMX tiles, a block of 16 outputs times 16 rows of x is one tile product per
  * 32 inputs: the packed layout above is already the B tile's (16 input pairs x 16 outputs x 2 =
  * 1 KiB a tile), and an A tile is 16 rows of x as they lie (row stride x_stride; a last chunk of
- * fewer rows is read from a zero-padded copy). The tile unit does in one instruction what 16
+ * fewer rows is read from a zero-padded copy, and a call of fewer than 16 rows configures its A
+ * and C tiles for that many, reading x in place). The tile unit does in one instruction what 16
  * vdpbf16ps do, so rows cost little until the weights' streaming stops being the limit: 16 rows
  * take about the time of 5, where the AVX512 path's time grows with every row. Every tile is 16
  * rows of 64 bytes, configured once a call: 0 holds B, 1 and 7 A (alternately), 2 .. 6 the
@@ -115,12 +116,14 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-static void amx_configure(void) {
+/* every tile 16 rows of 64 bytes, but A (1, 7) and C (2, 3, 4) `rows` rows: fewer than 16 when
+ * the call has only that many rows of x (then read in place, no padded copy) */
+static void amx_configure(int rows) {
     struct tile_config cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
+        cfg.rows[t] = (t == 1 || t == 7 || (t >= 2 && t <= 4)) ? (uint8_t)rows : 16;
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
@@ -133,7 +136,7 @@ static inline void amx_prefetch(const uint16_t *wb, int kb, int tiles) {
 
 /* acc[16 c][16]: block wb against c chunks of 16 rows, chunk i at xc[i] (row stride xs bytes) */
 static inline void amx_block(const uint16_t *wb, const uint16_t *const *xc, const size_t *xs, int c, int K,
-                             float acc[16 * AMX_CHUNKS][NB]) {
+                             int c_rows, float acc[16 * AMX_CHUNKS][NB]) {
     int kbs = K / 32;
     if (c == 1) {
         _tile_zero(2);
@@ -161,7 +164,7 @@ static inline void amx_block(const uint16_t *wb, const uint16_t *const *xc, cons
         _tile_stored(2, acc[0], 64);
         _tile_stored(3, part[0], 64);
         _tile_stored(4, part[1], 64);
-        for (int m = 0; m < 16; m++)
+        for (int m = 0; m < c_rows; m++)
             for (int j = 0; j < NB; j++) acc[m][j] += part[0][m][j] + part[1][m][j];
         return;
     }
@@ -204,7 +207,8 @@ static int small_gemm_amx(const uint16_t *x, int64_t x_stride, const uint16_t *p
     int blocks = (N + NB - 1) / NB;
     int full = M / 16, tail = M % 16;
     uint16_t *pad = NULL; /* the last partial chunk's rows, zero-padded to 16 */
-    if (tail) {
+    int short_call = M < 16; /* one partial chunk: its tiles configured for its rows instead */
+    if (tail && !short_call) {
         pad = calloc((size_t)16 * K, sizeof(uint16_t));
         if (!pad) return -1;
         for (int m = 0; m < tail; m++)
@@ -213,7 +217,7 @@ static int small_gemm_amx(const uint16_t *x, int64_t x_stride, const uint16_t *p
     int chunks = full + (tail > 0);
 #pragma omp parallel
     {
-        amx_configure();
+        amx_configure(short_call ? M : 16);
 #pragma omp for schedule(static)
         for (int b = 0; b < blocks; b++) {
             const uint16_t *wb = packed + (size_t)b * (K / 2) * NB * 2;
@@ -223,12 +227,12 @@ static int small_gemm_amx(const uint16_t *x, int64_t x_stride, const uint16_t *p
                 const uint16_t *xc[AMX_CHUNKS];
                 size_t xs[AMX_CHUNKS];
                 for (int i = 0; i < c; i++) {
-                    int last = c0 + i == full; /* the partial chunk */
+                    int last = c0 + i == full && !short_call; /* the padded partial chunk */
                     xc[i] = last ? pad : x + (size_t)(c0 + i) * 16 * x_stride;
                     xs[i] = (size_t)(last ? K : x_stride) * 2;
                 }
                 float acc[16 * AMX_CHUNKS][NB];
-                amx_block(wb, xc, xs, c, K, acc);
+                amx_block(wb, xc, xs, c, K, short_call ? M : 16, acc);
                 int rows = c0 + c > full ? 16 * (c - 1) + tail : 16 * c;
                 for (int m = 0; m < rows; m++) {
                     uint16_t *ym = y + (size_t)(16 * c0 + m) * N + n0;
