@@ -726,9 +726,6 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             w.cancel()
         chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-        def sse(payload: dict[str, Any]) -> str:
-            return sse_event(payload)
-
         def chunk(
             choices: list[dict[str, Any]],
             u: dict[str, Any] | None = None,
@@ -739,7 +736,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                 p["usage"] = u
             if tokens:
                 p["dspark"] = {"tokens": tokens}
-            return sse(p)
+            return sse_event(p)
 
         # Tool calls are recognised on the whole reply: a request that may call a tool streams
         # its reply when it is complete (as content, or as one tool-call delta with its name and
@@ -831,7 +828,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                             [{**choice(i, "", finish, True), **({"delta": {}} if kind == "chat" else {})}]
                         )
                     if d.error:  # cut by a drain: say so after the finish_reason
-                        yield sse(
+                        yield sse_event(
                             {
                                 "error": {
                                     "message": d.error,
@@ -847,7 +844,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                 yield "data: [DONE]\n\n"
             except EngineError as exc:
                 count_error(exc.status)
-                yield sse(
+                yield sse_event(
                     {
                         "error": {
                             "message": str(exc),
