@@ -50,7 +50,7 @@ SOURCES = tuple(
     CSRC / name
     for name in ("paged_attention.c", "small_gemm.c", "elementwise.c", "draft_layers.c", "target_layers.c")
 )
-HEADERS = (CSRC / "common.h", CSRC / "kernels.h")
+HEADERS = (CSRC / "amx.h", CSRC / "common.h", CSRC / "kernels.h")
 # -fassociative-math and friends let the compiler vectorise the float32 dot products and sums
 # (a fixed, deterministic order per build); no -ffinite-math-only: masked scores stay exact.
 CFLAGS = (
@@ -152,6 +152,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.argmax_rows.argtypes = [ptr, i32, i32, i64, i64, ptr]
     lib.small_gemm_tiles.restype = i32
     lib.small_gemm_tiles.argtypes = []
+    lib.paged_attention_tiles.restype = i32
+    lib.paged_attention_tiles.argtypes = []
     lib.small_gemm_pack.restype = None
     lib.small_gemm_pack.argtypes = [ptr, ptr, i32, i32]  # W, packed, N, K
     lib.small_gemm.restype = None

@@ -303,3 +303,13 @@ def test_argmax_rows_leaves_other_tensors_to_torch(lib):
     assert torch.equal(argmax_rows(x), x.argmax(-1))
     cols = torch.randn(10, 4).t()  # elements not contiguous
     assert torch.equal(argmax_rows(cols), cols.argmax(-1))
+
+
+def test_attention_runs_on_the_tiles_where_the_matmul_does(lib):
+    """Both kernels ask for the tile state the same way, so a build for a CPU with AMX runs bf16
+    attention of many query rows on the tiles exactly where the matmul runs on them (the dense
+    checks of tests/verifier/test_fast_forward.py then test that path here, and the no-AMX build
+    of tests/verifier/test_kernel_builds.py the AVX512 one)."""
+    assert lib.paged_attention_tiles() == lib.small_gemm_tiles()
+    if "amx_bf16" not in cpu_flags() or "amx_tile" not in cpu_flags():
+        assert lib.paged_attention_tiles() == 0

@@ -11,10 +11,11 @@
  * A work item is a segment (or a run of its query tokens) and the query heads that share one kv
  * head: scores for its queries in float32, a float32 softmax, then the weighted sum of value
  * rows, rounded once to the model dtype. Items run in parallel on the OpenMP pool torch already
- * uses (the same libgomp). Five bodies of the same maths: bfloat16 on a CPU with AVX512-BF16
+ * uses (the same libgomp). Six bodies of the same maths: bfloat16 on a CPU with AVX512-BF16
  * (attend_item_bf16: products of the bf16 rows as they lie, 16 keys a tile, register
  * accumulators; the common case; attend_item_bf16_rows for items of many query rows: key tiles
- * transposed once, probabilities rounded to bf16 for the value products), float32
+ * transposed once, probabilities rounded to bf16 for the value products; attend_item_amx, the
+ * same with both products on AMX tiles where the CPU has them), float32
  * on a CPU with AVX2 and FMA (attend_item_f32: the same shape, 8 keys a tile; one order of sums
  * whatever the number of rows, so a row's output does not depend on what shares the call), and
  * elsewhere one dot product per query and key for a few rows (attend_item) or 16-key tiles
@@ -31,6 +32,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
 #include "common.h"
 #include "kernels.h" /* the prototypes the layer drivers call: checked against the definitions here */
 
@@ -517,6 +519,135 @@ static inline __attribute__((always_inline)) void attend_item_bf16_rows(
         }
     }
 }
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+/* The work item on AMX tiles (D 64 or 128; where the build targets AMX and Linux grants the
+ * tile state): the maths of attend_item_bf16_rows with both products on the tiles, so a query
+ * row costs little beyond the keys' and values' one pass (on the AVX512 path every row adds
+ * its own products: a verify block of 4 tokens cost ~2.5x a lone token's attention at 32
+ * requests). The item's query rows are copied into qbuf in groups of 16 (a group's last rows
+ * zero); each 16-key tile is transposed once into kt (the B tile of Q K^T: dword pairs of its
+ * rows as columns) and every group's scores against it are D / 32 tile products, stored as
+ * rows of `scores`. Softmax in float32 as everywhere, the probabilities rounded to bf16 in
+ * place (zero past each row's last visible key, up to a multiple of 32 keys); values
+ * interleaved in pairs of keys into vbuf (the B tiles of P V) and summed four 16-column tiles
+ * a pass. Every product exact, float32 sums; the output rounded once. Tiles: 0 scores, 1 and 2
+ * A, 2 and 3 B, 4-7 the output's columns; all configured 16 rows of 64 bytes. */
+static inline __attribute__((always_inline)) void attend_item_amx(
+    const void *q, int64_t q_stride, int64_t q_hstride, const void *kh, const void *vh,
+    int64_t kv_stride, void *out, int H, const int D, float scale, int causal, int r0, int nq, int s0,
+    const int32_t *blocks, int block_shift, int h0, int nh, int64_t max_keys, float *scores,
+    uint32_t *kt, uint32_t *vbuf, uint16_t *qbuf, float *obuf) {
+    const int block_size = 1 << block_shift;
+    const int nkeys = s0 + nq, rows = nh * nq, P2 = D / 2, groups = (rows + 15) / 16;
+    const int kpad = (nkeys + 31) & ~31; /* keys rounded up to a P tile's 32 */
+    const uint16_t *kb = (const uint16_t *)kh, *vb = (const uint16_t *)vh;
+    const int64_t stride16 = max_keys + 16;
+    for (int r = 0; r < 16 * groups; r++) {
+        uint16_t *dst = qbuf + (size_t)r * D;
+        if (r < rows)
+            memcpy(dst, (const uint16_t *)q + (int64_t)(r0 + r % nq) * q_stride + (int64_t)(h0 + r / nq) * q_hstride,
+                   sizeof(uint16_t) * D);
+        else
+            memset(dst, 0, sizeof(uint16_t) * D);
+    }
+    for (int j0 = 0; j0 < nkeys; j0 += 16) {
+        int64_t slots[16];
+        tile_slots(blocks, block_shift, j0, nkeys, 16, slots);
+        for (int b = 0; b < P2 / 16; b++) {
+            __m512i t[16];
+            for (int k = 0; k < 16; k++) t[k] = _mm512_loadu_si512(kb + slots[k] * kv_stride + 32 * b);
+            transpose16x16(t);
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512(kt + 16 * (16 * b + p), t[p]);
+        }
+        for (int gr = 0; gr < groups; gr++) {
+            _tile_zero(0);
+            for (int b = 0; b < P2 / 16; b++) {
+                _tile_loadd(1, qbuf + (size_t)gr * 16 * D + 32 * b, D * 2);
+                _tile_loadd(2, kt + 256 * b, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, scores + (size_t)gr * 16 * stride16 + j0, stride16 * 4);
+        }
+    }
+    /* softmax, then the probabilities as bf16 over the row's first floats (a 16-float read
+     * comes before the write that reaches it) */
+    for (int r = 0; r < rows; r++) {
+        float *sr = scores + (size_t)r * stride16;
+        int len = causal ? s0 + r % nq + 1 : nkeys;
+        for (int j = 0; j < len; j++) sr[j] *= scale;
+        softmax_row(sr, len);
+        uint16_t *pr = (uint16_t *)sr;
+        for (int j = 0; j < kpad; j += 16) {
+            __mmask16 m = len - j >= 16 ? (__mmask16)0xFFFF : len > j ? (__mmask16)((1u << (len - j)) - 1) : 0;
+            __m512 x = _mm512_maskz_loadu_ps(m, sr + j);
+            _mm256_storeu_si256((__m256i *)(pr + j), (__m256i)_mm512_cvtneps_pbh(x));
+        }
+    }
+    /* value rows of keys 2p, 2p + 1 interleaved: dword d of pair p = (v[2p+1][d] << 16) | v[2p][d] */
+    __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+    {
+        uint16_t il[32], ih[32];
+        for (int k = 0; k < 16; k++) {
+            il[2 * k] = (uint16_t)k, il[2 * k + 1] = (uint16_t)(32 + k);
+            ih[2 * k] = (uint16_t)(16 + k), ih[2 * k + 1] = (uint16_t)(48 + k);
+        }
+        lo = _mm512_loadu_si512(il), hi = _mm512_loadu_si512(ih);
+    }
+    int64_t slot = 0;
+    for (int p = 0; p < kpad / 2; p++) {
+        __m512i a[4], b[4];
+        for (int e = 0; e < 2; e++) {
+            int j = 2 * p + e;
+            __m512i *dst = e ? b : a;
+            if (j < nkeys) {
+                slot = (j & (block_size - 1)) ? slot + 1 : (int64_t)blocks[j >> block_shift] * block_size;
+                for (int c = 0; c < D / 32; c++) dst[c] = _mm512_loadu_si512(vb + slot * kv_stride + 32 * c);
+            } else {
+                for (int c = 0; c < D / 32; c++) dst[c] = _mm512_setzero_si512();
+            }
+        }
+        uint32_t *dst = vbuf + (size_t)p * D;
+        for (int c = 0; c < D / 32; c++) {
+            _mm512_storeu_si512(dst + 32 * c, _mm512_permutex2var_epi16(a[c], lo, b[c]));
+            _mm512_storeu_si512(dst + 32 * c + 16, _mm512_permutex2var_epi16(a[c], hi, b[c]));
+        }
+    }
+    for (int gr = 0; gr < groups; gr++) {
+        int last = 0; /* key pairs past every row's last visible key are skipped */
+        for (int r = 16 * gr; r < rows && r < 16 * gr + 16; r++) {
+            int len = causal ? s0 + r % nq + 1 : nkeys;
+            last = len > last ? len : last;
+        }
+        int kend = (last + 31) & ~31;
+        const uint16_t *pg = (const uint16_t *)(scores + (size_t)gr * 16 * stride16);
+        for (int c0 = 0; c0 < D / 16; c0 += 4) {
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+            for (int k0 = 0; k0 < kend; k0 += 32) {
+                const uint32_t *vp = vbuf + (size_t)(k0 / 2) * D + 16 * c0;
+                _tile_loadd(1, pg + k0, stride16 * 4);
+                _tile_loadd(2, vp, D * 4);
+                _tile_dpbf16ps(4, 1, 2);
+                _tile_loadd(3, vp + 16, D * 4);
+                _tile_dpbf16ps(5, 1, 3);
+                _tile_loadd(2, vp + 32, D * 4);
+                _tile_dpbf16ps(6, 1, 2);
+                _tile_loadd(3, vp + 48, D * 4);
+                _tile_dpbf16ps(7, 1, 3);
+            }
+            _tile_stored(4, obuf + 16 * c0, D * 4);
+            _tile_stored(5, obuf + 16 * c0 + 16, D * 4);
+            _tile_stored(6, obuf + 16 * c0 + 32, D * 4);
+            _tile_stored(7, obuf + 16 * c0 + 48, D * 4);
+        }
+        for (int r = 16 * gr; r < rows && r < 16 * gr + 16; r++)
+            store_at(out, 1, ((int64_t)(r0 + r % nq) * H + h0 + r / nq) * D, D, obuf + (size_t)(r - 16 * gr) * D);
+    }
+}
+#endif
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -634,13 +765,32 @@ static inline __attribute__((always_inline)) void attend_item_f32(
 #define TILED_ROWS 8
 /* bf16 items of this many query rows on take attend_item_bf16_rows */
 #define BF16_ROWS 4
+/* and, where the tiles may be used, attend_item_amx */
+#ifndef AMX_ATTN_ROWS
+#define AMX_ATTN_ROWS 4
+#endif
 static void attend(const void *q, int64_t q_stride, int64_t q_hstride, const void *kh, const void *vh,
                    int64_t kv_stride, void *out, int dtype, int H, int D, float scale, int causal,
                    int r0, int nq, int s0, const int32_t *blocks, int block_shift, int h0, int nh,
-                   int64_t max_keys, float *scores, float *qf, float *acc, float *row, uint32_t *vbuf) {
+                   int64_t max_keys, float *scores, float *qf, float *acc, float *row, uint32_t *vbuf,
+                   int amx, uint16_t *qbuf) {
 #define ATTEND_WITH(FN, DD)                                                                        \
     FN(q, q_stride, q_hstride, kh, vh, kv_stride, out, dtype, H, DD, scale, causal, r0, nq, s0,  \
        blocks, block_shift, h0, nh, max_keys, scores, qf, acc, row)
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (amx && nh * nq >= AMX_ATTN_ROWS) { /* amx: the caller checked dtype, D and the tiles */
+        if (D == 64)
+            attend_item_amx(q, q_stride, q_hstride, kh, vh, kv_stride, out, H, 64, scale, causal, r0, nq, s0,
+                            blocks, block_shift, h0, nh, max_keys, scores, (uint32_t *)row, vbuf, qbuf, acc);
+        else
+            attend_item_amx(q, q_stride, q_hstride, kh, vh, kv_stride, out, H, 128, scale, causal, r0, nq, s0,
+                            blocks, block_shift, h0, nh, max_keys, scores, (uint32_t *)row, vbuf, qbuf, acc);
+        return;
+    }
+#else
+    (void)amx;
+    (void)qbuf;
+#endif
 #ifdef __AVX512BF16__
     if (dtype == 1 && D % 32 == 0 && D <= 256) {
         if (nh * nq >= BF16_ROWS && (D == 64 || D == 128)) {
@@ -682,6 +832,17 @@ static void attend(const void *q, int64_t q_stride, int64_t q_hstride, const voi
         else ATTEND_WITH(attend_item, D);
     }
 #undef ATTEND_WITH
+}
+
+/* 1 where bf16 items of AMX_ATTN_ROWS query rows or more (D 64 or 128) run on AMX tiles
+ * (attend_item_amx: built for a CPU with them, and this process allowed to use them), 0 where
+ * they run the AVX512 (or plain) paths. */
+int paged_attention_tiles(void) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    return amx_allowed();
+#else
+    return 0;
+#endif
 }
 
 /* 1 where float32 attention runs attend_item_f32 (each row's output independent of what
@@ -740,20 +901,34 @@ int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const vo
     int nchunks = (max_q + chunk - 1) / chunk;
     int items = G * (H / nh) * nchunks;
     size_t head_bytes = (size_t)kv_head_stride * (dtype == 0 ? 4 : 2);
+    int amx = 0; /* items of AMX_ATTN_ROWS rows or more on the tiles */
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    amx = dtype == 1 && (D == 64 || D == 128) && nh * (chunk < max_q ? chunk : max_q) >= AMX_ATTN_ROWS &&
+          amx_allowed();
+#endif
 #pragma omp parallel
     {
-        size_t rows = (size_t)nh * (size_t)chunk;
+        /* query rows of an item, rounded up to the tiles' groups of 16 */
+        size_t rows = ((size_t)nh * (size_t)chunk + 15) / 16 * 16;
         /* scores: a row per query row, room for a whole last tile (and slack for the bf16
          * rounding pass's last 16-wide read) */
         float *scores = malloc(sizeof(float) * (rows * (size_t)(max_keys + 16) + 32));
-        uint32_t *vbuf = malloc(sizeof(uint32_t) * (size_t)D * (size_t)((max_keys + 3) / 2));
+        /* value pairs up to a multiple of 32 keys (the tiles' last pairs zero) */
+        uint32_t *vbuf = malloc(sizeof(uint32_t) * (size_t)D * (size_t)((max_keys + 32) / 2));
         float *qf = malloc(sizeof(float) * rows * (size_t)D);
         float *acc = malloc(sizeof(float) * rows * (size_t)D);
         float *row = malloc(sizeof(float) * (size_t)D * KT); /* a key row, or a tile */
-        if (!scores || !qf || !acc || !row || !vbuf) {
+        uint16_t *qbuf = malloc(sizeof(uint16_t) * rows * (size_t)D);
+        if (!scores || !qf || !acc || !row || !vbuf || !qbuf) {
 #pragma omp atomic write
             failed = 1;
         }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+        if (amx) {
+            const uint8_t tile_rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+            amx_load_config(tile_rows);
+        }
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; item++) {
             if (failed) continue;
@@ -767,8 +942,12 @@ int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const vo
             const int32_t *blocks = block_table + (int64_t)g * max_blocks;
             attend(q, q_stride, q_hstride, kh, vh, kv_token_stride, out, dtype, H, D, scale, causal,
                    row0[g] + i0, nc, causal ? start[g] + i0 : start[g] + n[g] - nc, blocks, block_shift,
-                   h0, nh, max_keys, scores, qf, acc, row, vbuf);
+                   h0, nh, max_keys, scores, qf, acc, row, vbuf, amx, qbuf);
         }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+        if (amx) _tile_release();
+#endif
+        free(qbuf);
         free(scores);
         free(qf);
         free(acc);

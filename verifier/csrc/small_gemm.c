@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
 #include "common.h"
 #include "kernels.h" /* the prototypes the layer drivers call: checked against the definitions here */
 
@@ -94,39 +95,17 @@ static inline __attribute__((always_inline)) void block_dot(
  * runs. A row's sums never mix with another row's, the output rounded once. */
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define AMX_CHUNKS 5
 #ifndef AMX_PF
 #define AMX_PF 16 /* tiles of weights (1 KiB each) prefetched ahead */
 #endif
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* 1 where this process may use the tiles (asked once), 0 where not */
-static int amx_allowed(void) {
-    static int state = -1; /* benign race: every thread computes the same answer */
-    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return state;
-}
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
 
 /* every tile 16 rows of 64 bytes, but A (1, 7) and C (2, 3, 4) `rows` rows: fewer than 16 when
  * the call has only that many rows of x (then read in place, no padded copy) */
 static void amx_configure(int rows) {
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = (t == 1 || t == 7 || (t >= 2 && t <= 4)) ? (uint8_t)rows : 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    uint8_t r = (uint8_t)rows;
+    const uint8_t tile_rows[8] = {16, r, r, r, r, 16, 16, r};
+    amx_load_config(tile_rows);
 }
 
 static inline void amx_prefetch(const uint16_t *wb, int kb, int tiles) {
