@@ -64,6 +64,13 @@ class CostTable:
         verification's sampling, bookkeeping), >= 0: paid once a step whatever the batch,
         so it makes a verified draft relatively cheaper (`step_rate`). Measured while
         serving (scheduler/overhead.py), never profiled or saved with the table.
+    grid_requests / grid_tokens / grid_steps_per_second: optional, the forward of R requests
+        carrying t tokens each (anchor + drafts), R and t strictly increasing from 1, one row
+        of SPS per R. Where it is given, a forward whose request count is known is priced
+        from it, by its tokens per request: the block sizes price extra tokens as one
+        request's, while at load every request's extra rows also cost attention over its own
+        context (on a 2-core CPU, sixteen requests verifying 4 tokens each took 1.65x a decode
+        step, where the block shape predicted 1.34x).
     """
 
     batch_sizes: tuple[int, ...]
@@ -71,6 +78,9 @@ class CostTable:
     block_sizes: tuple[int, ...] | None = None
     block_steps_per_second: tuple[float, ...] | None = None
     overhead_seconds: float = 0.0
+    grid_requests: tuple[int, ...] | None = None
+    grid_tokens: tuple[int, ...] | None = None
+    grid_steps_per_second: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.overhead_seconds) and self.overhead_seconds >= 0):
@@ -86,9 +96,48 @@ class CostTable:
                 self, "block_steps_per_second", tuple(float(s) for s in self.block_steps_per_second)
             )
             _check_points(self.block_sizes, self.block_steps_per_second, "block")
+        grid = (self.grid_requests, self.grid_tokens, self.grid_steps_per_second)
+        if any(g is None for g in grid) and any(g is not None for g in grid):
+            raise ValueError("grid_requests, grid_tokens and grid_steps_per_second come together")
+        if self.grid_requests is not None and self.grid_tokens is not None:
+            reqs, toks = tuple(int(r) for r in self.grid_requests), tuple(int(t) for t in self.grid_tokens)
+            rows = tuple(tuple(float(x) for x in row) for row in self.grid_steps_per_second or ())
+            object.__setattr__(self, "grid_requests", reqs)
+            object.__setattr__(self, "grid_tokens", toks)
+            object.__setattr__(self, "grid_steps_per_second", rows)
+            _check_points(reqs, tuple(1.0 for _ in reqs), "grid request")
+            if toks[:1] != (1,):
+                raise ValueError(f"grid tokens per request must start at 1, got {toks!r}")
+            if len(rows) != len(reqs):
+                raise ValueError(f"{len(rows)} grid rows for grid requests {reqs!r}")
+            for row in rows:
+                _check_points(toks, row, "grid token")
+
+    def _grid_seconds(self, b: float, requests: int) -> float:
+        """Seconds of a forward of `requests` requests carrying b tokens in all, from the grid:
+        linear in tokens per request along each profiled request count (the time growing along
+        the last segment beyond it), linear in requests between them, and past the last one
+        its time scaled by the requests (each brings its own rows and context)."""
+        assert self.grid_requests is not None and self.grid_tokens is not None
+        assert self.grid_steps_per_second is not None
+        reqs, toks, rows = self.grid_requests, self.grid_tokens, self.grid_steps_per_second
+        t = max(1.0, b / requests)
+
+        def at(i: int) -> float:
+            return 1.0 / _interp(toks, rows[i], t)
+
+        if requests <= reqs[0]:
+            return at(0)
+        if requests >= reqs[-1]:
+            return at(len(reqs) - 1) * requests / reqs[-1]
+        i = bisect.bisect_right(reqs, requests)  # reqs[i-1] <= requests < reqs[i]
+        w = (requests - reqs[i - 1]) / (reqs[i] - reqs[i - 1])
+        return (1.0 - w) * at(i - 1) + w * at(i)
 
     def sps(self, b: float, requests: int | None = None) -> float:
         """Steps per second of a forward of b tokens (from `requests` requests, when known)."""
+        if requests is not None and requests >= 1 and self.grid_requests is not None:
+            return 1.0 / self._grid_seconds(b, requests)
         decode = _interp(
             self.batch_sizes,
             self.steps_per_second,
@@ -118,6 +167,10 @@ class CostTable:
         if self.block_sizes is not None:
             d["block_sizes"] = list(self.block_sizes)
             d["block_steps_per_second"] = list(self.block_steps_per_second or ())
+        if self.grid_requests is not None:
+            d["grid_requests"] = list(self.grid_requests)
+            d["grid_tokens"] = list(self.grid_tokens or ())
+            d["grid_steps_per_second"] = [list(row) for row in self.grid_steps_per_second or ()]
         return d
 
     @classmethod
@@ -126,11 +179,15 @@ class CostTable:
         if missing:
             raise ValueError(f"cost table dict lacks {missing}, got keys {sorted(d)!r}")
         block = d.get("block_sizes"), d.get("block_steps_per_second")
+        grid = d.get("grid_requests"), d.get("grid_tokens"), d.get("grid_steps_per_second")
         return cls(
             batch_sizes=tuple(d["batch_sizes"]),
             steps_per_second=tuple(d["steps_per_second"]),
             block_sizes=None if block[0] is None else tuple(block[0]),
             block_steps_per_second=None if block[1] is None else tuple(block[1]),
+            grid_requests=None if grid[0] is None else tuple(grid[0]),
+            grid_tokens=None if grid[1] is None else tuple(grid[1]),
+            grid_steps_per_second=None if grid[2] is None else tuple(tuple(r) for r in grid[2]),
         )
 
 

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Bumped whenever the measurement method or the cache format changes, so stale cached tables
 # are not reused.
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 # Tokens one request carries in the block-shaped part of the profile (anchor + drafts).
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32)
 # What the cost depends on. Only these config fields enter the cache key: the whole config also
@@ -47,6 +47,10 @@ ARCH_FIELDS = (
     "use_sliding_window",
 )
 CONTEXT_LENS = (128, 512)
+# The grid: forwards of R requests carrying t tokens each (anchor + drafts), what a verify step
+# at load costs (`CostTable.grid_*`); R * t stays within the decode profile's KV footprint.
+GRID_REQUESTS = (1, 2, 4, 8, 16, 32)
+GRID_TOKENS = (1, 2, 4, 8)
 # Requests a decode-shaped profile forward spreads its tokens over (at most).
 PROFILE_REQUESTS = 32
 
@@ -110,15 +114,19 @@ def measure(
     context_lens: tuple[int, ...] = CONTEXT_LENS,
     repeats: int = 4,
     block_sizes: tuple[int, ...] = BLOCK_SIZES,
+    grid_requests: tuple[int, ...] = GRID_REQUESTS,
+    grid_tokens: tuple[int, ...] = GRID_TOKENS,
 ) -> dict[str, Any]:
     """Time decode-shaped forwards of B tokens spread over up to 32 requests of a given context
-    length, and block-shaped ones (one request carrying B tokens), in interleaved rounds
-    (`_rounds`). Returns {"batch_sizes", "steps_per_second", "block_sizes",
-    "block_steps_per_second", "by_context", "block_by_context"}."""
+    length, grid-shaped ones (R of those requests carrying t tokens each) and block-shaped ones
+    (one request carrying B tokens), in interleaved rounds (`_rounds`). Returns
+    {"batch_sizes", "steps_per_second", "block_sizes", "block_steps_per_second", "grid_requests",
+    "grid_tokens", "grid_steps_per_second", "by_context", "block_by_context"}."""
     blocks = runner.blocks
     nreq = PROFILE_REQUESTS
     decode_ctxs, block_ctxs = measured_contexts(runner, context_lens, batch_sizes, block_sizes)
     by_ctx: dict[int, list[float]] = {}
+    grid_by_ctx: dict[int, list[float]] = {}
     for ctx in decode_ctxs:
         ids = [f"__profile{i}" for i in range(nreq)]
         for rid in ids:
@@ -139,7 +147,24 @@ def measure(
 
             return segs, undo
 
-        by_ctx[ctx] = _rounds(runner, [functools.partial(decode, B) for B in batch_sizes], repeats)
+        def spread(
+            R: int, t: int, ctx: int = ctx, ids: list[str] = ids
+        ) -> tuple[list[Segment], Callable[[], None]]:
+            for rid in ids[:R]:
+                blocks.append(rid, t)
+
+            def undo() -> None:
+                for rid in ids[:R]:
+                    blocks.truncate(rid, ctx)
+
+            return [Segment(rid, [0] * t, ctx, 0) for rid in ids[:R]], undo
+
+        grid = [(R, t) for R in grid_requests if R <= nreq for t in grid_tokens]
+        shapes = [functools.partial(decode, B) for B in batch_sizes]
+        shapes += [functools.partial(spread, R, t) for R, t in grid]
+        timed = _rounds(runner, shapes, repeats)
+        by_ctx[ctx] = timed[: len(batch_sizes)]
+        grid_by_ctx[ctx] = timed[len(batch_sizes) :]
         for rid in ids:
             blocks.free(rid)
     # Block-shaped: ONE request carrying B tokens (anchor + drafts), what verification adds
@@ -162,7 +187,27 @@ def measure(
         "block_steps_per_second": _merge(by_ctx_block, len(block_sizes)),
         "by_context": {str(k): v for k, v in by_ctx.items()},
         "block_by_context": {str(k): v for k, v in by_ctx_block.items()},
+        **_grid(grid_by_ctx, tuple(R for R in grid_requests if R <= nreq), grid_tokens),
     }
+
+
+def _grid(
+    by_ctx: dict[int, list[float]], requests: tuple[int, ...], tokens: tuple[int, ...]
+) -> dict[str, Any]:
+    """The grid's SPS rows (one per request count, `tokens` across): the median over context
+    lengths, made non-increasing along each row and down each column (more tokens, or more
+    requests, never make a forward faster; where a smaller shape measured slower, it was the
+    unlucky sample and is raised to the bigger one's speed, as in `_merge`)."""
+    n = len(tokens)
+    flat = [statistics.median(v[i] for v in by_ctx.values()) for i in range(len(requests) * n)]
+    rows = [flat[i * n : (i + 1) * n] for i in range(len(requests))]
+    for i in range(len(requests) - 1, -1, -1):
+        for j in range(n - 1, -1, -1):
+            if j + 1 < n:
+                rows[i][j] = max(rows[i][j], rows[i][j + 1])
+            if i + 1 < len(requests):
+                rows[i][j] = max(rows[i][j], rows[i + 1][j])
+    return {"grid_requests": list(requests), "grid_tokens": list(tokens), "grid_steps_per_second": rows}
 
 
 def _merge(by_ctx: dict[int, list[float]], n: int) -> list[float]:
@@ -255,4 +300,9 @@ def format_table(raw: dict[str, Any]) -> str:
         lines.append("  B(tokens)  steps/s             (one request, B tokens)")
         for b, s in zip(raw["block_sizes"], raw["block_steps_per_second"]):
             lines.append(f"  {b:9d}  {s:7.1f}")
+    if raw.get("grid_requests"):
+        toks = raw["grid_tokens"]
+        lines.append("  requests  " + " ".join(f"t={t:<5d}" for t in toks) + " (steps/s, t tokens each)")
+        for r, row in zip(raw["grid_requests"], raw["grid_steps_per_second"]):
+            lines.append(f"  {r:8d}  " + " ".join(f"{s:7.1f}" for s in row))
     return "\n".join(lines)

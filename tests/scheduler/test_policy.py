@@ -280,3 +280,67 @@ def test_a_steps_overhead_makes_longer_verification_pay():
     for bad in (-0.001, math.inf, math.nan):
         with pytest.raises(ValueError, match="overhead_seconds"):
             dataclasses.replace(table, overhead_seconds=bad)
+
+
+def grid_time(r: int, t: int, per_row_s: float) -> float:
+    """STEEP_DECODE's decode of r requests, and every extra token costing `per_row_s`."""
+    return 1.0 / dict(zip(*STEEP_DECODE))[r] + r * (t - 1) * per_row_s
+
+
+def grid_table(per_row_s: float) -> CostTable:
+    """Decode and block shapes of STEEP_DECODE / FLAT_BLOCK, and a grid of `grid_time`."""
+    reqs, toks = (1, 2, 4, 8, 16), (1, 2, 4, 8)
+    rows = tuple(tuple(1.0 / grid_time(r, t, per_row_s) for t in toks) for r in reqs)
+    grid = dict(grid_requests=reqs, grid_tokens=toks, grid_steps_per_second=rows)
+    return CostTable(*STEEP_DECODE, *FLAT_BLOCK, **grid)
+
+
+def test_a_grid_prices_a_forward_by_its_requests_and_their_tokens_each():
+    t = grid_table(0.002)
+    # on grid points: R requests x t tokens
+    assert math.isclose(t.sps(16, requests=4), 1.0 / grid_time(4, 4, 0.002))
+    assert math.isclose(t.sps(4, requests=4), 26.0)  # 4 x 1: the decode of 4
+    # between token counts (4 x 3: SPS linear between 4 x 2 and 4 x 4), between request counts
+    # (6 x 2: time linear between 4 x 2 and 8 x 2), past the last request count (32 x 2: the
+    # time of 16 x 2, twice), past the last token count (2 x 16: time along the last segment)
+    s42, s44 = t.sps(8, requests=4), t.sps(16, requests=4)
+    assert math.isclose(t.sps(12, requests=4), (s42 + s44) / 2)
+    assert math.isclose(1 / t.sps(12, requests=6), (1 / t.sps(8, 4) + 1 / t.sps(16, 8)) / 2)
+    assert math.isclose(1 / t.sps(64, requests=32), 2 / t.sps(32, requests=16))
+    s24, s28 = t.sps(8, requests=2), t.sps(16, requests=2)
+    assert math.isclose(1 / t.sps(32, requests=2), 1 / s28 + (1 / s28 - 1 / s24) * 2)
+    # without the request count: the decode-shaped table, as before
+    assert t.sps(8) == CostTable(*STEEP_DECODE).sps(8)
+    # a grid prices 16 requests' drafts dearer than one request's block of as many tokens
+    assert grid_table(0.004).sps(64, requests=16) < CostTable(*STEEP_DECODE, *FLAT_BLOCK).sps(64, requests=16)
+    again = CostTable.from_dict(t.to_dict())
+    assert again == t and again.grid_steps_per_second == t.grid_steps_per_second
+
+
+def test_a_grid_is_validated():
+    reqs, toks = (1, 4), (1, 2)
+    rows = ((30.0, 20.0), (10.0, 5.0))
+    with pytest.raises(ValueError, match="come together"):
+        CostTable(*STEEP_DECODE, grid_requests=reqs, grid_tokens=toks)
+    with pytest.raises(ValueError, match="start at 1"):
+        CostTable(*STEEP_DECODE, grid_requests=reqs, grid_tokens=(2, 4), grid_steps_per_second=rows)
+    with pytest.raises(ValueError, match="grid rows"):
+        CostTable(*STEEP_DECODE, grid_requests=reqs, grid_tokens=toks, grid_steps_per_second=rows[:1])
+    with pytest.raises(ValueError, match="grid token"):
+        bad = ((30.0, -1.0), rows[1])
+        CostTable(*STEEP_DECODE, grid_requests=reqs, grid_tokens=toks, grid_steps_per_second=bad)
+    with pytest.raises(ValueError, match="grid request"):
+        CostTable(*STEEP_DECODE, grid_requests=(4, 1), grid_tokens=toks, grid_steps_per_second=rows)
+
+
+def test_the_policy_verifies_fewer_drafts_where_the_grid_says_load_makes_them_dear():
+    """At sixteen requests the block shape (one request's extra tokens) prices drafts almost
+    free; a grid that measured every request's extra rows costing attention over its own context
+    makes the policy verify fewer, and what it picks is the best prefix under the grid's price."""
+    inp = PolicyInput([CONF] * 16, [7] * 16)
+    dspark = parse_policy("dspark")
+    shaped = dspark(inp, CostTable(*STEEP_DECODE, *FLAT_BLOCK), load(16))
+    gridded = dspark(inp, grid_table(0.004), load(16))
+    assert sum(gridded.lengths) < sum(shaped.lengths), (gridded.lengths, shaped.lengths)
+    cheap = dspark(inp, grid_table(0.00001), load(16))
+    assert sum(cheap.lengths) > sum(gridded.lengths)

@@ -185,6 +185,12 @@ def test_merge_raises_a_slow_small_batch_instead_of_lowering_the_bigger_ones():
     assert all(b <= a for a, b in zip(merged, merged[1:]))
 
 
+def test_grid_is_made_monotone_in_tokens_and_requests():
+    # one slow sample (2 requests x 1 token, a noisy spell): raised to the bigger shapes' speed
+    g = profile._grid({128: [50.0, 40.0, 20.0, 30.0], 512: [52.0, 42.0, 22.0, 28.0]}, (1, 2), (1, 4))
+    assert g["grid_steps_per_second"] == [[51.0, 41.0], [29.0, 29.0]]
+
+
 def test_profile_times_its_shapes_in_interleaved_rounds(monkeypatch):
     runner = runner_for(tiny_model("llama"), num_blocks=1024, block_size=16)
     sizes = []
@@ -195,10 +201,21 @@ def test_profile_times_its_shapes_in_interleaved_rounds(monkeypatch):
         return real_forward(segs, *a, **k)
 
     monkeypatch.setattr(runner, "forward", recording)
-    raw = profile.measure(runner, batch_sizes=(1, 4, 16), context_lens=(16,), repeats=2, block_sizes=(1, 8))
-    # a warm-up round and two timed ones, each going through every shape in turn
-    assert sizes == [1, 4, 16] * 3 + [1, 8] * 3
+    raw = profile.measure(
+        runner,
+        batch_sizes=(1, 4, 16),
+        context_lens=(16,),
+        repeats=2,
+        block_sizes=(1, 8),
+        grid_requests=(1, 2),
+        grid_tokens=(1, 3),
+    )
+    # a warm-up round and two timed ones, each going through every shape in turn: the decode
+    # shapes and the grid's (R requests x t tokens) share their rounds, then the block shapes
+    assert sizes == [1, 4, 16, 1, 3, 2, 6] * 3 + [1, 8] * 3
     assert len(raw["steps_per_second"]) == 3 and len(raw["block_steps_per_second"]) == 2
+    assert raw["grid_requests"] == [1, 2] and raw["grid_tokens"] == [1, 3]
+    assert [len(row) for row in raw["grid_steps_per_second"]] == [2, 2]
     assert runner.blocks.num_free_blocks == runner.blocks.num_blocks
 
 
