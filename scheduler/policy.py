@@ -159,8 +159,8 @@ class CostTable:
         the step's overhead."""
         return 1.0 / (1.0 / self.sps(b, requests) + self.overhead_seconds)
 
-    def to_dict(self) -> dict[str, list[float]]:
-        d: dict[str, list[float]] = {
+    def to_dict(self) -> dict[str, list[Any]]:
+        d: dict[str, list[Any]] = {
             "batch_sizes": list(self.batch_sizes),
             "steps_per_second": list(self.steps_per_second),
         }

@@ -160,6 +160,7 @@ def measure(
             return [Segment(rid, [0] * t, ctx, 0) for rid in ids[:R]], undo
 
         grid = [(R, t) for R in grid_requests if R <= nreq for t in grid_tokens]
+        shapes: list[Callable[[], tuple[list[Segment], Callable[[], None]]]]
         shapes = [functools.partial(decode, B) for B in batch_sizes]
         shapes += [functools.partial(spread, R, t) for R, t in grid]
         timed = _rounds(runner, shapes, repeats)
