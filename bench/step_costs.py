@@ -1,0 +1,134 @@
+"""Steady-state engine steps by policy and concurrency: C requests decoding (prefill done, a few
+warm-up steps), then --steps steps timed, split into the step's parts (drafting and the policy,
+the verify forward, verification's sampling and the commit). Each policy in its own engine (the
+draft gate off, so a static length drafts at every load); greedy, the DSpark + n-gram drafter.
+
+  python bench/step_costs.py --policies none,static:1,static:3 --concurrency 4,8,16,32 \\
+      --out bench/results/step-costs-amx-bf16.json
+
+Decode tokens per second here leave out prefill and ramp-up, which a sweep's one-wave runs
+include: what drafting can gain or lose at a load in the long run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_engine import chat_ids  # noqa: E402
+from bench.common import DATA, load_prompts, machine, timing_args  # noqa: E402
+
+PARTS = ("_propose", "_verify", "_commit")
+
+
+def measure(policy: str, concurrency: list[int], steps: int, drafter: str) -> list[dict]:
+    from dspark_serve.scheduler.llm import LLM
+    from dspark_serve.scheduler.request import Request, Status
+    from dspark_serve.verifier.sampling_params import SamplingParams
+
+    llm = LLM(drafter=drafter, verify_policy=policy, draft_gate=False, max_num_seqs=max(concurrency))
+    eng = llm.engine
+    spent: collections.Counter[str] = collections.Counter()
+
+    def timed(name: str):
+        fn = getattr(eng, name)
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            spent[name] += time.perf_counter() - t0
+            if name == "_verify":
+                spent["forward"] += out.forward_seconds
+            return out
+
+        return wrapper
+
+    for name in PARTS:
+        setattr(eng, name, timed(name))
+    prompts = [chat_ids(llm.tokenizer, t, 320) for _, t in load_prompts(DATA, max(concurrency))]
+    rows = []
+    for c in concurrency:
+        reqs = [
+            Request(f"{policy}-{c}-{i}", prompts[i], SamplingParams(temperature=0.0), 1024, ignore_eos=True)
+            for i in range(c)
+        ]
+        for r in reqs:
+            eng.add_request(r)
+        while any(r.status is not Status.DECODE for r in reqs):
+            eng.step()
+        for _ in range(3):
+            eng.step()
+        spent.clear()
+        walls, made = [], 0
+        for _ in range(steps):
+            n0 = sum(len(r.output_ids) for r in reqs)
+            t0 = time.perf_counter()
+            eng.step()
+            walls.append(time.perf_counter() - t0)
+            made += sum(len(r.output_ids) for r in reqs) - n0
+        row = {
+            "policy": policy,
+            "concurrency": c,
+            "step_ms_median": statistics.median(walls) * 1e3,
+            "tokens_per_step": made / steps,
+            "decode_tps": made / sum(walls),
+            "context_mean": statistics.mean(len(r.prompt_ids) + len(r.output_ids) for r in reqs),
+        }
+        row |= {f"{k.strip('_')}_ms": v / steps * 1e3 for k, v in spent.items()}
+        rows.append(row)
+        print(
+            f"{policy:10s} C={c:3d} step {row['step_ms_median']:6.1f} ms  "
+            f"{row['tokens_per_step']:5.1f} tok/step  {row['decode_tps']:6.1f} tok/s | "
+            + " ".join(f"{k} {v:5.1f}" for k, v in row.items() if k.endswith("_ms")),
+            flush=True,
+        )
+        for r in reqs:
+            eng.abort(r.request_id)
+        for _ in range(2):
+            eng.step()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policies", type=lambda s: s.split(","), default=["none", "static:1", "static:3"])
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16, 32])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the policies (medians kept)")
+    ap.add_argument("--drafter", default="dspark+ngram")
+    args = timing_args(ap)
+    rows = []
+    for rnd in range(args.rounds):
+        for p in args.policies if rnd % 2 == 0 else args.policies[::-1]:
+            rows += [dict(r, round=rnd) for r in measure(p, args.concurrency, args.steps, args.drafter)]
+    medians = []
+    for p in args.policies:
+        for c in args.concurrency:
+            rs = [r for r in rows if r["policy"] == p and r["concurrency"] == c]
+            medians.append(
+                {"policy": p, "concurrency": c, "decode_tps": statistics.median(r["decode_tps"] for r in rs)}
+            )
+    plain = {m["concurrency"]: m["decode_tps"] for m in medians if m["policy"] == "none"}
+    for m in medians:
+        if m["concurrency"] in plain:
+            m["over_plain"] = m["decode_tps"] / plain[m["concurrency"]]
+    result = {
+        "rows": rows,
+        "medians": medians,
+        "machine": machine(),
+        "args": vars(args) | {"out": str(args.out)},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
