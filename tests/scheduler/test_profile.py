@@ -2,6 +2,7 @@
 on demand, and fed to the load-aware policy."""
 
 import json
+import math
 
 import torch
 
@@ -31,6 +32,13 @@ def test_profile_is_measured_cached_and_reprofiled(tmp_path, monkeypatch):
     sps = table.steps_per_second
     assert all(b <= a for a, b in zip(sps, sps[1:]))  # never faster at a bigger batch
     assert set(raw["by_context"]) == {"16", "64"}
+    # the grid (R requests x t tokens each) is measured with it and priced from: never faster
+    # with more tokens or more requests
+    assert table.grid_requests == profile.GRID_REQUESTS and table.grid_tokens == profile.GRID_TOKENS
+    grid = table.grid_steps_per_second or ()
+    assert all(b <= a for row in grid for a, b in zip(row, row[1:]))
+    assert all(b <= a for r1, r2 in zip(grid, grid[1:]) for a, b in zip(r1, r2))
+    assert math.isclose(table.sps(8, requests=2), grid[1][2])  # 2 requests x 4 tokens: a grid point
     assert runner.blocks.num_free_blocks == runner.blocks.num_blocks  # profiling frees its KV
     cached = list((tmp_path / "cost-tables").glob("tiny-cpu-*.json"))
     assert len(cached) == 1 and json.loads(cached[0].read_text())["profile"]["steps_per_second"] == list(sps)
