@@ -12,7 +12,6 @@ On a CPU without AMX tiles both builds run the same code (the comparison says so
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -24,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.common import machine, timing_args  # noqa: E402
+from bench.common import save_result, timing_args  # noqa: E402
 
 NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
 H, HKV, D, BLOCK, LAYERS = 9, 3, 64, 16, 30
@@ -97,15 +96,9 @@ def main() -> None:
                     f"({row['no_amx_over_native']:.2f}x)",
                     flush=True,
                 )
-    result = {
-        "rows": rows,
-        "tiles": {name: int(lib.paged_attention_tiles()) for name, lib in libs.items()},  # type: ignore[attr-defined]
-        "geometry": {"heads": H, "kv_heads": HKV, "head_dim": D, "block": BLOCK, "layers": LAYERS},
-        "machine": machine(),
-        "args": vars(args) | {"out": str(args.out)},
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    tiles = {name: int(lib.paged_attention_tiles()) for name, lib in libs.items()}  # type: ignore[attr-defined]
+    geometry = {"heads": H, "kv_heads": HKV, "head_dim": D, "block": BLOCK, "layers": LAYERS}
+    save_result(args, {"rows": rows, "tiles": tiles, "geometry": geometry})
 
 
 if __name__ == "__main__":

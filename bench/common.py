@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import statistics
 import time
@@ -45,6 +46,38 @@ def timing_args(ap, repeats: int = 5):
     if args.threads:
         torch.set_num_threads(args.threads)
     return args
+
+
+def save_result(args, result: dict) -> None:
+    """`result` with the machine and the run's arguments beside it, written to args.out as JSON."""
+    result = {**result, "machine": machine(), "args": vars(args) | {"out": str(args.out)}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=str))
+
+
+def start_decoding(engine, requests, warm_steps: int = 3) -> None:
+    """Add `requests` to the engine and step until every one of them decodes, then `warm_steps`
+    more: what a steady-state measurement starts from."""
+    from dspark_serve.scheduler.request import Status
+
+    for r in requests:
+        engine.add_request(r)
+    while any(r.status is not Status.DECODE for r in requests):
+        engine.step()
+    for _ in range(warm_steps):
+        engine.step()
+
+
+def timed_steps(engine, requests, steps: int) -> tuple[list[float], int]:
+    """`steps` engine steps timed one by one -> (each step's seconds, tokens the requests made)."""
+    walls, made = [], 0
+    for _ in range(steps):
+        n0 = sum(len(r.output_ids) for r in requests)
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t0)
+        made += sum(len(r.output_ids) for r in requests) - n0
+    return walls, made
 
 
 def machine() -> str:

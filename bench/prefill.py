@@ -13,7 +13,6 @@ speculative and decode paths are not here: bench/step_breakdown.py and bench_eng
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-from bench.common import machine, timing_args  # noqa: E402
+from bench.common import save_result, timing_args  # noqa: E402
 
 
 def chunk_times(runner, context: int, chunk: int) -> list[float]:
@@ -82,14 +81,7 @@ def main() -> None:
             flush=True,
         )
         rows.append(row)
-    result = {
-        "rows": rows,
-        "dtype": args.dtype,
-        "machine": machine(),
-        "args": vars(args) | {"out": str(args.out)},
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    save_result(args, {"rows": rows, "dtype": args.dtype})
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.common import DATA, load_prompts, machine  # noqa: E402
+from bench.common import DATA, load_prompts, machine, start_decoding, timed_steps  # noqa: E402
 
 MATMUL_OPS = {
     "aten::mm",
@@ -183,7 +183,7 @@ def forward_shape(runner, batch: int, tokens: int, context: int, repeats: int, t
 
 def engine_shape(llm, prompts, concurrency: int, steps: int, timers: dict) -> dict:
     """Engine steps with `concurrency` requests decoding (prefill finished first)."""
-    from dspark_serve.scheduler.request import Request, Status
+    from dspark_serve.scheduler.request import Request
     from dspark_serve.verifier.sampling_params import SamplingParams
 
     eng = llm.engine
@@ -191,20 +191,9 @@ def engine_shape(llm, prompts, concurrency: int, steps: int, timers: dict) -> di
         Request(f"sp{concurrency}-{i}", p, SamplingParams(temperature=0.0), 1024, ignore_eos=True)
         for i, p in enumerate(prompts[:concurrency])
     ]
-    for r in reqs:
-        eng.add_request(r)
-    while any(r.status is not Status.DECODE for r in reqs):
-        eng.step()
-    for _ in range(3):
-        eng.step()
-    walls, made = [], 0
+    start_decoding(eng, reqs)
     timers.clear()
-    for _ in range(steps):
-        n0 = sum(len(r.output_ids) for r in reqs)
-        t0 = time.perf_counter()
-        eng.step()
-        walls.append(time.perf_counter() - t0)
-        made += sum(len(r.output_ids) for r in reqs) - n0
+    walls, made = timed_steps(eng, reqs, steps)
     unprofiled = dict(timers)  # the wrappers' wall times without the profiler's overhead
     timers.clear()
     n_prof = max(3, steps // 2)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import statistics
 import sys
 import time
@@ -24,14 +23,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_engine import chat_ids  # noqa: E402
-from bench.common import DATA, load_prompts, machine, timing_args  # noqa: E402
+from bench.common import DATA, load_prompts, save_result, start_decoding, timed_steps, timing_args  # noqa: E402
 
 PARTS = ("_propose", "_verify", "_commit")
 
 
 def measure(policy: str, concurrency: list[int], steps: int, drafter: str) -> list[dict]:
     from dspark_serve.scheduler.llm import LLM
-    from dspark_serve.scheduler.request import Request, Status
+    from dspark_serve.scheduler.request import Request
     from dspark_serve.verifier.sampling_params import SamplingParams
 
     llm = LLM(drafter=drafter, verify_policy=policy, draft_gate=False, max_num_seqs=max(concurrency))
@@ -60,20 +59,9 @@ def measure(policy: str, concurrency: list[int], steps: int, drafter: str) -> li
             Request(f"{policy}-{c}-{i}", prompts[i], SamplingParams(temperature=0.0), 1024, ignore_eos=True)
             for i in range(c)
         ]
-        for r in reqs:
-            eng.add_request(r)
-        while any(r.status is not Status.DECODE for r in reqs):
-            eng.step()
-        for _ in range(3):
-            eng.step()
+        start_decoding(eng, reqs)
         spent.clear()
-        walls, made = [], 0
-        for _ in range(steps):
-            n0 = sum(len(r.output_ids) for r in reqs)
-            t0 = time.perf_counter()
-            eng.step()
-            walls.append(time.perf_counter() - t0)
-            made += sum(len(r.output_ids) for r in reqs) - n0
+        walls, made = timed_steps(eng, reqs, steps)
         row = {
             "policy": policy,
             "concurrency": c,
@@ -120,14 +108,7 @@ def main() -> None:
     for m in medians:
         if m["concurrency"] in plain:
             m["over_plain"] = m["decode_tps"] / plain[m["concurrency"]]
-    result = {
-        "rows": rows,
-        "medians": medians,
-        "machine": machine(),
-        "args": vars(args) | {"out": str(args.out)},
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    save_result(args, {"rows": rows, "medians": medians})
 
 
 if __name__ == "__main__":

@@ -374,6 +374,21 @@ static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16]) 
     }
 }
 
+/* Keys j0 .. j0 + 15 (a tile; past nkeys, key j0 again) as dword pairs in columns: kt [P2][16],
+ * kt[p][t] = dword p of key t's row (P2 = D / 2 dword pairs a row, a multiple of 16) */
+static inline __attribute__((always_inline)) void transpose_key_tile(const uint16_t *kb, int64_t kv_stride,
+                                                                     const int32_t *blocks, int block_shift,
+                                                                     int j0, int nkeys, int P2, uint32_t *kt) {
+    int64_t slots[16];
+    tile_slots(blocks, block_shift, j0, nkeys, 16, slots);
+    for (int b = 0; b < P2 / 16; b++) {
+        __m512i t[16];
+        for (int k = 0; k < 16; k++) t[k] = _mm512_loadu_si512(kb + slots[k] * kv_stride + 32 * b);
+        transpose16x16(t);
+        for (int p = 0; p < 16; p++) _mm512_storeu_si512(kt + 16 * (16 * b + p), t[p]);
+    }
+}
+
 /* acc[r] (16 keys) = q_r . k over D/2 dword pairs: kt [D/2][16] (the tile transposed), each q
  * pair broadcast; NR rows at once, so NR independent sums hide the product's latency */
 static inline __attribute__((always_inline)) void tile_scores(const uint32_t *kt, const uint32_t *const *qp,
@@ -423,14 +438,7 @@ static inline __attribute__((always_inline)) void attend_item_bf16_rows(
     const int64_t stride16 = max_keys + 16;
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int j0 = 0; j0 < nkeys; j0 += 16) {
-        int64_t slots[16];
-        tile_slots(blocks, block_shift, j0, nkeys, 16, slots);
-        for (int b = 0; b < P2 / 16; b++) {
-            __m512i t[16];
-            for (int k = 0; k < 16; k++) t[k] = _mm512_loadu_si512(kb + slots[k] * kv_stride + 32 * b);
-            transpose16x16(t);
-            for (int p = 0; p < 16; p++) _mm512_storeu_si512(kt + 16 * (16 * b + p), t[p]);
-        }
+        transpose_key_tile(kb, kv_stride, blocks, block_shift, j0, nkeys, P2, kt);
         for (int rb = 0; rb < rows; rb += 8) {
             int nr = rows - rb < 8 ? rows - rb : 8;
             const uint32_t *qp[8];
@@ -552,14 +560,7 @@ static inline __attribute__((always_inline)) void attend_item_amx(
             memset(dst, 0, sizeof(uint16_t) * D);
     }
     for (int j0 = 0; j0 < nkeys; j0 += 16) {
-        int64_t slots[16];
-        tile_slots(blocks, block_shift, j0, nkeys, 16, slots);
-        for (int b = 0; b < P2 / 16; b++) {
-            __m512i t[16];
-            for (int k = 0; k < 16; k++) t[k] = _mm512_loadu_si512(kb + slots[k] * kv_stride + 32 * b);
-            transpose16x16(t);
-            for (int p = 0; p < 16; p++) _mm512_storeu_si512(kt + 16 * (16 * b + p), t[p]);
-        }
+        transpose_key_tile(kb, kv_stride, blocks, block_shift, j0, nkeys, P2, kt);
         for (int gr = 0; gr < groups; gr++) {
             _tile_zero(0);
             for (int b = 0; b < P2 / 16; b++) {
