@@ -909,8 +909,9 @@ int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const vo
 #endif
 #pragma omp parallel
     {
-        /* query rows of an item, rounded up to the tiles' groups of 16 */
-        size_t rows = ((size_t)nh * (size_t)chunk + 15) / 16 * 16;
+        /* query rows of an item (on the tiles rounded up to their groups of 16) */
+        size_t rows = (size_t)nh * (size_t)chunk;
+        if (amx) rows = (rows + 15) / 16 * 16;
         /* scores: a row per query row, room for a whole last tile (and slack for the bf16
          * rounding pass's last 16-wide read) */
         float *scores = malloc(sizeof(float) * (rows * (size_t)(max_keys + 16) + 32));
@@ -919,8 +920,8 @@ int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const vo
         float *qf = malloc(sizeof(float) * rows * (size_t)D);
         float *acc = malloc(sizeof(float) * rows * (size_t)D);
         float *row = malloc(sizeof(float) * (size_t)D * KT); /* a key row, or a tile */
-        uint16_t *qbuf = malloc(sizeof(uint16_t) * rows * (size_t)D);
-        if (!scores || !qf || !acc || !row || !vbuf || !qbuf) {
+        uint16_t *qbuf = amx ? malloc(sizeof(uint16_t) * rows * (size_t)D) : NULL; /* the tiles' query rows */
+        if (!scores || !qf || !acc || !row || !vbuf || (amx && !qbuf)) {
 #pragma omp atomic write
             failed = 1;
         }
