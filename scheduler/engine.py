@@ -201,10 +201,14 @@ class Engine:
         if self.scheduler.has_work():
             raise RuntimeError("set_policy needs an idle engine")
         self.speculation.use_policy(spec)
-        # Cached blocks carry the tap states of the old setting (or none): start afresh (the
-        # rows' buffer is kept while taps are still stored: rows are written before read).
+        # Cached blocks carry the tap states of the old setting (or none): start afresh. The
+        # rows' buffer is kept while a drafter that taps the target is loaded, plain decoding
+        # included (rows are written before read): a policy switched back to drafting would
+        # otherwise grow it anew, page by fresh page, and a benchmark alternating plain and
+        # drafting arms charged that to every drafting run (~2% of a 32-request run).
         self.runner.blocks.reset_prefix_cache()
-        self.taps.reset(keep=bool(self.tap_layers))
+        d = self.speculation.drafter
+        self.taps.reset(keep=d is not None and bool(d.tap_layers))
 
     def set_prefix_caching(self, enabled: bool) -> None:
         """Turn prefix caching on or off (only between requests; benchmarks compare both);

@@ -290,3 +290,29 @@ def test_a_forks_copied_block_keeps_its_tap_rows():
     torch.testing.assert_close(taps.rows_of("a/b", 0, 6), hidden)  # 4 shared + 2 copied
     bm.adopt("a", "a/b")
     torch.testing.assert_close(taps.rows_of("a", 0, 6), hidden)
+
+
+def test_plain_decoding_between_drafting_runs_keeps_the_tap_rows_buffer(tmp_path):
+    """A benchmark alternates plain and drafting arms on one engine: the tap rows' buffer (a row
+    per KV slot used) survives the plain arm, so the next drafting run does not allocate and
+    fault it in anew, and that run's output is the one a fresh engine makes."""
+    model = tiny_model("qwen3")
+    path = random_dspark(model, tmp_path, markov_rank=8)
+    fresh = make(model, "dspark", path, caching=True)
+    want = scenario(fresh)
+    eng = make(model, "dspark", path, caching=True)
+    scenario(eng)
+    rows = eng.taps.rows
+    assert rows is not None
+    eng.set_policy("none")
+    assert eng.taps.rows is rows and eng.tap_layers == ()
+    scenario(eng)  # plain: nothing tapped, nothing written
+    eng.set_policy("dspark")
+    assert eng.taps.rows is rows
+    assert scenario(eng) == want
+    assert all_free(eng)
+    # an engine whose drafter taps nothing keeps nothing
+    plain = make(model, "ngram", None, caching=True)
+    scenario(plain)
+    plain.set_policy("none")
+    assert plain.taps.rows is None
