@@ -148,6 +148,10 @@ class DraftGate:
     1.29x win predicted at sixteen requests from four was a 1.18x loss (the curve prices the
     extra rows as one request's, where attention and the drafter grow with every request), and
     the level, starting on, measured too few plain steps in a short run to overrule it."""
+    climb: float = 0.05
+    """Where drafting alone was measured (`predicted`), a win carried up d levels must clear
+    1 + climb * d to start the busier level drafting: carried up, a prediction runs optimistic
+    (fewer drafts verified at higher load, the drafter's catch-up), the more so the farther."""
     price: Price | None = None
     """The target's forward time per (tokens, requests) (the cost table), for `predicted`;
     None: an unmeasured level borrows a neighbour's verdict (`borrowed`)."""
@@ -185,6 +189,8 @@ class DraftGate:
             raise ValueError(f"margin must be in [0, 1), got {self.margin!r}")
         if self.carry < 1.0:
             raise ValueError(f"carry must be >= 1, got {self.carry!r}")
+        if not (0.0 <= self.climb < 1.0):
+            raise ValueError(f"climb must be in [0, 1), got {self.climb!r}")
         if not (0.0 <= self.z < math.inf):
             raise ValueError(f"z must be a finite number >= 0, got {self.z!r}")
 
@@ -238,7 +244,9 @@ class DraftGate:
         faster than a memory-bound plain step's), so, as with `carry` for a borrowed verdict, a
         predicted win there by less than `carry` starts the level plain, its gap unknown (ratio
         1: exploration at the shortest interval). On a 2-core CPU a 1.15x win predicted at
-        sixteen requests from four was a 1.2x loss. Exploration corrects either way."""
+        sixteen requests from four was a 1.2x loss. Exploration corrects either way. Where no
+        level has both modes measured, a level where drafting was measured speaks, plain's
+        rate there taken from the curve (below)."""
         if self.price is None:
             return None
         level = self.level(num_decodes)
@@ -249,14 +257,36 @@ class DraftGate:
             on, off = self._rates[(lvl, True)], self._rates[(lvl, False)]
             if min(on.requests, on.steps, on.value, off.value) <= 0:
                 continue
-            a, rows = on.tokens / on.requests, max(1.0, on.rows / on.requests)
-            gain = on.value / off.value
-            rest = max(0.0, a / gain - self._verify_cost(on.requests / on.steps, rows))
-            g = a / (self._verify_cost(num_decodes, rows) + rest)
+            g = self._carried(on, off.value, num_decodes)
             if lvl < level and 1.0 - self.margin <= g < self.carry:
                 return False, 1.0
             return g >= 1.0 - self.margin, max(g, 1.0 / g)
+        # No level has both modes measured: one request drafts at every step where the drafter
+        # decides per request, so a server that has only seen light traffic knows drafting's
+        # rate alone. Plain's is then the curve's forward time, which leaves out a plain step's
+        # sampling and bookkeeping: plain looks faster than it is and the drafter's share
+        # (`rest`) dearer, an error towards plain that `carry` would compound; a win carried up
+        # must instead clear `climb` per level. Measured at one request on a 2-core CPU with AMX
+        # tiles: 1.16-1.2x predicted at 2-8 requests (1.3-1.5x real), 1.04-1.14x at 16 (~1.0x),
+        # 0.96-1.04x at 32 (~0.87x), where alternating blindly made a first wave of 32 requests
+        # draft half its steps at a 10-15% loss.
+        for lvl in measured:
+            on = self._rates.get((lvl, True))
+            if on is None or on.samples < self.warmup or min(on.requests, on.steps, on.value) <= 0:
+                continue
+            n = on.requests / on.steps
+            g = self._carried(on, n / self.price(n, max(1, round(n))), num_decodes)
+            if lvl < level and 1.0 - self.margin <= g < 1.0 + self.climb * (level - lvl):
+                return False, 1.0
+            return g >= 1.0 - self.margin, max(g, 1.0 / g)
         return None
+
+    def _carried(self, on: _Rate, plain: float, num_decodes: int) -> float:
+        """Drafting's gain at `num_decodes` requests from its rate `on` at another level where
+        plain decoding runs at `plain` tokens per second (`predicted`)."""
+        a, rows = on.tokens / on.requests, max(1.0, on.rows / on.requests)
+        rest = max(0.0, a / (on.value / plain) - self._verify_cost(on.requests / on.steps, rows))
+        return a / (self._verify_cost(num_decodes, rows) + rest)
 
     def _verify_cost(self, requests: float, rows: float) -> float:
         """A drafting step's target forward over a plain one's, `rows` rows per request."""

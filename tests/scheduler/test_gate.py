@@ -153,6 +153,49 @@ def test_unmeasured_level_predicts_from_the_cost_curve():
     assert g.verdict(4) == (True, pytest.approx(2.0)) and g.should_draft(16) is True
 
 
+def test_with_only_drafting_measured_plain_is_priced_from_the_cost_curve():
+    """One request drafts at every step where the drafter decides per request, so a server that
+    has seen only light traffic knows drafting's rate alone (3 tokens a step from 5 rows in
+    60 ms). Plain's rate at one request is then the curve's forward time (40 ms): the same
+    prediction as with plain measured at 40 ms, without `carry` (the estimate already leaves a
+    plain step's own overhead out). Compute-bound past 4 tokens: plain at 16 requests, drafting
+    at 2; a flat curve: drafting at 16; no curve: nothing to go on, the level alternates."""
+
+    def compute_bound(tokens, requests):
+        return 0.01 * max(4.0, tokens)
+
+    def flat(tokens, requests):
+        return 0.04
+
+    def drafted_only(price):
+        g = DraftGate(warmup=2, explore_every=8, regret=0.1, price=price)
+        for _ in range(4):
+            g.record(1, True, 3, 0.06, 5)
+        assert g.verdict(0) is None  # plain never ran at one request
+        return g
+
+    g = drafted_only(compute_bound)
+    assert g.predicted(16) == (False, pytest.approx(1.75))  # 3 / (5 + 0.25), as when measured
+    assert [g.should_draft(16) for _ in range(8)] == [False] * 8
+    # at 2 requests: 3 / (0.10 / 0.04 + 0.25) = 1.09, a win under carry (1.5) that still drafts
+    # one level up (it clears 1 + climb = 1.05); with a steeper climb it starts plain
+    assert g.predicted(2) == (True, pytest.approx(3 / 2.75))
+    steep = drafted_only(compute_bound)
+    steep.climb = 0.1
+    assert steep.predicted(2) == (False, 1.0)
+    assert drafted_only(flat).predicted(16) == (True, pytest.approx(2.0))
+    blind = DraftGate(warmup=2, explore_every=8, regret=0.1)
+    for _ in range(4):
+        blind.record(1, True, 3, 0.06, 5)
+    assert blind.prior(16) is None and [blind.should_draft(16) for _ in range(6)] == [True] * 3 + [False] * 3
+    # a level with both modes measured speaks before the estimate, even from farther away:
+    # at 16 requests drafting kept 1 token a request from 2 rows and lost 2x (rest 2 - 2 = 0),
+    # so at 2 requests 1 / (0.04 / 0.04 + 0) = 1.0, where the estimate from one request said 1.09
+    _warm_rows(g, 16, tokens_per_request=1, rows_per_request=2, on_seconds=0.08, off_seconds=0.04)
+    assert g.verdict(4) == (False, pytest.approx(2.0))
+    assert g.predicted(2) == (True, pytest.approx(1.0))
+
+
 def test_a_thin_win_predicted_at_a_busier_level_starts_it_plain():
     """Carried up along the cost curve the prediction runs optimistic (fewer drafts verified at
     higher load, a drafter whose cost grows faster than a plain step's): a predicted win by
@@ -272,6 +315,8 @@ def test_gate_config_rejects_bad_values():
         dict(margin=1.5),
         dict(burst=1),
         dict(carry=0.5),
+        dict(climb=-0.1),
+        dict(climb=1.0),
         dict(z=-1.0),
         dict(probe_every=4),
         dict(z=float("nan")),
