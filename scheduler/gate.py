@@ -271,11 +271,15 @@ class DraftGate:
         # 0.96-1.04x at 32 (~0.87x), where alternating blindly made a first wave of 32 requests
         # draft half its steps at a 10-15% loss.
         for lvl in measured:
-            on = self._rates.get((lvl, True))
-            if on is None or on.samples < self.warmup or min(on.requests, on.steps, on.value) <= 0:
+            drafted = self._rates.get((lvl, True))
+            if (
+                drafted is None
+                or drafted.samples < self.warmup
+                or min(drafted.requests, drafted.steps, drafted.value) <= 0
+            ):
                 continue
-            n = on.requests / on.steps
-            g = self._carried(on, n / self.price(n, max(1, round(n))), num_decodes)
+            n = drafted.requests / drafted.steps
+            g = self._carried(drafted, n / self.price(n, max(1, round(n))), num_decodes)
             if lvl < level and 1.0 - self.margin <= g < 1.0 + self.climb * (level - lvl):
                 return False, 1.0
             return g >= 1.0 - self.margin, max(g, 1.0 / g)
