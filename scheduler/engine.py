@@ -517,7 +517,7 @@ class Engine:
     def _commit(self, batch: ScheduledBatch, proposal: StepProposal, v: Verification) -> list[RequestOutput]:
         kept, contexts = self._settle(batch, proposal, v)
         if self.runner.blocks.enable_caching and self.tap_layers:
-            contexts = self.taps.write(contexts)
+            contexts = self.taps.write(contexts, v.forward.hidden, v.forward.slots)
         self.speculation.observe(contexts)
         if contexts and self.capture is not None:
             self.capture.observe(contexts)

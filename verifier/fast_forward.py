@@ -662,7 +662,11 @@ class FastForwardMixin:
         else:
             logits = h.new_zeros(0, self.vocab_size, dtype=torch.float32)
         return ForwardOutput(
-            logits=logits, logits_offsets=plan.logits_offsets, hidden=hidden, token_offsets=plan.token_offsets
+            logits=logits,
+            logits_offsets=plan.logits_offsets,
+            hidden=hidden,
+            token_offsets=plan.token_offsets,
+            slots=plan.slots,
         )
 
 

@@ -56,12 +56,14 @@ class Segment:
 @dataclass
 class ForwardOutput:
     """logits: [sum num_logits, V] float32, segments in order. hidden: [sum len(token_ids), m*d]
-    (tap layers concatenated) or None. *_offsets[i]: first row of segment i."""
+    (tap layers concatenated) or None. *_offsets[i]: first row of segment i. slots: [sum
+    len(token_ids)] the KV cache slot of every row (where its K/V was written), or None."""
 
     logits: torch.Tensor
     logits_offsets: list[int]
     hidden: torch.Tensor | None
     token_offsets: list[int]
+    slots: torch.Tensor | None = None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -356,5 +358,9 @@ class ModelRunner(FastForwardMixin):
             logits = h.new_zeros(0, self.vocab_size, dtype=torch.float32)
         hidden = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
         return ForwardOutput(
-            logits=logits, logits_offsets=logits_offsets, hidden=hidden, token_offsets=token_offsets
+            logits=logits,
+            logits_offsets=logits_offsets,
+            hidden=hidden,
+            token_offsets=token_offsets,
+            slots=plan.slots,
         )

@@ -292,6 +292,38 @@ def test_a_forks_copied_block_keeps_its_tap_rows():
     torch.testing.assert_close(taps.rows_of("a", 0, 6), hidden)
 
 
+def test_a_steps_whole_forward_is_stored_in_one_copy():
+    """`TapCache.write` with the forward's rows and slots: every row lands at its slot (a
+    rejected draft's too, harmless: its position is written again before any read), the kept
+    contexts are marked stored and read back as computed, exactly as the per-context gather
+    stores them; a context whose request holds no blocks is left as it was."""
+    from dspark_serve.drafter.base import AcceptedContext
+    from dspark_serve.scheduler.prefix import TapCache
+    from dspark_serve.verifier.block_manager import BlockManager
+
+    def step(whole: bool):
+        bm = BlockManager(num_blocks=8, block_size=4)
+        taps = TapCache(bm, torch.device("cpu"))
+        g = torch.Generator().manual_seed(3)
+        bm.append("a", 5)  # a 5-token prefill chunk
+        bm.append("b", 3)  # b: anchor + 2 drafts; one draft kept
+        rows = torch.randn(8, 6, generator=g)
+        slots = torch.tensor(bm.slots("a", 0, 5) + bm.slots("b", 0, 3))
+        ctxs = [
+            AcceptedContext("a", list(range(5)), 0, rows[:5]),
+            AcceptedContext("b", [7, 8], 0, rows[5:7]),
+            AcceptedContext("gone", [1], 0, rows[7:]),
+        ]
+        bm.truncate("b", 2)  # the verdict rolls b's rejected draft back before storing
+        out = taps.write(ctxs, rows, slots) if whole else taps.write(ctxs)
+        assert [c.stored is taps for c in out] == [True, True, False]
+        return taps.rows_of("a", 0, 5), taps.rows_of("b", 0, 2), rows
+
+    (a1, b1, rows), (a0, b0, _) = step(whole=True), step(whole=False)
+    assert torch.equal(a1, rows[:5]) and torch.equal(b1, rows[5:7])
+    assert torch.equal(a1, a0) and torch.equal(b1, b0)
+
+
 def test_plain_decoding_between_drafting_runs_keeps_the_tap_rows_buffer(tmp_path):
     """A benchmark alternates plain and drafting arms on one engine: the tap rows' buffer (a row
     per KV slot used) survives the plain arm, so the next drafting run does not allocate and

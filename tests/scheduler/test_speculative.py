@@ -317,11 +317,11 @@ def test_greedy_second_blocks_equal_plain_and_the_longer_run_is_kept(tmp_path, b
     taps, kept, reads = engine.taps, {}, []
     write, rows_of = taps.write, taps.rows_of
 
-    def spy_write(contexts):
+    def spy_write(contexts, *forward):  # forward: the step's whole rows and their slots
         for c in contexts:
             for j in range(len(c.token_ids) if c.hidden is not None else 0):
                 kept[(c.request_id, c.start_pos + j)] = c.hidden[j].clone()
-        return write(contexts)
+        return write(contexts, *forward)
 
     def spy_rows_of(rid, start, end):
         out = rows_of(rid, start, end)
