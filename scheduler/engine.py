@@ -205,7 +205,7 @@ class Engine:
         # rows' buffer is kept while a drafter that taps the target is loaded, plain decoding
         # included (rows are written before read): a policy switched back to drafting would
         # otherwise grow it anew, page by fresh page, and a benchmark alternating plain and
-        # drafting arms charged that to every drafting run (~2% of a 32-request run).
+        # drafting arms charged that to every drafting run (~4% of a 32-request run).
         self.runner.blocks.reset_prefix_cache()
         d = self.speculation.drafter
         self.taps.reset(keep=d is not None and bool(d.tap_layers))
