@@ -658,9 +658,11 @@ class FastForwardMixin:
         if plan.logit_rows is not None:
             # decode: every row; index_select, not h[rows] (torch's CPU advanced indexing is slow)
             rows = h if plan.logit_rows.numel() == T else h.index_select(0, plan.logit_rows)
-            logits = self.fast_lm_head(rows).float()
+            # in the model's dtype: a greedy step needs only each row's argmax, and widening
+            # 32 requests' 4-token verify rows to float32 alone took 2.3 ms (4.8 ms for 8 tokens)
+            logits = self.fast_lm_head(rows)
         else:
-            logits = h.new_zeros(0, self.vocab_size, dtype=torch.float32)
+            logits = h.new_zeros(0, self.vocab_size)
         return ForwardOutput(
             logits=logits,
             logits_offsets=plan.logits_offsets,

@@ -55,7 +55,9 @@ class Segment:
 
 @dataclass
 class ForwardOutput:
-    """logits: [sum num_logits, V] float32, segments in order. hidden: [sum len(token_ids), m*d]
+    """logits: [sum num_logits, V], segments in order: float32, or the model's dtype from the
+    fast CPU forward (consumers that need float32, sampling and logprobs, widen the rows they
+    read; a greedy verdict is the argmax, the same in either). hidden: [sum len(token_ids), m*d]
     (tap layers concatenated) or None. *_offsets[i]: first row of segment i. slots: [sum
     len(token_ids)] the KV cache slot of every row (where its K/V was written), or None."""
 

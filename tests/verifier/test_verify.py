@@ -86,6 +86,32 @@ def test_seeded_request_does_not_depend_on_its_neighbours():
     assert [alone() for _ in range(10)] == [among_others() for _ in range(10)]
 
 
+@pytest.mark.parametrize("kind", ["greedy", "greedy-processed", "sampled"])
+def test_bf16_logits_give_the_verdict_of_their_float32_widening(kind):
+    """The fast CPU forward leaves logits in bf16: greedy rows are judged by their argmax
+    (ties included: bf16 rows tie often), processed and sampled rows are widened first."""
+    torch.manual_seed(3)
+    vocab = 50
+    # few distinct values, so rows tie at the maximum and the first index must win
+    logits = (torch.randint(0, 6, (9, vocab)).float() / 4).bfloat16()
+    drafts = [torch.randint(0, vocab, (k,)) for k in (4, 0, 2)]
+    params = {
+        "greedy": GREEDY,
+        "greedy-processed": SamplingParams(temperature=0.0, logit_bias=((7, 3.0), (11, -2.0))),
+        "sampled": SamplingParams(temperature=0.8, top_p=0.9, seed=4),
+    }[kind]
+
+    def run(x: torch.Tensor) -> list[list[int]]:
+        reqs = [VerifyRequest(params, torch.Generator().manual_seed(4 + i), d) for i, d in enumerate(drafts)]
+        res = verify(x, reqs)
+        return [res.tokens(b) for b in range(len(reqs))]
+
+    assert run(logits) == run(logits.float())
+    if kind == "greedy":  # the first of tied maxima, as torch's argmax of the widened rows
+        first = run(logits)[1]  # the plain request: its one row is row 5
+        assert first == [int(logits[5].float().argmax())]
+
+
 def test_logits_rows_must_match_the_blocks():
     reqs = [VerifyRequest(GREEDY, None, torch.tensor([1, 2]))]
     with pytest.raises(ValueError, match=r"sum\(K_i \+ 1\) = 3"):
