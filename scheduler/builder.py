@@ -19,6 +19,7 @@ from dspark_serve.scheduler.engine import Engine, HiddenCapture
 from dspark_serve.scheduler.metrics_sink import EngineMetricsSink
 from dspark_serve.scheduler.policy import DSparkPolicy, parse_policy
 from dspark_serve.verifier.config import ModelConfig
+from dspark_serve.verifier.host_memory import retain_freed_memory
 from dspark_serve.verifier.loader import (
     DtypeChoice,
     choose_dtype,
@@ -123,6 +124,9 @@ def build_engine(
     )
     stage("loading the drafter")
     drafter = build_drafter_for(drafter_cfg, target, device, dtype, model_cfg.model is None)
+    # after the weights and the KV cache: those keep their own mappings
+    if device.type == "cpu" and retain_freed_memory(model_cfg.retain_freed_mib):
+        log.info("freed host blocks of up to %d MiB are kept for the next step", model_cfg.retain_freed_mib)
     table, source = None, "none (no drafter)"
     if profile is None:  # only the load-aware policy reads the cost table
         profile = drafter is not None and isinstance(
