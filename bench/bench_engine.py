@@ -272,7 +272,10 @@ def sweep(args) -> dict:
             for rnd in range(args.rounds):
                 for p in policies if rnd % 2 == 0 else policies[::-1]:
                     set_arm(eng, p, base_cfg)
-                    r = dataclasses.asdict(run_engine_closed_loop(eng, prompts, c, args.max_tokens, temp, p))
+                    seed = None if args.unseeded else 0
+                    r = dataclasses.asdict(
+                        run_engine_closed_loop(eng, prompts, c, args.max_tokens, temp, p, seed=seed)
+                    )
                     r["round"] = rnd
                     rows.append(r)
                     print(
@@ -391,6 +394,11 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=DATA, help="folder of dev-*.jsonl prompt sets")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None)
     ap.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
+    ap.add_argument(
+        "--unseeded",
+        action="store_true",
+        help="sweep: sampled requests carry no seed (seeded ones, the default, draft whatever the gate says)",
+    )
     ap.add_argument(
         "--policies",
         type=lambda s: s.split(","),

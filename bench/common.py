@@ -126,16 +126,20 @@ def run_engine_closed_loop(
     max_tokens: int,
     temperature: float,
     label: str,
-    seed: int = 0,
+    seed: int | None = 0,
     ignore_eos: bool = False,
     finished: list | None = None,
 ) -> PointResult:
     """Keep `concurrency` requests in flight on an in-process engine until all prompts are done.
+    Sampled requests get seeds seed + i (reproducible runs; a seeded request drafts whatever the
+    draft gate says), or none with seed None (as most API requests come: the gate decides).
     Finished requests are appended to `finished` when given."""
     from dspark_serve.scheduler.request import Request
     from dspark_serve.verifier.sampling_params import SamplingParams
 
-    sp = lambda i: SamplingParams(temperature=temperature, seed=None if temperature == 0 else seed + i)
+    sp = lambda i: SamplingParams(
+        temperature=temperature, seed=None if temperature == 0 or seed is None else seed + i
+    )
     queue = list(enumerate(prompt_ids))
     live, done = [], []
     t0 = time.perf_counter()
