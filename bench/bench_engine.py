@@ -397,7 +397,8 @@ def main() -> None:
     ap.add_argument(
         "--unseeded",
         action="store_true",
-        help="sweep: sampled requests carry no seed (seeded ones, the default, draft whatever the gate says)",
+        help="sweep: sampled requests carry no seed (rejection sampling against the drafter's q; "
+        "seeded ones, the default, sample keyed by position and draft greedily)",
     )
     ap.add_argument(
         "--policies",

@@ -131,8 +131,9 @@ def run_engine_closed_loop(
     finished: list | None = None,
 ) -> PointResult:
     """Keep `concurrency` requests in flight on an in-process engine until all prompts are done.
-    Sampled requests get seeds seed + i (reproducible runs; a seeded request drafts whatever the
-    draft gate says), or none with seed None (as most API requests come: the gate decides).
+    Sampled requests get seeds seed + i (reproducible runs: keyed sampling, plain decoding's
+    text whatever is drafted; they draft greedily), or none with seed None (as most API requests
+    come: rejection sampling against the drafter's q).
     Finished requests are appended to `finished` when given."""
     from dspark_serve.scheduler.request import Request
     from dspark_serve.verifier.sampling_params import SamplingParams

@@ -418,7 +418,14 @@ class Engine:
             blocks.append(r.request_id, len(toks))
             segments.append(Segment(r.request_id, toks, r.num_computed, 0))
             checks.append(
-                VerifyRequest(r.sampling, r.generator, drafts, proposal.draft_probs(i), self._context(r))
+                VerifyRequest(
+                    r.sampling,
+                    r.generator,
+                    drafts,
+                    proposal.draft_probs(i),
+                    self._context(r),
+                    position=len(r.output_ids),  # a seeded request samples keyed by position
+                )
             )
         for r, n in batch.prefills:
             blocks.append(r.request_id, n)
@@ -436,7 +443,12 @@ class Engine:
             if done:  # its last prompt row samples the first token
                 checks.append(
                     VerifyRequest(
-                        r.sampling, r.generator, torch.empty(0, dtype=torch.long), None, self._context(r)
+                        r.sampling,
+                        r.generator,
+                        torch.empty(0, dtype=torch.long),
+                        None,
+                        self._context(r),
+                        position=len(r.output_ids),
                     )
                 )
         branches = self._fork_branches(batch, proposal, segments, checks)

@@ -1,8 +1,9 @@
 """Propose: what each decoding request sends to verification this step.
 
 One component owns the drafter, the draft gate (does drafting pay at this load?), the
-verification-length policy, the draft headroom, and their special cases (seeded requests keep
-drafting whatever the gate says; online-confidence drafters explore on a fixed schedule). Each
+verification-length policy, the draft headroom, and their special cases (seeded sampled
+requests draft greedily: their rows are judged by keyed samples, `verifier/verify.py`;
+online-confidence drafters explore on a fixed schedule). Each
 step it returns one `StepProposal`: a draft block per decoding request and how many of its
 drafts the target verifies. Everything it decides is fixed before, or independent of, the
 drafted tokens' values, so verification stays lossless.
@@ -21,6 +22,7 @@ from dspark_serve.scheduler.load import LoadState
 from dspark_serve.scheduler.overhead import StepOverhead
 from dspark_serve.scheduler.policy import CostTable, Policy, PolicyDecision, PolicyInput, parse_policy
 from dspark_serve.scheduler.request import Request
+from dspark_serve.verifier.sampling_params import SamplingParams
 
 # Used only when no profile was measured (tests, policies that ignore cost): SPS flat to 8
 # tokens, then falling as on a compute-bound machine.
@@ -34,7 +36,7 @@ class StepProposal:
     proposals: one DraftProposal per decoding request (possibly empty blocks).
     lengths: drafts each request verifies (<= len(proposals[i])).
         A proposal's `alternate` block, where one is kept, is verified whole.
-    drafting: the draft gate let this step draft (seeded requests draft regardless).
+    drafting: the draft gate let this step draft.
     decision: what the policy decided (None when no request decodes).
     """
 
@@ -55,14 +57,19 @@ class StepProposal:
         p = self.proposals[i].probs
         return None if p is None else p[: self.lengths[i]]
 
-    @property
-    def mixed(self) -> bool:
-        """The gate closed drafting, but seeded requests drafted anyway."""
-        return not self.drafting and any(len(p) for p in self.proposals)
-
 
 def no_drafts(n: int) -> list[DraftProposal]:
     return [DraftProposal(tokens=torch.empty(0, dtype=torch.long)) for _ in range(n)]
+
+
+def _draft_sampling(sp: SamplingParams) -> SamplingParams:
+    """What the drafter drafts a request with: a seeded sampled request keeps a draft only where
+    it equals the target's keyed sample, which it does with probability p(draft), so its drafts
+    are the drafter's most likely tokens (p(argmax q) beats the sum of p q of sampled drafts
+    wherever q is near p); its processing (penalties, bias, grammar) stays."""
+    if sp.seed is None or sp.greedy:
+        return sp
+    return replace(sp, temperature=0.0)
 
 
 class Speculation:
@@ -119,14 +126,14 @@ class Speculation:
 
     def draft_reserve(self, running: list[Request]) -> int:
         """Tokens per decoding request the scheduler leaves free for drafts the policy may admit.
-        None where the gate runs the running requests' load level plain and none of them is
-        seeded: the reserve only shrinks the prefill chunks, and a step that prefills drafts
-        only in the level's favoured mode (at 32 requests with drafting off the reserve cost
-        one prefill step in eleven)."""
+        None where the gate runs the running requests' load level plain: the reserve only
+        shrinks the prefill chunks, and a step that prefills drafts only in the level's
+        favoured mode (at 32 requests with drafting off the reserve cost one prefill step in
+        eleven)."""
         d = self._drafting
         if d is None:
             return 0
-        if self.gate is not None and not any(r.sampling.seed is not None for r in running):
+        if self.gate is not None:
             v = self.gate.favoured(len(running))
             if v is None or not v[0]:
                 return 0
@@ -161,16 +168,7 @@ class Speculation:
             assert self.gate is not None and self.drafter is not None
             catch_up = None if prefilling else self.drafter.catch_up_seconds([r.request_id for r in decodes])
             drafting = self.gate.should_draft(soon, explore=not prefilling, catch_up=catch_up)
-        if drafting:
-            proposals = self._draft(decodes, alternates=not prefilling)
-        else:
-            # Seeded requests keep drafting: the gate follows timings, and a seeded request's
-            # output must not depend on them.
-            proposals = no_drafts(len(decodes))
-            seeded = [i for i, r in enumerate(decodes) if r.sampling.seed is not None]
-            if seeded:
-                for i, p in zip(seeded, self._draft([decodes[i] for i in seeded])):
-                    proposals[i] = p
+        proposals = self._draft(decodes, alternates=not prefilling) if drafting else no_drafts(len(decodes))
         lengths, decision = self._choose_lengths(decodes, proposals, room, load)
         rows = sum(1 + n for n in lengths)
         cap = min(self.cfg.branch_rows, room + len(decodes))
@@ -216,7 +214,7 @@ class Speculation:
                 r.request_id,
                 r.token_ids,
                 len(r.prompt_ids),
-                r.sampling,
+                _draft_sampling(r.sampling),
                 r.generator,
                 self._max_draft(r),
                 r.constraint,
@@ -242,10 +240,7 @@ class Speculation:
             caps = [min(c, share + (i < extra)) for i, c in enumerate(caps)]
         inp = PolicyInput(confidences=[p.confidences for p in proposals], max_lengths=caps)
         table = self.cost_table or DEFAULT_COST
-        # The overhead is measured from timings; a seeded request's output must not depend on
-        # them (as with the gate), so a step that decodes one prices the forward alone.
-        seeded = any(r.sampling.seed is not None for r in decodes)
-        overhead = self.overhead.seconds(len(decodes)) if self.cfg.price_overhead and not seeded else None
+        overhead = self.overhead.seconds(len(decodes)) if self.cfg.price_overhead else None
         if overhead:
             table = replace(table, overhead_seconds=overhead)
         self.priced_overhead = overhead or None
@@ -305,10 +300,10 @@ class Speculation:
         forward_seconds: float,
     ) -> None:
         """Teach the gate how fast this step was (pure decode steps only: a prefill chunk would
-        dominate the time, and a gate-closed step where seeded requests drafted is neither mode),
-        and the overhead estimate what the step spent besides the forward (drafting steps that
-        follow a drafting step: the first after plain ones also absorbs the context they kept)."""
-        pure = num_decodes > 0 and not has_prefills and not proposal.mixed
+        dominate the time), and the overhead estimate what the step spent besides the forward
+        (drafting steps that follow a drafting step: the first after plain ones also absorbs
+        the context they kept)."""
+        pure = num_decodes > 0 and not has_prefills
         if self.gate is not None and pure:
             rows = num_decodes + sum(proposal.lengths)
             self.gate.record(num_decodes, proposal.drafting, decode_tokens, seconds, rows)

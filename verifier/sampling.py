@@ -146,6 +146,30 @@ def sample_from_uniforms(
     return torch.minimum(idx, last_nonzero)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One step of splitmix64 (Steele et al.): a bijective 64-bit mix, every output bit
+    depending on every input bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def keyed_uniforms(seed: int, positions: Sequence[int]) -> torch.Tensor:  # [n] float64 in [0, 1)
+    """The uniform a seeded request samples output position t with: a hash of (seed, t), not
+    a draw from a stream. Plain decoding and speculation sample every position with the same
+    uniform (speculation keeps a draft only where it equals that sample, `verify.py`), so a
+    seeded request's output is plain decoding's whatever was drafted and verified."""
+    key = _splitmix64(seed & _MASK64)
+    return torch.tensor(
+        [(_splitmix64(key ^ _splitmix64(t & _MASK64)) >> 11) * 2.0**-53 for t in positions],
+        dtype=torch.float64,
+    )
+
+
 def draw_uniforms(
     n_per_row: Sequence[int],
     generators: Sequence[torch.Generator | None],

@@ -17,7 +17,12 @@ import torch
 from dspark_serve.verifier.cpu_kernels import argmax_rows
 from dspark_serve.verifier.processors import TokenContext, needs_processing, process_block
 from dspark_serve.verifier.rejection import RejectionResult, greedy_verify, rejection_sample, verify_offsets
-from dspark_serve.verifier.sampling import SamplingTensors, probs_from_logits
+from dspark_serve.verifier.sampling import (
+    SamplingTensors,
+    keyed_uniforms,
+    probs_from_logits,
+    sample_from_uniforms,
+)
 from dspark_serve.verifier.sampling_params import SamplingParams
 
 
@@ -31,6 +36,11 @@ class VerifyRequest:
     draft_probs: [K, V] float, the draft q each was sampled from, or None (one-hot q).
     context: the tokens (and grammar) its penalties / logit bias / constraint read, or None
         when it has none (`verifier/processors.py`; row k sees drafts 0..k-1 too).
+    position: for a seeded sampled request, the output position its first row samples: row k
+        samples position + k with the uniform keyed by (seed, position + k)
+        (`keyed_uniforms`), and a draft is kept only where it equals that sample, so the
+        output is plain decoding's with the same seed whatever was drafted. None: the rows
+        are judged by rejection sampling with uniforms from `generator`.
     """
 
     sampling: SamplingParams
@@ -38,6 +48,11 @@ class VerifyRequest:
     draft_tokens: torch.Tensor
     draft_probs: torch.Tensor | None = None
     context: TokenContext | None = None
+    position: int | None = None
+
+    @property
+    def keyed(self) -> bool:
+        return self.position is not None and self.sampling.seed is not None and not self.sampling.greedy
 
     @property
     def num_draft(self) -> int:
@@ -81,6 +96,7 @@ def build_verify_inputs(
     e = st.repeat_interleave(torch.tensor([n + 1 for n in counts], device=device))
     logits = process_rows(logits, requests)
     target = probs_from_logits(logits, e.temperature, e.top_p, e.top_k, e.min_p)
+    _key_rows(target, requests, counts)
     drafted = [r for r in requests if r.num_draft > 0]
     tokens = _flat_drafts(requests)
     deterministic = torch.tensor(
@@ -99,6 +115,28 @@ def build_verify_inputs(
     return VerifyInputs(
         target, tokens, draft_probs, num_draft, [r.generator for r in requests], deterministic
     )
+
+
+def _key_rows(target: torch.Tensor, requests: Sequence[VerifyRequest], counts: list[int]) -> None:
+    """A keyed request's rows become one-hot on the token its keyed uniforms sample from them.
+    Rejection sampling then keeps a draft exactly where it equals that token and emits the
+    token at the first one that does not (or as the bonus): plain decoding's sample, whatever
+    q the drafts came from (p one-hot: p(x) / q(x) is 0 or >= 1, the residual is p)."""
+    rows: list[int] = []
+    uniforms: list[torch.Tensor] = []
+    start = 0
+    for r, k in zip(requests, counts):
+        if r.keyed:
+            assert r.position is not None and r.sampling.seed is not None
+            rows += range(start, start + k + 1)
+            uniforms.append(keyed_uniforms(r.sampling.seed, range(r.position, r.position + k + 1)))
+        start += k + 1
+    if not rows:
+        return
+    idx = torch.tensor(rows, device=target.device)  # one draw for every keyed row of the step
+    tok = sample_from_uniforms(target.index_select(0, idx), torch.cat(uniforms))
+    target.index_fill_(0, idx, 0.0)
+    target[idx, tok.to(target.device)] = 1.0
 
 
 def _draft_counts(logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> list[int]:

@@ -397,21 +397,28 @@ def test_one_request_is_left_to_a_drafter_that_decides_per_request():
     assert sum(p.spec.rounds for p in pair) < 0.5 * sum(p.spec.steps for p in pair)
 
 
-def test_seeded_requests_do_not_depend_on_the_gate():
+def test_seeded_requests_follow_the_gate_and_keep_plain_decodings_output():
+    """A seeded sampled request drafts where the gate lets it (its rows are judged by keyed
+    samples), and whatever the gate learned first, its output is plain decoding's for the
+    seed."""
     model = tiny_model("llama")
+    sp = SamplingParams(temperature=1.0, seed=11)
 
-    def run(seed_gate_state: int) -> list[int]:
-        engine = gated_engine(model, SlowWrongDrafter())
-        for i in range(seed_gate_state):  # teach the gate different things first
+    def run(engine: Engine, taught: int = 0) -> tuple[list[int], int]:
+        for i in range(taught):  # teach the gate different things first
             engine.gate.record(1, i % 2 == 0, decode_tokens=1 + (i % 3), seconds=0.01)
-        r = Request("s", list(b"seeded"), SamplingParams(temperature=1.0, seed=11), 20, ignore_eos=True)
+        r = Request("s", list(b"seeded"), sp, 20, ignore_eos=True)
         engine.add_request(r)
         while engine.has_work():
             engine.step()
-        assert r.spec.rounds >= r.spec.steps - 1  # drafts every step (the last has no room)
-        return r.output_ids
+        return r.output_ids, r.spec.rounds
 
-    assert run(0) == run(7)
+    plain = Engine(runner_for(model), ByteTokenizer(), SchedulerConfig(), max_model_len=256)
+    want, _ = run(plain)
+    runs = [run(gated_engine(model, SlowWrongDrafter()), taught) for taught in (0, 7)]
+    assert all(out == want for out, _ in runs)
+    steps = len(want) - 1
+    assert all(0 < rounds < steps for _, rounds in runs), runs  # the gate turned drafting off
 
 
 def test_rates_are_ratios_of_sums_and_near_ties_keep_drafting():

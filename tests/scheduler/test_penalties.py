@@ -95,6 +95,9 @@ def exact_penalised_marginals(model, prompt, sp):
 
 
 def sampled(model, prompt, sp, n, seed, drafter):
+    """Unseeded requests, the global RNG seeded here: rejection sampling against the drafts' q
+    (seeded requests are judged by keyed samples instead)."""
+    torch.manual_seed(seed)
     engine = Engine(
         runner_for(model, num_blocks=2048),
         LetterTokenizer(),
@@ -112,7 +115,7 @@ def sampled(model, prompt, sp, n, seed, drafter):
         Request(
             f"s{i}",
             prompt,
-            SamplingParams(temperature=1.0, seed=seed * 100000 + i, **params),
+            SamplingParams(temperature=1.0, **params),
             4,
             ignore_eos=True,
         )

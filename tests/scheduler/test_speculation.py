@@ -42,7 +42,10 @@ class ClosedGate:
         return False
 
     def record(self, *a):
-        raise AssertionError("a mixed step must not teach the gate")
+        pass
+
+    def favoured(self, n):
+        return False, 2.0
 
 
 def decoding(rid: str, seed=None) -> Request:
@@ -62,18 +65,24 @@ def test_without_a_drafter_nothing_is_drafted():
     assert p.decision is not None and p.decision.lengths == [0, 0]
 
 
-def test_seeded_requests_draft_even_when_the_gate_closes():
+def test_seeded_requests_follow_the_gate_and_draft_greedily():
+    """A seeded sampled request's output no longer depends on what is drafted (its rows are
+    judged by keyed samples): the gate decides for it as for any request, and it drafts the
+    drafter's most likely tokens."""
     dr = FakeDrafter()
+    seen = []
+    dr.propose = lambda reqs: seen.extend(reqs) or FakeDrafter.propose(dr, reqs)
     spec = Speculation(dr, SchedulerConfig(verify_policy="dspark"), max_model_len=512)
     spec.gate = ClosedGate()
     reqs = [decoding("plain"), decoding("seeded", seed=3)]
     p = spec.propose(reqs, room=100, load=LOAD)
-    assert not p.drafting and p.mixed
-    assert [len(x) for x in p.proposals] == [0, 4]
-    assert dr.asked == [{"seeded": 4}]
-    spec.record_step(
-        p, num_decodes=2, has_prefills=False, decode_tokens=3, seconds=0.1, forward_seconds=0.05
-    )  # ignored
+    assert not p.drafting and [len(x) for x in p.proposals] == [0, 0] and not dr.asked
+    assert spec.draft_reserve(reqs) == 0  # the closed gate's level reserves nothing, seeded or not
+    spec.gate = None  # drafting on: the seeded request's view is greedy, its processing kept
+    spec.propose(reqs, room=100, load=LOAD)
+    views = {v.request_id: v.sampling for v in seen}
+    assert views["seeded"].greedy and views["seeded"].seed == 3
+    assert reqs[1].sampling.temperature == 1.0  # the request itself still samples
 
 
 def test_the_token_room_caps_lengths_before_the_policy():
@@ -220,7 +229,7 @@ def test_the_draft_reserve_follows_the_gates_mode_for_the_running_requests():
     teach(draft_tokens=2, plain_tokens=8)
     assert gate.favoured(2) is not None and not gate.favoured(2)[0]
     assert spec2.draft_reserve(running) == 0
-    assert spec2.draft_reserve(running + [decoding("s", seed=1)]) == 2  # seeded requests draft anyway
+    assert spec2.draft_reserve(running + [decoding("s", seed=1)]) == 0  # seeded requests too
     spec2.use_policy("static:3")  # no gate: always the reserve
     assert spec2.draft_reserve(running) == 2
 
@@ -248,8 +257,8 @@ def test_the_measured_overhead_moves_the_policys_lengths():
     """Drafting steps that follow drafting steps teach the overhead estimate (the first one
     after a plain step does not: it also absorbs the context plain steps kept), and the policy
     prices it: on a forward whose time grows with every token, a large overhead admits more
-    drafts; with `price_overhead` off, or a seeded request in the step, the lengths stay the
-    forward's choice."""
+    drafts; with `price_overhead` off the lengths stay the forward's choice. A seeded request
+    in the step changes nothing (its output does not depend on the lengths)."""
     from dspark_serve.scheduler.policy import CostTable
 
     table = CostTable(tuple(2**i for i in range(9)), tuple(1.0 / (0.002 + 0.001 * 2**i) for i in range(9)))
@@ -270,12 +279,12 @@ def test_the_measured_overhead_moves_the_policys_lengths():
         assert spec.overhead.seconds(4) == pytest.approx(0.05)
         then = spec.propose(reqs, room=100, load=LoadState(num_running=4)).lengths
         assert spec.priced_overhead == (pytest.approx(0.05) if price else None)
-        # a seeded request's output may not depend on timings: its step prices the forward alone
+        # a seeded request's keyed output does not depend on timings: its step is priced alike
         seeded = spec.propose([*reqs[:3], decoding("s", seed=1)], room=100, load=LoadState(num_running=4))
-        assert spec.priced_overhead is None
+        assert spec.priced_overhead == (pytest.approx(0.05) if price else None)
         return first.lengths, then, seeded.lengths
 
     before, after, seeded = lengths(True)
     assert sum(after) > sum(before), (before, after)
-    assert seeded == before
+    assert seeded == after
     assert lengths(False) == (before, before, before)

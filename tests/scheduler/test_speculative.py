@@ -178,7 +178,12 @@ FULL_Q = torch.softmax(torch.linspace(2.0, -2.0, VOCAB), -1)  # far from p on pu
 TRUNCATED_Q = torch.cat([torch.softmax(torch.linspace(2.0, -2.0, 5), -1), torch.zeros(3)])
 
 
-def sampled_marginals(model, prompt, n, seed, q=FULL_Q, combined=False, cached=False):
+def sampled_marginals(
+    model, prompt, n, seed, q=FULL_Q, combined=False, cached=False, keyed=False, engines=None
+):
+    """Unseeded requests (rejection sampling, the global RNG seeded here) or, keyed, seeded ones
+    (each row judged by its keyed sample); engines: a list the engine is appended to."""
+    torch.manual_seed(seed)
     dr = FixedQDrafter(q)
     if combined:  # prompt lookup where it matches, the fixed-q drafter elsewhere
         dr = CombinedDrafter(dr, build_drafter("ngram", block_size=2))
@@ -195,12 +200,14 @@ def sampled_marginals(model, prompt, n, seed, q=FULL_Q, combined=False, cached=F
         Request(
             f"s{i}",
             prompt,
-            SamplingParams(temperature=1.0, seed=seed * 100000 + i),
+            SamplingParams(temperature=1.0, seed=seed * 100000 + i if keyed else None),
             max_tokens=4,
             ignore_eos=True,
         )
         for i in range(n)
     ]
+    if engines is not None:
+        engines.append(engine)
     if cached:  # the first request runs a step alone: every later one hits its cached blocks
         engine.add_request(reqs[0])
         engine.step()
@@ -255,6 +262,61 @@ def test_sampled_distribution_matches_plain_and_catches_a_broken_sampler(monkeyp
     monkeypatch.setattr(verify_mod, "rejection_sample", broken_rejection_sample)
     b2, b3 = sampled_marginals(model, prompt, n, seed=2, q=q, combined=combined, cached=cached)
     assert max(tv(b2, m2), tv(b3, m3)) > 0.1, (tv(b2, m2), tv(b3, m3))
+
+
+def test_keyed_sampled_distribution_matches_plain_and_catches_a_broken_key(monkeypatch):
+    """Seeded sampled requests: each position is sampled with the uniform keyed by (seed,
+    position) and a draft is kept only where it equals that sample. The marginals are the
+    target's; uniforms that do not vary with the key (every request sampling alike) are caught."""
+    model = tiny_model("llama", vocab=VOCAB, seed=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)  # p neither flat nor one-hot
+    prompt = [1, 2, 3]
+    m2, m3 = exact_marginals(model, prompt)
+    n = 3000
+    s2, s3 = sampled_marginals(model, prompt, n, seed=1, keyed=True)
+    tv = lambda a, b: 0.5 * (a - b).abs().sum().item()
+    assert tv(s2, m2) < 0.05 and tv(s3, m3) < 0.05, (tv(s2, m2), tv(s3, m3))
+    monkeypatch.setattr(
+        verify_mod, "keyed_uniforms", lambda seed, pos: torch.full((len(pos),), 0.5, dtype=torch.float64)
+    )
+    b2, b3 = sampled_marginals(model, prompt, n, seed=2, keyed=True)
+    assert max(tv(b2, m2), tv(b3, m3)) > 0.1, (tv(b2, m2), tv(b3, m3))
+
+
+@pytest.mark.parametrize("policy", ["static:2", "static:7", "dspark"])
+def test_seeded_sampled_output_is_plain_decodings_whatever_is_drafted(tmp_path, policy):
+    """The same seeds give the same sampled text with or without speculation, at any
+    verification length, alone or among other requests (float32: bit-exact forwards)."""
+    model = tiny_model("qwen3")
+    path = random_dspark(model, tmp_path)
+    prompts = [list(b"abcdabcdabcd"), list(range(60, 75)), list(b"xyzxyzxyz") + list(range(90, 97))]
+
+    def outputs(drafter, verify_policy, together):
+        engine = Engine(
+            runner_for(model),
+            ByteTokenizer(),
+            SchedulerConfig(verify_policy=verify_policy, max_num_batched_tokens=64),
+            max_model_len=512,
+            drafter=drafter,
+        )
+        reqs = [
+            Request(f"r{i}", p, SamplingParams(temperature=0.9, top_p=0.95, seed=40 + i), 24, ignore_eos=True)
+            for i, p in enumerate(prompts)
+        ]
+        if together:
+            run(engine, reqs)
+        else:
+            for r in reqs:
+                run(engine, [r])
+        return [r.output_ids for r in reqs], sum(r.spec.rounds for r in reqs)
+
+    want, _ = outputs(None, "none", together=False)
+    dr = build_drafter("dspark+ngram", path=str(path), target_model=model)
+    for together in (False, True):
+        got, rounds = outputs(dr, policy, together)
+        assert got == want
+        assert rounds > 0  # drafts were verified
 
 
 def test_greedy_combined_drafters_equal_plain_and_both_propose(tmp_path):

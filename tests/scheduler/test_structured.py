@@ -98,13 +98,13 @@ def exact_outcomes(model, prompt, compiler):
 
 
 def sampled_outcomes(model, prompt, n, seed, drafter):
+    """Unseeded requests, the global RNG seeded here: rejection sampling against the drafts' q
+    (seeded requests are judged by keyed samples instead)."""
+    torch.manual_seed(seed)
     engine = engine_for(
         model, drafter, "static:3", max_num_seqs=256, max_num_batched_tokens=2048, max_waiting=n
     )
-    reqs = [
-        Request(f"s{i}", prompt, SamplingParams(temperature=1.0, seed=seed * 100000 + i), max_tokens=12)
-        for i in range(n)
-    ]
+    reqs = [Request(f"s{i}", prompt, SamplingParams(temperature=1.0), max_tokens=12) for i in range(n)]
     for r in reqs:
         r.constraint = engine.compile_grammar("json_schema", json.dumps(ENUM))
     run(engine, reqs)

@@ -148,3 +148,15 @@ def test_token_logprobs():
 def test_bad_shape_raises():
     with pytest.raises(ValueError, match=r"\(5,\)"):
         probs_from_logits(torch.randn(5), *_params(1))
+
+
+def test_keyed_uniforms_are_a_function_of_seed_and_position():
+    from dspark_serve.verifier.sampling import keyed_uniforms
+
+    u = keyed_uniforms(7, range(1000))
+    assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
+    assert torch.equal(u[500:510], keyed_uniforms(7, range(500, 510)))  # no stream: any position alone
+    assert not torch.equal(u[:10], keyed_uniforms(8, range(10)))
+    assert abs(u.mean().item() - 0.5) < 0.05 and len(set(u.tolist())) == 1000
+    # the whole seed range (negative and unsigned 64-bit alike)
+    assert keyed_uniforms(-(2**63), [0]).shape == (1,) and keyed_uniforms(2**64 - 1, [2**40]).shape == (1,)

@@ -112,6 +112,40 @@ def test_bf16_logits_give_the_verdict_of_their_float32_widening(kind):
         assert first == [int(logits[5].float().argmax())]
 
 
+def test_keyed_rows_emit_plain_samplings_tokens_whatever_was_drafted():
+    """A keyed request's tokens are the keyed samples of its rows (plain decoding's, position
+    by position) up to and including the first draft that differs, whatever its drafts, their q
+    or its neighbours; the same key gives the same tokens, another key others."""
+    from dspark_serve.verifier.sampling import keyed_uniforms, sample_from_uniforms
+
+    torch.manual_seed(0)
+    sp = SamplingParams(temperature=1.0, seed=123)
+    logits = torch.randn(5, V)
+    p = torch.softmax(logits, -1)
+    plain = sample_from_uniforms(p, keyed_uniforms(123, range(7, 12))).tolist()  # positions 7..11
+
+    def tokens(drafts, q=None, neighbours=False):
+        me = VerifyRequest(sp, None, torch.tensor(drafts[:4]), q, position=7)
+        reqs, rows = [me], logits[: len(drafts[:4]) + 1]
+        if neighbours:
+            other = _request(2, probs=True)
+            reqs, rows = [other, me], torch.cat([torch.randn(3, V), rows])
+        return verify(rows, reqs).tokens(len(reqs) - 1)
+
+    assert tokens(plain) == plain  # every draft equals its row's sample: all kept, then the bonus
+    wrong = [(plain[0] + 1) % V] + plain[1:]
+    assert tokens(wrong) == plain[:1]  # the first differs: the row's own sample, and stop
+    assert tokens(plain[:2] + [(plain[2] + 1) % V, 0]) == plain[:3]
+    q = torch.softmax(torch.randn(4, V), -1)
+    assert tokens(plain, q) == plain and tokens(wrong, q, neighbours=True) == plain[:1]
+    assert tokens([]) == plain[:1]  # a plain step samples the same token
+    other = VerifyRequest(
+        SamplingParams(temperature=1.0, seed=124), None, torch.empty(0, dtype=torch.long), position=7
+    )
+    firsts = {verify(logits[i : i + 1], [other]).tokens(0)[0] for i in range(5)}
+    assert len(firsts) > 1 or firsts != {plain[0]}
+
+
 def test_logits_rows_must_match_the_blocks():
     reqs = [VerifyRequest(GREEDY, None, torch.tensor([1, 2]))]
     with pytest.raises(ValueError, match=r"sum\(K_i \+ 1\) = 3"):
