@@ -27,6 +27,18 @@ from tests.helpers import ByteTokenizer, FakeDrafterBase, hf_greedy, runner_for,
 GREEDY = SamplingParams(temperature=0.0)
 
 
+def byte_engine(model, drafter, policy: str, budget: int) -> Engine:
+    """An engine over `model` with byte tokens: `policy` verifies `drafter`'s blocks, at most
+    `budget` tokens a step."""
+    return Engine(
+        runner_for(model),
+        ByteTokenizer(),
+        SchedulerConfig(verify_policy=policy, max_num_batched_tokens=budget),
+        max_model_len=512,
+        drafter=drafter,
+    )
+
+
 def run(engine, reqs, late=()):
     for r in reqs:
         engine.add_request(r)
@@ -50,13 +62,7 @@ def test_greedy_oracle_drafter_equals_plain(policy):
     dr = ReplayDrafter(
         {tuple(p): refs[k] for k, p in prompts.items()}, vocab_size=257, block_size=4, accept_rate=0.7
     )
-    engine = Engine(
-        runner_for(model),
-        ByteTokenizer(),
-        SchedulerConfig(verify_policy=policy, max_num_batched_tokens=40),
-        max_model_len=512,
-        drafter=dr,
-    )
+    engine = byte_engine(model, dr, policy, budget=40)
     reqs = [
         Request(k, p, GREEDY, max_tokens=17 + i, ignore_eos=True) for i, (k, p) in enumerate(prompts.items())
     ]
@@ -293,13 +299,7 @@ def test_seeded_sampled_output_is_plain_decodings_whatever_is_drafted(tmp_path, 
     prompts = [list(b"abcdabcdabcd"), list(range(60, 75)), list(b"xyzxyzxyz") + list(range(90, 97))]
 
     def outputs(drafter, verify_policy, together):
-        engine = Engine(
-            runner_for(model),
-            ByteTokenizer(),
-            SchedulerConfig(verify_policy=verify_policy, max_num_batched_tokens=64),
-            max_model_len=512,
-            drafter=drafter,
-        )
+        engine = byte_engine(model, drafter, verify_policy, budget=64)
         reqs = [
             Request(f"r{i}", p, SamplingParams(temperature=0.9, top_p=0.95, seed=40 + i), 24, ignore_eos=True)
             for i, p in enumerate(prompts)
