@@ -17,9 +17,6 @@ allocated before this is applied, stay as they were mapped.
 from __future__ import annotations
 
 import ctypes
-import logging
-
-log = logging.getLogger(__name__)
 
 # mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
