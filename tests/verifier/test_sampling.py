@@ -160,3 +160,41 @@ def test_keyed_uniforms_are_a_function_of_seed_and_position():
     assert abs(u.mean().item() - 0.5) < 0.05 and len(set(u.tolist())) == 1000
     # the whole seed range (negative and unsigned 64-bit alike)
     assert keyed_uniforms(-(2**63), [0]).shape == (1,) and keyed_uniforms(2**64 - 1, [2**40]).shape == (1,)
+
+
+def _reference_probs(logits, temperature):
+    """The plain path as first written: widen, divide, softmax; greedy rows one-hot."""
+    x = logits.float()
+    greedy = temperature < 1e-5
+    scaled = x / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
+    probs = torch.softmax(scaled, dim=-1)
+    onehot = torch.zeros_like(probs).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy.unsqueeze(1), onehot, probs)
+
+
+def _reference_draw(probs, u):
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    idx = torch.searchsorted(cdf, (u.to(torch.float64) * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    return torch.minimum(idx, (probs > 0).long().cumsum(dim=-1).argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unfiltered_probs_and_draws_keep_the_reference_bits(dtype):
+    """The unfiltered softmax (widened inside it, temperature 1 not divided) and the draw (its
+    end-of-vocabulary guard only where a draw can need it) give the same bits as the direct
+    forms, greedy rows, zero-mass tails and uniforms next to 1 included."""
+    torch.manual_seed(5)
+    logits = (torch.randn(12, 3000) * 3).to(dtype)
+    for temps in ([1.0] * 12, [1.0, 0.7, 0.0, 1.3] * 3):
+        t = torch.tensor(temps)
+        n = len(temps)
+        got = probs_from_logits(logits, t, torch.ones(n), torch.zeros(n, dtype=torch.long), torch.zeros(n))
+        assert torch.equal(got, _reference_probs(logits, t))
+    probs = _reference_probs(logits, torch.ones(12))
+    probs[:4, 2000:] = 0.0  # a tail without mass
+    probs[5, ::3] = 0.0
+    u = torch.rand(12)
+    u[:6] = 1.0 - 2.0**-53  # draws at the very end: the guard's case
+    assert torch.equal(sample_from_uniforms(probs, u), _reference_draw(probs, u))
+    u = torch.rand(12)
+    assert torch.equal(sample_from_uniforms(probs, u), _reference_draw(probs, u))
