@@ -326,7 +326,7 @@ class AsyncEngine:
                 continue
             for out in outputs:
                 if out.error is not None:  # the engine failed this request alone
-                    self._send(out.request_id, EngineError(out.error, 500))
+                    self._send(out.request_id, EngineError(out.error, out.error_status))
                 else:
                     self._send(out.request_id, _delta(out))
 

@@ -38,7 +38,7 @@ from dspark_serve.scheduler.scheduler import ScheduledBatch, Scheduler
 from dspark_serve.scheduler.speculation import Speculation, StepProposal
 from dspark_serve.verifier.grammar import Grammar, GrammarCompiler, GrammarConfig
 from dspark_serve.verifier.model_runner import ForwardOutput, ModelRunner, Segment
-from dspark_serve.verifier.processors import TokenContext, needs_processing
+from dspark_serve.verifier.processors import GuardedConstraint, TokenContext, needs_processing
 from dspark_serve.verifier.rejection import RejectionResult
 from dspark_serve.verifier.sampling import SamplingTensors
 from dspark_serve.verifier.verify import VerifyRequest, verify
@@ -90,14 +90,25 @@ class Committed:
     tokens: the new tokens (accepted drafts + the target's own; the first token after a prompt).
     provenance: (kind, draft position) per token (`round_provenance`).
     decoding: it was a decode (not a completing prefill) this step.
-    logprobs: per token, the target's logprobs (requests that asked for them), else None.
+    row: its request row in the step's verdict (where its logprobs are read).
     """
 
     request: Request
     tokens: list[int]
     provenance: list[tuple[str, int | None]]
     decoding: bool
-    logprobs: list[TokenLogprob] | None = None
+    row: int
+
+
+@dataclass
+class Settled:
+    """The verdict applied: what each request kept, the contexts (tokens kept + their hidden
+    states) for the drafter or the hidden-state capture, and the requests whose own input
+    failed them this step (request, why), to be failed alone."""
+
+    kept: list[Committed] = field(default_factory=list)
+    contexts: list[AcceptedContext] = field(default_factory=list)
+    faults: list[tuple[Request, str]] = field(default_factory=list)
 
 
 class HiddenCapture(Protocol):
@@ -280,6 +291,8 @@ class Engine:
             raise RequestRejected("the request needs more KV cache than the server has", 400, "max_tokens")
         if self.scheduler.queue_full:
             raise RequestRejected("the server is at capacity; retry later", 429)
+        if req.constraint is not None and not isinstance(req.constraint, GuardedConstraint):
+            req.constraint = GuardedConstraint(req.constraint)  # its failures stay its own
         try:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.stop)
         except Exception as exc:  # the tokenizer cannot decode this prompt's ids
@@ -374,7 +387,9 @@ class Engine:
                     return f"prompt token id {t!r} out of range [0, {V})"
         return None
 
-    def _fail(self, r: Request, message: str) -> RequestOutput:
+    def _fail(self, r: Request, message: str, status: int = 500) -> RequestOutput:
+        """r ends with finish_reason "error" (status 400: its own input failed it); its KV and
+        drafter state are freed, everyone else goes on."""
         if r.finished:  # finished inside the failed step: its final output was never sent
             r.finish_reason = "error"
         else:
@@ -382,6 +397,9 @@ class Engine:
         self.runner.blocks.free(r.request_id)
         out = self._output(r, [], final=True)
         out.error = message
+        out.error_status = status
+        if status == 400:
+            log.warning("request %s failed alone: %s", r.request_id, message)
         return out
 
     def _restore_contexts(self, batch: ScheduledBatch) -> None:
@@ -527,34 +545,48 @@ class Engine:
 
     # -- commit ------------------------------------------------------------------------------
     def _commit(self, batch: ScheduledBatch, proposal: StepProposal, v: Verification) -> list[RequestOutput]:
-        kept, contexts = self._settle(batch, proposal, v)
+        settled = self._settle(batch, proposal, v)
+        contexts = settled.contexts
         if self.runner.blocks.enable_caching and self.tap_layers:
             contexts = self.taps.write(contexts, v.forward.hidden, v.forward.slots)
         self.speculation.observe(contexts)
         if contexts and self.capture is not None:
             self.capture.observe(contexts)
         now = time.monotonic()
-        outputs = [self._emit(c, now) for c in kept]
+        outputs = [self._fail(r, why, 400) for r, why in settled.faults]
+        outputs += [self._emit(c, v, now) for c in settled.kept]
         self.metrics.record_step(self.snapshot())
         return outputs
 
-    def _settle(
-        self, batch: ScheduledBatch, proposal: StepProposal, v: Verification
-    ) -> tuple[list[Committed], list[AcceptedContext]]:
+    def _fault(self, r: Request, res: RejectionResult, row: int) -> str | None:
+        """Why r's own input failed it this step (its processing at verdict row `row`, its
+        grammar anywhere in the step), or None."""
+        problem = res.faults.get(row)
+        if problem is None and isinstance(r.constraint, GuardedConstraint) and r.constraint.error:
+            problem = f"the grammar failed: {r.constraint.error}"
+        return problem
+
+    def _settle(self, batch: ScheduledBatch, proposal: StepProposal, v: Verification) -> Settled:
         """Apply the verdict to the engine's state: KV of rejected drafts rolled back, prefill
-        progress, drafter feedback; returns what each request kept and the contexts (tokens
-        kept + their hidden states) for the drafter or the hidden-state capture."""
-        contexts: list[AcceptedContext] = []
-        kept: list[Committed] = []
+        progress, drafter feedback. A request whose own input failed it (`_fault`) touches
+        nothing: it is failed alone after the others settled."""
+        out = Settled()
         hidden = v.forward.hidden
         keep_context = self.speculating or self.capture is not None
         res = v.result
         for i, r in enumerate(batch.decodes):  # decodes are rows 0.. of the verdict
             verified = proposal.lengths[i]
             assert res is not None  # decodes always get a verdict
+            b = v.branches.get(i)
+            problem = self._fault(r, res, i)
+            if problem is not None:
+                if b is not None:
+                    self.runner.blocks.free(b.request_id)
+                    self._open_branches.remove(b.request_id)
+                out.faults.append((r, problem))
+                continue
             a = first = res.accepted(i)
             drafts, row, seg, alternate = proposal.drafts(i), i, i, None
-            b = v.branches.get(i)
             if b is not None:  # the longer accepted run of two blocks is kept
                 alternate = (len(b.tokens), res.accepted(b.row))
                 if alternate[1] > a:
@@ -572,7 +604,7 @@ class Engine:
             self.runner.blocks.commit(r.request_id, r.token_ids + accepted, r.num_computed)
             if keep_context:
                 off = v.forward.token_offsets[seg]
-                contexts.append(
+                out.contexts.append(
                     AcceptedContext(
                         r.request_id,
                         [r.output_ids[-1]] + accepted,
@@ -585,23 +617,28 @@ class Engine:
                 self.metrics.record_round(*booked)
             if row != i:  # the second block's run was kept
                 verified = len(drafts)
-            toks = res.tokens(row)
-            kept.append(
-                Committed(
-                    r,
-                    toks,
-                    round_provenance(a, verified if self.speculating else 0),
-                    True,
-                    self._logprobs(r, v, row, toks),
-                )
-            )
+            provenance = round_provenance(a, verified if self.speculating else 0)
+            out.kept.append(Committed(r, res.tokens(row), provenance, True, row))
+        self._settle_prefills(batch, v, keep_context, out)
+        return out
+
+    def _settle_prefills(self, batch: ScheduledBatch, v: Verification, keep_context: bool, out: Settled) -> None:
+        """Prefill progress; a completed prompt's first token (its verdict rows follow the decodes')."""
         nd = len(batch.decodes)
         row = nd
+        hidden = v.forward.hidden
+        res = v.result
         for si, (r, n) in enumerate(batch.prefills):
             ids = r.prefill_ids
+            done = r.num_computed + n == len(ids) and not r.output_ids
+            problem = self._fault(r, res, row) if done and res is not None else None
+            if problem is not None:
+                out.faults.append((r, problem))
+                row += 1
+                continue
             if keep_context:
                 off = v.forward.token_offsets[nd + si]
-                contexts.append(
+                out.contexts.append(
                     AcceptedContext(
                         r.request_id,
                         ids[r.num_computed : r.num_computed + n],
@@ -613,24 +650,28 @@ class Engine:
             self.runner.blocks.commit(r.request_id, ids, r.num_computed)
             if r.num_computed == len(ids):
                 r.status = Status.DECODE
-                if not r.output_ids:  # completed a prompt: its first token was sampled
+                if done:  # completed a prompt: its first token was sampled
                     assert res is not None
-                    toks = res.tokens(row)[:1]
-                    kept.append(
-                        Committed(r, toks, round_provenance(0, 0), False, self._logprobs(r, v, row, toks))
-                    )
+                    out.kept.append(Committed(r, res.tokens(row)[:1], round_provenance(0, 0), False, row))
                     row += 1
-        return kept, contexts
 
-    def _emit(self, c: Committed, now: float) -> RequestOutput:
-        """Append a request's kept tokens under its stop conditions; its delta for the client."""
+    def _emit(self, c: Committed, v: Verification, now: float) -> RequestOutput:
+        """Append a request's kept tokens under its stop conditions; its delta for the client.
+        What fails here (its stop strings, its grammar, its logprobs) fails it alone."""
         r = c.request
-        appended = append_tokens(r, c.tokens, self.eos_ids)
-        if r.constraint is not None and appended.token_ids:
-            r.constraint.commit(appended.token_ids)
+        try:
+            logprobs = self._logprobs(r, v, c.row, c.tokens)
+            appended = append_tokens(r, c.tokens, self.eos_ids)
+            if r.constraint is not None and appended.token_ids:
+                r.constraint.commit(appended.token_ids)
+                if isinstance(r.constraint, GuardedConstraint) and r.constraint.error:
+                    return self._fail(r, f"the grammar failed: {r.constraint.error}", 400)
+        except Exception as exc:
+            log.exception("request %s failed while committing its tokens", r.request_id)
+            return self._fail(r, f"the request failed while committing its tokens: {type(exc).__name__}: {exc}")
         if appended.finish_reason is not None:
             self._finish(r, appended.finish_reason)
-        records = token_records(appended, c.provenance, c.logprobs)
+        records = token_records(appended, c.provenance, logprobs)
         n = len(appended.token_ids)
         self.metrics.record_tokens(n)
         if c.decoding:

@@ -102,4 +102,5 @@ class RequestOutput:
     completion_tokens: int
     spec: SpecStats | None = None
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
+    error_status: int = 500  # 400 when the request's own input failed it (its grammar, its processing)
     tokens: list[TokenRecord] = field(default_factory=list)  # one per token_ids entry

@@ -15,43 +15,29 @@ drafts and rolling them back, so a rejected draft never reaches the committed st
 
 from __future__ import annotations
 
-import json
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dspark_serve.verifier.grammar_check import (
+    GrammarConfig,
+    GrammarError,
+    build_matcher,
+    hf_tokenizer_json,
+    matcher_error,
+    prepare,
+    schema_text,
+)
+from dspark_serve.verifier.grammar_worker import CompileWorkers
+
 if TYPE_CHECKING:
     import llguidance
-    from llguidance._lib import JsonCompileOptions
 
-
-class GrammarError(ValueError):
-    """A schema this server refuses (invalid, too large, too slow to compile)."""
-
-
-@dataclass(frozen=True)
-class GrammarConfig:
-    """Bounds on structured output.
-
-    max_schema_bytes: the largest JSON schema accepted (its compact JSON text, in bytes).
-    max_compile_seconds: the longest a schema may take to compile and give its first mask.
-    """
-
-    max_schema_bytes: int = 32 * 1024
-    max_compile_seconds: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.max_schema_bytes <= 0:
-            raise ValueError(f"max_schema_bytes must be > 0, got {self.max_schema_bytes!r}")
-        if not (self.max_compile_seconds > 0):
-            raise ValueError(f"max_compile_seconds must be > 0, got {self.max_compile_seconds!r}")
-
-
-# Compact JSON (no optional whitespace): a model cannot loop on blanks between tokens.
-JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
+__all__ = ["Grammar", "GrammarCompiler", "GrammarConfig", "GrammarError"]
 
 
 class Grammar:
@@ -66,6 +52,8 @@ class Grammar:
 
     def _mask(self, vocab: int) -> torch.Tensor:  # [V] bool
         raw = self.matcher.compute_logit_bias()
+        if self.matcher.is_error():  # llguidance never raises: an error is a state
+            raise RuntimeError(f"grammar failed computing a mask: {matcher_error(self.matcher)}")
         allowed = torch.frombuffer(bytearray(raw), dtype=torch.uint8) > 0
         n = allowed.numel()
         if n >= vocab:
@@ -87,7 +75,7 @@ class Grammar:
                 if drafts[k] in self.eos_ids:
                     break
                 if not self.matcher.consume_token(drafts[k]):
-                    raise RuntimeError(f"grammar refused a validated token: {self.matcher.get_error()}")
+                    raise RuntimeError(f"grammar refused a validated token: {matcher_error(self.matcher)}")
                 consumed += 1
         if consumed:
             self.matcher.rollback(consumed)
@@ -99,7 +87,7 @@ class Grammar:
         if self.valid_prefix(drafts) < len(drafts) or any(t in self.eos_ids for t in drafts):
             return torch.ones(vocab_size, dtype=torch.bool)
         if drafts and not self.matcher.consume_tokens(drafts):
-            raise RuntimeError(f"grammar refused validated tokens: {self.matcher.get_error()}")
+            raise RuntimeError(f"grammar refused validated tokens: {matcher_error(self.matcher)}")
         try:
             return self._mask(vocab_size)
         finally:
@@ -109,7 +97,7 @@ class Grammar:
     def commit(self, tokens: Sequence[int]) -> None:
         tokens = [int(t) for t in tokens]
         if not self.matcher.consume_tokens(tokens):
-            raise RuntimeError(f"grammar refused committed tokens: {self.matcher.get_error()}")
+            raise RuntimeError(f"grammar refused committed tokens: {matcher_error(self.matcher)}")
 
     @property
     def accepting(self) -> bool:
@@ -117,12 +105,25 @@ class Grammar:
 
 
 class GrammarCompiler:
-    """Turns a request's schema into a `Grammar` for one tokenizer (built once per engine)."""
+    """Turns a request's schema into a `Grammar` for one tokenizer (one per engine,
+    thread-safe). A schema is checked by the compile workers first when there are any
+    (`verifier/grammar_worker.py`: killed at the time limit), then built here; the built
+    matcher is kept by schema text, so a repeated schema costs a copy (refusals are kept too)."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, vocab_size: int, config: GrammarConfig) -> None:
+    def __init__(
+        self,
+        tokenizer: llguidance.LLTokenizer,
+        vocab_size: int,
+        config: GrammarConfig,
+        workers: CompileWorkers | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.config = config
+        self.workers = workers
+        self.eos_ids = frozenset(int(t) for t in tokenizer.eos_tokens)
+        self._built: OrderedDict[str, llguidance.LLMatcher | GrammarError] = OrderedDict()
+        self._lock = threading.Lock()
 
     @classmethod
     def for_hf(
@@ -131,46 +132,48 @@ class GrammarCompiler:
         """From a fast Hugging Face tokenizer (raises ValueError for a slow one)."""
         # Imported on first use, not at module import: an engine that serves no structured
         # output (the GPU suite's machine has no llguidance) must not need the package.
-        import llguidance.hf
+        import llguidance
 
-        eos = sorted(eos_ids) or None
-        return cls(llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=eos), vocab_size, config)
+        text = hf_tokenizer_json(hf_tokenizer)
+        eos = [int(t) for t in sorted(eos_ids)]
+        workers = None
+        if config.compile_workers:
+            workers = CompileWorkers(
+                "dspark_serve.verifier.grammar_check:tokenizer_from_json", [text, eos], config
+            )
+        return cls(llguidance.LLTokenizer(text, eos_token=eos or None), vocab_size, config, workers)
 
     def compile(self, kind: str, schema: str | None) -> Grammar:
         """kind "json_object" (any JSON object) or "json_schema" (`schema`, JSON text)."""
-        if kind == "json_object":
-            text = '{"type": "object"}'
-        elif kind == "json_schema" and schema is not None:
-            text = schema
-        else:
-            raise GrammarError(f"unknown grammar kind {kind!r}")
-        size = len(text.encode("utf-8"))
-        if size > self.config.max_schema_bytes:
-            raise GrammarError(
-                f"the JSON schema is {size} bytes; the limit is {self.config.max_schema_bytes}"
-            )
-        try:
-            parsed = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
-        if not isinstance(parsed, dict):
-            raise GrammarError("the JSON schema must be an object")
-        import llguidance
+        text = schema_text(kind, schema)
+        with self._lock:
+            built = self._built.get(text)
+            if built is not None:
+                self._built.move_to_end(text)
+        if built is None:
+            built = self._build(text)
+            with self._lock:
+                self._built[text] = built
+                while len(self._built) > self.config.cache_size:
+                    self._built.popitem(last=False)
+        if isinstance(built, GrammarError):
+            raise built
+        return Grammar(built.deep_copy(), self.vocab_size, self.eos_ids)
 
+    def _build(self, text: str) -> llguidance.LLMatcher | GrammarError:
         t0 = time.perf_counter()
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(parsed, overrides=JSON_OPTIONS)
-        except ValueError as exc:
-            raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from exc
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(f"the JSON schema cannot be compiled: {matcher.get_error()}")
-        g = Grammar(matcher, self.vocab_size, frozenset(int(t) for t in self.tokenizer.eos_tokens))
-        g._mask(self.vocab_size)  # the first mask is part of the cost
+            if self.workers is not None:
+                self.workers.check(text)
+            matcher = build_matcher(self.tokenizer, prepare(text, self.config), self.eos_ids, self.config)
+        except GrammarError as exc:
+            return exc
         took = time.perf_counter() - t0
-        if took > self.config.max_compile_seconds:
-            limit = self.config.max_compile_seconds
-            raise GrammarError(f"the JSON schema took {took:.2f}s to compile; the limit is {limit}s")
-        if matcher.is_error():
-            raise GrammarError(f"the JSON schema cannot be used: {matcher.get_error()}")
-        return g
+        limit = self.config.max_compile_seconds
+        if self.workers is None and took > limit:  # no worker to cancel it: refused afterwards
+            return GrammarError(f"the JSON schema took {took:.2f}s to compile; the limit is {limit:g}s")
+        return matcher
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()

@@ -49,6 +49,62 @@ class TokenConstraint(Protocol):
         ...
 
 
+class GuardedConstraint:
+    """A request's constraint whose failures stay that request's.
+
+    A grammar can fail in the middle of a step (llguidance hits a resource limit on a schema
+    that compiled; a bug): the drafter masks q with it inside a batched proposal, verification
+    masks p, the commit advances it. Raising there would fail every request in the step. The
+    guard records the first failure in `error` and from then on answers as if unconstrained
+    (all tokens allowed, no draft valid, commits ignored); the engine fails the request alone
+    when the step settles, discarding what it drew under the broken constraint."""
+
+    def __init__(self, inner: TokenConstraint) -> None:
+        self.inner = inner
+        self.error: str | None = None
+
+    def _failed(self, exc: Exception) -> None:
+        if self.error is None:
+            self.error = str(exc) or type(exc).__name__
+
+    def allowed(self, drafts: Sequence[int], vocab_size: int) -> torch.Tensor:  # [len+1, V] bool
+        if self.error is None:
+            try:
+                rows = self.inner.allowed(drafts, vocab_size)
+                if rows.shape == (len(drafts) + 1, vocab_size):
+                    return rows
+                raise ValueError(f"constraint rows of shape {tuple(rows.shape)} for {len(drafts)} drafts")
+            except Exception as exc:
+                self._failed(exc)
+        return torch.ones(len(drafts) + 1, vocab_size, dtype=torch.bool)
+
+    def allowed_after(self, drafts: Sequence[int], vocab_size: int) -> torch.Tensor:  # [V] bool
+        if self.error is None:
+            try:
+                row = self.inner.allowed_after(drafts, vocab_size)
+                if row.shape == (vocab_size,):
+                    return row
+                raise ValueError(f"a constraint row of shape {tuple(row.shape)}")
+            except Exception as exc:
+                self._failed(exc)
+        return torch.ones(vocab_size, dtype=torch.bool)
+
+    def valid_prefix(self, drafts: Sequence[int]) -> int:
+        if self.error is None:
+            try:
+                return max(0, min(int(self.inner.valid_prefix(drafts)), len(drafts)))
+            except Exception as exc:
+                self._failed(exc)
+        return 0
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        if self.error is None:
+            try:
+                self.inner.commit(tokens)
+            except Exception as exc:
+                self._failed(exc)
+
+
 @dataclass(frozen=True)
 class TokenContext:
     """What position-dependent processing of one request reads.

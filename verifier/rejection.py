@@ -37,12 +37,15 @@ class RejectionResult:
         (the num_accepted[b] accepted drafts, then one recovered or bonus token), -1 after.
     num_accepted:  [B] int64, accepted draft tokens (0..num_draft).
     num_output:    [B] int64, = num_accepted + 1 (every round yields at least one token).
+    faults:        request index -> why its rows could not be processed (set by
+        `verifier.verify.verify`); such a request's verdict is void.
     """
 
     output_tokens: torch.Tensor
     num_accepted: torch.Tensor
     num_output: torch.Tensor
     offsets: torch.Tensor
+    faults: dict[int, str] = field(default_factory=dict, compare=False)
     # the same as host lists, made on first read (the engine reads request by request)
     _lists: tuple[list[int], list[int], list[int], list[int]] | None = field(
         default=None, init=False, repr=False, compare=False
@@ -69,7 +72,11 @@ class RejectionResult:
 
     def cpu(self) -> RejectionResult:
         return RejectionResult(
-            self.output_tokens.cpu(), self.num_accepted.cpu(), self.num_output.cpu(), self.offsets.cpu()
+            self.output_tokens.cpu(),
+            self.num_accepted.cpu(),
+            self.num_output.cpu(),
+            self.offsets.cpu(),
+            self.faults,
         )
 
 

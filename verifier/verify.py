@@ -10,7 +10,7 @@ to the longest block, so the buffers hold sum(K_i + 1) rows of the vocabulary, n
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -69,6 +69,7 @@ class VerifyInputs:
     num_draft: [B] int64, K_i.
     generators: B entries.
     draft_deterministic: [B] bool, requests whose q is one-hot on the draft.
+    faults: request index -> why its processing failed (`ProcessedRows`).
     """
 
     target_probs: torch.Tensor
@@ -77,6 +78,7 @@ class VerifyInputs:
     num_draft: torch.Tensor
     generators: list[torch.Generator | None]
     draft_deterministic: torch.Tensor
+    faults: dict[int, str] = field(default_factory=dict)
 
     @property
     def offsets(self) -> torch.Tensor:  # [B+1] int64
@@ -94,8 +96,8 @@ def build_verify_inputs(
     num_draft = torch.tensor(counts, dtype=torch.long)
     st = SamplingTensors.from_params([r.sampling for r in requests], device)
     e = st.repeat_interleave(torch.tensor([n + 1 for n in counts], device=device))
-    logits = process_rows(logits, requests)
-    target = probs_from_logits(logits, e.temperature, e.top_p, e.top_k, e.min_p)
+    processed = process_rows(logits, requests)
+    target = probs_from_logits(processed.logits, e.temperature, e.top_p, e.top_k, e.min_p)
     _key_rows(target, requests, counts)
     drafted = [r for r in requests if r.num_draft > 0]
     tokens = _flat_drafts(requests)
@@ -113,7 +115,13 @@ def build_verify_inputs(
             ]
         )
     return VerifyInputs(
-        target, tokens, draft_probs, num_draft, [r.generator for r in requests], deterministic
+        target,
+        tokens,
+        draft_probs,
+        num_draft,
+        [r.generator for r in requests],
+        deterministic,
+        processed.faults,
     )
 
 
@@ -154,25 +162,60 @@ def _flat_drafts(requests: Sequence[VerifyRequest]) -> torch.Tensor:  # [D] int6
     return torch.cat(drafts) if drafts else torch.zeros(0, dtype=torch.long)
 
 
+@dataclass(frozen=True)
+class ProcessedRows:
+    """Every verify row after its request's processing.
+
+    logits: [T, V] float; the input tensor itself when nobody needed processing.
+    faults: request index -> why its processing failed (its rows are left as they came; its
+        verdict must be discarded and the request failed alone).
+    """
+
+    logits: torch.Tensor
+    faults: dict[int, str]
+
+
 def process_rows(
     logits: torch.Tensor,  # [T, V] float, T = sum(K_i + 1), requests in order
     requests: Sequence[VerifyRequest],
-) -> torch.Tensor:  # [T, V]: the same tensor when nobody needs processing
+) -> ProcessedRows:
     """Penalties, logit bias and grammar masks, position by position: request b's row k sees
-    its tokens so far plus its drafts 0..k-1 (`process_block`)."""
+    its tokens so far plus its drafts 0..k-1 (`process_block`). One request's failure (its
+    grammar, its processors, a first row that allows no token or holds NaN) is that request's
+    fault alone: the others' rows are processed as usual."""
     if not any(needs_processing(r.sampling, r.context) for r in requests):
-        return logits
+        return ProcessedRows(logits, {})
     out = logits.float().clone()
+    faults: dict[int, str] = {}
     start = 0
-    for r in requests:
+    for b, r in enumerate(requests):
         n = r.num_draft + 1
         if needs_processing(r.sampling, r.context):
             ctx = r.context if r.context is not None else TokenContext((), ())
-            out[start : start + n] = process_block(
-                logits[start : start + n], r.sampling, ctx, r.draft_tokens.reshape(-1).tolist()
-            )
+            try:
+                rows = process_block(logits[start : start + n], r.sampling, ctx, r.draft_tokens.reshape(-1).tolist())
+                problem = _unusable(rows)
+            except Exception as exc:
+                rows, problem = out[start : start + n], f"{type(exc).__name__}: {exc}"
+            error = getattr(ctx.constraint, "error", None)
+            if problem is None and error is not None:
+                problem = f"the grammar failed: {error}"
+            if problem is None:
+                out[start : start + n] = rows
+            else:
+                faults[b] = problem
         start += n
-    return out
+    return ProcessedRows(out, faults)
+
+
+def _unusable(rows: torch.Tensor) -> str | None:  # rows: [n, V], one request's processed rows
+    """Why a request's processed rows cannot be sampled: its first row (always used) allows no
+    token, or processing made NaN."""
+    if torch.isnan(rows).any():
+        return "processing the logits produced NaN"
+    if not torch.isfinite(rows[0]).any():
+        return "no token is allowed at the next position"
+    return None
 
 
 def verify(
@@ -180,15 +223,18 @@ def verify(
     requests: Sequence[VerifyRequest],  # B entries, in row order
 ) -> RejectionResult:
     """Accept / reject every request's drafts; the result comes back on the host (one
-    device-to-host copy per step: the engine reads it request by request)."""
+    device-to-host copy per step: the engine reads it request by request). A request whose
+    processing failed is named in the result's `faults`; its verdict is void."""
     if all(r.sampling.greedy for r in requests):
         # One-hot p: the verdict is the argmax of each processed row; no probabilities needed.
         counts = _draft_counts(logits, requests)
-        argmax = argmax_rows(process_rows(logits, requests))
+        processed = process_rows(logits, requests)
+        argmax = argmax_rows(processed.logits)
         # greedy_verify walks host lists: the drafts stay on the host, the verdict comes back there
-        return greedy_verify(argmax, _flat_drafts(requests), torch.tensor(counts, dtype=torch.long))
+        verdict = greedy_verify(argmax, _flat_drafts(requests), torch.tensor(counts, dtype=torch.long))
+        return replace(verdict, faults=processed.faults) if processed.faults else verdict
     inp = build_verify_inputs(logits, requests)
-    return rejection_sample(
+    verdict = rejection_sample(
         inp.target_probs,
         inp.draft_tokens,
         inp.draft_probs,
@@ -196,3 +242,4 @@ def verify(
         inp.generators,
         draft_deterministic=inp.draft_deterministic,
     ).cpu()
+    return replace(verdict, faults=inp.faults) if inp.faults else verdict

@@ -145,3 +145,132 @@ def test_metrics_drop_aborted_requests_and_export_spec_counters_from_the_start()
     engine.abort("a")  # the last request: no step follows
     assert reg.get_sample_value("dspark:num_requests_running", labels) == 0.0
     assert reg.get_sample_value("dspark:kv_cache_usage_perc", labels) == 0.0
+
+
+class FailingConstraint:
+    """A grammar that allows every token until its `where` method's `after`-th call, which
+    raises (as llguidance does when a schema that compiled hits a limit inside a step);
+    "shape" answers masks of the wrong shape, "dead_end" allows no token at all."""
+
+    def __init__(self, where: str, after: int = 2) -> None:
+        self.where, self.after, self.calls = where, after, 0
+
+    def _tick(self, method: str) -> None:
+        if method == self.where:
+            self.calls += 1
+            if self.calls >= self.after:
+                raise RuntimeError(f"simulated grammar failure in {method}")
+
+    def allowed(self, drafts, vocab_size):
+        self._tick("allowed")
+        if self.where == "shape":
+            return torch.ones(len(drafts) + 2, vocab_size, dtype=torch.bool)
+        fill = self.where != "dead_end"
+        return torch.full((len(drafts) + 1, vocab_size), fill, dtype=torch.bool)
+
+    def allowed_after(self, drafts, vocab_size):
+        self._tick("allowed_after")
+        return torch.full((vocab_size,), self.where != "dead_end", dtype=torch.bool)
+
+    def valid_prefix(self, drafts):
+        self._tick("valid_prefix")
+        return len(drafts)
+
+    def commit(self, tokens):
+        self._tick("commit")
+
+
+class FailingDetokenizer:
+    """Stop-string handling that raises on the request's third token."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.n = inner, 0
+
+    def add(self, t):
+        self.n += 1
+        if self.n == 3:
+            raise ValueError("simulated stop-string failure")
+        return self.inner.add(t)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def eight_prompts():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 256, (5 + 6 * i,), generator=g).tolist() for i in range(7)]
+
+
+def drafter_of(kind, model, tmp_path):
+    if kind == "ngram":
+        return NgramDrafter(NgramConfig(block_size=3))
+    if kind == "dspark":
+        from tests.scheduler.test_penalties import dspark_drafter
+
+        return dspark_drafter(model, tmp_path, block_size=4)
+    return None
+
+
+COMMON_FAULTS = ["commit", "allowed", "shape", "dead_end", "stop_strings"]
+# where a drafter reads the grammar: n-gram lookup cuts its drafts to the valid prefix, DSpark
+# masks q with the mask after its drafted prefix
+DRAFTER_FAULTS = {"none": [], "ngram": ["valid_prefix"], "dspark": ["allowed_after"]}
+
+
+@pytest.mark.parametrize(
+    "drafter,fault",
+    [(d, f) for d, extra in DRAFTER_FAULTS.items() for f in COMMON_FAULTS + extra],
+)
+def test_one_request_failing_inside_a_step_fails_alone_among_eight(drafter, fault, tmp_path):
+    """Seven requests run beside one whose grammar, processing or stop strings fail inside a
+    step (after every admission check): the seven keep exactly their text and finish normally,
+    the one ends with finish_reason "error" and a message, and every KV block comes back."""
+    model = tiny_model("llama")
+    ps = eight_prompts()
+    alone = run(make_engine(model, drafter=drafter_of(drafter, model, tmp_path / "a")), fresh(ps))
+    engine = make_engine(model, drafter=drafter_of(drafter, model, tmp_path / "b"))
+    evil = Request("evil", [7] * 12, GREEDY, 16, ignore_eos=True)
+    if fault != "stop_strings":
+        evil.constraint = FailingConstraint(fault)
+
+    def tamper(step):
+        if step == 0 and fault == "stop_strings":
+            evil.detok = FailingDetokenizer(evil.detok)
+
+    outs = run(engine, fresh(ps) + [evil], tamper)
+    last = outs["evil"][-1]
+    assert last.finish_reason == "error" and last.error, last
+    # its own input failed it (400), except a stop-string bug, which is the server's (500)
+    assert last.error_status == (500 if fault == "stop_strings" else 400)
+    if fault in ("commit", "allowed", "allowed_after", "valid_prefix"):
+        assert "simulated grammar failure" in last.error
+    for rid, o in alone.items():
+        assert [t for x in outs[rid] for t in x.token_ids] == [t for x in o for t in x.token_ids], rid
+        assert outs[rid][-1].finish_reason == "length" and outs[rid][-1].error is None
+    assert_all_blocks_free(engine)
+
+
+def test_a_real_grammar_that_explodes_inside_a_step_fails_alone():
+    """The schema from the field: a required property referring back to its own definition.
+    Built straight into a matcher (past the compile checks that now refuse it), llguidance
+    fails with "Too many items" at its first token; the seven others are untouched."""
+    import llguidance
+
+    from dspark_serve.verifier.grammar import Grammar
+    from dspark_serve.verifier.grammar_check import JSON_OPTIONS
+    from tests.verifier.test_grammar_check import RECURSIVE, byte_lltokenizer
+
+    model = tiny_model("llama")
+    ps = eight_prompts()
+    alone = run(make_engine(model, drafter=NgramDrafter(NgramConfig(block_size=3))), fresh(ps))
+    engine = make_engine(model, drafter=NgramDrafter(NgramConfig(block_size=3)))
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(RECURSIVE, overrides=JSON_OPTIONS)
+    evil = Request("evil", [7] * 12, GREEDY, 16, ignore_eos=True)
+    evil.constraint = Grammar(llguidance.LLMatcher(byte_lltokenizer(), grammar, log_level=0), 257, frozenset({256}))
+    outs = run(engine, fresh(ps) + [evil])
+    last = outs["evil"][-1]
+    assert last.finish_reason == "error" and "Too many items" in last.error and last.error_status == 400
+    for rid, o in alone.items():
+        assert [t for x in outs[rid] for t in x.token_ids] == [t for x in o for t in x.token_ids], rid
+        assert outs[rid][-1].finish_reason == "length"
+    assert_all_blocks_free(engine)
