@@ -622,7 +622,9 @@ class Engine:
         self._settle_prefills(batch, v, keep_context, out)
         return out
 
-    def _settle_prefills(self, batch: ScheduledBatch, v: Verification, keep_context: bool, out: Settled) -> None:
+    def _settle_prefills(
+        self, batch: ScheduledBatch, v: Verification, keep_context: bool, out: Settled
+    ) -> None:
         """Prefill progress; a completed prompt's first token (its verdict rows follow the decodes')."""
         nd = len(batch.decodes)
         row = nd
@@ -668,7 +670,9 @@ class Engine:
                     return self._fail(r, f"the grammar failed: {r.constraint.error}", 400)
         except Exception as exc:
             log.exception("request %s failed while committing its tokens", r.request_id)
-            return self._fail(r, f"the request failed while committing its tokens: {type(exc).__name__}: {exc}")
+            return self._fail(
+                r, f"the request failed while committing its tokens: {type(exc).__name__}: {exc}"
+            )
         if appended.finish_reason is not None:
             self._finish(r, appended.finish_reason)
         records = token_records(appended, c.provenance, logprobs)

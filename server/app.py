@@ -34,6 +34,7 @@ from dspark_serve.scheduler.client import (
 from dspark_serve.server.config import ServerConfig
 from dspark_serve.server.protocol import (
     SEED_MAX,
+    TOKEN_ID_KEY,
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
@@ -41,6 +42,8 @@ from dspark_serve.server.protocol import (
     NamedToolChoice,
     check_content_parts,
     check_extras,
+    check_values,
+    parse_body,
 )
 from dspark_serve.server.tools import (
     Function,
@@ -60,12 +63,18 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_exceeded",
     500: "internal_server_error",
     503: "service_unavailable",
 }
-DEFAULT_CODES = {401: "invalid_api_key", 413: "request_too_large", 429: "rate_limit_exceeded"}
+DEFAULT_CODES = {
+    401: "invalid_api_key",
+    408: "request_timeout",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+}
 RETRY_AFTER_S = 1  # told to clients answered 429 (the queue drains in about a request's time)
 
 
@@ -84,6 +93,24 @@ def sse_event(payload: Mapping[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS_JSON_KEEPS)}\n\n"
 
 
+def encodable(text: str | None) -> str | None:
+    """text with anything UTF-8 cannot encode (lone surrogates) written as escapes: an error
+    that echoes a client's input must still be sendable."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def error_body(message: str, status: int, param: str | None, code: str | None) -> dict[str, Any]:
+    """An OpenAI-shaped error object (the JSON body of an error response, or an SSE error event)."""
+    return {
+        "error": {
+            "message": encodable(message),
+            "type": ERROR_TYPES.get(status, "invalid_request_error"),
+            "param": encodable(param),
+            "code": code,
+        }
+    }
+
+
 def error_response(
     status: int,
     message: str,
@@ -98,18 +125,7 @@ def error_response(
         headers.setdefault("WWW-Authenticate", 'Bearer realm="dspark-serve"')
     if code is None:
         code = DEFAULT_CODES.get(status, None if status < 500 else str(status))
-    return JSONResponse(
-        status_code=status,
-        headers=headers,
-        content={
-            "error": {
-                "message": message,
-                "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                "param": param,
-                "code": code,
-            }
-        },
-    )
+    return JSONResponse(status_code=status, headers=headers, content=error_body(message, status, param, code))
 
 
 def live_page_html() -> str:
@@ -170,17 +186,22 @@ class Guard:
         # Buffer the body (bounded), then hand it on; later receive() calls reach the server
         # again, so the routes still see the client disconnect.
         chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                return await self._reply(scope, receive, send, 413, self._too_large(None))
-            chunks.append(chunk)
-            if not msg.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.config.body_timeout):
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        return
+                    chunk = msg.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        return await self._reply(scope, receive, send, 413, self._too_large(None))
+                    chunks.append(chunk)
+                    if not msg.get("more_body", False):
+                        break
+        except TimeoutError:
+            late = f"the request body was not received within {self.config.body_timeout:g}s"
+            return await self._reply(scope, receive, send, 408, late, {"connection": "close"})
         body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         sent = False
 
@@ -197,9 +218,17 @@ class Guard:
         got = f" ({declared} bytes)" if declared is not None else ""
         return f"request body too large{got}; the limit is {self.config.max_body_bytes} bytes"
 
-    async def _reply(self, scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
+    async def _reply(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        status: int,
+        message: str,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self.on_error(status)
-        await error_response(status, message)(scope, receive, send)
+        await error_response(status, message, headers=headers)(scope, receive, send)
 
 
 class ApiError(Exception):
@@ -220,8 +249,30 @@ def _param_of(err: Mapping[str, Any]) -> str | None:
 
 def _validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
     err = exc.errors()[0]
+    loc = [str(x) for x in err.get("loc", ())]
+    if len(loc) >= 2 and loc[-1] == "[key]":  # a dict key failed: name the dict, show the key short
+        param = _param_of({"loc": loc[:-2]})
+        key = loc[-2] if len(loc[-2]) <= 24 else loc[-2][:24] + "..."
+        return ApiError(400, f"{param}: key {key!r}: {err.get('msg')}", param)
     param = _param_of(err)
     return ApiError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param)
+
+
+def below_pattern(n: int) -> str:
+    """A regular expression matching the decimal integers in [0, n) (leading zeros allowed),
+    for a schema to say which token ids a key may name. n >= 1."""
+    top = str(n - 1)
+    k = len(top)
+    alts = [f"[0-{top}]"] if k == 1 else ["[0-9]"]
+    alts += [f"[1-9][0-9]{{{length - 1}}}" for length in range(2, k)]
+    for i in range(k if k > 1 else 0):
+        lo, hi = (1 if i == 0 else 0), int(top[i]) - 1
+        if hi >= lo:
+            rest = k - i - 1
+            alts.append(top[:i] + f"[{lo}-{hi}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    if k > 1:
+        alts.append(top)
+    return f"^0*({'|'.join(alts)})$"
 
 
 def _narrow_schema(props: dict[str, Any], model: str, max_len: int, vocab: int | None) -> None:
@@ -252,6 +303,14 @@ def _narrow_schema(props: dict[str, Any], model: str, max_len: int, vocab: int |
                 "anyOf": [{"type": "integer", "minimum": 1, "maximum": max_len - 1}, null],
                 "default": props[k].get("default"),
             }
+    key: dict[str, Any] = {"pattern": TOKEN_ID_KEY}
+    if vocab is not None:
+        key = {"allOf": [key, {"pattern": below_pattern(vocab)}]}
+    bias = {"type": "number", "minimum": -100, "maximum": 100}
+    props["logit_bias"] = {
+        "anyOf": [{"type": "object", "propertyNames": key, "additionalProperties": bias}, null],
+        "default": None,
+    }
     if "prompt" in props:
         ids = {"type": "integer", "minimum": 0}
         if vocab is not None:
@@ -273,7 +332,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
         ["status"],
         registry=registry,
     )
-    for st in (400, 401, 404, 413, 429, 500, 503):
+    for st in (400, 401, 404, 408, 413, 429, 500, 503):
         errors.labels(status=str(st))  # exported at zero from the start
 
     def count_error(status: int) -> None:
@@ -383,7 +442,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
     def decode(raw: bytes, schema: type[RequestT]) -> RequestT:
         """JSON -> validated request; runs in a worker thread, never on the event loop."""
         try:
-            body = json.loads(raw)
+            body = parse_body(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError(400, "request body is not valid JSON") from None
         except RecursionError:
@@ -392,6 +451,9 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             raise ApiError(400, "request body must be a JSON object")
         if _json_depth_exceeds(body, config.max_json_depth):
             raise ApiError(400, f"request body nests deeper than {config.max_json_depth} levels")
+        param, msg = check_values(body)
+        if param is not None or msg is not None:
+            raise ApiError(400, str(msg), param)
         param, msg = check_content_parts(body)
         if param is not None:
             raise ApiError(400, str(msg), param)
@@ -413,16 +475,10 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
             raise ApiError(503, "model is loading")
         if getattr(req, "top_logprobs", None) is not None and not getattr(req, "logprobs", None):
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        if req.logit_bias:
-            for key, bias in req.logit_bias.items():
-                if not key.isdigit():
-                    raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-                if not -100.0 <= bias <= 100.0:
-                    raise ApiError(
-                        400, f"logit_bias values must be in [-100, 100], got {bias!r}", "logit_bias"
-                    )
-                vocab = getattr(engine, "vocab_size", None)
-                if vocab is not None and int(key) >= vocab:
+        vocab = getattr(engine, "vocab_size", None)
+        if req.logit_bias and vocab is not None:  # keys and values: the request model's
+            for key in req.logit_bias:
+                if int(key) >= vocab:
                     raise ApiError(
                         400, f"logit_bias token id {key} is out of range [0, {vocab})", "logit_bias"
                     )
@@ -828,32 +884,14 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
                             [{**choice(i, "", finish, True), **({"delta": {}} if kind == "chat" else {})}]
                         )
                     if d.error:  # cut by a drain: say so after the finish_reason
-                        yield sse_event(
-                            {
-                                "error": {
-                                    "message": d.error,
-                                    "type": ERROR_TYPES[503],
-                                    "param": None,
-                                    "code": "draining",
-                                }
-                            }
-                        )
+                        yield sse_event(error_body(d.error, 503, None, "draining"))
                 if include_usage:
                     spec = last_spec if n == 1 else None
                     yield chunk([], usage(spec, len(prompt_ids), sum(completion)))
                 yield "data: [DONE]\n\n"
             except EngineError as exc:
                 count_error(exc.status)
-                yield sse_event(
-                    {
-                        "error": {
-                            "message": str(exc),
-                            "type": ERROR_TYPES.get(exc.status),
-                            "param": exc.param,
-                            "code": exc.code or str(exc.status),
-                        }
-                    }
-                )
+                yield sse_event(error_body(str(exc), exc.status, exc.param, exc.code or str(exc.status)))
                 yield "data: [DONE]\n\n"
             finally:
                 await stream_all.aclose()

@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
 
     engine, registry = start_engine(model_cfg, drafter_cfg, sched_cfg, server_cfg)
     app = build_app(engine, server_cfg, registry)
-    serve(app, engine, server_cfg.host, server_cfg.port, server_cfg.log_level, server_cfg.shutdown_timeout)
+    serve(app, engine, server_cfg)
     engine.stop()
 
 

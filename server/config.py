@@ -24,6 +24,14 @@ class ServerConfig:
     """Largest request body accepted; a bigger one is answered 413 without being parsed."""
     max_json_depth: int = 32
     """Deepest nesting of arrays/objects accepted in a request body (deeper: 400)."""
+    header_timeout: float = 10.0
+    """Seconds a client has to send a request's headers (from connecting, or from the end of
+    the last response on a kept-alive connection); a slower one is answered 408 and dropped."""
+    body_timeout: float = 30.0
+    """Seconds a client has to send a request's whole body once its headers are in; a slower
+    one is answered 408 and dropped."""
+    max_connections: int = 1000
+    """Open client connections at most; one more is answered 503 and closed at once."""
     shutdown_timeout: float = 30.0
     """On SIGTERM (or `drain`): seconds in-flight requests may still run before their streams
     are ended with an error event and finish_reason `abort`."""
@@ -41,5 +49,11 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes!r}")
         if not (2 <= self.max_json_depth <= 256):
             raise ValueError(f"max_json_depth must be in [2, 256], got {self.max_json_depth!r}")
+        for name in ("header_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if not (0 < value <= 3600):
+                raise ValueError(f"{name} must be in (0, 3600] seconds, got {value!r}")
+        if not (1 <= self.max_connections <= 1_000_000):
+            raise ValueError(f"max_connections must be in [1, 1000000], got {self.max_connections!r}")
         if not (0 <= self.shutdown_timeout <= 3600):
             raise ValueError(f"shutdown_timeout must be in [0, 3600] seconds, got {self.shutdown_timeout!r}")

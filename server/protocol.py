@@ -7,6 +7,7 @@ listed in UNSUPPORTED and answered 400 by name (never silently ignored); see `ch
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -24,6 +25,13 @@ Int = Annotated[int, Field(strict=False), BeforeValidator(_no_text_or_bool)]
 
 # Every seed torch's generator accepts (int64 and uint64 alike).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# logit_bias keys: ASCII decimal token ids (str.isdigit() would take "²" and "١٢").
+TOKEN_ID_KEY = r"^[0-9]{1,10}$"
+TokenIdKey = Annotated[str, Field(pattern=TOKEN_ID_KEY)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+# repetition_penalty divides positive logits: below this it scales them past any useful range
+# (1e-300 overflowed them to inf). The engine checks the same range (SamplingParams).
+REPETITION_PENALTY_MIN = 0.01
 
 
 class TextPart(BaseModel):
@@ -77,7 +85,7 @@ class DsparkOptions(BaseModel):
     """This server's own request extension (`"dspark": {...}` in the body; `extra_body` with
     the official client)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     provenance: bool = False
     """Add to every response / streamed chunk `"dspark": {"tokens": [...]}`: for each new token
@@ -146,9 +154,9 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    repetition_penalty: float = Field(default=1.0, ge=REPETITION_PENALTY_MIN, le=10.0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[TokenIdKey, Bias] | None = None
     response_format: ResponseFormat | None = None
     ignore_eos: bool = False
     user: str | None = None
@@ -249,4 +257,61 @@ def check_content_parts(body: dict[str, Any]) -> tuple[str | None, str | None]:
                     f"messages.{i}.content.{j}",
                     f"content parts of type `{kind}` are not supported: this model reads text only",
                 )
+    return None, None
+
+
+# Integer literals longer than this many digits are refused by name before any conversion
+# (Python refuses to convert literals over 4,300 digits at all; no parameter needs 40).
+MAX_INT_DIGITS = 40
+
+
+class _LongInt:
+    """An integer literal too long to convert, kept as its digit count (`parse_body`)."""
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
+def _parse_int(literal: str) -> int | _LongInt:
+    digits = len(literal.lstrip("-"))
+    return _LongInt(digits) if digits > MAX_INT_DIGITS else int(literal)
+
+
+def parse_body(raw: bytes) -> Any:
+    """A request body's JSON (raises what json.loads raises); long integer literals stay
+    unconverted until `check_values` names them."""
+    return json.loads(raw, parse_int=_parse_int)
+
+
+def _lone_surrogate(s: str) -> str | None:
+    """The first lone surrogate in s, as U+XXXX (JSON's "\\ud800" escapes decode to them)."""
+    for ch in s:
+        if "\ud800" <= ch <= "\udfff":
+            return f"U+{ord(ch):04X}"
+    return None
+
+
+def check_values(body: Any) -> tuple[str | None, str | None]:
+    """The first value no parameter can hold: a lone surrogate in a string or a key (text must
+    be valid Unicode: it could be neither tokenized nor echoed in an error), or an integer
+    literal over MAX_INT_DIGITS digits. Returns (parameter path or None, message)."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(body, ())]
+    while stack:
+        value, path = stack.pop()
+        param = ".".join(path) or None
+        if isinstance(value, _LongInt):
+            return param, f"{param or 'a value'}: an integer of {value.digits} digits is out of range"
+        if isinstance(value, str) and (bad := _lone_surrogate(value)) is not None:
+            return (
+                param,
+                f"{param or 'a value'}: the text holds a lone surrogate ({bad}); it must be valid Unicode",
+            )
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if (bad := _lone_surrogate(k)) is not None:
+                    where = f" in {param}" if param else ""
+                    return param, f"a key{where} holds a lone surrogate ({bad}); it must be valid Unicode"
+                stack.append((v, (*path, k)))
+        elif isinstance(value, list):
+            stack.extend((v, (*path, str(i))) for i, v in enumerate(value))
     return None, None

@@ -14,6 +14,10 @@ import signal
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from dspark_serve.server.config import ServerConfig
+from dspark_serve.server.connections import guarded_protocol
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -66,13 +70,21 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(app: Any, engine: Any, host: str, port: int, log_level: str, shutdown_timeout: float) -> None:
-    config = uvicorn.Config(
+def uvicorn_config(app: Any, cfg: ServerConfig, protocol: type[Any] | None = None) -> uvicorn.Config:
+    """uvicorn's configuration for `cfg`: its HTTP protocol (`protocol`, by default the one
+    uvicorn picks: httptools where installed, else h11) guarded against slow and surplus
+    clients (`server/connections.py`)."""
+    base = protocol if protocol is not None else AutoHTTPProtocol
+    return uvicorn.Config(
         app,
-        host=host,
-        port=port,
-        log_level=log_level,
+        host=cfg.host,
+        port=cfg.port,
+        log_level=cfg.log_level,
+        http=guarded_protocol(base, cfg.header_timeout, cfg.max_connections),
         # after the drain only finished responses remain to be written
         timeout_graceful_shutdown=5,
     )
-    DrainingServer(config, engine, shutdown_timeout).run()
+
+
+def serve(app: Any, engine: Any, cfg: ServerConfig) -> None:
+    DrainingServer(uvicorn_config(app, cfg), engine, cfg.shutdown_timeout).run()

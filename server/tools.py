@@ -79,17 +79,42 @@ def render_call(name: str, arguments: str) -> str:
 
 
 def call_schema(functions: list[Function]) -> dict[str, Any]:
-    """The JSON schema of a call to one of `functions`."""
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": f.name}, "arguments": f.parameters},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for f in functions
-    ]
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    """The JSON schema of a call to one of `functions`.
+
+    Each function's parameters move whole under the call schema's `$defs` (as `fn_<name>`)
+    and its local `$ref`s ("#", "#/$defs/a", ...) are rewritten to point there, so parameter
+    schemas that use `$ref` and `$defs` keep their meaning inside the call."""
+    defs: dict[str, Any] = {}
+    options = []
+    for f in functions:
+        key = f"fn_{f.name}"
+        defs[key] = _rebase_refs(f.parameters, f"#/$defs/{key}")
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": f.name}, "arguments": {"$ref": f"#/$defs/{key}"}},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "$defs": defs}
+
+
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """schema with every local `$ref` ("#..." pointers into itself) prefixed by base."""
+    if isinstance(schema, dict):
+        out = {k: v if k in _DATA_KEYWORDS else _rebase_refs(v, base) for k, v in schema.items()}
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            out["$ref"] = base + ref[1:]
+        return out
+    if isinstance(schema, list):
+        return [_rebase_refs(v, base) for v in schema]
+    return schema
 
 
 def parse_call(text: str, functions: list[Function]) -> ToolCall | None:

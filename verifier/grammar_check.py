@@ -197,7 +197,10 @@ def _finite(s: Any, targets: Mapping[str, Any], sat: Mapping[str, bool], depth: 
     """s has a finite value, a local `$ref` counting as satisfiable when `sat` says so."""
     if depth > 64 or not isinstance(s, Mapping):
         return s is not False
-    sub = lambda x: _finite(x, targets, sat, depth + 1)
+
+    def sub(x: Any) -> bool:
+        return _finite(x, targets, sat, depth + 1)
+
     ok = True
     ref = s.get("$ref")
     if isinstance(ref, str) and ref in targets:
@@ -221,9 +224,11 @@ def _finite(s: Any, targets: Mapping[str, Any], sat: Mapping[str, bool], depth: 
         n = s.get("minItems", 0)
         prefix = s["prefixItems"] if isinstance(s.get("prefixItems"), list) else []
         items = s.get("items", True)
-        first = [prefix[i] if i < len(prefix) else items for i in range(min(n, len(prefix) + 1))] if (
-            isinstance(n, int) and n > 0
-        ) else []
+        first = (
+            [prefix[i] if i < len(prefix) else items for i in range(min(n, len(prefix) + 1))]
+            if (isinstance(n, int) and n > 0)
+            else []
+        )
         options.append(all(sub(x) for x in first))
     return ok and any(options)
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# repetition_penalty divides positive logits: smaller values scale them past any useful range
+# (1e-300 overflowed them to inf and the sampler returned token 0).
+REPETITION_PENALTY_MIN = 0.01
+
 # The seeds torch.Generator.manual_seed accepts (int64 and uint64 alike).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
@@ -51,8 +55,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not (-2.0 <= v <= 2.0):
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
-        if not (0.0 < self.repetition_penalty <= 10.0):
-            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if not (REPETITION_PENALTY_MIN <= self.repetition_penalty <= 10.0):
+            low, got = REPETITION_PENALTY_MIN, self.repetition_penalty
+            raise ValueError(f"repetition_penalty must be in [{low}, 10], got {got!r}")
         for pair in self.logit_bias:
             if len(pair) != 2 or type(pair[0]) is not int or pair[0] < 0 or not (-100.0 <= pair[1] <= 100.0):
                 raise ValueError(

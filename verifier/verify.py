@@ -193,7 +193,9 @@ def process_rows(
         if needs_processing(r.sampling, r.context):
             ctx = r.context if r.context is not None else TokenContext((), ())
             try:
-                rows = process_block(logits[start : start + n], r.sampling, ctx, r.draft_tokens.reshape(-1).tolist())
+                rows = process_block(
+                    logits[start : start + n], r.sampling, ctx, r.draft_tokens.reshape(-1).tolist()
+                )
                 problem = _unusable(rows)
             except Exception as exc:
                 rows, problem = out[start : start + n], f"{type(exc).__name__}: {exc}"

@@ -266,7 +266,9 @@ def test_a_real_grammar_that_explodes_inside_a_step_fails_alone():
     engine = make_engine(model, drafter=NgramDrafter(NgramConfig(block_size=3)))
     grammar = llguidance.LLMatcher.grammar_from_json_schema(RECURSIVE, overrides=JSON_OPTIONS)
     evil = Request("evil", [7] * 12, GREEDY, 16, ignore_eos=True)
-    evil.constraint = Grammar(llguidance.LLMatcher(byte_lltokenizer(), grammar, log_level=0), 257, frozenset({256}))
+    evil.constraint = Grammar(
+        llguidance.LLMatcher(byte_lltokenizer(), grammar, log_level=0), 257, frozenset({256})
+    )
     outs = run(engine, fresh(ps) + [evil])
     last = outs["evil"][-1]
     assert last.finish_reason == "error" and "Too many items" in last.error and last.error_status == 400

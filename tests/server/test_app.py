@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from dspark_serve.scheduler.client import EngineError, GenerationParams, RuntimeInfo, StreamDelta, TokenRecord
 from dspark_serve.server.app import build_app
 from dspark_serve.server.config import ServerConfig
+from tests.server.bad_inputs import BAD_INPUTS, assert_refused
 
 
 class FakeEngine:
@@ -466,3 +467,13 @@ def test_live_page_is_served_self_contained():
 
     assert not re.search(r'(src|href)\s*=\s*"(https?:)?//', page)
     assert "<script src" not in page and "@import" not in page
+
+
+@pytest.mark.parametrize("bad", [b for b in BAD_INPUTS if not b.needs_engine], ids=lambda b: b.kind)
+def test_inputs_that_once_answered_500_are_refused_by_name(bad):
+    class Engine(FakeEngine):
+        vocab_size = 1000
+
+    c = TestClient(build_app(Engine(), ServerConfig(), CollectorRegistry()), raise_server_exceptions=False)
+    resp = c.post(bad.path, content=bad.raw, headers={"content-type": "application/json"})
+    assert_refused(resp, bad)

@@ -22,6 +22,7 @@ from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.metrics import EngineMetrics
 from dspark_serve.server.app import build_app
 from dspark_serve.server.config import ServerConfig
+from dspark_serve.server.serve import uvicorn_config
 from dspark_serve.verifier.config import ModelConfig
 
 pytestmark = pytest.mark.slow  # a real server, cluster, browser or the embedded model: -m "not slow" skips it
@@ -68,11 +69,11 @@ class LiveServer:
         self.engine.start()
         assert self.engine.wait_ready(timeout=300), self.engine.load_error
         self.port = free_port()
-        cfg = server_config or ServerConfig()
-        app = build_app(self.engine, dataclasses.replace(cfg, port=self.port, api_key=api_key), registry)
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        cfg = dataclasses.replace(
+            server_config or ServerConfig(), port=self.port, api_key=api_key, log_level="warning"
         )
+        app = build_app(self.engine, cfg, registry)
+        self.server = uvicorn.Server(uvicorn_config(app, cfg))  # the guarded protocol, as served
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:

@@ -1,6 +1,7 @@
-"""No request can hurt another, over real HTTP on the embedded model (float32, greedy): three
-streams run while one malicious request of each kind arrives, and finish with the text they get
-alone; a non-streaming request whose client goes away frees its KV within one step; /health is
+"""No request can hurt another, over real HTTP on the embedded model (float32, greedy): eight
+streams run while one malicious request of each kind arrives (tests/server/bad_inputs.py and
+the older kinds here), and finish with the text they get without them; a non-streaming request
+whose client goes away frees its KV within one step; /health is
 answered while a 10 MB body is being refused and while a big prompt is tokenized."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from tests.server.bad_inputs import BAD_INPUTS, assert_refused
 from tests.server.test_e2e import MODEL, LiveServer
 
 
@@ -26,6 +28,11 @@ PROMPTS = [
     "List the days of the week, one per line.",
     "Count from one to ten in words.",
     "Name three primary colours.",
+    "Write a haiku about the sea.",
+    "What is the capital of France?",
+    "Give two uses of a paperclip.",
+    "Spell the word banana backwards.",
+    "Name a fruit that is yellow.",
 ]
 
 
@@ -87,6 +94,10 @@ def malicious(url: str) -> list[tuple[str, int]]:
             },
         )
         post("huge top_k", json={"prompt": "hi", "max_tokens": 4, "top_k": 10**30})
+        for bad in BAD_INPUTS:
+            resp = c.post(bad.path, content=bad.raw, headers={"content-type": "application/json"})
+            assert_refused(resp, bad)
+            got.append((bad.kind, resp.status_code))
         post(
             "schema that does not compile",
             json={
@@ -114,31 +125,35 @@ def malicious(url: str) -> list[tuple[str, int]]:
     return got
 
 
-def test_three_streams_survive_one_malicious_request_of_each_kind(plain):
-    alone = {}
-    for i, p in enumerate(PROMPTS):
-        stream_text(plain.url, chat_body(p), alone, i)
-    together: dict = {}
+def streams(url, with_attacks):
+    """The eight prompts streamed together; with_attacks: every malicious kind sent while
+    they run. Returns (per prompt (text, finish, end time), stream start times, attacks)."""
+    out: dict = {}
     threads = [
-        threading.Thread(target=stream_text, args=(plain.url, chat_body(p), together, i))
-        for i, p in enumerate(PROMPTS)
+        threading.Thread(target=stream_text, args=(url, chat_body(p), out, i)) for i, p in enumerate(PROMPTS)
     ]
     for t in threads:
         t.start()
     t0 = time.monotonic()
-    while len(together.get("started", [])) < 3 and time.monotonic() - t0 < 120:
+    while len(out.get("started", [])) < len(PROMPTS) and time.monotonic() - t0 < 120:
         time.sleep(0.01)
-    attacks = malicious(plain.url)
+    attacks = malicious(url) if with_attacks else []
     for t in threads:
         t.join(timeout=300)
+    return out, attacks
+
+
+def test_eight_streams_survive_one_malicious_request_of_each_kind(plain):
+    normal, _ = streams(plain.url, with_attacks=False)
+    together, attacks = streams(plain.url, with_attacks=True)
     for kind, status in attacks:
         assert status < 500, (kind, status)
     assert dict(attacks)["10 MB body"] == 413
     assert all(s == 400 for k, s in attacks if k not in ("10 MB body", "disconnect", "stream disconnect"))
-    for i in range(3):
-        assert together[i][:2] == alone[i][:2], (PROMPTS[i], together[i], alone[i])
+    for i in range(len(PROMPTS)):
+        assert together[i][:2] == normal[i][:2], (PROMPTS[i], together[i], normal[i])
     # the streams really ran while the attacks came in
-    assert min(together[i][2] for i in range(3)) > min(together["started"])
+    assert min(together[i][2] for i in range(len(PROMPTS))) > min(together["started"])
     assert plain.idle()
 
 

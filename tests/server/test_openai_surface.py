@@ -202,3 +202,62 @@ def test_earlier_tool_calls_and_results_are_rendered():
         ],
     )
     assert eng.calls[-1][2].grammar is None
+
+
+REF_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "place",
+            "parameters": {
+                "type": "object",
+                "properties": {"at": {"$ref": "#/$defs/point"}, "next": {"$ref": "#/properties/at"}},
+                "required": ["at"],
+                "additionalProperties": False,
+                "$defs": {
+                    "point": {
+                        "type": "object",
+                        "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                        "required": ["x", "y"],
+                        "additionalProperties": False,
+                    }
+                },
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "label",
+            "parameters": {
+                "type": "object",
+                "properties": {"text": {"$ref": "#/$defs/point"}, "tag": {"enum": [{"$ref": "#/x"}]}},
+                "required": ["text"],
+                "$defs": {"point": {"type": "string", "maxLength": 4}},
+            },
+        },
+    },
+]
+
+
+def test_tool_parameters_with_ref_and_defs_keep_their_meaning_in_a_forced_call():
+    """Each function's `$defs` and `#`-pointers are rebased under the call schema, so the
+    forced-call grammar compiles and takes exactly the calls the parameters describe (two
+    functions whose `$defs` share a name included; enum data is left alone)."""
+    from tests.verifier.test_grammar import byte_compiler
+
+    eng = ScriptEngine([CALL])
+    chat(client(eng), tools=REF_TOOLS, tool_choice="required")
+    schema = eng.calls[-1][2].grammar.schema
+    assert json.loads(schema)["$defs"]["fn_label"]["properties"]["tag"] == {"enum": [{"$ref": "#/x"}]}
+    g = byte_compiler().compile("json_schema", schema)
+
+    def takes(text: str) -> bool:
+        toks = list(text.encode())
+        return g.valid_prefix(toks) == len(toks)
+
+    assert takes('{"name":"place","arguments":{"at":{"x":1,"y":2},"next":{"x":3,"y":4}}}')
+    assert takes('{"name":"label","arguments":{"text":"abcd"}}')
+    assert not takes('{"name":"place","arguments":{"at":"abcd"')  # place's point is an object
+    assert not takes('{"name":"label","arguments":{"text":{')  # label's point is a string
+    assert not takes('{"name":"place","arguments":{"at":{"x":1,"z"')

@@ -41,7 +41,13 @@ def byte_lltokenizer() -> LLTokenizer:
         (RECURSIVE, False),
         ({**RECURSIVE, "$defs": {"a": {**RECURSIVE["$defs"]["a"], "required": []}}}, True),
         ({"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}, False),
-        ({"$ref": "#/$defs/n", "$defs": {"n": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/n"}}}}, False),
+        (
+            {
+                "$ref": "#/$defs/n",
+                "$defs": {"n": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/n"}}},
+            },
+            False,
+        ),
         ({"$ref": "#/$defs/n", "$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}, True),
         (  # a tree: children are an array, which may be empty
             {
@@ -57,7 +63,13 @@ def byte_lltokenizer() -> LLTokenizer:
             True,
         ),
         (  # a way out through anyOf
-            {"$ref": "#/$defs/n", "$defs": {"n": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/m"}]}, "m": {"type": "object", "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"]}}},
+            {
+                "$ref": "#/$defs/n",
+                "$defs": {
+                    "n": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/m"}]},
+                    "m": {"type": "object", "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"]},
+                },
+            },
             True,
         ),
         ({"type": ["object", "string"], "properties": {"x": {"$ref": "#"}}, "required": ["x"]}, True),
