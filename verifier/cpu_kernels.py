@@ -493,6 +493,11 @@ def pack_small_gemm(lib: ctypes.CDLL, w: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+# Rows above `max_rows` go to the fallback in multiples of this (16 where `max_rows` is
+# smaller), the remainder to the kernel.
+FALLBACK_ROW_BUCKET = 64
+
+
 class SmallGemmLinear:
     """A bfloat16 or float32 linear layer through `small_gemm` (`small_gemm_f32`) for up to
     `max_rows` rows (decode and short verify steps), and through `fallback` (oneDNN's prepacked
@@ -520,15 +525,34 @@ class SmallGemmLinear:
         self.bias = None if b is None else b.to(w.dtype).contiguous()
         self.fn = lib.small_gemm if bf16 else lib.small_gemm_f32
         self.fallback, self.max_rows = fallback, max_rows
+        # a small limit means the fallback wins early (oneDNN on AMX tiles): a small bucket
+        self.bucket = FALLBACK_ROW_BUCKET if max_rows >= FALLBACK_ROW_BUCKET else 16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         M = x.shape[0]
-        if M > self.max_rows or x.dtype != self.dtype or x.stride(-1) != 1 or x.dim() != 2:
+        if x.dtype != self.dtype or x.stride(-1) != 1 or x.dim() != 2:
+            return self.fallback(x)
+        if M <= self.max_rows:
+            y = x.new_empty(M, self.N)
+            self._gemm(x, y)
+            return y
+        # The fallback sees a multiple of the bucket, the kernel the rest: oneDNN compiles and
+        # caches kernels for every row count it is given (hundreds of KB each, up to its cache
+        # of 1,024), and the row counts of a server's steps never stop varying, so a process
+        # held more memory after every burst of traffic; bucketed, it sees a few dozen.
+        bulk = M - M % self.bucket
+        if bulk == M:
             return self.fallback(x)
         y = x.new_empty(M, self.N)
-        bias = 0 if self.bias is None else self.bias.data_ptr()
-        self.fn(x.data_ptr(), x.stride(0), self.packed.data_ptr(), bias, y.data_ptr(), M, self.N, self.K)
+        if bulk:
+            y[:bulk] = self.fallback(x[:bulk])
+        self._gemm(x[bulk:], y[bulk:])
         return y
+
+    def _gemm(self, x: torch.Tensor, y: torch.Tensor) -> None:  # x [M, K] -> y [M, N], y contiguous
+        bias = 0 if self.bias is None else self.bias.data_ptr()
+        M = x.shape[0]
+        self.fn(x.data_ptr(), x.stride(0), self.packed.data_ptr(), bias, y.data_ptr(), M, self.N, self.K)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

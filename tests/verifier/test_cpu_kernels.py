@@ -8,7 +8,7 @@ import torch
 
 import dspark_serve.verifier.fast_forward as ff
 from dspark_serve.verifier.config import ModelConfig
-from dspark_serve.verifier.cpu_kernels import SmallGemmLinear, argmax_rows, load_kernels
+from dspark_serve.verifier.cpu_kernels import FALLBACK_ROW_BUCKET, SmallGemmLinear, argmax_rows, load_kernels
 from dspark_serve.verifier.loader import cpu_flags
 from dspark_serve.verifier.model_runner import ModelRunner, Segment
 from tests.helpers import tiny_model
@@ -43,7 +43,7 @@ def test_small_gemm_matches_float64_within_one_bf16_rounding(lib, n, k, bias):
     lin = SmallGemmLinear(lib, w, b, spy, max_rows=100)
     # rows in passes of 16, tails, and (on AMX tiles, from 5 rows) one to five 16-row chunks a
     # pass over the weights, a zero-padded last chunk, and a second pass past 80
-    for m in (1, 2, 4, 5, 8, 12, 16, 17, 33, 40, 48, 49, 64, 65, 80, 81, 96, 100, 101):
+    for m in (1, 2, 4, 5, 8, 12, 16, 17, 33, 40, 48, 49, 64, 65, 80, 81, 96, 100, 101, 128, 150):
         x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, :k]  # rows at stride 2k: a view
         y = lin(x)
         ref = x.double() @ w.double().T + (b.double() if bias else 0.0)
@@ -51,7 +51,9 @@ def test_small_gemm_matches_float64_within_one_bf16_rounding(lib, n, k, bias):
         # float32 accumulation, one rounding to bf16 (2^-8 relative); float32 sums add ~1e-6
         err = (y.double() - ref).abs()
         assert (err <= ref.abs() * 2**-8 + 1e-3 * k**0.5).all(), err.max()
-    assert spy.rows == [101]  # only the row count above the limit left the kernel
+    # only row counts above the limit left the kernel, and only in multiples of the bucket (the
+    # kernel took the rest: 101 = 64 + 37, 150 = 128 + 22), so the fallback sees few shapes
+    assert spy.rows == [64, 128, 128] and FALLBACK_ROW_BUCKET == 64
 
 
 def test_small_gemm_catches_a_wrong_packing(lib):
@@ -127,12 +129,14 @@ def test_bf16_rows_leave_the_c_kernel_where_onednn_wins_on_this_cpu(lib):
     assert ff.make_linear(w, None, "auto", "none").max_rows == here
     lin = ff.make_linear(w, None, "gemm", "none", gemm_rows=5)
     assert lin.max_rows == 5
-    x = torch.randn(9, 32).bfloat16()
+    x = torch.randn(40, 32).bfloat16()
     lin.fallback = spy = Spy(w, None)
     lin(x[:5])
-    assert spy.rows == []  # five rows: the C kernel
-    lin(x)
-    assert spy.rows == [9]  # nine: oneDNN (here the spy standing in for it)
+    lin(x[:9])
+    assert spy.rows == []  # five rows, and nine (under one bucket of 16): the C kernel
+    lin(x[:16])
+    lin(x[:40])
+    assert spy.rows == [16, 32]  # oneDNN (the spy standing in for it) in 16-row buckets
     runner = ModelRunner(tiny_model("llama", dtype=torch.bfloat16), 32, 4, gemm_rows=12)
     assert runner.gemm_max_rows == 12 and "up to 12 rows" in runner.describe()
     assert ModelRunner(tiny_model("llama"), 32, 4).gemm_max_rows is None  # float32: no limit

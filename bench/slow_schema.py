@@ -1,0 +1,150 @@
+"""What a schema that is slow to compile costs everyone else: normal streams against a real
+`dspark-serve`, alone and with clients that keep sending such a schema the whole time (each
+answered 400 once its compile worker is killed at the limit). The arms alternate for several
+rounds; per-user speed is each stream's tokens after its first over the time they took.
+
+    python -m bench.slow_schema --rounds 3 --out bench/results/slow-schema.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import machine  # noqa: E402
+from bench.soak import PROMPTS  # noqa: E402
+
+SLOW = {"type": "string", "pattern": "^(x{1000}){1000}$"}
+
+
+async def stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> float:
+    """One greedy stream; its per-user speed (tokens after the first per second)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                tokens = ev["usage"]["completion_tokens"]
+            elif any(c["delta"].get("content") for c in ev.get("choices", [])):
+                last = time.monotonic()
+                first = first or last
+    assert first is not None and last is not None and last > first, "a stream produced too little"
+    return (tokens - 1) / (last - first)
+
+
+async def slow_sender(client: httpx.AsyncClient, url: str, model: str, stop: asyncio.Event) -> list[int]:
+    """Sends the slow schema again as soon as it is answered, until stop; the statuses."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say x."}],
+        "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "slow", "schema": SLOW}},
+    }
+    codes = []
+    n = 0
+    while not stop.is_set():
+        n += 1  # a new schema text each time: the server keeps refusals by text
+        schema = {**SLOW, "description": f"attempt {n}"}
+        rf = {"type": "json_schema", "json_schema": {"name": "slow", "schema": schema}}
+        r = await client.post(url + "/v1/chat/completions", json={**body, "response_format": rf})
+        codes.append(r.status_code)
+    return codes
+
+
+async def arm(url: str, model: str, streams: int, senders: int, max_tokens: int) -> dict:
+    async with httpx.AsyncClient(timeout=600) as client:
+        stop = asyncio.Event()
+        bad = [asyncio.create_task(slow_sender(client, url, model, stop)) for _ in range(senders)]
+        speeds = await asyncio.gather(
+            *(stream(client, url, model, PROMPTS[i % len(PROMPTS)], max_tokens) for i in range(streams))
+        )
+        stop.set()
+        codes = [c for t in await asyncio.gather(*bad) for c in t]
+    return {"per_user_tps": statistics.median(speeds), "slow_schema_statuses": sorted(set(codes)), "sent": len(codes)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--senders", type=int, default=6, help="clients sending the slow schema at once")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "slow-schema.json"))
+    ap.add_argument("server_args", nargs="*", help="extra dspark-serve flags (after --)")
+    args = ap.parse_args()
+    port = 19500 + os.getpid() % 400
+    cmd = [sys.executable, "-m", "dspark_serve.server.cli", "--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen([*cmd, *args.server_args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}"
+    rows = []
+    try:
+        t0 = time.monotonic()
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() - t0 > 900:
+                sys.exit("the server did not become ready")
+            time.sleep(0.5)
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        asyncio.run(arm(url, model, args.streams, 1, 16))  # warm-up: workers started, caches filled
+        for k in range(args.rounds):
+            for senders in (0, args.senders):
+                row = asyncio.run(arm(url, model, args.streams, senders, args.max_tokens))
+                rows.append({"round": k + 1, "senders": senders, **row})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    alone = statistics.median(r["per_user_tps"] for r in rows if r["senders"] == 0)
+    loaded = statistics.median(r["per_user_tps"] for r in rows if r["senders"])
+    ratios = [b["per_user_tps"] / a["per_user_tps"] for a, b in zip(rows[::2], rows[1::2])]
+    result = {
+        "machine": machine(),
+        "command": " ".join(sys.argv),
+        "streams": args.streams,
+        "senders": args.senders,
+        "max_tokens": args.max_tokens,
+        "rows": rows,
+        "per_user_tps_alone": round(alone, 2),
+        "per_user_tps_with_slow_schemas": round(loaded, 2),
+        "ratio_of_medians": round(loaded / alone, 3),
+        "per_round_ratios": [round(r, 3) for r in ratios],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
