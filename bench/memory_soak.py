@@ -50,7 +50,9 @@ async def one_round(url: str, model: str, n: int, max_tokens: int, schema_every:
         if schema_every and i % schema_every == 0:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
         if i % 2:
-            async with client.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            async with client.stream(
+                "POST", url + "/v1/chat/completions", json={**body, "stream": True}
+            ) as r:
                 async for _ in r.aiter_lines():
                     pass
                 return r.status_code
@@ -69,7 +71,9 @@ def wait_idle(url: str, timeout: float = 60.0) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         text = httpx.get(url + "/metrics", timeout=10).text
-        if not metric(text, "dspark:num_requests_running") and not metric(text, "dspark:num_requests_waiting"):
+        if not metric(text, "dspark:num_requests_running") and not metric(
+            text, "dspark:num_requests_waiting"
+        ):
             return
         time.sleep(0.2)
 
@@ -96,7 +100,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--requests", type=int, default=64, help="requests per round, all at once")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--schema-every", type=int, default=8, help="every n-th request has a JSON schema (0: none)")
+    ap.add_argument(
+        "--schema-every", type=int, default=8, help="every n-th request has a JSON schema (0: none)"
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "memory-soak.json"))
     ap.add_argument("server_args", nargs="*", help="extra dspark-serve flags (after --)")
     args = ap.parse_args()
@@ -135,7 +141,7 @@ def main() -> None:
     last = rounds[-1]["rss_kib"]
     result = {
         "machine": machine(),
-        "command": " ".join(sys.argv),
+        "command": " ".join(["python -m bench.memory_soak", *sys.argv[1:]]),
         "server_args": args.server_args,
         "requests_per_round": args.requests,
         "max_tokens": args.max_tokens,

@@ -1,7 +1,7 @@
 """What a schema that is slow to compile costs everyone else: normal streams against a real
 `dspark-serve`, alone and with clients that keep sending such a schema the whole time (each
-answered 400 once its compile worker is killed at the limit). The arms alternate for several
-rounds; per-user speed is each stream's tokens after its first over the time they took.
+answered 400 once its compile worker is killed at the limit). The arms alternate (their order too)
+for several rounds; per-user speed is each stream's tokens after its first over the time they took.
 
     python -m bench.slow_schema --rounds 3 --out bench/results/slow-schema.json
 """
@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -65,10 +66,8 @@ async def slow_sender(client: httpx.AsyncClient, url: str, model: str, stop: asy
         "response_format": {"type": "json_schema", "json_schema": {"name": "slow", "schema": SLOW}},
     }
     codes = []
-    n = 0
-    while not stop.is_set():
-        n += 1  # a new schema text each time: the server keeps refusals by text
-        schema = {**SLOW, "description": f"attempt {n}"}
+    while not stop.is_set():  # a new schema text each time: the server keeps refusals by text
+        schema = {**SLOW, "description": f"attempt {uuid.uuid4().hex}"}
         rf = {"type": "json_schema", "json_schema": {"name": "slow", "schema": schema}}
         r = await client.post(url + "/v1/chat/completions", json={**body, "response_format": rf})
         codes.append(r.status_code)
@@ -84,7 +83,11 @@ async def arm(url: str, model: str, streams: int, senders: int, max_tokens: int)
         )
         stop.set()
         codes = [c for t in await asyncio.gather(*bad) for c in t]
-    return {"per_user_tps": statistics.median(speeds), "slow_schema_statuses": sorted(set(codes)), "sent": len(codes)}
+    return {
+        "per_user_tps": statistics.median(speeds),
+        "slow_schema_statuses": sorted(set(codes)),
+        "sent": len(codes),
+    }
 
 
 def main() -> None:
@@ -114,8 +117,9 @@ def main() -> None:
             time.sleep(0.5)
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         asyncio.run(arm(url, model, args.streams, 1, 16))  # warm-up: workers started, caches filled
-        for k in range(args.rounds):
-            for senders in (0, args.senders):
+        for k in range(args.rounds):  # the arms' order alternates: a warmer second arm cancels out
+            order = (0, args.senders) if k % 2 == 0 else (args.senders, 0)
+            for senders in order:
                 row = asyncio.run(arm(url, model, args.streams, senders, args.max_tokens))
                 rows.append({"round": k + 1, "senders": senders, **row})
                 print(json.dumps(rows[-1]), flush=True)
@@ -127,10 +131,11 @@ def main() -> None:
             proc.kill()
     alone = statistics.median(r["per_user_tps"] for r in rows if r["senders"] == 0)
     loaded = statistics.median(r["per_user_tps"] for r in rows if r["senders"])
-    ratios = [b["per_user_tps"] / a["per_user_tps"] for a, b in zip(rows[::2], rows[1::2])]
+    by_round = {(r["round"], bool(r["senders"])): r["per_user_tps"] for r in rows}
+    ratios = [by_round[(k + 1, True)] / by_round[(k + 1, False)] for k in range(args.rounds)]
     result = {
         "machine": machine(),
-        "command": " ".join(sys.argv),
+        "command": " ".join(["python -m bench.slow_schema", *sys.argv[1:]]),
         "streams": args.streams,
         "senders": args.senders,
         "max_tokens": args.max_tokens,
@@ -138,6 +143,7 @@ def main() -> None:
         "per_user_tps_alone": round(alone, 2),
         "per_user_tps_with_slow_schemas": round(loaded, 2),
         "ratio_of_medians": round(loaded / alone, 3),
+        "median_per_round_ratio": round(statistics.median(ratios), 3),
         "per_round_ratios": [round(r, 3) for r in ratios],
     }
     out = Path(args.out)

@@ -22,8 +22,8 @@ import importlib
 import json
 import logging
 import os
-import queue
 import select
+import shutil
 import subprocess
 import sys
 import threading
@@ -41,8 +41,13 @@ class _Worker:
     """One worker process and its pipes."""
 
     def __init__(self, hello: str) -> None:
+        # At the lowest CPU priority from its first instruction (interpreter start, imports and
+        # the tokenizer included): a killed worker is replaced at once, and a client that keeps
+        # sending slow schemas must not buy CPU the engine wants that way.
+        nice = shutil.which("nice")
+        prefix = [nice, "-n", "19"] if nice else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dspark_serve.verifier.grammar_worker"],
+            [*prefix, sys.executable, "-m", "dspark_serve.verifier.grammar_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -106,31 +111,33 @@ class CompileWorkers:
         self._hello = json.dumps(
             {"tokenizer": tokenizer, "args": list(args), "config": dataclasses.asdict(config)}
         )
-        self._idle: queue.Queue[_Worker] = queue.Queue()
-        self._lock = threading.Lock()
-        self._started = 0
+        self._idle: list[_Worker] = []
+        self._cond = threading.Condition()
+        self._started = 0  # workers alive or starting (at most config.compile_workers)
         self.killed = 0  # workers killed at the time limit (tests and logs read it)
 
     def _acquire(self) -> _Worker:
-        with self._lock:
-            spawn = self._idle.empty() and self._started < self.config.compile_workers
-            if spawn:
-                self._started += 1
-        if not spawn:
-            return self._idle.get()
+        """An idle worker, or a new one while fewer than the limit exist; else wait for one
+        to come back (or die: its place is then taken by a new one)."""
+        with self._cond:
+            while not self._idle and self._started >= self.config.compile_workers:
+                self._cond.wait()
+            if self._idle:
+                return self._idle.pop()
+            self._started += 1
         try:
             return _Worker(self._hello)
         except Exception:
-            with self._lock:
-                self._started -= 1
+            self._release(None)
             raise
 
     def _release(self, w: _Worker | None) -> None:
-        if w is not None and w.alive:
-            self._idle.put(w)
-            return
-        with self._lock:
-            self._started -= 1
+        with self._cond:
+            if w is not None and w.alive:
+                self._idle.append(w)
+            else:
+                self._started -= 1
+            self._cond.notify()
 
     def check(self, text: str) -> None:
         """Raises GrammarError unless a worker builds the schema within the time limit."""
@@ -153,11 +160,9 @@ class CompileWorkers:
         log.debug("a JSON schema passed its worker check in %.3fs", time.perf_counter() - t0)
 
     def close(self) -> None:
-        while True:
-            try:
-                w = self._idle.get_nowait()
-            except queue.Empty:
-                return
+        with self._cond:
+            idle, self._idle = self._idle, []
+        for w in idle:
             w.kill()
 
 
@@ -185,8 +190,13 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
 
 
 def main() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        os.nice(19)  # checks never take CPU the engine wants
+    # Checks never take CPU the engine wants: the idle scheduling class (run only where a CPU
+    # has nothing else to run; Linux), else the lowest priority.
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):
+        with contextlib.suppress(OSError, AttributeError):
+            os.nice(19)
     _serve(sys.stdin, sys.stdout)
 
 

@@ -146,3 +146,26 @@ def test_config_rejects_bad_values():
     ):
         with pytest.raises(ValueError, match=repr(next(iter(bad.values())))):
             GrammarConfig(**bad)
+
+
+def test_checks_waiting_for_a_killed_worker_are_not_stranded():
+    """One worker, six slow schemas and a good one at once: each slow one kills the worker it
+    got, and every waiting check still gets a fresh one (none waits forever)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = workers(0.05, n=1)
+
+    def check(text: str) -> str:
+        try:
+            pool.check(text)
+            return "ok"
+        except GrammarError as exc:
+            return "late" if "longer than" in str(exc) else str(exc)
+
+    slow = [json.dumps({**SLOW, "description": str(i)}) for i in range(6)]
+    try:
+        with ThreadPoolExecutor(7) as ex:
+            results = list(ex.map(check, [*slow, SCHEMA]))
+    finally:
+        pool.close()
+    assert results == ["late"] * 6 + ["ok"] and pool.killed == 6
