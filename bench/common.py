@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,3 +187,41 @@ def run_engine_closed_loop(
         budget,
         extra={"rounds": rounds},
     )
+
+
+@contextlib.contextmanager
+def running_server(port: int, flags: list[str], ready_timeout: float = 900.0) -> Iterator[ServedProcess]:
+    """A `dspark-serve` on `port` with `flags` (a subprocess from this checkout), once /health
+    answers 200; terminated on exit."""
+    import httpx
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "dspark_serve.server.cli", "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.monotonic()
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() - t0 > ready_timeout:
+                sys.exit("the server did not become ready")
+            time.sleep(0.5)
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        yield ServedProcess(proc, url, model)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@dataclass(frozen=True)
+class ServedProcess:
+    proc: subprocess.Popen[bytes]
+    url: str
+    model: str

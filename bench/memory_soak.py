@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine  # noqa: E402
+from bench.common import machine, running_server  # noqa: E402
 from bench.soak import PROMPTS, metric, rss_kib  # noqa: E402
 
 
@@ -106,37 +105,19 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "memory-soak.json"))
     ap.add_argument("server_args", nargs="*", help="extra dspark-serve flags (after --)")
     args = ap.parse_args()
-    port = 19000 + os.getpid() % 1000
-    cmd = [sys.executable, "-m", "dspark_serve.server.cli", "--port", str(port), "--log-level", "warning"]
-    proc = subprocess.Popen([*cmd, *args.server_args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        t0 = time.monotonic()
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() - t0 > 900:
-                sys.exit("the server did not become ready")
-            time.sleep(0.5)
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        rounds = []
+    rounds = []
+    flags = ["--log-level", "warning", *args.server_args]
+    with running_server(19000 + os.getpid() % 1000, flags) as server:
         for k in range(args.rounds):
             t = time.monotonic()
-            codes = asyncio.run(one_round(url, model, args.requests, args.max_tokens, args.schema_every))
-            wait_idle(url)
+            codes = asyncio.run(
+                one_round(server.url, server.model, args.requests, args.max_tokens, args.schema_every)
+            )
+            wait_idle(server.url)
             time.sleep(1.0)
             rounds.append({"round": k + 1, "seconds": round(time.monotonic() - t, 1), "statuses": codes})
-            rounds[-1]["rss_kib"] = rss_kib(proc.pid)
+            rounds[-1]["rss_kib"] = rss_kib(server.proc.pid)
             print(json.dumps(rounds[-1]), flush=True)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     base = rounds[min(2, len(rounds) - 1)]["rss_kib"]
     last = rounds[-1]["rss_kib"]
     result = {

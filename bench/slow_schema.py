@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -24,7 +23,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine  # noqa: E402
+from bench.common import machine, running_server  # noqa: E402
 from bench.soak import PROMPTS  # noqa: E402
 
 SLOW = {"type": "string", "pattern": "^(x{1000}){1000}$"}
@@ -99,23 +98,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "slow-schema.json"))
     ap.add_argument("server_args", nargs="*", help="extra dspark-serve flags (after --)")
     args = ap.parse_args()
-    port = 19500 + os.getpid() % 400
-    cmd = [sys.executable, "-m", "dspark_serve.server.cli", "--port", str(port), "--log-level", "warning"]
-    proc = subprocess.Popen([*cmd, *args.server_args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}"
     rows = []
-    try:
-        t0 = time.monotonic()
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() - t0 > 900:
-                sys.exit("the server did not become ready")
-            time.sleep(0.5)
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    flags = ["--log-level", "warning", *args.server_args]
+    with running_server(19500 + os.getpid() % 400, flags) as server:
+        url, model = server.url, server.model
         asyncio.run(arm(url, model, args.streams, 1, 16))  # warm-up: workers started, caches filled
         for k in range(args.rounds):  # the arms' order alternates: a warmer second arm cancels out
             order = (0, args.senders) if k % 2 == 0 else (args.senders, 0)
@@ -123,12 +109,6 @@ def main() -> None:
                 row = asyncio.run(arm(url, model, args.streams, senders, args.max_tokens))
                 rows.append({"round": k + 1, "senders": senders, **row})
                 print(json.dumps(rows[-1]), flush=True)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     alone = statistics.median(r["per_user_tps"] for r in rows if r["senders"] == 0)
     loaded = statistics.median(r["per_user_tps"] for r in rows if r["senders"])
     by_round = {(r["round"], bool(r["senders"])): r["per_user_tps"] for r in rows}

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
 import re
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,10 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import running_server  # noqa: E402
+
 MODEL = None  # filled from /v1/models
 
 PROMPTS = [
@@ -212,45 +215,27 @@ def main() -> None:
     ap.add_argument("server_args", nargs="*", help="extra dspark-serve flags (after --)")
     args = ap.parse_args()
     global MODEL
-    proc = None
-    url = args.url
-    if url is None:
-        port = 18000 + os.getpid() % 1000
-        cmd = [
-            sys.executable,
-            "-m",
-            "dspark_serve.server.cli",
-            "--port",
-            str(port),
-            "--max-num-seqs",
-            "4",
-            "--max-waiting",
-            "8",
-            "--max-model-len",
-            "1024",
-            "--kv-cache-tokens",
-            str(args.kv_cache_tokens),
-            "--kv-block-size",
-            str(args.kv_block_size),
-            "--log-level",
-            "warning",
-            *args.server_args,
-        ]
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        url = f"http://127.0.0.1:{port}"
-    try:
-        t0 = time.monotonic()
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc is not None and proc.poll() is not None:
-                sys.exit("the server exited during start-up")
-            if time.monotonic() - t0 > 600:
-                sys.exit("the server did not become ready")
-            time.sleep(0.5)
+    with contextlib.ExitStack() as stack:
+        proc = None
+        url = args.url
+        if url is None:
+            flags = [
+                "--max-num-seqs",
+                "4",
+                "--max-waiting",
+                "8",
+                "--max-model-len",
+                "1024",
+                "--kv-cache-tokens",
+                str(args.kv_cache_tokens),
+                "--kv-block-size",
+                str(args.kv_block_size),
+                "--log-level",
+                "warning",
+                *args.server_args,
+            ]
+            server = stack.enter_context(running_server(18000 + os.getpid() % 1000, flags))
+            proc, url = server.proc, server.url
         MODEL = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         stats = Stats()
         t_start = time.monotonic()
@@ -294,13 +279,6 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(json.dumps({k: v for k, v in result.items() if k != "rss_samples"}, indent=1))
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 if __name__ == "__main__":

@@ -7,21 +7,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from tests.verifier.test_grammar_check import RECURSIVE, SLOW
+
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES = '[{"role": "user", "content": "hi"}]'
 HUGE = "9" * 5000
-RECURSIVE_SCHEMA = {
-    "$ref": "#/$defs/a",
-    "$defs": {
-        "a": {
-            "type": "object",
-            "properties": {"x": {"$ref": "#/$defs/a"}},
-            "required": ["x"],
-            "additionalProperties": False,
-        }
-    },
-}
-SLOW_SCHEMA = {"type": "string", "pattern": "^(x{1000}){1000}$"}
 
 
 @dataclass(frozen=True)
@@ -70,8 +60,8 @@ BAD_INPUTS = [
     ),
     BadInput("repetition_penalty 1e-300", CHAT, _chat('"repetition_penalty": 1e-300'), "repetition_penalty"),
     BadInput("dspark.provenance 0", CHAT, _chat('"dspark": {"provenance": 0}'), "dspark.provenance"),
-    BadInput("self-requiring schema", CHAT, _schema(RECURSIVE_SCHEMA), "response_format", needs_engine=True),
-    BadInput("regex a million long", CHAT, _schema(SLOW_SCHEMA), "response_format", needs_engine=True),
+    BadInput("self-requiring schema", CHAT, _schema(RECURSIVE), "response_format", needs_engine=True),
+    BadInput("regex a million long", CHAT, _schema(SLOW), "response_format", needs_engine=True),
 ]
 
 
