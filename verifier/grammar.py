@@ -15,6 +15,7 @@ drafts and rolling them back, so a rejected draft never reaches the committed st
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     import llguidance
 
 __all__ = ["Grammar", "GrammarCompiler", "GrammarConfig", "GrammarError"]
+log = logging.getLogger(__name__)
 
 
 class Grammar:
@@ -162,15 +164,21 @@ class GrammarCompiler:
 
     def _build(self, text: str) -> llguidance.LLMatcher | GrammarError:
         t0 = time.perf_counter()
+        checked = False
         try:
             if self.workers is not None:
-                self.workers.check(text)
+                try:
+                    self.workers.check(text)
+                    checked = True
+                except (OSError, RuntimeError) as exc:  # no worker could start here: build alone
+                    log.warning("grammar workers unavailable (%s); building in the server", exc)
+                    t0 = time.perf_counter()  # the time limit is the build's
             matcher = build_matcher(self.tokenizer, prepare(text, self.config), self.eos_ids, self.config)
         except GrammarError as exc:
             return exc
         took = time.perf_counter() - t0
         limit = self.config.max_compile_seconds
-        if self.workers is None and took > limit:  # no worker to cancel it: refused afterwards
+        if not checked and took > limit:  # no worker to cancel it: refused afterwards
             return GrammarError(f"the JSON schema took {took:.2f}s to compile; the limit is {limit:g}s")
         return matcher
 

@@ -169,3 +169,14 @@ def test_checks_waiting_for_a_killed_worker_are_not_stranded():
     finally:
         pool.close()
     assert results == ["late"] * 6 + ["ok"] and pool.killed == 6
+
+
+def test_without_a_worker_the_server_builds_alone_and_checks_the_time_afterwards():
+    pool = workers(2.0)
+    pool._hello = "not json"  # every worker fails to start
+    compiler = GrammarCompiler(byte_lltokenizer(), 257, GrammarConfig(max_compile_seconds=0.05), pool)
+    g = compiler.compile("json_schema", SCHEMA)  # built in the server
+    assert g.valid_prefix(list(b'{"a":1')) == 6
+    heavy = {"type": "string", "pattern": "^(x{400}){400}$"}  # builds, in ~0.15 s
+    with pytest.raises(GrammarError, match="to compile; the limit is 0.05s"):
+        compiler.compile("json_schema", json.dumps(heavy))  # in the server: refused afterwards
