@@ -199,9 +199,6 @@ def process_rows(
                 problem = _unusable(rows)
             except Exception as exc:
                 rows, problem = out[start : start + n], f"{type(exc).__name__}: {exc}"
-            error = getattr(ctx.constraint, "error", None)
-            if problem is None and error is not None:
-                problem = f"the grammar failed: {error}"
             if problem is None:
                 out[start : start + n] = rows
             else:
