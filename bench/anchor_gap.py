@@ -36,16 +36,16 @@ def main() -> None:
     import torch
 
     from bench.bench_engine import chat_ids
-    from dspark_serve.drafter.training.cache import (
+    from dspark_serve.ops.sampling_params import SamplingParams
+    from dspark_serve.scheduler.llm import LLM
+    from dspark_serve.training.cache import (
         CachedSequence,
         anchored_batch,
         pad_sequences,
         target_states,
     )
-    from dspark_serve.drafter.training.train import draft_model_from_checkpoint, greedy_hits
-    from dspark_serve.scheduler.llm import LLM
+    from dspark_serve.training.train import draft_model_from_checkpoint, greedy_hits
     from dspark_serve.verifier.loader import load_target
-    from dspark_serve.verifier.sampling_params import SamplingParams
 
     llm = LLM(
         drafter="dspark",

@@ -31,7 +31,7 @@ H, HKV, D, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
 def libraries() -> dict[str, object]:
     """{"native": the build as the server loads it, "no-amx": the same sources without AMX}."""
-    import dspark_serve.verifier.cpu_kernels as ck
+    import dspark_serve.ops.cpu_kernels as ck
 
     native = ck.load_kernels()
     flags = ck.CFLAGS
@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     ap.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[320, 1024])
     args = timing_args(ap, repeats=30)
-    from dspark_serve.verifier.cpu_kernels import PagedAttention
+    from dspark_serve.ops.cpu_kernels import PagedAttention
 
     libs = libraries()
     kernels = {name: PagedAttention(lib, H, HKV, D, BLOCK) for name, lib in libs.items()}

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.common import DATA, load_prompts, machine, median, run_engine_closed_loop  # noqa: E402
-from dspark_serve.drafter.training.plots import save_png  # noqa: E402
+from dspark_serve.training.plots import save_png  # noqa: E402
 
 
 def chat_ids(tok, text: str, max_prompt: int) -> list[int]:

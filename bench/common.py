@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspark_serve.drafter.training.data import PROMPTS_DIR, dev_sets, read_prompts
+from dspark_serve.training.data import PROMPTS_DIR, dev_sets, read_prompts
 
 DATA = PROMPTS_DIR  # the vendored prompt sets (the benchmarks' default --data)
 
@@ -90,7 +90,7 @@ def machine() -> str:
 
     import torch
 
-    from dspark_serve.verifier.loader import cpu_flags
+    from dspark_serve.ops.platform import cpu_flags
 
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     # The CPU model and the flags that change speed (vector width, native bf16, AMX) go with
@@ -140,8 +140,8 @@ def run_engine_closed_loop(
     text whatever is drafted; they draft greedily), or none with seed None (as most API requests
     come: rejection sampling against the drafter's q).
     Finished requests are appended to `finished` when given."""
+    from dspark_serve.ops.sampling_params import SamplingParams
     from dspark_serve.scheduler.request import Request
-    from dspark_serve.verifier.sampling_params import SamplingParams
 
     sp = lambda i: SamplingParams(
         temperature=temperature, seed=None if temperature == 0 or seed is None else seed + i

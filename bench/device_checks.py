@@ -14,12 +14,12 @@ import torch
 
 from bench.models import ByteTokenizer, hf_greedy, runner_for, tiny_model
 from bench.replay import ReplayDrafter
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
 from dspark_serve.verifier.model_runner import ModelRunner, Segment
 from dspark_serve.verifier.rejection import rejection_sample
-from dspark_serve.verifier.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -62,9 +62,9 @@ def main() -> None:
 
     from bench.bench_engine import chat_ids
     from dspark_serve.drafter.dspark import DSparkDrafter
+    from dspark_serve.ops.sampling_params import SamplingParams
     from dspark_serve.scheduler.llm import LLM
     from dspark_serve.scheduler.request import Request, Status
-    from dspark_serve.verifier.sampling_params import SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -26,7 +26,7 @@ from bench.common import DATA, load_prompts, machine  # noqa: E402
 
 
 def generate(llm, prompts: list[list[int]], max_tokens: int, together: bool) -> list[list[int]]:
-    from dspark_serve.verifier.sampling_params import SamplingParams
+    from dspark_serve.ops.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     if together:

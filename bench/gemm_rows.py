@@ -45,8 +45,8 @@ def main() -> None:
     )
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = timing_args(ap)
+    from dspark_serve.ops.linear import make_linear
     from dspark_serve.scheduler.llm import LLM
-    from dspark_serve.verifier.fast_forward import make_linear
 
     dtype = getattr(torch, args.dtype)
     runner = LLM(

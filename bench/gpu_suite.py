@@ -49,14 +49,14 @@ from bench.common import machine, median, run_engine_closed_loop  # noqa: E402
 from bench.models import SHAPES, CharTokenizer, TargetShape, random_dspark, random_qwen3  # noqa: E402
 from dspark_serve.drafter.base import AcceptedContext, DraftRequest  # noqa: E402
 from dspark_serve.drafter.registry import build_drafter  # noqa: E402
-from dspark_serve.drafter.training.plots import save_png  # noqa: E402
+from dspark_serve.ops.sampling_params import SamplingParams  # noqa: E402
 from dspark_serve.scheduler.config import SchedulerConfig  # noqa: E402
 from dspark_serve.scheduler.engine import Engine  # noqa: E402
 from dspark_serve.scheduler.policy import CostTable  # noqa: E402
 from dspark_serve.scheduler.profile import measure  # noqa: E402
 from dspark_serve.scheduler.request import Request, Status  # noqa: E402
+from dspark_serve.training.plots import save_png  # noqa: E402
 from dspark_serve.verifier.model_runner import ModelRunner  # noqa: E402
-from dspark_serve.verifier.sampling_params import SamplingParams  # noqa: E402
 
 JSON_NAME = "gpu_suite.json"
 DEFAULT_CPU_TABLE = ROOT / "bench" / "results" / "sweep-dspark-gate.json"
@@ -886,7 +886,7 @@ def summarize_profile(prof, wall: float, cuda: bool) -> dict:
 def _labelled_c_matmul() -> Iterator[None]:
     """On a CPU the linears run through the C kernel, called by ctypes, which torch.profiler
     does not see: label its calls ("small_gemm") while a step is profiled, then restore it."""
-    from dspark_serve.verifier.cpu_kernels import SmallGemmLinear
+    from dspark_serve.ops.cpu_kernels import SmallGemmLinear
 
     call = SmallGemmLinear.__call__
 

@@ -32,9 +32,9 @@ import torch  # noqa: E402
 
 from bench.common import DATA, load_prompts, machine  # noqa: E402
 from dspark_serve.drafter.base import AcceptedContext  # noqa: E402
+from dspark_serve.ops.sampling_params import SamplingParams  # noqa: E402
 from dspark_serve.scheduler.request import Request  # noqa: E402
 from dspark_serve.verifier.model_runner import Segment  # noqa: E402
-from dspark_serve.verifier.sampling_params import SamplingParams  # noqa: E402
 
 SYSTEM = (
     "You are a careful, friendly assistant for a team of engineers and students. Answer in "

@@ -183,8 +183,8 @@ def forward_shape(runner, batch: int, tokens: int, context: int, repeats: int, t
 
 def engine_shape(llm, prompts, concurrency: int, steps: int, timers: dict) -> dict:
     """Engine steps with `concurrency` requests decoding (prefill finished first)."""
+    from dspark_serve.ops.sampling_params import SamplingParams
     from dspark_serve.scheduler.request import Request
-    from dspark_serve.verifier.sampling_params import SamplingParams
 
     eng = llm.engine
     reqs = [

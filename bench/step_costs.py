@@ -29,9 +29,9 @@ PARTS = ("_propose", "_verify", "_commit")
 
 
 def measure(policy: str, concurrency: list[int], steps: int, drafter: str) -> list[dict]:
+    from dspark_serve.ops.sampling_params import SamplingParams
     from dspark_serve.scheduler.llm import LLM
     from dspark_serve.scheduler.request import Request
-    from dspark_serve.verifier.sampling_params import SamplingParams
 
     llm = LLM(drafter=drafter, verify_policy=policy, draft_gate=False, max_num_seqs=max(concurrency))
     eng = llm.engine

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from dspark_serve.verifier.processors import TokenConstraint, TokenContext
-from dspark_serve.verifier.sampling_params import SamplingParams
+from dspark_serve.ops.processors import TokenConstraint, TokenContext
+from dspark_serve.ops.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from dspark_serve.drafter.online_calibration import OnlineCalibrator

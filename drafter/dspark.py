@@ -29,8 +29,8 @@ from dspark_serve.drafter.dspark_model.fast import (
 )
 from dspark_serve.drafter.dspark_model.fast import applies as fast_backbone_applies
 from dspark_serve.drafter.online_calibration import OnlineCalibrator
-from dspark_serve.verifier.cpu_kernels import SmallGemmLinear, load_kernels
-from dspark_serve.verifier.processors import needs_processing
+from dspark_serve.ops.cpu_kernels import SmallGemmLinear, load_kernels
+from dspark_serve.ops.processors import needs_processing
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ def _prepack_linears(model: DSparkModel, skip: tuple[nn.Module, ...] = ()) -> No
     blocked layout for bf16; nn.Linear would reorder it on every call, and the drafter's small
     matmuls are dominated by that). Serving only: the module must not train afterwards (its
     packed copy would go stale)."""
-    from dspark_serve.verifier.fast_forward import make_linear
+    from dspark_serve.ops.linear import make_linear
 
     if not prepacked_linears_pay(model.dtype, model.device):
         return

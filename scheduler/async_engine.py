@@ -17,11 +17,11 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.builder import EngineBundle
 from dspark_serve.scheduler.client import DrainReport, EngineError, GenerationParams, RuntimeInfo, StreamDelta
 from dspark_serve.scheduler.engine import Engine, RequestRejected
 from dspark_serve.scheduler.request import Request, RequestOutput
-from dspark_serve.verifier.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ import torch
 from dspark_serve.drafter.base import Drafter
 from dspark_serve.drafter.config import NO_DRAFTER, DrafterConfig
 from dspark_serve.drafter.registry import build_drafter, drafter_spec
+from dspark_serve.ops.platform import default_cache_dir
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine, HiddenCapture
 from dspark_serve.scheduler.metrics_sink import EngineMetricsSink
@@ -23,7 +24,6 @@ from dspark_serve.verifier.host_memory import retain_freed_memory
 from dspark_serve.verifier.loader import (
     DtypeChoice,
     choose_dtype,
-    default_cache_dir,
     load_target,
     resolve_device,
 )

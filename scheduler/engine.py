@@ -24,6 +24,8 @@ from typing import Any, Protocol
 import torch
 
 from dspark_serve.drafter.base import AcceptedContext, Drafter
+from dspark_serve.ops.processors import GuardedConstraint, TokenContext, needs_processing
+from dspark_serve.ops.sampling import SamplingTensors
 from dspark_serve.scheduler.client import EngineError, TokenLogprob, TokenRecord, TopLogprob, round_provenance
 from dspark_serve.scheduler.commit import append_tokens, eos_token_ids, request_output, token_records
 from dspark_serve.scheduler.config import SchedulerConfig
@@ -38,9 +40,7 @@ from dspark_serve.scheduler.scheduler import ScheduledBatch, Scheduler
 from dspark_serve.scheduler.speculation import Speculation, StepProposal
 from dspark_serve.verifier.grammar import Grammar, GrammarCompiler, GrammarConfig
 from dspark_serve.verifier.model_runner import ForwardOutput, ModelRunner, Segment
-from dspark_serve.verifier.processors import GuardedConstraint, TokenContext, needs_processing
 from dspark_serve.verifier.rejection import RejectionResult
-from dspark_serve.verifier.sampling import SamplingTensors
 from dspark_serve.verifier.verify import VerifyRequest, verify
 
 log = logging.getLogger(__name__)

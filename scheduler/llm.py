@@ -8,12 +8,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from dspark_serve.drafter.config import DrafterConfig
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.builder import build_engine
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import HiddenCapture
 from dspark_serve.scheduler.request import Request, SpecStats
 from dspark_serve.verifier.config import ModelConfig
-from dspark_serve.verifier.sampling_params import SamplingParams
 
 
 @dataclass

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark_serve.ops.processors import TokenConstraint
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.client import TokenRecord
 from dspark_serve.scheduler.detokenizer import IncrementalDetokenizer
-from dspark_serve.verifier.processors import TokenConstraint
-from dspark_serve.verifier.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

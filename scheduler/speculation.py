@@ -16,13 +16,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from dspark_serve.drafter.base import AcceptedContext, Drafter, DraftProposal, DraftRequest
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.gate import DraftGate
 from dspark_serve.scheduler.load import LoadState
 from dspark_serve.scheduler.overhead import StepOverhead
 from dspark_serve.scheduler.policy import CostTable, Policy, PolicyDecision, PolicyInput, parse_policy
 from dspark_serve.scheduler.request import Request
-from dspark_serve.verifier.sampling_params import SamplingParams
 
 # Used only when no profile was measured (tests, policies that ignore cost): SPS flat to 8
 # tokens, then falling as on a compute-bound machine.

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from dspark_serve.ops.platform import cpu_flags, default_cache_dir
+
 log = logging.getLogger(__name__)
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -31,12 +33,6 @@ class LoadedTarget:
     tokenizer: object
     name: str
     source: str
-
-
-def default_cache_dir() -> Path:
-    """User cache directory (read when called, never at import)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dspark-serve"
 
 
 def embedded_gguf_path() -> Path:
@@ -75,18 +71,6 @@ class DtypeChoice:
     @property
     def name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
-
-
-def cpu_flags(cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> frozenset[str]:
-    """The CPU feature flags the kernel reports (empty where there is no /proc/cpuinfo)."""
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags") and ":" in line:
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def choose_dtype(

@@ -16,9 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dspark_serve.verifier.block_manager import BlockManager
-from dspark_serve.verifier.config import ATTENTION_KINDS
-from dspark_serve.verifier.cpu_kernels import (
+from dspark_serve.ops.cpu_kernels import (
     FusedElementwise,
     PagedAttention,
     RopeStore,
@@ -27,6 +25,8 @@ from dspark_serve.verifier.cpu_kernels import (
     load_kernels,
     paged_attention_supports,
 )
+from dspark_serve.verifier.block_manager import BlockManager
+from dspark_serve.verifier.config import ATTENTION_KINDS
 from dspark_serve.verifier.fast_forward import FastForwardMixin
 
 # Segments this short (decode/verify rounds) are attended together in one padded call per layer;

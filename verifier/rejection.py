@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark_serve.verifier.sampling import sample_from_uniforms
+from dspark_serve.ops.sampling import sample_from_uniforms
 
 # Below this residual mass p and q are equal up to rounding; sample from p instead.
 RESIDUAL_EPS = 1e-6

@@ -14,16 +14,16 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from dspark_serve.verifier.cpu_kernels import argmax_rows
-from dspark_serve.verifier.processors import TokenContext, needs_processing, process_block
-from dspark_serve.verifier.rejection import RejectionResult, greedy_verify, rejection_sample, verify_offsets
-from dspark_serve.verifier.sampling import (
+from dspark_serve.ops.cpu_kernels import argmax_rows
+from dspark_serve.ops.processors import TokenContext, needs_processing, process_block
+from dspark_serve.ops.sampling import (
     SamplingTensors,
     keyed_uniforms,
     probs_from_logits,
     sample_from_uniforms,
 )
-from dspark_serve.verifier.sampling_params import SamplingParams
+from dspark_serve.ops.sampling_params import SamplingParams
+from dspark_serve.verifier.rejection import RejectionResult, greedy_verify, rejection_sample, verify_offsets
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class VerifyRequest:
     draft_tokens: [K] int64, the drafts it verifies (K may be 0: plain decoding / first token).
     draft_probs: [K, V] float, the draft q each was sampled from, or None (one-hot q).
     context: the tokens (and grammar) its penalties / logit bias / constraint read, or None
-        when it has none (`verifier/processors.py`; row k sees drafts 0..k-1 too).
+        when it has none (`ops/processors.py`; row k sees drafts 0..k-1 too).
     position: for a seeded sampled request, the output position its first row samples: row k
         samples position + k with the uniform keyed by (seed, position + k)
         (`keyed_uniforms`), and a draft is kept only where it equals that sample, so the

@@ -6,7 +6,7 @@ context_kv, forward_block) with the kernels the target's fast forward uses.
   the C kernels the q / k head norms run with the rotary embedding in one pass (float32) or as
   one norm call over packed rows;
 - rotary tables are built once and read by position (the sign of rotate_half folded into sin);
-- attention reads the context K/V in place through the target's C kernel (verifier/cpu_kernels.py)
+- attention reads the context K/V in place through the target's C kernel (ops/cpu_kernels.py)
   where it builds (`forward_block_in_place`); otherwise two batched matmuls over (segment, kv
   head), the query heads of a group stacked as rows, over a copy of the context
   (`forward_block`; SDPA is slow on CPU for short bf16 queries);
@@ -31,7 +31,7 @@ import torch
 from dspark_serve.drafter.dspark_model.model import DSparkModel
 from dspark_serve.drafter.dspark_model.modules import DecoderLayer, MarkovHead
 from dspark_serve.drafter.dspark_model.ops import ACTIVATIONS, rope_cos_sin
-from dspark_serve.verifier.cpu_kernels import (
+from dspark_serve.ops.cpu_kernels import (
     DTYPE_CODES,
     DraftLayers,
     DraftLayerWeights,
@@ -42,7 +42,7 @@ from dspark_serve.verifier.cpu_kernels import (
     pack_small_gemm,
     paged_attention_supports,
 )
-from dspark_serve.verifier.fast_forward import FastRMSNorm, Linear, make_linear, mkldnn_linear_works
+from dspark_serve.ops.linear import FastRMSNorm, Linear, make_linear, mkldnn_linear_works
 
 
 def applies(model: DSparkModel) -> bool:
@@ -55,7 +55,7 @@ def prepacked_linears_pay(dtype: torch.dtype, device: torch.device) -> bool:
     """Linears packed once at load beat nn.Linear here: float32/bf16 on a CPU where the C
     kernels build, or bf16 on a CPU whose oneDNN takes it (nn.Linear would reorder the weight
     on every call)."""
-    from dspark_serve.verifier.cpu_kernels import load_kernels
+    from dspark_serve.ops.cpu_kernels import load_kernels
 
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False

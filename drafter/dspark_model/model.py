@@ -12,8 +12,8 @@ from dspark_serve.drafter.dspark_model.config import Calibration, DSparkConfig
 from dspark_serve.drafter.dspark_model.modules import ConfidenceHead, DecoderLayer, MarkovHead, RMSNorm
 from dspark_serve.drafter.dspark_model.ops import rope_cos_sin, rope_inv_freq
 from dspark_serve.drafter.dspark_model.sampling import GreedyWalk, SampledBlock, sample_block
-from dspark_serve.verifier.processors import TokenContext, process_next
-from dspark_serve.verifier.sampling_params import SamplingParams
+from dspark_serve.ops.processors import TokenContext, process_next
+from dspark_serve.ops.sampling_params import SamplingParams
 
 
 class DSparkModel(nn.Module):

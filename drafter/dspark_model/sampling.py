@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from dspark_serve.drafter.dspark_model.modules import MarkovHead
-from dspark_serve.verifier.processors import TokenContext, needs_processing
-from dspark_serve.verifier.sampling import SamplingTensors, probs_from_logits, sample
-from dspark_serve.verifier.sampling_params import SamplingParams
+from dspark_serve.ops.processors import TokenContext, needs_processing
+from dspark_serve.ops.sampling import SamplingTensors, probs_from_logits, sample
+from dspark_serve.ops.sampling_params import SamplingParams
 
 # (base_logits [B, K, V'], anchor [B]) -> (tokens, prev_tokens) [B, K], or None: not applicable
 GreedyWalk = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
@@ -56,7 +56,7 @@ def sample_block(
     contexts / shape: rows whose request has penalties, a logit bias or a grammar
     (`needs_processing`) get their step-k logits passed through shape(row, logits [V'],
     tokens drafted so far) before anything else, so q (and a greedy argmax) is the processed
-    distribution the verifier's p is compared with (verifier/processors.py).
+    distribution the verifier's p is compared with (ops/processors.py).
     greedy: (base_logits, anchor) -> (tokens, prev_tokens) target ids for a block whose rows
     are all greedy and unprocessed, the same argmax walk in one call (a C loop on CPUs,
     `fast.GreedyMarkov`), or None where it does not apply."""

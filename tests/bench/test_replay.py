@@ -6,7 +6,7 @@ import torch
 from bench.replay import ReplayDrafter
 from dspark_serve.drafter.base import AcceptedContext, DraftRequest
 from dspark_serve.drafter.registry import build_drafter
-from dspark_serve.verifier.sampling_params import SamplingParams
+from dspark_serve.ops.sampling_params import SamplingParams
 
 PROMPT = [5, 6, 7]
 REF = list(range(20, 60))

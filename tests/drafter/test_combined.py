@@ -5,7 +5,7 @@ import torch
 
 from dspark_serve.drafter.base import DraftProposal, DraftRequest
 from dspark_serve.drafter.combined import CombinedConfig, CombinedDrafter, expected_accepted
-from dspark_serve.verifier.sampling_params import SamplingParams
+from dspark_serve.ops.sampling_params import SamplingParams
 from tests.helpers import FakeDrafterBase
 
 

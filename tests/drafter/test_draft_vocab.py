@@ -11,13 +11,13 @@ import torch
 from dspark_serve.drafter.base import DraftRequest
 from dspark_serve.drafter.dspark_model import DSparkConfig, load_dspark, save_dspark
 from dspark_serve.drafter.registry import build_drafter
-from dspark_serve.drafter.training.cache import CachedSequence
-from dspark_serve.drafter.training.loss import LossConfig, dspark_loss
-from dspark_serve.drafter.training.train import build_draft_model, draft_vocabulary, vocabulary_coverage
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
-from dspark_serve.verifier.sampling_params import SamplingParams
+from dspark_serve.training.cache import CachedSequence
+from dspark_serve.training.loss import LossConfig, dspark_loss
+from dspark_serve.training.train import build_draft_model, draft_vocabulary, vocabulary_coverage
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
 from tests.scheduler.test_speculative import run
 

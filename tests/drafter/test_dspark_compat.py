@@ -19,7 +19,7 @@ from dspark_serve.drafter.dspark_model import (
     rope_inv_freq,
     save_dspark,
 )
-from dspark_serve.verifier.sampling_params import SamplingParams
+from dspark_serve.ops.sampling_params import SamplingParams
 from tests.drafter._ref import (
     TINY,
     deepspec_config,

@@ -14,9 +14,9 @@ from dspark_serve.drafter.dspark import DSparkDrafter, DSparkDrafterConfig
 from dspark_serve.drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
 from dspark_serve.drafter.dspark_model.fast import FastDraftBackbone
 from dspark_serve.drafter.registry import build_drafter
-from dspark_serve.verifier.cpu_kernels import load_kernels
-from dspark_serve.verifier.sampling import probs_from_logits
-from dspark_serve.verifier.sampling_params import SamplingParams
+from dspark_serve.ops.cpu_kernels import load_kernels
+from dspark_serve.ops.sampling import probs_from_logits
+from dspark_serve.ops.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 V, D, BS = 120, 48, 4
@@ -286,7 +286,7 @@ def test_bf16_layers_in_one_c_call_equal_the_python_loop(monkeypatch):
     if load_kernels() is None:
         pytest.skip("the in-place drafter attention needs the C kernels (a C compiler)")
     # products of up to 64 rows in the packed gemm (every stage below), whatever the CPU's default
-    monkeypatch.setattr("dspark_serve.verifier.fast_forward._gemm_rows_here", lambda: 64)
+    monkeypatch.setattr("dspark_serve.ops.linear._gemm_rows_here", lambda: 64)
     model = tiny_model().to(torch.bfloat16)
     in_c, loop = make_drafter(model, fast="in-place"), make_drafter(model, fast="in-place")
     assert in_c.backbone._driver is not None
@@ -502,7 +502,7 @@ def test_greedy_tail_in_one_c_call_equals_head_walk_and_confidence(truncated):
     bit for bit, and FastConfidence's logits to float32 rounding (the sum runs in C); a drafter
     uses it for greedy requests only, with the same drafts as without it."""
     from dspark_serve.drafter.dspark_model.fast import FastConfidence, GreedyMarkov, GreedyTail
-    from dspark_serve.verifier.fast_forward import make_linear
+    from dspark_serve.ops.linear import make_linear
 
     lib = load_kernels()
     if lib is None:

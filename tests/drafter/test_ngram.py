@@ -7,7 +7,7 @@ import torch
 from dspark_serve.drafter.base import DraftRequest
 from dspark_serve.drafter.ngram import NgramConfig, lookup_continuation, lookup_match
 from dspark_serve.drafter.registry import build_drafter
-from dspark_serve.verifier.sampling_params import SamplingParams
+from dspark_serve.ops.sampling_params import SamplingParams
 
 
 def req(tokens, max_draft=100, rid="r"):

@@ -17,11 +17,11 @@ from dspark_serve.drafter.online_calibration import (
     fit_platt,
 )
 from dspark_serve.drafter.registry import build_drafter
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.metrics import EngineMetrics
 from dspark_serve.scheduler.request import Request
-from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
 from tests.scheduler.test_speculative import random_dspark, run
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("server", "scheduler", "drafter", "verifier", "configs")
+FOLDERS = ("server", "scheduler", "drafter", "verifier", "ops", "training", "configs")
 
 
 def _declared_packages() -> list[str]:
@@ -60,8 +60,8 @@ def test_the_wheel_holds_one_namespace_and_no_generic_names(wheel):
         "dspark_serve/server/cli.py",
         "dspark_serve/configs/embedded.toml",
         "dspark_serve/server/static/index.html",
-        "dspark_serve/verifier/csrc/paged_attention.c",  # the CPU kernels build from these on first use
-        "dspark_serve/verifier/csrc/common.h",
+        "dspark_serve/ops/csrc/paged_attention.c",  # the CPU kernels build from these on first use
+        "dspark_serve/ops/csrc/common.h",
         "dspark_serve/drafter/checkpoints/smollm2-135m-dspark/config.json",
     ):
         assert must in names, must

@@ -2,11 +2,11 @@
 
 from types import SimpleNamespace
 
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.client import round_provenance
 from dspark_serve.scheduler.commit import append_tokens, eos_token_ids, token_records
 from dspark_serve.scheduler.detokenizer import IncrementalDetokenizer
 from dspark_serve.scheduler.request import Request
-from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer
 
 EOS = frozenset({256})

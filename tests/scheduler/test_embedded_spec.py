@@ -4,9 +4,9 @@ DFlash ablation and both drafters combined, under every policy."""
 
 import pytest
 
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.llm import LLM
 from dspark_serve.scheduler.policy import CostTable
-from dspark_serve.verifier.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # a real server, cluster, browser or the embedded model: -m "not slow" skips it
 

@@ -4,11 +4,11 @@ transformers' `generate` gives it alone; KV blocks all come back; stops are exac
 import pytest
 import torch
 
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine, RequestRejected
 from dspark_serve.scheduler.request import Request
 from dspark_serve.verifier.model_runner import Segment
-from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)

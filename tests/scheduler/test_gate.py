@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from dspark_serve.drafter.base import DraftProposal
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.gate import DraftGate
 from dspark_serve.scheduler.request import Request
-from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, FakeDrafterBase, hf_greedy, runner_for, tiny_model
 
 

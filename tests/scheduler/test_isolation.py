@@ -7,11 +7,11 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from dspark_serve.drafter.ngram import NgramConfig, NgramDrafter
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine, RequestRejected
 from dspark_serve.scheduler.metrics import EngineMetrics
 from dspark_serve.scheduler.request import Request
-from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, runner_for, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)

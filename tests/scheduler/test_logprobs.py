@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from bench.replay import ReplayDrafter
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
-from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
 
 TOL = 2e-4  # float32, different batch shapes (flat verify rows vs one row)

@@ -10,11 +10,11 @@ import torch
 import dspark_serve.verifier.verify as verify_mod
 from dspark_serve.drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
 from dspark_serve.drafter.registry import build_drafter
+from dspark_serve.ops.processors import TokenContext, process_block
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
-from dspark_serve.verifier.processors import TokenContext, process_block
-from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, runner_for, tiny_model
 from tests.scheduler.test_speculative import (
     VOCAB,

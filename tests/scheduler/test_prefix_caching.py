@@ -11,10 +11,10 @@ import torch
 
 from dspark_serve.drafter.base import DraftRequest
 from dspark_serve.drafter.registry import build_drafter
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request, Status
-from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, runner_for, tiny_model
 from tests.scheduler.test_speculative import random_dspark
 

@@ -6,12 +6,12 @@ import math
 
 import torch
 
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler import profile
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.policy import CostTable
 from dspark_serve.scheduler.request import Request
-from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, FakeDrafterBase, runner_for, tiny_model
 
 

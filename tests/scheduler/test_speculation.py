@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from dspark_serve.drafter.base import DraftProposal
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.load import LoadState
 from dspark_serve.scheduler.request import Request, Status
 from dspark_serve.scheduler.speculation import Speculation
-from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import FakeDrafterBase
 
 

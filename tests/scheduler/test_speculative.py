@@ -16,12 +16,12 @@ from dspark_serve.drafter.base import DraftProposal
 from dspark_serve.drafter.combined import CombinedDrafter
 from dspark_serve.drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
 from dspark_serve.drafter.registry import build_drafter
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.metrics_sink import NullMetrics
 from dspark_serve.scheduler.request import Request
 from dspark_serve.verifier.rejection import greedy_verify, rejection_sample
-from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, FakeDrafterBase, hf_greedy, runner_for, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)

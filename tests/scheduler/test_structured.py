@@ -13,10 +13,10 @@ import torch
 
 import dspark_serve.verifier.verify as verify_mod
 from dspark_serve.drafter.registry import build_drafter
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
-from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, runner_for, tiny_model
 from tests.scheduler.test_penalties import dspark_drafter
 from tests.scheduler.test_speculative import broken_rejection_sample, run

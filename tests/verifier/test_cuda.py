@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
-from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, runner_for, tiny_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

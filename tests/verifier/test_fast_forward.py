@@ -6,15 +6,16 @@ import random
 import pytest
 import torch
 
-import dspark_serve.verifier.cpu_kernels as kernels
+import dspark_serve.ops.cpu_kernels as kernels
+import dspark_serve.ops.linear as ops_linear
 import dspark_serve.verifier.fast_forward as ff
+from dspark_serve.ops.cpu_kernels import PagedAttention, float32_attention_row_invariant, load_kernels
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
 from dspark_serve.verifier.config import ModelConfig
-from dspark_serve.verifier.cpu_kernels import PagedAttention, float32_attention_row_invariant, load_kernels
 from dspark_serve.verifier.model_runner import ModelRunner, Segment
-from dspark_serve.verifier.sampling_params import SamplingParams
 from tests.helpers import ByteTokenizer, hf_greedy, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -163,8 +164,8 @@ def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, a
 
 
 def test_torch_linear_fallback_when_onednn_is_unavailable(monkeypatch):
-    monkeypatch.setattr(ff, "mkldnn_linear_works", lambda dtype, device: False)
-    monkeypatch.setattr("dspark_serve.verifier.cpu_kernels.load_kernels", lambda: None)  # no C kernel
+    monkeypatch.setattr("dspark_serve.ops.linear.mkldnn_linear_works", lambda dtype, device: False)
+    monkeypatch.setattr("dspark_serve.ops.cpu_kernels.load_kernels", lambda: None)  # no C kernel
     model = tiny_model("qwen2")
     runner = ModelRunner(model, 64, 4, impl="fast", linear="auto")
     assert runner.linear_kind == "torch" and "torch" in runner.describe()
@@ -179,13 +180,15 @@ def test_torch_linear_fallback_when_onednn_is_unavailable(monkeypatch):
     assert r.output_ids == hf_greedy(model, prompt, 10)
 
 
-@pytest.mark.skipif(not ff.mkldnn_linear_works(torch.float32, torch.device("cpu")), reason="no oneDNN")
+@pytest.mark.skipif(
+    not ops_linear.mkldnn_linear_works(torch.float32, torch.device("cpu")), reason="no oneDNN"
+)
 def test_auto_picks_onednn_on_cpu_and_reference_uses_modules(monkeypatch):
-    from dspark_serve.verifier.cpu_kernels import load_kernels
+    from dspark_serve.ops.cpu_kernels import load_kernels
 
     # the C kernel where it builds, oneDNN where it does not
     assert ModelRunner(tiny_model("llama"), 64, 4).linear_kind == ("gemm" if load_kernels() else "mkldnn")
-    monkeypatch.setattr("dspark_serve.verifier.cpu_kernels.load_kernels", lambda: None)
+    monkeypatch.setattr("dspark_serve.ops.cpu_kernels.load_kernels", lambda: None)
     assert ModelRunner(tiny_model("llama"), 64, 4).linear_kind == "mkldnn"
     assert ModelRunner(tiny_model("llama"), 64, 4, impl="reference").describe() == "reference"
 
@@ -302,9 +305,9 @@ def test_rms_norm_float32_is_functional_rms_norm_and_bf16_mirrors_layer_norm():
     torch.manual_seed(0)
     w = torch.rand(48) + 0.5
     x = torch.randn(5, 48) * 3
-    f32 = ff.FastRMSNorm(w, 1e-6)
+    f32 = ops_linear.FastRMSNorm(w, 1e-6)
     assert f32.w2 is None and torch.equal(f32(x), torch.nn.functional.rms_norm(x, (48,), w, 1e-6))
-    bf = ff.FastRMSNorm(w.bfloat16(), 1e-6)
+    bf = ops_linear.FastRMSNorm(w.bfloat16(), 1e-6)
     assert bf.w2 is not None  # LayerNorm over [x, -x]: one fused kernel on CPU
     got = bf(x.bfloat16())
     assert got.shape == (5, 48) and got.dtype == torch.bfloat16

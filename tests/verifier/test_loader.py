@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_serve.verifier.loader import NATIVE_BF16_CPU_FLAGS, choose_dtype, cpu_flags
+from dspark_serve.ops.platform import cpu_flags
+from dspark_serve.verifier.loader import NATIVE_BF16_CPU_FLAGS, choose_dtype
 
 CPU = torch.device("cpu")
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})

@@ -9,8 +9,8 @@ classic bugs, which shows its threshold can fail.
 import pytest
 import torch
 
+from dspark_serve.ops.sampling import probs_from_logits, sample
 from dspark_serve.verifier.rejection import greedy_verify, rejection_sample, verify_offsets
-from dspark_serve.verifier.sampling import probs_from_logits, sample
 from tests.verifier._padded import padded_rejection_sample
 
 V = 5  # vocabulary

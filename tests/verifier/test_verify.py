@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dspark_serve.verifier.sampling_params import SamplingParams
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.verifier.verify import VerifyRequest, build_verify_inputs, verify
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -116,7 +116,7 @@ def test_keyed_rows_emit_plain_samplings_tokens_whatever_was_drafted():
     """A keyed request's tokens are the keyed samples of its rows (plain decoding's, position
     by position) up to and including the first draft that differs, whatever its drafts, their q
     or its neighbours; the same key gives the same tokens, another key others."""
-    from dspark_serve.verifier.sampling import keyed_uniforms, sample_from_uniforms
+    from dspark_serve.ops.sampling import keyed_uniforms, sample_from_uniforms
 
     torch.manual_seed(0)
     sp = SamplingParams(temperature=1.0, seed=123)

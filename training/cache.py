@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from dspark_serve.drafter.training.data import (
+from dspark_serve.training.data import (
     SHARD_PATTERN,
     Sample,
     is_holdout,

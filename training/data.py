@@ -277,8 +277,8 @@ def run_gen_data(
 
     Shards are fed back to back: the next shard's prompts join as soon as the engine has free
     sequence slots, so the batch never drains between shards. Returns the number of shards."""
+    from dspark_serve.ops.sampling_params import SamplingParams
     from dspark_serve.scheduler.request import Request
-    from dspark_serve.verifier.sampling_params import SamplingParams
 
     data_dir = Path(cfg.out_dir) / "data"
     cache_dir = Path(cfg.out_dir) / "cache"

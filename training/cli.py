@@ -19,8 +19,8 @@ import logging
 import sys
 from pathlib import Path
 
-from dspark_serve.drafter.training.loss import CE_LABELS
-from dspark_serve.drafter.training.progress import Progress
+from dspark_serve.training.loss import CE_LABELS
+from dspark_serve.training.progress import Progress
 
 # The embedded target: 30 decoder layers; five taps spread over them (never the last layer,
 # whose output is the target's own prediction).
@@ -44,11 +44,11 @@ def _set_threads(n: int) -> None:
 
 
 def cmd_gen_data(a: argparse.Namespace) -> None:
-    from dspark_serve.drafter.training.data import GenDataConfig, TapCapture, run_gen_data
     from dspark_serve.scheduler.llm import LLM
+    from dspark_serve.training.data import GenDataConfig, TapCapture, run_gen_data
 
     _set_threads(a.threads)
-    from dspark_serve.drafter.training.data import TRAIN_PROMPTS
+    from dspark_serve.training.data import TRAIN_PROMPTS
 
     cfg = GenDataConfig(
         prompts=a.prompts or str(TRAIN_PROMPTS),
@@ -89,7 +89,7 @@ def _load_target(a: argparse.Namespace):
 
 
 def cmd_cache_target(a: argparse.Namespace) -> None:
-    from dspark_serve.drafter.training.cache import run_cache_target
+    from dspark_serve.training.cache import run_cache_target
 
     _set_threads(a.threads)
     target = _load_target(a)
@@ -121,9 +121,9 @@ def cmd_train(a: argparse.Namespace) -> None:
 
     import torch
 
-    from dspark_serve.drafter.training.cache import load_cache
-    from dspark_serve.drafter.training.loss import LossConfig
-    from dspark_serve.drafter.training.train import (
+    from dspark_serve.training.cache import load_cache
+    from dspark_serve.training.loss import LossConfig
+    from dspark_serve.training.train import (
         TrainConfig,
         build_draft_model,
         draft_model_from_checkpoint,
@@ -252,8 +252,8 @@ def _score_checkpoints(a: argparse.Namespace, model, work: Path, tcfg, lcfg, tar
     started before held-out scoring existed gets its curve afterwards) -> <work>/held_out.json."""
     from dataclasses import asdict
 
-    from dspark_serve.drafter.training.cache import load_cache
-    from dspark_serve.drafter.training.train import evaluate_held_out, load_step_weights
+    from dspark_serve.training.cache import load_cache
+    from dspark_serve.training.train import evaluate_held_out, load_step_weights
 
     held = load_cache(Path(a.out) / "cache", holdout=True, holdout_every=a.holdout_every)[: a.held_out_seqs]
     if not held:
@@ -284,8 +284,8 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
     import torch
 
     from dspark_serve.drafter.dspark_model import Calibration, save_calibration
-    from dspark_serve.drafter.training.cache import load_cache
-    from dspark_serve.drafter.training.calibrate import (
+    from dspark_serve.training.cache import load_cache
+    from dspark_serve.training.calibrate import (
         STSConfig,
         collect_confidences,
         cumulative_survival,
@@ -294,7 +294,7 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
         pooled_ece,
         position_metrics,
     )
-    from dspark_serve.drafter.training.evaluate import summarize_positions, write_json
+    from dspark_serve.training.evaluate import summarize_positions, write_json
 
     _set_threads(a.threads)
     target = _load_target(a)
@@ -338,7 +338,7 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
 
 
 def cmd_export(a: argparse.Namespace) -> None:
-    from dspark_serve.drafter.training.export import directory_size, export_drafter
+    from dspark_serve.training.export import directory_size, export_drafter
 
     src = a.drafter or str(Path(a.out) / "train" / a.name / "final")
     target = _load_target(a)
@@ -355,7 +355,7 @@ def cmd_export(a: argparse.Namespace) -> None:
 
 
 def cmd_evaluate(a: argparse.Namespace) -> None:
-    from dspark_serve.drafter.training.evaluate import run_evaluation
+    from dspark_serve.training.evaluate import run_evaluation
 
     _set_threads(a.threads)
     target = _load_target(a)

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from dspark_serve.drafter.training.cache import load_cache, target_states
-from dspark_serve.drafter.training.data import GenDataConfig, TapCapture, load_samples, run_gen_data
 from dspark_serve.scheduler.llm import LLM
+from dspark_serve.training.cache import load_cache, target_states
+from dspark_serve.training.data import GenDataConfig, TapCapture, load_samples, run_gen_data
 
 TAPS = (1, 7, 14)
 PROMPTS = [
@@ -70,7 +70,7 @@ def test_gen_data_matches_plain_greedy_and_full_forward(llm, tmp_path):
 
 
 def test_plan_batches_keeps_the_length_window_and_rejects_an_empty_one():
-    from dspark_serve.drafter.training.data import plan_batches
+    from dspark_serve.training.data import plan_batches
 
     lengths = [5, 10, 11, 20, 21, 30]
     prompt_ids = [[0] * n for n in lengths]
@@ -87,7 +87,7 @@ def test_plan_batches_keeps_the_length_window_and_rejects_an_empty_one():
 def test_token_shards_are_compact_read_back_exactly_and_old_shards_still_load(tmp_path):
     import random
 
-    from dspark_serve.drafter.training.data import (
+    from dspark_serve.training.data import (
         Sample,
         compact_shards,
         read_token_shard,

@@ -9,7 +9,7 @@
  * read once per call. Rows of x are taken 16 at a time, so the weights of a block are read
  * again (from cache) only past 16 rows. Accumulation is float32, the output rounded once.
  *
- * Built with verifier/csrc/paged_attention.c into one library by verifier/cpu_kernels.py. */
+ * Built with ops/csrc/paged_attention.c into one library by ops/cpu_kernels.py. */
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512BF16__) || defined(__AVX2__) || defined(__AVX512F__) || defined(__AMX_TILE__)

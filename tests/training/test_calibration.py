@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dspark_serve.drafter.training.calibrate import (
+from dspark_serve.training.calibrate import (
     STSConfig,
     auc,
     cumulative_survival,

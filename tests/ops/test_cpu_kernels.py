@@ -1,4 +1,4 @@
-"""The C small-row matmul (verifier/csrc/small_gemm.c) against a float64 reference, its routing
+"""The C small-row matmul (ops/csrc/small_gemm.c) against a float64 reference, its routing
 (bf16 rows above the limit go to oneDNN), the float32 kernel's batch invariance and its
 selection by `make_linear`. The paged attention kernel is held to a dense reference in
 test_fast_forward.py."""
@@ -6,10 +6,10 @@ test_fast_forward.py."""
 import pytest
 import torch
 
-import dspark_serve.verifier.fast_forward as ff
+import dspark_serve.ops.linear as ff
+from dspark_serve.ops.cpu_kernels import FALLBACK_ROW_BUCKET, SmallGemmLinear, argmax_rows, load_kernels
+from dspark_serve.ops.platform import cpu_flags
 from dspark_serve.verifier.config import ModelConfig
-from dspark_serve.verifier.cpu_kernels import FALLBACK_ROW_BUCKET, SmallGemmLinear, argmax_rows, load_kernels
-from dspark_serve.verifier.loader import cpu_flags
 from dspark_serve.verifier.model_runner import ModelRunner, Segment
 from tests.helpers import tiny_model
 
@@ -111,7 +111,7 @@ def test_make_linear_picks_gemm_on_cpu_only(lib, monkeypatch):
     above = "mkldnn" if ff.mkldnn_linear_works(torch.bfloat16, torch.device("cpu")) else "torch"
     assert ff.make_linear(w.bfloat16(), None, "auto", "none").fallback.kind == above
     # without a compiler auto falls back to the same (and gemm asked for is an error)
-    monkeypatch.setattr("dspark_serve.verifier.cpu_kernels.load_kernels", lambda: None)
+    monkeypatch.setattr("dspark_serve.ops.cpu_kernels.load_kernels", lambda: None)
     assert ff.make_linear(w.bfloat16(), None, "auto", "none").kind == above
     with pytest.raises(ValueError, match="gemm"):
         ff.make_linear(w.bfloat16(), None, "gemm", "none")
@@ -170,7 +170,7 @@ def test_bf16_decode_and_verify_steps_through_gemm_track_the_reference(lib):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rmsnorm_and_silu_mul_match_torch(lib, dtype):
-    from dspark_serve.verifier.cpu_kernels import FusedElementwise
+    from dspark_serve.ops.cpu_kernels import FusedElementwise
 
     g = torch.Generator().manual_seed(3)
     E = FusedElementwise(lib)
@@ -200,7 +200,7 @@ def test_add_rmsnorm_and_silu_mul_match_torch(lib, dtype):
 def test_norm_rope_matches_the_norm_then_rotary_in_float64(lib):
     """The drafter's q/k head norm and rotary in one pass: heads read at token and head strides
     (a view into fused qkv rows), against float64 maths; other dtypes are declined (None)."""
-    from dspark_serve.verifier.cpu_kernels import FusedElementwise
+    from dspark_serve.ops.cpu_kernels import FusedElementwise
 
     g = torch.Generator().manual_seed(4)
     E = FusedElementwise(lib)
@@ -253,7 +253,7 @@ def test_float32_steps_run_the_fused_layer_loop_and_track_the_reference(lib):
 def test_rope_store_rotates_q_in_place_and_writes_k_v_at_their_slots(lib, dtype):
     """The fused rotary + K/V write against the fast forward's torch maths (float64 reference,
     one rounding), on views into a fused qkv row, with slots in any order; other slots untouched."""
-    from dspark_serve.verifier.cpu_kernels import RopeStore
+    from dspark_serve.ops.cpu_kernels import RopeStore
 
     H, Hkv, D, T, slots_total = 6, 2, 32, 5, 40
     g = torch.Generator().manual_seed(7)
@@ -313,7 +313,7 @@ def test_attention_runs_on_the_tiles_where_the_matmul_does(lib):
     """Both kernels ask for the tile state the same way, so a build for a CPU with AMX runs bf16
     attention of many query rows on the tiles exactly where the matmul runs on them (the dense
     checks of tests/verifier/test_fast_forward.py then test that path here, and the no-AMX build
-    of tests/verifier/test_kernel_builds.py the AVX512 one)."""
+    of tests/ops/test_kernel_builds.py the AVX512 one)."""
     assert lib.paged_attention_tiles() == lib.small_gemm_tiles()
     if "amx_bf16" not in cpu_flags() or "amx_tile" not in cpu_flags():
         assert lib.paged_attention_tiles() == 0

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_serve.verifier.processors import TokenContext, process_block, process_next
-from dspark_serve.verifier.sampling import SamplingTensors, probs_from_logits
-from dspark_serve.verifier.sampling_params import SamplingParams
+from dspark_serve.ops.processors import TokenContext, process_block, process_next
+from dspark_serve.ops.sampling import SamplingTensors, probs_from_logits
+from dspark_serve.ops.sampling_params import SamplingParams
 
 
 def naive(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], history: list[int]) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark_serve.drafter.training.plots import save_png
+from dspark_serve.training.plots import save_png
 
 
 @dataclass(frozen=True)
@@ -224,9 +224,9 @@ def collect_confidences(
 ) -> ConfidenceSamples:
     """Run the drafter teacher-forced over held-out cached sequences (one at a time).
     `target_head`: the target's full LM head (default the drafter's, when not truncated)."""
-    from dspark_serve.drafter.training.cache import make_batch
-    from dspark_serve.drafter.training.loss import acceptance_rate
-    from dspark_serve.drafter.training.train import block_hidden
+    from dspark_serve.training.cache import make_batch
+    from dspark_serve.training.loss import acceptance_rate
+    from dspark_serve.training.train import block_hidden
 
     gen = torch.Generator().manual_seed(seed)
     bs = model.config.block_size

@@ -22,7 +22,7 @@
  * transposed once for many (attend_item_tiled).
  *
  * dtype: 0 float32, 1 bfloat16 (round to nearest even on output). Built with -O3 and
- * -march=native by verifier/cpu_kernels.py; no torch headers, called through ctypes. */
+ * -march=native by ops/cpu_kernels.py; no torch headers, called through ctypes. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>

@@ -73,7 +73,7 @@ class NeuralDrafter:
     def propose(
         self, history: list[int], pos: int, k: int, temperature: float, gen: torch.Generator
     ) -> Proposal:
-        from dspark_serve.verifier.sampling_params import SamplingParams
+        from dspark_serve.ops.sampling_params import SamplingParams
 
         m = self.model
         anchor = torch.tensor([history[-1]])
@@ -308,13 +308,13 @@ def run_evaluation(
     `<results_dir>/summary.json` and reliability diagrams. Finished (dataset, temperature,
     drafter) runs are kept under `<results_dir>/runs/` and skipped when resuming."""
     from dspark_serve.drafter.dspark_model import load_dspark
-    from dspark_serve.drafter.training.calibrate import (
+    from dspark_serve.training.calibrate import (
         cumulative_survival,
         plot_reliability,
         pooled_ece,
         position_metrics,
     )
-    from dspark_serve.drafter.training.data import dev_sets, encode_chat, read_prompts
+    from dspark_serve.training.data import dev_sets, encode_chat, read_prompts
 
     results = Path(results_dir)
     (results / "runs").mkdir(parents=True, exist_ok=True)
@@ -336,7 +336,7 @@ def run_evaluation(
     jobs = [(f, t, n) for f in files for t in temperatures for n in evals]
     bar = None
     if progress_out is not None:
-        from dspark_serve.drafter.training.progress import Progress
+        from dspark_serve.training.progress import Progress
 
         bar = Progress(progress_out, "evaluate", len(jobs), "run")
     table: dict[str, dict] = {}

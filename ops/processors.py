@@ -11,7 +11,7 @@ shapes its q with the same functions (its drafted prefix standing in for the dra
 Semantics follow vLLM and the OpenAI API: logit_bias is added to the raw logits; repetition
 penalty (HF style: positive logits divided, negative multiplied) covers prompt and output
 tokens; frequency (times the count) and presence (once) penalties cover output tokens only;
-then temperature, min_p, top-k, top-p (verifier/sampling.py).
+then temperature, min_p, top-k, top-p (ops/sampling.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from dspark_serve.verifier.sampling_params import SamplingParams
+from dspark_serve.ops.sampling_params import SamplingParams
 
 
 class TokenConstraint(Protocol):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dspark_serve.drafter.dspark_model import Calibration, DSparkConfig, load_dspark
-from dspark_serve.drafter.training.cache import (
+from dspark_serve.training.cache import (
     CachedSequence,
     anchored_batch,
     block_targets,
@@ -19,10 +19,10 @@ from dspark_serve.drafter.training.cache import (
     sample_anchors,
     target_states,
 )
-from dspark_serve.drafter.training.evaluate import NeuralDrafter, NgramEvalDrafter, speculative_generate
-from dspark_serve.drafter.training.export import export_drafter
-from dspark_serve.drafter.training.loss import LossConfig, dspark_loss, position_weights
-from dspark_serve.drafter.training.train import (
+from dspark_serve.training.evaluate import NeuralDrafter, NgramEvalDrafter, speculative_generate
+from dspark_serve.training.export import export_drafter
+from dspark_serve.training.loss import LossConfig, dspark_loss, position_weights
+from dspark_serve.training.train import (
     TrainConfig,
     build_draft_model,
     evaluate_held_out,
@@ -273,7 +273,7 @@ def test_training_starts_from_an_exported_drafter(tmp_path):
     trainable float32 model with its own config and d2t map, the same logits as the one
     exported, the target's embedding shared and frozen; training it goes on lowering the loss.
     An export whose weights do not fit its config is refused."""
-    from dspark_serve.drafter.training.train import draft_model_from_checkpoint
+    from dspark_serve.training.train import draft_model_from_checkpoint
 
     target = _tiny_target()
     d2t = torch.tensor([0, 1, 2, *range(3, 96, 2)])
@@ -338,7 +338,7 @@ def test_a_grown_drafter_computes_what_it_grew_from_and_its_new_capacity_learns(
     wider Markov head) gives the same logits and confidences as the trained one it grew from,
     training reaches its new weights (the new layer's output projections leave zero, the new
     Markov columns' W2 too) and lowers the loss; shrinking is refused."""
-    from dspark_serve.drafter.training.train import grow_draft_model, grown_config
+    from dspark_serve.training.train import grow_draft_model, grown_config
 
     target, seqs, head, model, tcfg, fixed = _trained_tiny_drafter(tmp_path)
     model.calibration = Calibration((1.5, 2.0, 0.7, 3.0))
@@ -370,7 +370,7 @@ def test_a_converted_markov_head_keeps_the_bias_and_its_new_inputs_learn(tmp_pat
     within the conversion's small tanh error) gives the logits and confidences it gave, and
     training reaches the weights that read the backbone's hidden state and the recurrent
     state (zero at conversion), lowering the loss; only a vanilla head converts."""
-    from dspark_serve.drafter.training.train import grow_draft_model, grown_config
+    from dspark_serve.training.train import grow_draft_model, grown_config
 
     target, seqs, head, model, tcfg, fixed = _trained_tiny_drafter(tmp_path)
     conv = grow_draft_model(model, target, markov_head_type=kind)
@@ -466,9 +466,9 @@ def test_eval_loop_is_lossless_greedy(kind):
 def test_training_data_joins_work_directories_and_keeps_held_out_shards_apart(tmp_path):
     """`dspark-train train --extra-data`: every folder's training shards join, held-out shards
     (every n-th) stay out, and the memory-mapped load gives back exactly what was saved."""
-    from dspark_serve.drafter.training.cli import build_parser
-    from dspark_serve.drafter.training.data import SHARD_PATTERN, save_atomic
-    from dspark_serve.drafter.training.train import load_train_data
+    from dspark_serve.training.cli import build_parser
+    from dspark_serve.training.data import SHARD_PATTERN, save_atomic
+    from dspark_serve.training.train import load_train_data
 
     def shard(first_id: int) -> dict:
         ids = [torch.arange(first_id, first_id + 6), torch.arange(first_id, first_id + 5)]

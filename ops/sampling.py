@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_serve.verifier.cpu_kernels import argmax_rows
-from dspark_serve.verifier.sampling_params import SamplingParams
+from dspark_serve.ops.cpu_kernels import argmax_rows
+from dspark_serve.ops.sampling_params import SamplingParams
 
 # Temperatures below this are greedy; matches SamplingParams.greedy.
 GREEDY_EPS = 1e-5

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark_serve.verifier.cpu_kernels import _cpu_flags, find_compiler
+from dspark_serve.ops.cpu_kernels import _cpu_flags, find_compiler
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
@@ -28,7 +28,7 @@ NO_AVX512 = [
 ]
 NO_AVX = [*NO_AVX512, "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx"]
 TESTS = [
-    "tests/verifier/test_cpu_kernels.py",
+    "tests/ops/test_cpu_kernels.py",
     "tests/verifier/test_fast_forward.py",
     "tests/drafter/test_dspark_serving.py",
 ]
@@ -36,7 +36,7 @@ TESTS = [
 BUILDS = {"avx2": (NO_AVX512, "avx512f"), "no-avx": (NO_AVX, "avx2"), "no-amx": (NO_AMX, "amx_tile")}
 CHILD = """
 import sys
-import dspark_serve.verifier.cpu_kernels as ck
+import dspark_serve.ops.cpu_kernels as ck
 ck.CFLAGS = ck.CFLAGS + tuple(sys.argv[1].split())
 assert ck.load_kernels() is not None, "the narrower build failed"
 import pytest

@@ -27,7 +27,7 @@ class SamplingParams:
     repetition_penalty: tokens of the prompt or the output get positive logits divided by it and
         negative ones multiplied by it (1.0 = off).
     logit_bias: (token id, bias) pairs added to the raw logits (empty = off).
-    The penalties and the bias apply to the raw logits, before temperature (verifier/processors.py).
+    The penalties and the bias apply to the raw logits, before temperature (ops/processors.py).
     """
 
     temperature: float = 1.0

@@ -31,19 +31,19 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from dspark_serve.verifier.loader import default_cache_dir
-
-if TYPE_CHECKING:
-    from dspark_serve.verifier.fast_forward import Linear
+from dspark_serve.ops.platform import default_cache_dir
 
 log = logging.getLogger(__name__)
+
+# A linear layer as the gemm wrapper sees its fallback: [N, in] -> [N, out].
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
@@ -507,7 +507,12 @@ class SmallGemmLinear:
     kind = "gemm"
 
     def __init__(
-        self, lib: ctypes.CDLL, w: torch.Tensor, b: torch.Tensor | None, fallback: Linear, max_rows: int
+        self,
+        lib: ctypes.CDLL,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        fallback: Callable[[torch.Tensor], torch.Tensor],
+        max_rows: int,
     ) -> None:
         bf16 = w.dtype == torch.bfloat16
         odd_bf16 = bf16 and w.dim() == 2 and w.shape[1] % 2 == 1

@@ -6,7 +6,7 @@ import io
 
 from PIL import Image
 
-from dspark_serve.drafter.training.plots import save_png
+from dspark_serve.training.plots import save_png
 
 
 class _Figure:

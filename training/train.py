@@ -28,7 +28,7 @@ from dspark_serve.drafter.dspark_model import (
     save_dspark,
 )
 from dspark_serve.drafter.dspark_model.modules import MarkovHead
-from dspark_serve.drafter.training.cache import (
+from dspark_serve.training.cache import (
     CachedSequence,
     PaddedSequences,
     TrainBatch,
@@ -38,7 +38,7 @@ from dspark_serve.drafter.training.cache import (
     pad_sequences,
     sample_anchors,
 )
-from dspark_serve.drafter.training.loss import LossConfig, LossOutput, dspark_loss
+from dspark_serve.training.loss import LossConfig, LossOutput, dspark_loss
 
 
 @dataclass(frozen=True)

@@ -3,14 +3,14 @@ import math
 import pytest
 import torch
 
-from dspark_serve.verifier.sampling import (
+from dspark_serve.ops.sampling import (
     SamplingTensors,
     probs_from_logits,
     sample,
     sample_from_uniforms,
     token_logprobs,
 )
-from dspark_serve.verifier.sampling_params import SamplingParams
+from dspark_serve.ops.sampling_params import SamplingParams
 
 
 def _params(n, temperature=1.0, top_p=1.0, top_k=0):
@@ -151,7 +151,7 @@ def test_bad_shape_raises():
 
 
 def test_keyed_uniforms_are_a_function_of_seed_and_position():
-    from dspark_serve.verifier.sampling import keyed_uniforms
+    from dspark_serve.ops.sampling import keyed_uniforms
 
     u = keyed_uniforms(7, range(1000))
     assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
