@@ -15,10 +15,11 @@ import torch
 from bench.models import ByteTokenizer, hf_greedy, runner_for, tiny_model
 from bench.replay import ReplayDrafter
 from dspark_serve.ops.sampling_params import SamplingParams
+from dspark_serve.scheduler.block_manager import BlockManager
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
-from dspark_serve.verifier.model_runner import ModelRunner, Segment
+from dspark_serve.verifier.model_runner import ModelRunner
 from dspark_serve.verifier.rejection import rejection_sample
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -71,7 +72,7 @@ def check_greedy_equality(device: torch.device, n: int = 24) -> CheckResult:
             "equal": out == plain,
             "accepted": sum(r.spec.accepted for r in reqs),
             "rounds": sum(r.spec.rounds for r in reqs),
-            "kv_freed": engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks,
+            "kv_freed": engine.blocks.num_free_blocks == engine.blocks.num_blocks,
         }
     del engine
     dsp = random_dspark(model, dataclasses.replace(TINY_A, vocab_size=257), block_size=5)
@@ -79,7 +80,7 @@ def check_greedy_equality(device: torch.device, n: int = 24) -> CheckResult:
     runs["dspark-random/static:5"] = {
         "equal": out == plain,
         "drafted": sum(r.spec.drafted for r in reqs),
-        "kv_freed": engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks,
+        "kv_freed": engine.blocks.num_free_blocks == engine.blocks.num_blocks,
     }
     passed = (
         plain == hf
@@ -158,22 +159,24 @@ def check_paged_kv_rollback(device: torch.device, dtype: torch.dtype = torch.flo
     kept = drafts[:2]
 
     a = ModelRunner(model, num_blocks=16, block_size=4)
-    a.blocks.append("a", len(prompt))
-    a.forward([Segment("a", prompt, 0, len(prompt))])
-    a.blocks.append("a", len(drafts))
-    a.forward([Segment("a", drafts, len(prompt), len(drafts))])
-    before = a.blocks.num_free_blocks
-    a.blocks.truncate("a", len(prompt) + len(kept))
-    freed = a.blocks.num_free_blocks - before
-    a.blocks.append("b", 12)  # takes the freed blocks and overwrites them
-    a.forward([Segment("b", list(range(100, 112)), 0, 12)])
-    a.blocks.append("a", 1)
-    got = a.forward([Segment("a", [nxt], len(prompt) + len(kept), 0)]).logits[-1]
+    ka = BlockManager(a.kv.num_blocks, a.kv.block_size)
+    ka.append("a", len(prompt))
+    a.forward([ka.segment("a", prompt, 0, len(prompt))])
+    ka.append("a", len(drafts))
+    a.forward([ka.segment("a", drafts, len(prompt), len(drafts))])
+    before = ka.num_free_blocks
+    ka.truncate("a", len(prompt) + len(kept))
+    freed = ka.num_free_blocks - before
+    ka.append("b", 12)  # takes the freed blocks and overwrites them
+    a.forward([ka.segment("b", list(range(100, 112)), 0, 12)])
+    ka.append("a", 1)
+    got = a.forward([ka.segment("a", [nxt], len(prompt) + len(kept), 0)]).logits[-1]
 
     seq = prompt + kept + [nxt]
     b = ModelRunner(model, num_blocks=16, block_size=4)
-    b.blocks.append("a", len(seq))
-    want = b.forward([Segment("a", seq, 0, len(seq) - 1)]).logits[-1]
+    kb = BlockManager(b.kv.num_blocks, b.kv.block_size)
+    kb.append("a", len(seq))
+    want = b.forward([kb.segment("a", seq, 0, len(seq) - 1)]).logits[-1]
     err = (got - want).abs().max().item()
     tol = 1e-3 if dtype == torch.float32 else 5e-2 * want.abs().max().item()
     same_argmax = int(got.argmax()) == int(want.argmax())

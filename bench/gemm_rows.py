@@ -52,7 +52,7 @@ def main() -> None:
     runner = LLM(
         drafter="none", dtype=args.dtype, linear="gemm", max_model_len=512, kv_cache_tokens=1024
     ).engine.runner
-    gemm = [lin for L in runner.fast_layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
+    gemm = runner.forward_impl.weights.products()
     for lin in gemm:
         lin.max_rows = max(args.rows)  # the kernel at every row count asked for
     if dtype == torch.bfloat16:

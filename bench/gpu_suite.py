@@ -479,7 +479,7 @@ class Suite:
                         )
                         if plain
                         else None,
-                        kv_free_after=m.runner.blocks.num_free_blocks == m.runner.blocks.num_blocks,
+                        kv_free_after=eng.blocks.num_free_blocks == eng.blocks.num_blocks,
                     )
                     res["rows"].append(row)
                     print(
@@ -577,8 +577,8 @@ class Suite:
         out: dict = {"steps_per_point": c.timing_steps, "points": []}
         fwd_t: list[float] = []
         plan_t: list[float] = []
-        plan_name = "_plan_reference" if runner.impl == "reference" else "_plan_fast"
-        orig_forward, orig_plan = runner.forward, getattr(runner, plan_name)
+        fwd_impl = runner.forward_impl
+        orig_forward, orig_plan = runner.forward, fwd_impl.plan
 
         def forward(*a, **k):
             _sync(self.dev)
@@ -604,7 +604,7 @@ class Suite:
         )
         eng = self.engine(m, replay, max_tokens=c.timing_steps + 1)
         runner.forward = forward
-        setattr(runner, plan_name, plan)
+        fwd_impl.plan = plan
         try:
             for conc in c.overhead_concurrency:
                 prompts = self.prompts(m.shape, conc, salt=700 + conc)
@@ -657,7 +657,7 @@ class Suite:
                     out["points"].append(point)
         finally:
             runner.forward = orig_forward
-            setattr(runner, plan_name, orig_plan)
+            fwd_impl.plan = orig_plan
         return out
 
     def time_hf_generate(self, m: Model) -> dict:

@@ -34,7 +34,6 @@ from bench.common import DATA, load_prompts, machine  # noqa: E402
 from dspark_serve.drafter.base import AcceptedContext  # noqa: E402
 from dspark_serve.ops.sampling_params import SamplingParams  # noqa: E402
 from dspark_serve.scheduler.request import Request  # noqa: E402
-from dspark_serve.verifier.model_runner import Segment  # noqa: E402
 
 SYSTEM = (
     "You are a careful, friendly assistant for a team of engineers and students. Answer in "
@@ -68,7 +67,7 @@ def run_mode(eng, tok, questions: list[list[str]], max_tokens: int, caching: boo
     turn = [0] * n_conv
     live: dict[str, tuple[int, Request]] = {}
     ttft, prompt_lens, tokens, rounds, accepted = [], [], 0, 0, 0
-    before = eng.runner.blocks.stats()
+    before = eng.blocks.stats()
     pre0 = eng.scheduler.num_preemptions
     answers: list[list[list[int]]] = [[] for _ in range(n_conv)]
 
@@ -100,7 +99,7 @@ def run_mode(eng, tok, questions: list[list[str]], max_tokens: int, caching: boo
             if turn[c] < n_turn:
                 send(c)
     wall = time.perf_counter() - t0
-    st = eng.runner.blocks.stats()
+    st = eng.blocks.stats()
     q, h = st.queries - before.queries, st.hits - before.hits
     return {
         "prefix_caching": caching,
@@ -133,16 +132,16 @@ def restore_cost(eng, n: int, reps: int) -> dict:
     fwd, obs = [], []
     for i in range(reps):
         rid = f"restore-{i}"
-        runner.blocks.append(rid, n)
+        eng.blocks.append(rid, n)
         t = time.perf_counter()
-        out = runner.forward([Segment(rid, ids, 0, n - 1)], taps)
+        out = runner.forward([eng.blocks.segment(rid, ids, 0, n - 1)], taps)
         fwd.append(time.perf_counter() - t)
         hidden = out.hidden.clone()
         t = time.perf_counter()
         dr.observe([AcceptedContext(rid, ids, 0, hidden)])
         obs.append(time.perf_counter() - t)
         dr.free(rid)
-        runner.blocks.free(rid)
+        eng.blocks.free(rid)
     mc = dr.model.config
     elt = hidden.element_size()
     draft_kv = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * elt

@@ -27,18 +27,20 @@ from bench.common import save_result, timing_args  # noqa: E402
 
 def chunk_times(runner, context: int, chunk: int) -> list[float]:
     """Seconds of each chunk's forward for one prompt of `context` tokens."""
-    from dspark_serve.verifier.model_runner import Segment
+    from dspark_serve.scheduler.block_manager import BlockManager
+
+    kv = BlockManager(runner.kv.num_blocks, runner.kv.block_size)
 
     rid = "prefill-bench"
     ids = [(37 * i) % 30000 + 100 for i in range(context)]
     out = []
     for a in range(0, context, chunk):
         n = min(chunk, context - a)
-        runner.blocks.append(rid, n)
+        kv.append(rid, n)
         t0 = time.perf_counter()
-        runner.forward([Segment(rid, ids[a : a + n], a, n - 1)])
+        runner.forward([kv.segment(rid, ids[a : a + n], a, n - 1)])
         out.append(time.perf_counter() - t0)
-    runner.blocks.free(rid)
+    kv.free(rid)
     return out
 
 

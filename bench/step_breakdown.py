@@ -143,12 +143,14 @@ def label_c_kernels() -> None:
 
 # -- shapes -----------------------------------------------------------------------------------
 def forward_shape(runner, batch: int, tokens: int, context: int, repeats: int, timers: dict) -> dict:
-    from dspark_serve.verifier.model_runner import Segment
+    from dspark_serve.scheduler.block_manager import BlockManager
+
+    kv = BlockManager(runner.kv.num_blocks, runner.kv.block_size)
 
     ids = [f"bd{i}" for i in range(batch)]
     for rid in ids:
-        runner.blocks.append(rid, context + tokens)
-    segs = [Segment(rid, [100 + i] * tokens, context, 0) for i, rid in enumerate(ids)]
+        kv.append(rid, context + tokens)
+    segs = [kv.segment(rid, [100 + i] * tokens, context, 0) for i, rid in enumerate(ids)]
     walls = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
@@ -161,7 +163,7 @@ def forward_shape(runner, batch: int, tokens: int, context: int, repeats: int, t
         for _ in range(n_prof):
             runner.forward(segs)
     for rid in ids:
-        runner.blocks.free(rid)
+        kv.free(rid)
     att = {k: v / n_prof for k, v in attribute(prof).items()}
     kernels = att["matmul"] + att["attention"] + att["other_kernels"]
     return dict(

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from bench.bench_engine import chat_ids  # noqa: E402
 from bench.common import DATA, load_prompts, save_result, start_decoding, timed_steps, timing_args  # noqa: E402
 
-PARTS = ("_propose", "_verify", "_commit")
+PARTS = ("_draft_and_choose_lengths", "verify", "_commit")
 
 
 def measure(policy: str, concurrency: list[int], steps: int, drafter: str) -> list[dict]:
@@ -44,7 +44,7 @@ def measure(policy: str, concurrency: list[int], steps: int, drafter: str) -> li
             t0 = time.perf_counter()
             out = fn(*a, **k)
             spent[name] += time.perf_counter() - t0
-            if name == "_verify":
+            if name == "verify":
                 spent["forward"] += out.forward_seconds
             return out
 

@@ -118,9 +118,9 @@ def build_engine(
     log.info("target forward: %s", runner.describe())
     log.info(
         "KV cache: %d blocks x %d tokens (%.0f MiB)",
-        runner.blocks.num_blocks,
-        runner.block_size,
-        runner.k_cache.numel() * runner.k_cache.element_size() * 2 / 2**20,
+        runner.kv.num_blocks,
+        runner.kv.block_size,
+        runner.kv.nbytes / 2**20,
     )
     stage("loading the drafter")
     drafter = build_drafter_for(drafter_cfg, target, device, dtype, model_cfg.model is None)

@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dspark_serve.scheduler.client import TokenLogprob, TokenRecord
+import torch
+
+from dspark_serve.scheduler.client import TokenLogprob, TokenRecord, TopLogprob
 from dspark_serve.scheduler.request import Request, RequestOutput
 
 
@@ -92,3 +94,27 @@ def request_output(
         spec=r.spec if with_spec else None,
         tokens=tokens or [],
     )
+
+
+def target_logprobs(
+    r: Request, logits: torch.Tensor, start: int, tokens: list[int], tokenizer: Any
+) -> list[TokenLogprob] | None:
+    """The target's raw log-probabilities of `tokens`, sampled at flat logits rows start.. of
+    the step: the same rows whether a token was an accepted draft, a correction or a bonus, so
+    the values are those plain decoding gives. None when r asked for none."""
+    if r.logprobs is None:
+        return None
+    lp = torch.log_softmax(logits[start : start + len(tokens)].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    k = min(r.logprobs, lp.shape[1])
+    top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+
+    def text(token_id: int) -> str:
+        return str(tokenizer.decode([token_id], skip_special_tokens=False))
+
+    return [
+        TokenLogprob(
+            text(t), float(c), tuple(TopLogprob(int(i), text(int(i)), float(x)) for i, x in zip(ti, tv))
+        )
+        for t, c, ti, tv in zip(tokens, chosen, top_i.tolist(), top_v.tolist())
+    ]

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dspark_serve.verifier.model_runner import ModelRunner
+    import torch
+
+    from dspark_serve.scheduler.block_manager import BlockManager
 
 
 @dataclass(frozen=True)
@@ -42,23 +44,23 @@ class LoadState:
 class LoadMonitor:
     """Measures what the machine is carrying right now (KV usage, accelerator memory)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+    def __init__(self, device: torch.device, blocks: BlockManager) -> None:
+        self.device, self.blocks = device, blocks
 
     def snapshot(
         self, num_running: int, num_waiting: int, prefill_tokens: int = 0, num_prefilling: int = 0
     ) -> LoadState:
         used = total = None
-        if self.runner.device.type == "cuda":
+        if self.device.type == "cuda":
             import torch  # here only: the policies (and the server's config checks) import LoadState
 
-            used = torch.cuda.memory_allocated(self.runner.device)
-            total = torch.cuda.get_device_properties(self.runner.device).total_memory
+            used = torch.cuda.memory_allocated(self.device)
+            total = torch.cuda.get_device_properties(self.device).total_memory
         return LoadState(
             num_running,
             num_waiting,
             prefill_tokens,
-            min(1.0, float(self.runner.blocks.usage)),
+            min(1.0, float(self.blocks.usage)),
             used,
             total,
             num_prefilling,

@@ -11,8 +11,8 @@ from dspark_serve.scheduler.load import LoadState
 
 if TYPE_CHECKING:
     from dspark_serve.drafter.online_calibration import OnlineCalibrator
+    from dspark_serve.scheduler.block_manager import PrefixCacheStats
     from dspark_serve.scheduler.policy import CostTable, PolicyDecision
-    from dspark_serve.verifier.block_manager import PrefixCacheStats
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dspark_serve.drafter.base import AcceptedContext
-from dspark_serve.verifier.block_manager import BlockManager
+from dspark_serve.scheduler.block_manager import BlockManager
 
 
 class TapCache:

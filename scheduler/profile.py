@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dspark_serve.scheduler.block_manager import BlockManager
 from dspark_serve.scheduler.policy import CostTable
 from dspark_serve.verifier.model_runner import ModelRunner, Segment
 
@@ -98,7 +99,7 @@ def measured_contexts(
     """The context lengths `measure` times decode-shaped and block-shaped forwards at, with this
     runner's KV pool: a pool too small for 32 requests of a context shrinks it (to 1 at worst,
     a table that prices every step as if its context were empty)."""
-    usable = runner.blocks.num_blocks * runner.blocks.block_size
+    usable = runner.kv.num_blocks * runner.kv.block_size
     nreq = PROFILE_REQUESTS
     decode = [
         ctx if nreq * (ctx + max(batch_sizes)) <= usable else max(1, usable // nreq - max(batch_sizes))
@@ -122,7 +123,8 @@ def measure(
     (one request carrying B tokens), in interleaved rounds (`_rounds`). Returns
     {"batch_sizes", "steps_per_second", "block_sizes", "block_steps_per_second", "grid_requests",
     "grid_tokens", "grid_steps_per_second", "by_context", "block_by_context"}."""
-    blocks = runner.blocks
+    # the engine is not built yet (or idle): a scratch allocator over the whole cache
+    blocks = BlockManager(runner.kv.num_blocks, runner.kv.block_size)
     nreq = PROFILE_REQUESTS
     decode_ctxs, block_ctxs = measured_contexts(runner, context_lens, batch_sizes, block_sizes)
     by_ctx: dict[int, list[float]] = {}
@@ -139,7 +141,7 @@ def measure(
             segs = []
             for rid, n in zip(ids, per):
                 blocks.append(rid, n)
-                segs.append(Segment(rid, [0] * n, ctx, 0))
+                segs.append(Segment(rid, [0] * n, ctx, 0, blocks.table(rid).blocks))
 
             def undo() -> None:
                 for rid in ids[:r]:
@@ -157,7 +159,7 @@ def measure(
                 for rid in ids[:R]:
                     blocks.truncate(rid, ctx)
 
-            return [Segment(rid, [0] * t, ctx, 0) for rid in ids[:R]], undo
+            return [Segment(rid, [0] * t, ctx, 0, blocks.table(rid).blocks) for rid in ids[:R]], undo
 
         grid = [(R, t) for R in grid_requests if R <= nreq for t in grid_tokens]
         shapes: list[Callable[[], tuple[list[Segment], Callable[[], None]]]]
@@ -177,7 +179,9 @@ def measure(
 
         def block(B: int, ctx: int = ctx) -> tuple[list[Segment], Callable[[], None]]:
             blocks.append(rid, B)
-            return [Segment(rid, [0] * B, ctx, 0)], lambda: blocks.truncate(rid, ctx)
+            return [Segment(rid, [0] * B, ctx, 0, blocks.table(rid).blocks)], lambda: blocks.truncate(
+                rid, ctx
+            )
 
         by_ctx_block[ctx] = _rounds(runner, [functools.partial(block, B) for B in block_sizes], repeats)
         blocks.free(rid)

@@ -16,9 +16,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dspark_serve.scheduler.block_manager import BlockManager
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.request import Request, Status
-from dspark_serve.verifier.block_manager import BlockManager
 
 
 @dataclass

@@ -19,6 +19,7 @@ from dspark_serve.training.cache import CachedSequence
 from dspark_serve.training.loss import LossConfig, dspark_loss
 from dspark_serve.training.train import build_draft_model, draft_vocabulary, vocabulary_coverage
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
+from tests.kv_tables import Tables
 from tests.scheduler.test_speculative import run
 
 KEPT = torch.tensor(sorted({*range(30, 120), 255, 7, 200}))
@@ -72,12 +73,11 @@ def test_sampled_drafts_lie_in_the_kept_ids_and_q_is_a_distribution_over_them(tm
     truncated_dspark(target, tmp_path)
     dr = build_drafter("dspark", path=str(tmp_path), target_model=target)
     from dspark_serve.drafter.base import AcceptedContext
-    from dspark_serve.verifier.model_runner import Segment
 
     runner = runner_for(target)
     prompt = list(range(40, 52))
-    runner.blocks.append("a", len(prompt))
-    fwd = runner.forward([Segment("a", prompt, 0, len(prompt) - 1)], dr.tap_layers)
+    Tables.of(runner).blocks.append("a", len(prompt))
+    fwd = runner.forward([Tables.of(runner).segment("a", prompt, 0, len(prompt) - 1)], dr.tap_layers)
     dr.observe([AcceptedContext("a", prompt[:-1], 0, fwd.hidden[:-1])])
     gen = torch.Generator().manual_seed(0)
     req = DraftRequest("a", prompt, 0, SamplingParams(temperature=1.0), gen, 5)

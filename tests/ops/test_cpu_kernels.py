@@ -10,8 +10,9 @@ import dspark_serve.ops.linear as ff
 from dspark_serve.ops.cpu_kernels import FALLBACK_ROW_BUCKET, SmallGemmLinear, argmax_rows, load_kernels
 from dspark_serve.ops.platform import cpu_flags
 from dspark_serve.verifier.config import ModelConfig
-from dspark_serve.verifier.model_runner import ModelRunner, Segment
+from dspark_serve.verifier.model_runner import ModelRunner
 from tests.helpers import tiny_model
+from tests.kv_tables import Tables
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +139,10 @@ def test_bf16_rows_leave_the_c_kernel_where_onednn_wins_on_this_cpu(lib):
     lin(x[:40])
     assert spy.rows == [16, 32]  # oneDNN (the spy standing in for it) in 16-row buckets
     runner = ModelRunner(tiny_model("llama", dtype=torch.bfloat16), 32, 4, gemm_rows=12)
-    assert runner.gemm_max_rows == 12 and "up to 12 rows" in runner.describe()
-    assert ModelRunner(tiny_model("llama"), 32, 4).gemm_max_rows is None  # float32: no limit
+    assert runner.forward_impl.weights.gemm_max_rows == 12 and "up to 12 rows" in runner.describe()
+    assert (
+        ModelRunner(tiny_model("llama"), 32, 4).forward_impl.weights.gemm_max_rows is None
+    )  # float32: no limit
     with pytest.raises(ValueError, match="-1"):
         ModelConfig(gemm_rows=-1)
 
@@ -149,17 +152,19 @@ def test_bf16_decode_and_verify_steps_through_gemm_track_the_reference(lib):
     are not bit-equal to the reference (bf16 is not batch-invariant) but agree closely."""
     ref = ModelRunner(tiny_model("qwen3", dtype=torch.bfloat16), 64, 4, impl="reference")
     fast = ModelRunner(tiny_model("qwen3", dtype=torch.bfloat16), 64, 4, impl="fast")
-    assert fast.linear_kind == "gemm" and fast.attention == "paged"
-    assert fast.rope_store is not None and fast.fused is not None  # the fused bf16 layer loop
+    assert fast.forward_impl.weights.linear_kind == "gemm" and fast.forward_impl.attention == "paged"
+    assert (
+        fast.forward_impl.rope_store is not None and fast.forward_impl.fused is not None
+    )  # the fused bf16 layer loop
     outs, hidden = [], []
     taps = (-1, 0, fast.num_layers - 1)  # embedding, a middle layer (h updated in place), final norm
     for r in (ref, fast):
-        r.blocks.append("a", 20)
-        r.forward([Segment("a", list(range(20)), 0, 0)])
+        Tables.of(r).blocks.append("a", 20)
+        r.forward([Tables.of(r).segment("a", list(range(20)), 0, 0)])
         steps = []
         for start, toks in ((20, [7]), (21, [3, 9, 4, 1, 5, 2])):
-            r.blocks.append("a", len(toks))
-            out = r.forward([Segment("a", toks, start, 0)], tap_layers=taps)
+            Tables.of(r).blocks.append("a", len(toks))
+            out = r.forward([Tables.of(r).segment("a", toks, start, 0)], tap_layers=taps)
             steps.append(out.logits.float())  # the fast forward leaves them in bf16
         outs.append(torch.cat(steps))
         hidden.append(out.hidden.float())
@@ -235,14 +240,18 @@ def test_float32_steps_run_the_fused_layer_loop_and_track_the_reference(lib):
     norm, SwiGLU in C) and stays within float32 rounding of the reference forward."""
     ref = ModelRunner(tiny_model("qwen3"), 64, 4, impl="reference")
     fast = ModelRunner(tiny_model("qwen3"), 64, 4, impl="fast")
-    assert fast.attention == "paged" and fast.rope_store is not None and fast.fused is not None
+    assert (
+        fast.forward_impl.attention == "paged"
+        and fast.forward_impl.rope_store is not None
+        and fast.forward_impl.fused is not None
+    )
     taps = (-1, 0, fast.num_layers - 1)
     outs, hidden = [], []
     for r in (ref, fast):
-        r.blocks.append("a", 20)
-        r.forward([Segment("a", list(range(20)), 0, 0)])
-        r.blocks.append("a", 6)
-        out = r.forward([Segment("a", [3, 9, 4, 1, 5, 2], 20, 0)], tap_layers=taps)
+        Tables.of(r).blocks.append("a", 20)
+        r.forward([Tables.of(r).segment("a", list(range(20)), 0, 0)])
+        Tables.of(r).blocks.append("a", 6)
+        out = r.forward([Tables.of(r).segment("a", [3, 9, 4, 1, 5, 2], 20, 0)], tap_layers=taps)
         outs.append(out.logits)
         hidden.append(out.hidden)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -8,8 +8,8 @@ from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine, RequestRejected
 from dspark_serve.scheduler.request import Request
-from dspark_serve.verifier.model_runner import Segment
 from tests.helpers import ByteTokenizer, hf_greedy, runner_for, tiny_model
+from tests.kv_tables import Tables
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -53,7 +53,7 @@ def test_mixed_batch_matches_generate(kind):
         assert r.finish_reason == "length"
         assert r.output_ids == hf_greedy(model, r.prompt_ids, r.max_tokens), r.request_id
     assert doomed.finish_reason == "abort" and len(doomed.output_ids) < 50
-    blocks = engine.runner.blocks
+    blocks = engine.blocks
     assert blocks.num_free_blocks == blocks.num_blocks and engine.reserved_blocks == 0
 
 
@@ -61,13 +61,14 @@ def test_rollback_then_reforward_reproduces_logits():
     model = tiny_model("qwen3")
     runner = runner_for(model)
     ids = list(range(10, 40))
-    runner.blocks.append("a", 30)
-    first = runner.forward([Segment("a", ids, 0, 0)]).logits.clone()
-    runner.blocks.append("a", 5)
-    runner.forward([Segment("a", [1, 2, 3, 4, 5], 30, 0)])  # rejected drafts ...
-    runner.blocks.truncate("a", 20)  # ... rolled back further
-    runner.blocks.append("a", 10)
-    again = runner.forward([Segment("a", ids[20:], 20, 0)]).logits
+    t = Tables(runner)
+    t.append("a", 30)
+    first = runner.forward([t.segment("a", ids, 0, 0)]).logits.clone()
+    t.append("a", 5)
+    runner.forward([t.segment("a", [1, 2, 3, 4, 5], 30, 0)])  # rejected drafts ...
+    t.truncate("a", 20)  # ... rolled back further
+    t.append("a", 10)
+    again = runner.forward([t.segment("a", ids[20:], 20, 0)]).logits
     torch.testing.assert_close(again, first[20:], rtol=1e-5, atol=1e-5)
     full = model(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(first, full, rtol=1e-4, atol=1e-4)
@@ -150,7 +151,7 @@ def test_admission_does_not_reserve_the_worst_case_and_preemption_keeps_outputs(
     assert engine.scheduler.num_preemptions > 0 and sum(r.num_preemptions for r in reqs) > 0
     for r in reqs:
         assert r.finish_reason == "length" and r.output_ids == hf_greedy(model, r.prompt_ids, 20)
-    assert engine.runner.blocks.num_free_blocks == 16
+    assert engine.blocks.num_free_blocks == 16
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent():

@@ -71,7 +71,7 @@ def test_vllm_aliases_mirror_dspark_metrics():
 
 
 def test_prefix_cache_and_preemption_metrics_follow_the_cumulative_snapshot():
-    from dspark_serve.verifier.block_manager import PrefixCacheStats
+    from dspark_serve.scheduler.block_manager import PrefixCacheStats
 
     reg = CollectorRegistry()
     m = EngineMetrics(reg, "tiny")

@@ -72,7 +72,7 @@ def scenario(engine) -> dict[str, list[int]]:
 
 
 def all_free(engine) -> bool:
-    b = engine.runner.blocks
+    b = engine.blocks
     return (
         b.num_free_blocks == b.num_blocks
         and not engine.running
@@ -94,7 +94,7 @@ def test_greedy_outputs_identical_with_and_without_caching(tmp_path, name):
         eng = make(model, name, path, caching)
         outs[caching] = scenario(eng)
         assert all_free(eng)
-        st = eng.runner.blocks.stats()
+        st = eng.blocks.stats()
         if caching:
             # B shares 4 blocks, C 5 (it diverges inside the 6th), D 9, E A's prompt + answer
             assert st.hits >= 16 + 20 + 36 + 48, st
@@ -128,7 +128,7 @@ def test_first_proposal_after_a_hit_equals_the_one_without_cache(tmp_path, name)
         eng.add_request(second)
         while second.status is not Status.DECODE:
             eng.step()
-        hits = eng.runner.blocks.stats().hits
+        hits = eng.blocks.stats().hits
         assert (hits == 24) if caching else (hits == 0)
         dr = eng.drafter
         # with the cache on, what waits for the next draft is positions in its tap rows, not copies
@@ -168,7 +168,7 @@ def test_eviction_under_pressure_keeps_outputs_and_never_takes_blocks_in_use(tmp
             )
             for i in range(6)
         ]
-        blocks = eng.runner.blocks
+        blocks = eng.blocks
         orig_take = blocks._take
 
         def take_checked():
@@ -235,9 +235,9 @@ def test_prefix_caching_flag_and_config_validation():
         SchedulerConfig(enable_prefix_caching="yes")
     model = tiny_model("llama")
     eng = make(model, "none", None, False)
-    assert not eng.runner.blocks.enable_caching
+    assert not eng.blocks.enable_caching
     eng.set_prefix_caching(True)
-    assert eng.runner.blocks.enable_caching
+    assert eng.blocks.enable_caching
 
 
 def test_aborts_of_requests_sharing_blocks_return_every_reference(tmp_path):
@@ -257,7 +257,7 @@ def test_aborts_of_requests_sharing_blocks_return_every_reference(tmp_path):
     for r in others:
         eng.add_request(r)
     eng.step()
-    blocks = eng.runner.blocks
+    blocks = eng.blocks
     shared = blocks.table("first").blocks[:6]
     assert all(blocks.refcount(b) >= 2 for b in shared)  # the others hold them too
     eng.abort("o2")  # still prefilling
@@ -276,8 +276,8 @@ def test_a_forks_copied_block_keeps_its_tap_rows():
     """`TapCache.copy_block` beside the KV copy of a fork's partial block: the shared positions
     read back the rows their parent stored (a second block that wins is adopted with them)."""
     from dspark_serve.drafter.base import AcceptedContext
+    from dspark_serve.scheduler.block_manager import BlockManager
     from dspark_serve.scheduler.prefix import TapCache
-    from dspark_serve.verifier.block_manager import BlockManager
 
     bm = BlockManager(num_blocks=8, block_size=4)
     taps = TapCache(bm, torch.device("cpu"))
@@ -298,8 +298,8 @@ def test_a_steps_whole_forward_is_stored_in_one_copy():
     contexts are marked stored and read back as computed, exactly as the per-context gather
     stores them; a context whose request holds no blocks is left as it was."""
     from dspark_serve.drafter.base import AcceptedContext
+    from dspark_serve.scheduler.block_manager import BlockManager
     from dspark_serve.scheduler.prefix import TapCache
-    from dspark_serve.verifier.block_manager import BlockManager
 
     def step(whole: bool):
         bm = BlockManager(num_blocks=8, block_size=4)

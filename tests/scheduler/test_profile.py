@@ -39,7 +39,6 @@ def test_profile_is_measured_cached_and_reprofiled(tmp_path, monkeypatch):
     assert all(b <= a for row in grid for a, b in zip(row, row[1:]))
     assert all(b <= a for r1, r2 in zip(grid, grid[1:]) for a, b in zip(r1, r2))
     assert math.isclose(table.sps(8, requests=2), grid[1][2])  # 2 requests x 4 tokens: a grid point
-    assert runner.blocks.num_free_blocks == runner.blocks.num_blocks  # profiling frees its KV
     cached = list((tmp_path / "cost-tables").glob("tiny-cpu-*.json"))
     assert len(cached) == 1 and json.loads(cached[0].read_text())["profile"]["steps_per_second"] == list(sps)
     table2, _, source2 = profile.load_or_profile(runner, "tiny", tmp_path)
@@ -47,7 +46,7 @@ def test_profile_is_measured_cached_and_reprofiled(tmp_path, monkeypatch):
     _, _, source3 = profile.load_or_profile(runner, "tiny", tmp_path, reprofile=True)
     assert source3.startswith("measured") and len(calls) == 2
     assert "steps/s" in profile.format_table(raw)
-    if runner.paged_attention is not None:  # the C kernels run here: a new build of them is
+    if runner.forward_impl.uses_c_kernels():  # the C kernels run here: a new build of them is
         import dspark_serve.verifier.model_runner as mr  # new costs, measured again
 
         monkeypatch.setattr(mr, "kernels_key", lambda: "another-build")
@@ -224,7 +223,6 @@ def test_profile_times_its_shapes_in_interleaved_rounds(monkeypatch):
     assert len(raw["steps_per_second"]) == 3 and len(raw["block_steps_per_second"]) == 2
     assert raw["grid_requests"] == [1, 2] and raw["grid_tokens"] == [1, 3]
     assert [len(row) for row in raw["grid_steps_per_second"]] == [2, 2]
-    assert runner.blocks.num_free_blocks == runner.blocks.num_blocks
 
 
 def test_a_table_measured_with_a_small_kv_pool_is_not_reused_by_a_larger_one(tmp_path, monkeypatch):

@@ -2,10 +2,10 @@
 preemption of the newest request, prefix-cache hits, max_num_seqs, the prefill budget."""
 
 from dspark_serve.ops.sampling_params import SamplingParams
+from dspark_serve.scheduler.block_manager import BlockManager
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.request import Request, Status
 from dspark_serve.scheduler.scheduler import Scheduler
-from dspark_serve.verifier.block_manager import BlockManager
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -72,7 +72,7 @@ def test_greedy_oracle_drafter_equals_plain(policy):
         assert len(r.output_ids) == r.max_tokens  # max_tokens exact despite blocks
     total = sum(r.spec.accepted for r in reqs)
     assert total > 0 and sum(r.spec.rounds for r in reqs) < sum(r.max_tokens for r in reqs)
-    assert engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
 def random_dspark(target, tmp_path, markov_rank=8):
@@ -111,7 +111,7 @@ def test_greedy_dspark_drafter_equals_plain(tmp_path, name):
     for r, p in zip(reqs, prompts):
         assert r.output_ids == hf_greedy(model, p, 20)
         assert r.spec.drafted > 0
-    assert engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
 def test_greedy_ngram_drafter_equals_plain_and_accepts_repeats():
@@ -218,8 +218,8 @@ def sampled_marginals(
         engine.add_request(reqs[0])
         engine.step()
         run(engine, reqs[1:])
-        hit = engine.runner.blocks.block_size * ((len(prompt) - 1) // engine.runner.blocks.block_size)
-        assert hit > 0 and engine.runner.blocks.stats().hits == (n - 1) * hit
+        hit = engine.blocks.block_size * ((len(prompt) - 1) // engine.blocks.block_size)
+        assert hit > 0 and engine.blocks.stats().hits == (n - 1) * hit
     else:
         run(engine, reqs)
     c2, c3 = torch.zeros(VOCAB, dtype=torch.float64), torch.zeros(VOCAB, dtype=torch.float64)
@@ -337,7 +337,7 @@ def test_greedy_combined_drafters_equal_plain_and_both_propose(tmp_path):
     for r, p in zip(reqs, prompts):
         assert r.output_ids == hf_greedy(model, p, 30)
     assert dr.uses[0] > 0 and dr.uses[1] > 0, dr.uses
-    assert engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
 class SecondBlocks(NullMetrics):
@@ -371,9 +371,9 @@ def test_greedy_second_blocks_equal_plain_and_the_longer_run_is_kept(tmp_path, b
         metrics=seen,
     )
     forks = []
-    fork = engine.runner.blocks.fork
-    bs = engine.runner.blocks.block_size
-    engine.runner.blocks.fork = lambda *a: forks.append(a[2] % bs) or fork(*a)
+    fork = engine.blocks.fork
+    bs = engine.blocks.block_size
+    engine.blocks.fork = lambda *a: forks.append(a[2] % bs) or fork(*a)
     # every tap row the drafter reads back (by the request's slots, after a fork was adopted
     # too) is the one the target computed for that position
     taps, kept, reads = engine.taps, {}, []
@@ -401,8 +401,8 @@ def test_greedy_second_blocks_equal_plain_and_the_longer_run_is_kept(tmp_path, b
     run(engine, reqs)
     for r, p in zip(reqs, prompts):
         assert r.output_ids == hf_greedy(model, p, 40)
-    blocks = engine.runner.blocks
-    assert blocks.num_free_blocks == blocks.num_blocks and not engine._open_branches
+    blocks = engine.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks and not engine.verify.open_branches
     if branch_rows == 0:
         assert seen.kept == seen.dropped == 0 and not forks
     else:  # both outcomes happened, and forks inside a block (a partial block copied) too

@@ -93,7 +93,7 @@ class LiveServer:
         eng = self.engine.bundle.engine
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
-            b = eng.runner.blocks
+            b = eng.blocks
             if not eng.running and not eng.waiting and b.num_free_blocks == b.num_blocks:
                 return True
             time.sleep(0.1)

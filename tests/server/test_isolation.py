@@ -174,7 +174,7 @@ def test_non_streaming_disconnect_frees_kv_within_one_step(plain):
     def engine_abort(rid):  # the engine thread frees the request
         out = real_engine_abort(rid)
         if out is not None:
-            seen["freed"] = (steps["n"], engine.runner.blocks.num_free_blocks)
+            seen["freed"] = (steps["n"], engine.blocks.num_free_blocks)
         return out
 
     engine.step, engine.abort = counting_step, engine_abort
@@ -194,7 +194,7 @@ def test_non_streaming_disconnect_frees_kv_within_one_step(plain):
         assert "asked" in seen and "freed" in seen
         assert seen["asked"][1] - t_gone < 2.0  # noticed promptly
         assert seen["freed"][0] - seen["asked"][0] <= 1  # freed within one step
-        assert seen["freed"][1] == engine.runner.blocks.num_blocks
+        assert seen["freed"][1] == engine.blocks.num_blocks
     finally:
         del engine.step, engine.abort
         del plain.engine.abort

@@ -8,15 +8,16 @@ import torch
 
 import dspark_serve.ops.cpu_kernels as kernels
 import dspark_serve.ops.linear as ops_linear
-import dspark_serve.verifier.fast_forward as ff
 from dspark_serve.ops.cpu_kernels import PagedAttention, float32_attention_row_invariant, load_kernels
 from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
+from dspark_serve.verifier.attention import matmul_attention
 from dspark_serve.verifier.config import ModelConfig
-from dspark_serve.verifier.model_runner import ModelRunner, Segment
+from dspark_serve.verifier.model_runner import ModelRunner
 from tests.helpers import ByteTokenizer, hf_greedy, tiny_model
+from tests.kv_tables import Tables
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -38,7 +39,7 @@ def engine_outputs(model, prompts, max_tokens, **runner_kw):
                 eng.add_request(r)
         eng.step()
         steps += 1
-    assert runner.blocks.num_free_blocks == runner.blocks.num_blocks
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
     return [r.output_ids for r in reqs]
 
 
@@ -70,13 +71,19 @@ def test_fast_logits_close_to_reference_with_taps():
     ]
     outs = []
     for r in runners:
-        r.blocks.append("a", 37)
-        r.blocks.append("b", 5)
-        segs = [Segment("a", list(range(37)), 0, 30), Segment("b", [7, 8, 9, 10, 11], 0, 4)]
+        Tables.of(r).blocks.append("a", 37)
+        Tables.of(r).blocks.append("b", 5)
+        segs = [
+            Tables.of(r).segment("a", list(range(37)), 0, 30),
+            Tables.of(r).segment("b", [7, 8, 9, 10, 11], 0, 4),
+        ]
         first = r.forward(segs, tap_layers=(-1, 1, 2))
-        r.blocks.append("a", 3)
-        r.blocks.append("b", 1)
-        second = r.forward([Segment("a", [1, 2, 3], 37, 0), Segment("b", [4], 5, 0)], tap_layers=(0, 2))
+        Tables.of(r).blocks.append("a", 3)
+        Tables.of(r).blocks.append("b", 1)
+        second = r.forward(
+            [Tables.of(r).segment("a", [1, 2, 3], 37, 0), Tables.of(r).segment("b", [4], 5, 0)],
+            tap_layers=(0, 2),
+        )
         outs.append((first, second))
     for a, b in zip(*outs):
         assert a.logits_offsets == b.logits_offsets and a.token_offsets == b.token_offsets
@@ -110,14 +117,14 @@ def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, a
     torch.manual_seed(block_size)
     model = tiny_model("llama")
     runner = ModelRunner(model, num_blocks=512 // block_size + 8, block_size=block_size, attention=attention)
-    assert runner.attention == attention
+    assert runner.forward_impl.attention == attention
     if not ordered:
-        rng.shuffle(runner.blocks._free)  # block tables are not contiguous
+        rng.shuffle(Tables.of(runner).blocks._free)  # block tables are not contiguous
     in_place = 0
-    H, Hkv, D = runner.num_heads, runner.num_kv_heads, runner.head_dim
+    H, Hkv, D = runner.parts.num_heads, runner.parts.num_kv_heads, runner.parts.head_dim
     li = 1
-    runner.k_cache.normal_()  # stale garbage in every slot
-    runner.v_cache.normal_()
+    runner.kv.k.normal_()  # stale garbage in every slot
+    runner.kv.v.normal_()
     hist = {f"q{i}": (torch.empty(0, Hkv, D), torch.empty(0, Hkv, D)) for i in range(5)}
     for step in range(14):
         segs = []
@@ -125,22 +132,22 @@ def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, a
         for rid in rng.sample(sorted(hist), 1 if alone else rng.randint(1, len(hist))):
             have = hist[rid][0].shape[0]
             n = rng.choice([1, 1, 2, 5, 8, 33, 40]) if have else rng.choice([3, 35, 50])
-            runner.blocks.append(rid, n)
-            segs.append(Segment(rid, [0] * n, have, 0))
+            Tables.of(runner).blocks.append(rid, n)
+            segs.append(Tables.of(runner).segment(rid, [0] * n, have, 0))
         T = sum(len(s.token_ids) for s in segs)
         q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
-        plan = runner._plan_fast(segs)
+        plan = runner.forward_impl.plan(segs)
         in_place += plan.g_first >= 0
         if attention == "paged":  # prefill chunks (33-50 tokens, at 0 or mid-sequence) too
             assert not plan.big and plan.p_segments is not None
             assert int(plan.p_segments[1].sum()) == sum(len(s.token_ids) for s in segs)
-        out = runner._attention(li, q, k, v, plan)
+        out = runner.forward_impl.attend(li, q, k, v, plan)
         r0 = 0
         for s in segs:
             n = len(s.token_ids)
             kh = torch.cat([hist[s.request_id][0], k[r0 : r0 + n]])
             vh = torch.cat([hist[s.request_id][1], v[r0 : r0 + n]])
-            want = dense_attention(q[r0 : r0 + n], kh, vh, s.start_pos, runner.scaling)
+            want = dense_attention(q[r0 : r0 + n], kh, vh, s.start_pos, runner.parts.scaling)
             torch.testing.assert_close(out[r0 : r0 + n].double(), want, rtol=1e-4, atol=1e-4)
             hist[s.request_id] = (kh, vh)
             r0 += n
@@ -149,14 +156,14 @@ def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, a
             have = hist[rid][0].shape[0]
             if have > 2:
                 keep = rng.randint(1, have - 1)
-                runner.blocks.truncate(rid, keep)
+                Tables.of(runner).blocks.truncate(rid, keep)
                 hist[rid] = (hist[rid][0][:keep], hist[rid][1][:keep])
         # and, now and then, a finished request frees its blocks and a new one reuses them
         if step % 5 == 4:
             victim = rng.choice(sorted(hist))
-            runner.blocks.free(victim)
+            Tables.of(runner).blocks.free(victim)
             hist[victim] = (torch.empty(0, Hkv, D), torch.empty(0, Hkv, D))
-    tables = [runner.blocks.table(r).blocks for r in hist if runner.blocks.has(r)]
+    tables = [Tables.of(runner).blocks.table(r).blocks for r in hist if Tables.of(runner).blocks.has(r)]
     if ordered and attention != "paged":
         assert in_place > 0
     else:
@@ -168,7 +175,7 @@ def test_torch_linear_fallback_when_onednn_is_unavailable(monkeypatch):
     monkeypatch.setattr("dspark_serve.ops.cpu_kernels.load_kernels", lambda: None)  # no C kernel
     model = tiny_model("qwen2")
     runner = ModelRunner(model, 64, 4, impl="fast", linear="auto")
-    assert runner.linear_kind == "torch" and "torch" in runner.describe()
+    assert runner.forward_impl.weights.linear_kind == "torch" and "torch" in runner.describe()
     with pytest.raises(ValueError, match="mkldnn"):
         ModelRunner(tiny_model("qwen2"), 64, 4, impl="fast", linear="mkldnn")
     prompt = list(range(40, 60))
@@ -187,9 +194,11 @@ def test_auto_picks_onednn_on_cpu_and_reference_uses_modules(monkeypatch):
     from dspark_serve.ops.cpu_kernels import load_kernels
 
     # the C kernel where it builds, oneDNN where it does not
-    assert ModelRunner(tiny_model("llama"), 64, 4).linear_kind == ("gemm" if load_kernels() else "mkldnn")
+    assert ModelRunner(tiny_model("llama"), 64, 4).forward_impl.weights.linear_kind == (
+        "gemm" if load_kernels() else "mkldnn"
+    )
     monkeypatch.setattr("dspark_serve.ops.cpu_kernels.load_kernels", lambda: None)
-    assert ModelRunner(tiny_model("llama"), 64, 4).linear_kind == "mkldnn"
+    assert ModelRunner(tiny_model("llama"), 64, 4).forward_impl.weights.linear_kind == "mkldnn"
     assert ModelRunner(tiny_model("llama"), 64, 4, impl="reference").describe() == "reference"
 
 
@@ -198,8 +207,8 @@ def test_bfloat16_fast_forward_runs_and_tracks_reference():
     fast = ModelRunner(tiny_model("qwen3", dtype=torch.bfloat16), 64, 4, impl="fast")
     outs = []
     for r in (ref, fast):
-        r.blocks.append("a", 20)
-        outs.append(r.forward([Segment("a", list(range(20)), 0, 0)]).logits)
+        Tables.of(r).blocks.append("a", 20)
+        outs.append(r.forward([Tables.of(r).segment("a", list(range(20)), 0, 0)]).logits)
     assert outs[1].dtype == torch.bfloat16  # left in the model's dtype: a greedy verdict is the argmax
     # bf16 is not batch-invariant: close, and the same argmax nearly everywhere
     assert (outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean() >= 0.9
@@ -212,8 +221,8 @@ def test_int8_weights_change_little_and_are_opt_in():
     assert "int8" in q_runner.describe() and "int8" not in float_runner.describe()
     outs = []
     for r in (float_runner, q_runner):
-        r.blocks.append("a", 30)
-        outs.append(r.forward([Segment("a", list(range(30)), 0, 0)]).logits)
+        Tables.of(r).blocks.append("a", 30)
+        outs.append(r.forward([Tables.of(r).segment("a", list(range(30)), 0, 0)]).logits)
     assert not torch.equal(outs[0], outs[1])  # the target did change ...
     cos = torch.nn.functional.cosine_similarity(outs[0], outs[1], dim=-1)
     assert cos.min() > 0.98  # ... but only a little
@@ -233,18 +242,20 @@ def test_attention_auto_picks_the_paged_kernel_on_cpu_and_falls_back_without_it(
     if load_kernels() is not None:
         for dtype in (torch.float32, torch.bfloat16):
             r = ModelRunner(tiny_model("qwen3", dtype=dtype), 64, 4)
-            assert r.attention == "paged" and "attention paged" in r.describe()
-        assert ModelRunner(tiny_model("llama"), 64, 4, impl="reference").paged_attention is None
-        assert ModelRunner(tiny_model("qwen3", dtype=torch.float16), 64, 4).attention == "matmul"
-        assert ModelRunner(tiny_model("llama"), 64, 3).attention == "sdpa"  # block size not a power of two
+            assert r.forward_impl.attention == "paged" and "attention paged" in r.describe()
+        assert not ModelRunner(tiny_model("llama"), 64, 4, impl="reference").forward_impl.uses_c_kernels()
+        assert ModelRunner(tiny_model("qwen3", dtype=torch.float16), 64, 4).forward_impl.attention == "matmul"
+        assert (
+            ModelRunner(tiny_model("llama"), 64, 3).forward_impl.attention == "sdpa"
+        )  # block size not a power of two
         with pytest.raises(ValueError, match="power-of-two"):
             ModelRunner(tiny_model("llama"), 64, 3, attention="paged")
     # a machine without a C compiler keeps torch's kernels (and refuses an explicit "paged")
     monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
     monkeypatch.setattr(kernels, "_loaded", {})
-    assert ModelRunner(tiny_model("llama"), 64, 4).attention == "sdpa"
+    assert ModelRunner(tiny_model("llama"), 64, 4).forward_impl.attention == "sdpa"
     bf16 = ModelRunner(tiny_model("qwen3", dtype=torch.bfloat16), 64, 4)
-    assert bf16.attention == "matmul" and "attention matmul" in bf16.describe()
+    assert bf16.forward_impl.attention == "matmul" and "attention matmul" in bf16.describe()
     with pytest.raises(ValueError, match="no compiler"):
         ModelRunner(tiny_model("llama"), 64, 4, attention="paged")
     with pytest.raises(ValueError, match="'flash'"):
@@ -259,12 +270,21 @@ def test_matmul_attention_greedy_matches_sdpa_in_bf16_closely():
     outs = []
     for attention in ("sdpa", "matmul"):
         r = ModelRunner(tiny_model("qwen3", dtype=torch.bfloat16), 64, 4, attention=attention)
-        r.blocks.append("a", 9)
-        r.blocks.append("b", 4)
-        r.forward([Segment("a", list(range(1, 10)), 0, 9), Segment("b", [5, 6, 7, 8], 0, 4)])
-        r.blocks.append("a", 3)
-        r.blocks.append("b", 1)
-        outs.append(r.forward([Segment("a", [1, 2, 3], 9, 0), Segment("b", [4], 4, 0)]).logits)
+        Tables.of(r).blocks.append("a", 9)
+        Tables.of(r).blocks.append("b", 4)
+        r.forward(
+            [
+                Tables.of(r).segment("a", list(range(1, 10)), 0, 9),
+                Tables.of(r).segment("b", [5, 6, 7, 8], 0, 4),
+            ]
+        )
+        Tables.of(r).blocks.append("a", 3)
+        Tables.of(r).blocks.append("b", 1)
+        outs.append(
+            r.forward(
+                [Tables.of(r).segment("a", [1, 2, 3], 9, 0), Tables.of(r).segment("b", [4], 4, 0)]
+            ).logits
+        )
     torch.testing.assert_close(outs[0], outs[1], rtol=0.05, atol=0.05)
 
 
@@ -285,7 +305,7 @@ def test_matmul_attention_matches_dense_on_cache_views(head_dim, dtype):
     mask = torch.rand(G, 1, Q, C) < 0.7
     mask[..., 0] = True
     bias = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
-    out = ff._matmul_attention(q, k, v, bias, scale)
+    out = matmul_attention(q, k, v, bias, scale)
     assert out.shape == (G, Q, H, head_dim) and out.dtype == dtype
     kd, vd = k.double(), v.double()
     for g in range(G):
@@ -296,9 +316,7 @@ def test_matmul_attention_matches_dense_on_cache_views(head_dim, dtype):
             tol = 1e-5 if dtype == torch.float32 else 3e-2
             torch.testing.assert_close(out[g, :, h].double(), want, rtol=tol, atol=tol)
     everything = torch.zeros(G, 1, Q, C, dtype=dtype)
-    assert torch.equal(
-        ff._matmul_attention(q, k, v, None, scale), ff._matmul_attention(q, k, v, everything, scale)
-    )
+    assert torch.equal(matmul_attention(q, k, v, None, scale), matmul_attention(q, k, v, everything, scale))
 
 
 def test_rms_norm_float32_is_functional_rms_norm_and_bf16_mirrors_layer_norm():
@@ -460,22 +478,28 @@ def test_layers_in_one_c_call_equal_the_python_loop(kind, dtype):
         ModelRunner(tiny_model(kind, layers=3, dtype=dtype), 64, 4, impl="fast", gemm_rows=64)
         for _ in range(2)
     ]
-    drv = runners[0].target_driver
-    assert drv is not None and runners[0].attention == "paged"
-    runners[1].target_driver = None  # the Python loop over the same kernels
+    drv = runners[0].forward_impl.target_driver
+    assert drv is not None and runners[0].forward_impl.attention == "paged"
+    runners[1].forward_impl.target_driver = None  # the Python loop over the same kernels
     calls = []
     fn = drv.fn
     drv.fn = lambda *a: calls.append(a[20]) or fn(*a)  # the step's rows
     outs = []
     for r in runners:
-        r.blocks.append("a", 37)
-        r.blocks.append("b", 5)
-        segs = [Segment("a", list(range(37)), 0, 30), Segment("b", [7, 8, 9, 10, 11], 0, 4)]
+        Tables.of(r).blocks.append("a", 37)
+        Tables.of(r).blocks.append("b", 5)
+        segs = [
+            Tables.of(r).segment("a", list(range(37)), 0, 30),
+            Tables.of(r).segment("b", [7, 8, 9, 10, 11], 0, 4),
+        ]
         first = r.forward(segs, tap_layers=(-1, 1, 2))  # the embeddings, a middle and the last layer
-        r.blocks.append("a", 3)
-        r.blocks.append("b", 1)
-        second = r.forward([Segment("a", [1, 2, 3], 37, 0), Segment("b", [4], 5, 0)], tap_layers=(2, 0))
-        third = r.forward([Segment("b", [5], 6, 0)])  # no taps
+        Tables.of(r).blocks.append("a", 3)
+        Tables.of(r).blocks.append("b", 1)
+        second = r.forward(
+            [Tables.of(r).segment("a", [1, 2, 3], 37, 0), Tables.of(r).segment("b", [4], 5, 0)],
+            tap_layers=(2, 0),
+        )
+        third = r.forward([Tables.of(r).segment("b", [5], 6, 0)])  # no taps
         outs.append((first, second, third))
     assert calls == [42, 4, 1]
     for a, b in zip(*outs):
@@ -485,15 +509,17 @@ def test_layers_in_one_c_call_equal_the_python_loop(kind, dtype):
         if a.hidden is not None:
             assert torch.equal(a.hidden, b.hidden)
     assert outs[0][1].hidden.shape == (4, 2 * 64)
-    assert torch.equal(runners[0].k_cache, runners[1].k_cache)
-    assert torch.equal(runners[0].v_cache, runners[1].v_cache)
+    assert torch.equal(runners[0].kv.k, runners[1].kv.k)
+    assert torch.equal(runners[0].kv.v, runners[1].kv.v)
     # more rows than the packed gemm takes in bf16: the loop runs
     drv.max_rows = 3
-    runners[0].blocks.append("a", 4)
-    runners[0].forward([Segment("a", [6, 7, 8, 9], 40, 0)])
+    Tables.of(runners[0]).blocks.append("a", 4)
+    runners[0].forward([Tables.of(runners[0]).segment("a", [6, 7, 8, 9], 40, 0)])
     assert calls == [42, 4, 1]
 
 
 def test_no_layers_in_one_c_call_with_head_norms():
     needs_paged_kernel()
-    assert ModelRunner(tiny_model("qwen3"), 64, 4, impl="fast").target_driver is None  # q/k norms: the loop
+    assert (
+        ModelRunner(tiny_model("qwen3"), 64, 4, impl="fast").forward_impl.target_driver is None
+    )  # q/k norms: the loop

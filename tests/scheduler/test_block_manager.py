@@ -1,6 +1,6 @@
 import pytest
 
-from dspark_serve.verifier.block_manager import BlockManager, OutOfBlocks
+from dspark_serve.scheduler.block_manager import BlockManager, OutOfBlocks
 
 
 def test_append_allocates_whole_blocks_and_maps_slots():

@@ -18,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from dspark_serve.verifier.forward import Segment
+
 
 class OutOfBlocks(RuntimeError):
     """Raised when an allocation needs more free blocks than the pool has."""
@@ -110,6 +112,11 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def segment(self, request_id: str, token_ids: list[int], start_pos: int, logits_from: int) -> Segment:
+        """The forward's segment of request_id's tokens from start_pos, over its block table (their
+        slots already appended)."""
+        return Segment(request_id, token_ids, start_pos, logits_from, self.table(request_id).blocks)
 
     def table(self, request_id: str) -> BlockTable:
         return self._tables[request_id]

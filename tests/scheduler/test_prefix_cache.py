@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from dspark_serve.verifier.block_manager import BlockManager, OutOfBlocks, chain_hash
+from dspark_serve.scheduler.block_manager import BlockManager, OutOfBlocks, chain_hash
 
 
 def _run(bm: BlockManager, rid: str, tokens: list[int], hit_limit: int | None = None) -> int:

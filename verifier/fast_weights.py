@@ -1,0 +1,154 @@
+"""The fast forward's weights, built once at load.
+
+q/k/v are fused into one [(H + 2 Hkv) D, d] matrix and gate/up into one [2 I, d] matrix (the HF
+modules keep views into them, so no memory is duplicated); every product goes through
+`ops.linear.make_linear` (oneDNN prepacked weights, the C gemm kernel, or int8); rotary reads a
+cos/sin table built once; where every kernel of the layer loop is a C one, the whole loop is one
+C call (`ops.cpu_kernels.TargetLayers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dspark_serve.ops import cpu_kernels
+from dspark_serve.ops.cpu_kernels import SmallGemmLinear, TargetLayers, TargetLayerWeights
+from dspark_serve.ops.linear import FastRMSNorm, Linear, make_linear
+from dspark_serve.verifier.forward import ModelParts
+
+
+@dataclass
+class FastLayer:
+    in_norm: FastRMSNorm
+    post_norm: FastRMSNorm
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    q_norm: FastRMSNorm | None
+    k_norm: FastRMSNorm | None
+
+
+def _fuse(
+    layer: Any, parts: ModelParts, quantize: str
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """One layer's fused q/k/v weight and bias and gate/up weight; without quantization the HF
+    modules are pointed at views into them (no second copy in memory)."""
+    a, m = layer.self_attn, layer.mlp
+    with torch.no_grad():
+        wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous()
+        bqkv = None
+        if a.q_proj.bias is not None:
+            bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).contiguous()
+        wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous()
+        if quantize == "none":
+            nq, nk = parts.num_heads * parts.head_dim, parts.num_kv_heads * parts.head_dim
+            a.q_proj.weight.data = wqkv[:nq]
+            a.k_proj.weight.data = wqkv[nq : nq + nk]
+            a.v_proj.weight.data = wqkv[nq + nk :]
+            if bqkv is not None:
+                a.q_proj.bias.data = bqkv[:nq]
+                a.k_proj.bias.data = bqkv[nq : nq + nk]
+                a.v_proj.bias.data = bqkv[nq + nk :]
+            ni = m.gate_proj.weight.shape[0]
+            m.gate_proj.weight.data = wgu[:ni]
+            m.up_proj.weight.data = wgu[ni:]
+    return wqkv, bqkv, wgu
+
+
+class FastWeights:
+    """The decoder layers' fused weights and products, the LM head and the final norm."""
+
+    def __init__(self, parts: ModelParts, linear: str, quantize: str, gemm_rows: int = 0) -> None:
+        self.layers: list[FastLayer] = []
+        kinds: set[str] = set()
+        for layer in parts.layers:
+            wqkv, bqkv, wgu = _fuse(layer, parts, quantize)
+            a, m = layer.self_attn, layer.mlp
+            fl = FastLayer(
+                in_norm=FastRMSNorm.of(layer.input_layernorm),
+                post_norm=FastRMSNorm.of(layer.post_attention_layernorm),
+                qkv=make_linear(wqkv, bqkv, linear, quantize, gemm_rows),
+                o=make_linear(a.o_proj.weight, a.o_proj.bias, linear, quantize, gemm_rows),
+                gate_up=make_linear(wgu, None, linear, quantize, gemm_rows),
+                down=make_linear(m.down_proj.weight, m.down_proj.bias, linear, quantize, gemm_rows),
+                q_norm=FastRMSNorm.of(a.q_norm) if parts.has_qk_norm else None,
+                k_norm=FastRMSNorm.of(a.k_norm) if parts.has_qk_norm else None,
+            )
+            kinds.add(fl.qkv.kind)
+            self.layers.append(fl)
+        # The LM head stays as is (tied to the embedding the drafter shares); prepacking helps it too.
+        self.lm_head = make_linear(parts.lm_head.weight, parts.lm_head.bias, linear, "none", gemm_rows)
+        self.norm = FastRMSNorm.of(parts.norm)
+        self.linear_kind = "/".join(sorted(kinds))
+        # bf16 products of more rows than this leave the C kernel for oneDNN (None: no such limit)
+        rows = getattr(self.layers[0].qkv, "max_rows", None) if self.layers else None
+        self.gemm_max_rows: int | None = rows if rows is not None and rows < 1 << 30 else None
+
+    def products(self) -> list[Linear]:
+        return [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
+
+    def target_driver(self, parts: ModelParts, block_size: int) -> TargetLayers | None:
+        """The decoder layers in one C call where every product is the packed gemm and the layer
+        has no q/k head norms (the caller checks the attention and elementwise kernels)."""
+        lib = cpu_kernels.load_kernels()
+        if lib is None or parts.has_qk_norm:
+            return None
+        if not all(isinstance(lin, SmallGemmLinear) for lin in self.products()):
+            return None
+        layers = self.layers
+        weights = [
+            TargetLayerWeights(
+                L.qkv,  # type: ignore[arg-type]
+                L.o,  # type: ignore[arg-type]
+                L.gate_up,  # type: ignore[arg-type]
+                L.down,  # type: ignore[arg-type]
+                (L.post_norm.w, L.post_norm.eps),
+                (nxt.w, nxt.eps),
+            )
+            for L, nxt in zip(layers, [L.in_norm for L in layers[1:]] + [self.norm])
+        ]
+        first = (layers[0].in_norm.w, layers[0].in_norm.eps)
+        geometry = (parts.num_heads, parts.num_kv_heads, parts.head_dim, block_size)
+        try:
+            return TargetLayers(lib, weights, first, *geometry)
+        except ValueError:  # a layout it does not take (a bias on gate_up, norms of another dtype)
+            return None
+
+
+class RopeTable:
+    """cos and signed sin rows by position (rotate_half(x) * sin == roll(x) * signed sin), grown
+    by doubling; rotary embeddings whose angles depend on the length ("dynamic") are computed
+    per step instead."""
+
+    def __init__(self, parts: ModelParts) -> None:
+        self.parts = parts
+        self.dynamic = "dynamic" in str(getattr(parts.rotary, "rope_type", ""))
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+        self.ensure(min(4096, getattr(parts.config, "max_position_embeddings", 4096) or 4096))
+
+    def _compute(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        P = self.parts
+        cos, sin = P.rotary(torch.empty(1, device=P.device, dtype=P.dtype), pos[None])
+        sin = sin[0].clone()
+        sin[:, : P.head_dim // 2] *= -1
+        return cos[0].contiguous(), sin.contiguous()
+
+    def ensure(self, n: int) -> None:
+        if self.cos is not None and self.cos.shape[0] >= n:
+            return
+        size = max(n, 2 * (0 if self.cos is None else self.cos.shape[0]))
+        self.cos, self.sin = self._compute(torch.arange(size, device=self.parts.device))
+
+    def rows(self, pos: torch.Tensor, max_end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, D] cos and signed sin of positions `pos` (host tensor), all below max_end."""
+        pd = pos.to(self.parts.device)
+        if self.dynamic:
+            return self._compute(pd)
+        self.ensure(max_end)
+        assert self.cos is not None and self.sin is not None
+        return self.cos[pd], self.sin[pd]

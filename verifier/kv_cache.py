@@ -1,0 +1,48 @@
+"""The paged KV cache's memory: every layer's keys and values in blocks of `block_size` slots.
+
+Head-major: each layer's cache is [Hkv, slots, D], so a head's keys of a run of blocks are one
+[C, D] matrix (the attention matmuls read them without rearranging). Which blocks a request holds
+is decided by the scheduler's block allocator (`scheduler/block_manager.py`); this object only
+holds the memory and copies a block when the allocator forks a table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    @torch.inference_mode()
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's K/V in every layer (a fork's partial block, `BlockManager.fork`)."""
+        bs = self.block_size
+        for cache in (self.k, self.v):
+            cache[:, :, dst * bs : (dst + 1) * bs].copy_(cache[:, :, src * bs : (src + 1) * bs])
+
+    @staticmethod
+    def bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+        """K and V of one token in every layer, for a HF config."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        elt = torch.tensor([], dtype=dtype).element_size()
+        return int(2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elt)
