@@ -602,3 +602,54 @@ def _after_anchors(seqs, seed: int) -> torch.Generator:
     gen = torch.Generator().manual_seed(seed)
     sample_anchors(pad_sequences(seqs).loss_mask, 6, gen)
     return gen
+
+
+def test_dspark_train_trains_scores_finalizes_and_starts_from_an_export(tmp_path, monkeypatch):
+    """`dspark-train train` end to end on a tiny target: a run with a truncated draft vocabulary
+    saves its final drafter and arguments, scores its checkpoints on the held-out shard,
+    finalizes an earlier step, and an export grown by a layer starts a second run."""
+    import json
+    import types
+
+    from dspark_serve.training import cli
+    from dspark_serve.training.data import SHARD_PATTERN, save_atomic
+    from dspark_serve.training.train import draft_model_from_checkpoint
+
+    target = _tiny_target()
+    seqs = _cached_sequences(target, 9, 24, 4)
+    out = tmp_path / "out"
+    (out / "cache").mkdir(parents=True)
+    for i in range(3):  # holdout_every=3: shard 2 is held out
+        part = seqs[3 * i : 3 * i + 3]
+        shard = {
+            "tap_ids": [0, 2],
+            "input_ids": [s.input_ids for s in part],
+            "num_prompt": [s.num_prompt for s in part],
+            "taps": [s.taps for s in part],
+            "last": [s.last for s in part],
+        }
+        save_atomic(shard, out / "cache" / SHARD_PATTERN.format(i))
+    loaded = types.SimpleNamespace(model=target, tokenizer=types.SimpleNamespace(eos_token_id=2))
+    monkeypatch.setattr(cli, "_load_target", lambda a: loaded)
+    model_args = ["--layers", "1", "--block-size", "4", "--taps", "0,2", "--mask-token-id", "1"]
+    model_args += ["--markov-rank", "8", "--num-anchors", "6", "--holdout-every", "3", "--fp32"]
+    run = ["train", "--out", str(out), "--name", "r", "--steps", "4", "--checkpoint-every", "2"]
+    run += ["--held-out-seqs", "2", "--draft-vocab", "10", *model_args]
+    assert cli.main(run) == 0
+    work = out / "train" / "r"
+    saved = json.loads((work / "final" / "train_args.json").read_text())
+    assert saved["sequences"] == 6 and saved["train"]["steps"] == 4
+    assert draft_model_from_checkpoint(work / "final", target).config.draft_vocab_size == 10
+    assert cli.main([*run, "--score-checkpoints"]) == 0
+    scored = json.loads((work / "held_out.json").read_text())
+    assert scored["held_out_sequences"] == 2 and [c["step"] for c in scored["checkpoints"]] == [2, 4]
+    assert cli.main([*run, "--finalize-at", "2"]) == 0
+    assert json.loads((work / "final" / "train_args.json").read_text())["train"]["steps"] == 2
+    export_drafter(draft_model_from_checkpoint(work / "final", target), tmp_path / "export", dtype="float32")
+    grown = ["train", "--out", str(out), "--name", "g", "--steps", "2", "--checkpoint-every", "2"]
+    grown += ["--held-out-seqs", "0", "--init-from", str(tmp_path / "export"), "--grow-layers", "2"]
+    assert cli.main([*grown, *model_args]) == 0
+    again = draft_model_from_checkpoint(out / "train" / "g" / "final", target)
+    assert again.config.num_hidden_layers == 2 and again.config.draft_vocab_size == 10
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--out", str(out), "--grow-layers", "2"])
