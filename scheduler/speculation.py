@@ -18,7 +18,7 @@ import torch
 from dspark_serve.drafter.base import AcceptedContext, Drafter, DraftProposal, DraftRequest
 from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
-from dspark_serve.scheduler.gate import DraftGate
+from dspark_serve.scheduler.gate import DraftGate, GateConfig
 from dspark_serve.scheduler.load import LoadState
 from dspark_serve.scheduler.overhead import StepOverhead
 from dspark_serve.scheduler.policy import CostTable, Policy, PolicyDecision, PolicyInput, parse_policy
@@ -105,7 +105,8 @@ class Speculation:
             # With a profiled cost table the gate predicts drafting's gain at a load it has not
             # measured from one it has (what verification costs there is on the table).
             table = self.cost_table
-            self._gate = DraftGate(price=(lambda b, n: 1.0 / table.sps(b, n)) if table is not None else None)
+            price = (lambda b, n: 1.0 / table.sps(b, n)) if table is not None else None
+            self._gate = DraftGate(GateConfig(price=price))
         self.gate = self._gate if on else None
 
     @property
