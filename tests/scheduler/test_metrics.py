@@ -188,7 +188,7 @@ def test_engine_snapshot_feeds_the_gauges_and_the_calibration_export():
     assert got[("dspark:spec_decode_confidence_samples", pos)] == 9
 
 
-def test_second_blocks_are_counted_by_outcome():
+def test_branches_are_counted_by_outcome():
     reg = CollectorRegistry()
     m = EngineMetrics(reg, "tiny")
     for kept in (True, False, False):
