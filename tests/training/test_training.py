@@ -653,3 +653,60 @@ def test_dspark_train_trains_scores_finalizes_and_starts_from_an_export(tmp_path
     assert again.config.num_hidden_layers == 2 and again.config.draft_vocab_size == 10
     with pytest.raises(SystemExit):
         cli.main(["train", "--out", str(out), "--grow-layers", "2"])
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_sampled_verification_emits_the_targets_distribution(with_probs):
+    """Rejection sampling is lossless: the first token a round emits (the draft when kept, the
+    residual draw when not) follows the target's distribution, whatever the draft's."""
+    from dspark_serve.training.evaluate import Proposal, verify_sampled
+
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = torch.log(p).repeat(2, 1)  # [K+1, V] at temperature 1
+    q = torch.tensor([[0.7, 0.1, 0.1, 0.1]])
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(4)
+    n = 20000
+    for _ in range(n):
+        draft = int(torch.multinomial(q[0], 1, generator=gen)) if with_probs else 0
+        prop = Proposal(torch.tensor([draft]), q if with_probs else None, None)
+        verdict = verify_sampled([draft], logits, prop, 1.0, gen)
+        counts[draft if verdict.accepted else verdict.bonus] += 1
+    assert torch.allclose(counts / n, p, atol=0.015)
+
+
+def test_evaluation_writes_a_summary_and_resumes_from_its_runs(tmp_path):
+    """`dspark-train evaluate` on a tiny target: every drafter at every temperature on every
+    dev set, the macro average, the confidence head's calibration before and after its
+    temperatures with reliability diagrams; a second call reads the finished runs back."""
+    import json
+    import types
+
+    from dspark_serve.training.evaluate import run_evaluation
+
+    class Tokenizer:
+        eos_token_id = 11
+
+        def apply_chat_template(self, messages, add_generation_prompt, return_dict):
+            return [3 + ord(c) % 90 for c in messages[0]["content"]][:12]
+
+    target = _tiny_target()
+    model = build_draft_model(_tiny_drafter_config(target), target, True).eval()
+    model.calibration = Calibration((1.5, 2.0, 0.7, 3.0))
+    export_drafter(model, tmp_path / "dspark", dtype="float32")
+    dev = tmp_path / "dev-toy.jsonl"
+    dev.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["abcabcabc", "hello hello", "unused"]))
+    loaded = types.SimpleNamespace(model=target, tokenizer=Tokenizer())
+    results = tmp_path / "results"
+    kwargs = dict(max_prompts=2, max_new_tokens=16, temperatures=(0.0, 1.0), seed=1)
+    summary = run_evaluation(loaded, {"dspark": str(tmp_path / "dspark")}, [str(dev)], str(results), **kwargs)
+    rows = summary["datasets"]["toy"]
+    assert set(rows) == {"T0", "T1"} and all(set(r) == {"dspark", "ngram"} for r in rows.values())
+    assert all(1.0 <= r["acceptance_length"] <= 5.0 for t in rows.values() for r in t.values())
+    assert summary["macro"]["T0"]["dspark"] == rows["T0"]["dspark"]["acceptance_length"]
+    assert summary["confidence"]["dspark_T0"]["temperatures"] == [1.5, 2.0, 0.7, 3.0]
+    assert (results / "reliability_dspark_T1.png").exists() and (results / "summary.json").exists()
+    assert len(list((results / "runs").glob("*.json"))) == 4
+    written = (results / "summary.json").read_text()
+    run_evaluation(loaded, {"dspark": str(tmp_path / "dspark")}, [str(dev)], str(results), **kwargs)
+    assert (results / "summary.json").read_text() == written
