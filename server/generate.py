@@ -25,7 +25,7 @@ from dspark_serve.server.render import SSE_DONE, ChoiceProgress, Kind, Reply, ss
 from dspark_serve.server.state import AppState
 from dspark_serve.server.tools import ToolMode
 
-DISCONNECT_POLL_S = 0.25  # how often a request's client is checked while its reply is not streaming
+DISCONNECT_POLL_S = 0.25  # how often the client is checked for having gone away (until a stream takes over)
 
 
 @dataclass(frozen=True)
