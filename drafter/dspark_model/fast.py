@@ -11,7 +11,7 @@ context_kv, forward_block) with the kernels the target's fast forward uses.
   head), the query heads of a group stacked as rows, over a copy of the context
   (`forward_block`; SDPA is slow on CPU for short bf16 queries);
 - in bf16 with the C kernels, the in-place pass's layers run as one C call
-  (`verifier.cpu_kernels.DraftLayers`: the same kernels in the same order, the same bits),
+  (`ops.cpu_kernels.DraftLayers`: the same kernels in the same order, the same bits),
   which spares the Python dispatch of a layer's dozen kernels (a noticeable share of a
   proposal; bench/drafting_cost.py measures what a proposal costs).
 
