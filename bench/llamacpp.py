@@ -7,8 +7,8 @@ prompt tokens on both sides, and the same per-user metric: completion tokens / (
 first token), median over requests. The three take turns for `--rounds` rounds so a slow spell
 of a shared machine hits all of them.
 
-llama-cpp-python is not a dependency of this project (it builds from source in ~10 minutes on
-two cores); install it into the environment that runs this script:
+llama-cpp-python is not a dependency of this project (it builds from source, which takes
+minutes on a small machine); install it into the environment that runs this script:
 
     pip install llama-cpp-python
     python bench/llamacpp.py --out bench/results/llamacpp-side-by-side.json

@@ -38,22 +38,15 @@ class CombinedConfig:
     primary_floor: accepted tokens per round the primary must average on a request for its
         block to be worth drafting there; below it (and with no lookup match) the request drafts
         nothing that step, a plain step, but for the exploring ones. A round pays when its
-        accepted drafts outweigh what drafting and the longer verification add to a step: on a
-        2-core CPU (bf16, the embedded model) verifying up to 5 tokens costs what decoding one
-        does and a DSpark draft ~6 ms beside a ~24 ms step, so the break-even is ~0.25-0.35.
-        Measured there, one stream, 12 dev prompts, fresh prompts each run: floors 0 / 0.25 /
-        0.5 / 1.0 / 1.5 gave 1.80 / 1.91 / 1.79-1.87 / 1.56 / 1.48x plain decoding per user
-        (prompt lookup alone, an infinite floor: 1.47x).
+        accepted drafts outweigh what drafting and the longer verification add to a step; on a
+        small CPU that break-even is a fraction of a token per round, and the default sits just
+        above it (the floors compared are in docs/training.md, "Serving the drafter").
     primary_cost: what a primary proposal adds to a step beyond prompt lookup's (nearly free),
         as a fraction of the step: with a lookup match, lookup is taken unless the primary's
         rounds make more tokens per unit of time, (1 + primary) > (1 + lookup) * (1 + cost)
-        in accepted tokens per round. On the 2-core AVX512-BF16 CPU (bf16, the embedded model)
-        a DSpark proposal costs ~0.2 of a plain decode step (bench/drafting_cost.py: 2.7-2.8
-        ms beside 13.2-13.6 ms); 0 compares acceptance alone. Measured there, one stream, 12 dev
-        prompts, the default policy, cost 0 / 0.2 / 0.4 alternated in one engine: lookup took 84
-        / 113 / 122 of ~278 request-steps, tokens per round 2.44 / 2.48 / 2.52, and 0.2 beat 0
-        per user in 5 of 7 paired rounds (medians 119.0 -> 123.0 and 103.0 -> 150.4 tok/s in
-        the two runs; 0.4 132.2 in the second).
+        in accepted tokens per round. The default is the share of a plain decode step a DSpark
+        proposal costs on a small CPU with the embedded model (bench/drafting_cost.py measures
+        it); 0 compares acceptance alone (the costs compared are in docs/training.md).
     primary_alternate: whether a step led by a lookup match also drafts the primary's block as
         the second block where the engine verifies one (`DraftRequest.alternate`). A lookup
         match always rides beside a primary-led block (it costs nothing to find).

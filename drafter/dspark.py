@@ -41,10 +41,9 @@ class DSparkDrafterConfig:
     trim_block: run only the block positions a step can use: the longest draft any request may
         verify (`DraftRequest.max_draft`, fixed before drafting) plus one spare, not the whole
         block. The block attends to itself whole, so a trimmed block is a slightly different
-        (still lossless) proposal: on the embedded drafter, greedy, one stream, acceptance
-        length 1.961 against 1.982 at static:3 (block of 4) and 1.539 against 1.554 at static:1
-        (block of 2), for a drafter forward over 2-4 positions instead of 7 when load keeps
-        budgets short.
+        (still lossless) proposal, of slightly lower acceptance on the embedded drafter
+        (bench/acceptance.py measures it), for a drafter forward over a few positions instead of
+        the whole block when load keeps budgets short.
     online_calibration: refit the confidence head's per-position temperatures from
         verification outcomes while serving (drafter/online_calibration.py).
     max_pending: positions of a request whose tap states may wait, unprojected, as copies for
@@ -54,8 +53,8 @@ class DSparkDrafterConfig:
     absorb_apart: more pending positions than this (over the requests of one proposal) are
         projected on their own, k and v only, before the block's pass, instead of riding in
         it (where the layers compute their queries too, and past a few rows the C driver gives
-        way to the Python loop): measured on the embedded drafter in bf16, 5,000 positions
-        65 against 83 ms, 100 positions 2.6 against 2.9 ms; 3 positions 1.1 against 0.8 ms.
+        way to the Python loop). Apart is the cheaper for many positions, riding along for a
+        few; the default sits between.
     """
 
     block_size: int | None = None
@@ -263,120 +262,81 @@ class _Pending:
         self.copied += hidden.shape[0] if isinstance(hidden, torch.Tensor) else 0
 
 
-class DSparkDrafter:
-    """DSpark (Markov + confidence heads) or DFlash (parallel only) behind the Drafter API."""
+class DraftContexts:
+    """Every request's drafter context: the context K/V pools (`ContextKVCache`) and the tap
+    states observed but not yet projected into them (`_Pending`), absorbed lazily, in one batch
+    across the requests that next draft. The projection runs through the backbone the caller
+    passes (the drafter's)."""
 
-    online_confidence = False  # its confidences come from its heads (recalibrated by `calibrator`)
-
-    def __init__(self, model: DSparkModel, config: DSparkDrafterConfig, name: str):
-        trained = model.config.block_size
-        bs = config.block_size or trained
-        if bs > trained:
-            raise ValueError(f"block_size {bs!r} exceeds the checkpoint's block_size {trained}")
-        self.name = name
-        self.model = model.eval()
-        # On a CPU: the layers run through fused, packed copies (fast.py); the heads keep
-        # their modules, packed in place.
-        self.backbone: DSparkModel | FastDraftBackbone = model
-        if fast_backbone_applies(model):
-            self.backbone = FastDraftBackbone(model)
-        _prepack_linears(self.model, skip=() if self.backbone is model else (model.layers, model.fc))
-        # on a CPU: the confidence head's logits from a per-token table and one small product
-        self._fast_confidence: FastConfidence | None = None
-        if self.backbone is not model and model.confidence_head is not None:
-            self._fast_confidence = FastConfidence(model)
-        # all-greedy blocks of a few rows: the Markov head's walk in one C call; in bf16 with the
-        # packed LM head, the head, the walk and the confidences in one C call
-        self._greedy: GreedyMarkov | None = None
-        self._tail: GreedyTail | None = None
-        head = model.markov_head
-        if head is not None and GreedyMarkov.applies(head, model.dtype, model.device):
-            lib = load_kernels()
-            assert lib is not None
-            self._greedy = GreedyMarkov(lib, head, model.d2t)
-            packed_head = getattr(model.lm_head.forward, "linear", None)  # `_Packed` by _prepack_linears
-            if (
-                self.backbone is not model
-                and model.dtype == torch.bfloat16
-                and isinstance(packed_head, SmallGemmLinear)
-            ):
-                try:
-                    self._tail = GreedyTail(lib, packed_head, self._greedy, self._fast_confidence)
-                except ValueError:  # a head with a bias
-                    pass
-        self.config = config
-        self.block_size = bs
-        self.tap_layers: tuple[int, ...] = tuple(model.config.target_layer_ids)
+    def __init__(self, model: DSparkModel, name: str, capacity: int) -> None:
         mc = model.config
+        self.model, self.name = model, name
+        self.tap_layers: tuple[int, ...] = tuple(mc.target_layer_ids)
         self.cache = ContextKVCache(
             mc.num_hidden_layers,
             mc.num_key_value_heads,
             mc.head_dim,
             model.device,
             model.dtype,
-            capacity=config.initial_capacity,
+            capacity=capacity,
         )
-        self.calibrator: OnlineCalibrator | None = None
-        if config.online_calibration and model.confidence_head is not None:
-            offline = model.calibration.temperatures if model.calibration is not None else None
-            self.calibrator = OnlineCalibrator(bs, offline)
-        # per request: the raw confidence logits and the confidences used in its last proposal
-        self._last: dict[str, tuple[list[float], list[float]]] = {}
         # per request: tap states observed but not yet projected into the context K/V
-        self._pending: dict[str, _Pending] = {}
+        self.pending: dict[str, _Pending] = {}
         # seconds one pending position costs to absorb (a moving average over absorptions of
         # at least `absorb_apart` positions, where the cost is the rows', not the dispatch's)
-        self._row_seconds: float | None = None
+        self.row_seconds: float | None = None
 
-    # -- context ------------------------------------------------------------------------
-
-    def observe(self, contexts: list[AcceptedContext]) -> None:
-        """Take the kept tokens' tap states; they are projected into the context K/V only when
-        the request next drafts (`_absorb`), batched with everything pending then. While the
-        draft gate keeps drafting off (high load), steps pay nothing here, and a request that
-        finishes without drafting again never pays at all.
-
-        A context starting before what is held (cached + pending) replaces from there on (the
-        target rolled back); one starting after it is a gap and an error."""
+    def observe(
+        self, contexts: list[AcceptedContext], max_pending: int, absorb: Callable[[list[str]], None]
+    ) -> None:
+        """See `DSparkDrafter.observe`; a request holding max_pending copied positions is
+        absorbed at once."""
         for ctx in contexts:
             n = len(ctx.token_ids)
             if n == 0:
                 continue
-            if ctx.hidden is None:
-                raise ValueError(
-                    f"{self.name} drafter needs hidden states for request "
-                    f"{ctx.request_id!r} (tap layers {self.tap_layers})"
-                )
-            if ctx.hidden.shape[0] != n:
-                raise ValueError(
-                    f"request {ctx.request_id!r}: hidden has {ctx.hidden.shape[0]} rows for {n} tokens"
-                )
-            pend = self._pending.get(ctx.request_id)
-            held = pend.end if pend is not None else self.cache.length(ctx.request_id)
-            if ctx.start_pos > held:
-                raise ValueError(
-                    f"request {ctx.request_id!r}: context starts at {ctx.start_pos} but "
-                    f"only {held} positions are held"
-                )
-            if pend is None or ctx.start_pos < pend.start:
-                pend = self._pending[ctx.request_id] = _Pending(ctx.start_pos)
-            pend.truncate(ctx.start_pos)
+            pend = self._pending_from(ctx, n)
             if ctx.stored is not None:  # read back when absorbed: no copy, no memory bound
                 pend.append(_Stored(ctx.stored, ctx.start_pos, n))
             else:
+                assert ctx.hidden is not None  # checked by _pending_from
                 # A copy: a view would keep the whole step's tap tensor alive while it waits.
                 pend.append(ctx.hidden.clone())
-            if pend.copied >= self.config.max_pending:
-                self._absorb([ctx.request_id])  # bounds the memory pending copies take
+            if pend.copied >= max_pending:
+                absorb([ctx.request_id])  # bounds the memory pending copies take
 
-    def _take_pending(self, request_ids: list[str]) -> _PendingRows | None:
+    def _pending_from(self, ctx: AcceptedContext, n: int) -> _Pending:
+        """The request's pending states, cut back to where this context starts (a new run of
+        them where it starts before what waits); a context after what is held is an error."""
+        if ctx.hidden is None:
+            raise ValueError(
+                f"{self.name} drafter needs hidden states for request "
+                f"{ctx.request_id!r} (tap layers {self.tap_layers})"
+            )
+        if ctx.hidden.shape[0] != n:
+            raise ValueError(
+                f"request {ctx.request_id!r}: hidden has {ctx.hidden.shape[0]} rows for {n} tokens"
+            )
+        pend = self.pending.get(ctx.request_id)
+        held = pend.end if pend is not None else self.cache.length(ctx.request_id)
+        if ctx.start_pos > held:
+            raise ValueError(
+                f"request {ctx.request_id!r}: context starts at {ctx.start_pos} but "
+                f"only {held} positions are held"
+            )
+        if pend is None or ctx.start_pos < pend.start:
+            pend = self.pending[ctx.request_id] = _Pending(ctx.start_pos)
+        pend.truncate(ctx.start_pos)
+        return pend
+
+    def take(self, request_ids: list[str]) -> _PendingRows | None:
         """The pending tap states of these requests, in one batch across requests, counted into
         their context from here on (the caller projects them); None when none wait."""
         slots: list[int] = []
         positions: list[int] = []
         hiddens: list[torch.Tensor] = []
         for rid in request_ids:
-            pend = self._pending.pop(rid, None)
+            pend = self.pending.pop(rid, None)
             if pend is None or pend.end == pend.start:
                 continue
             slot = self.cache.slot(rid)
@@ -397,53 +357,41 @@ class DSparkDrafter:
         hidden = hiddens[0].to(dev) if len(hiddens) == 1 else torch.cat([h.to(dev) for h in hiddens])
         return _PendingRows(hidden, torch.tensor(slots, device=dev), torch.tensor(positions, device=dev))
 
-    def _pending_rows(self, request_ids: list[str]) -> int:
+    def pending_rows(self, request_ids: list[str]) -> int:
         """Positions of these requests waiting to be projected."""
-        return sum(p.end - p.start for p in map(self._pending.get, request_ids) if p is not None)
+        return sum(p.end - p.start for p in map(self.pending.get, request_ids) if p is not None)
 
     def catch_up_seconds(self, request_ids: list[str]) -> float | None:
-        n = self._pending_rows(request_ids)
+        n = self.pending_rows(request_ids)
         if n == 0:
             return 0.0
-        return None if self._row_seconds is None else n * self._row_seconds
+        return None if self.row_seconds is None else n * self.row_seconds
 
     @torch.no_grad()
-    def _absorb(self, request_ids: list[str]) -> None:
+    def absorb(
+        self, request_ids: list[str], backbone: DSparkModel | FastDraftBackbone, absorb_apart: int
+    ) -> None:
         """Project the pending tap states of these requests into their context K/V, in one
-        batch across requests."""
+        batch across requests; the cost per position is measured from absorb_apart rows on."""
         t0 = time.perf_counter()
-        rows = self._take_pending(request_ids)
+        rows = self.take(request_ids)
         if rows is None:
             return
-        feats = self.backbone.project_context(rows.hidden)  # [T, d]
+        feats = backbone.project_context(rows.hidden)  # [T, d]
         for layer in range(len(self.model.layers)):
-            k, v = self.backbone.context_kv(layer, feats, rows.positions)
+            k, v = backbone.context_kv(layer, feats, rows.positions)
             self.cache.write(layer, rows.slots, rows.positions, k, v)
         n = rows.positions.shape[0]
-        if n >= max(1, self.config.absorb_apart):
+        if n >= max(1, absorb_apart):
             if rows.positions.is_cuda:
                 torch.cuda.synchronize(rows.positions.device)
             per = (time.perf_counter() - t0) / n
-            old = self._row_seconds
-            self._row_seconds = per if old is None else 0.5 * (old + per)
+            old = self.row_seconds
+            self.row_seconds = per if old is None else 0.5 * (old + per)
 
-    # -- drafting -----------------------------------------------------------------------
-
-    @torch.no_grad()
-    def block_hidden(self, requests: list[DraftRequest], length: int | None = None) -> torch.Tensor:
-        """Final hidden states of each request's block: [B, L, d], L = length (at most the
-        block size; None: the block size): the anchor and L - 1 mask positions. Pending context
-        is absorbed first, or, where the fast backbone reads the pools in place, in the block's
-        own pass (`ContextRows`)."""
-        L = self.block_size if length is None else max(1, min(length, self.block_size))
-        in_place = isinstance(self.backbone, FastDraftBackbone) and self.backbone.reads_pools_in_place
-        pending = None
-        rids = [r.request_id for r in requests]
-        if in_place and self._pending_rows(rids) <= self.config.absorb_apart:
-            pending = self._take_pending(rids)  # projected in the block's own pass
-        else:
-            self._absorb(rids)
-        slots, anchors, starts = [], [], []
+    def anchored_slots(self, requests: list[DraftRequest]) -> list[int]:
+        """Each request's slot, once its context holds every position before its anchor."""
+        slots = []
         for req in requests:
             start = len(req.token_ids) - 1
             if start < 0:
@@ -456,91 +404,41 @@ class DSparkDrafter:
                     "every kept token before propose()"
                 )
             slots.append(self.cache.slot(req.request_id))
-            anchors.append(req.token_ids[-1])
-            starts.append(start)
-        dev = self.model.device
-        # [B, L] = [anchor, mask, ..., mask] and its positions, from host lists (one op each)
-        mask_id = self.model.config.mask_token_id
-        ids = torch.tensor([[a] + [mask_id] * (L - 1) for a in anchors], dtype=torch.long, device=dev)
-        pos = torch.tensor([range(s, s + L) for s in starts], dtype=torch.long, device=dev)
-        if in_place:
-            assert isinstance(self.backbone, FastDraftBackbone)
-            self.cache.reserve(max(starts) + L)  # room for the block's own k/v
-            c = self.cache
-            context = None
-            if pending is not None:
-                feats = self.backbone.project_context(pending.hidden)
-                context = ContextRows(feats, pending.slots, pending.positions)
-            return self.backbone.forward_block_in_place(ids, pos, c.k, c.v, slots, starts, context)
-        ctx_kv, ctx_mask = self.cache.gather(slots)
-        return self.backbone.forward_block(ids, pos, ctx_kv, ctx_mask)
+        return slots
 
-    @torch.no_grad()
-    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
-        out: list[DraftProposal | None] = [None] * len(requests)
-        live = [i for i, r in enumerate(requests) if r.max_draft > 0]
-        dev = self.model.device
-        for i, r in enumerate(requests):
-            if r.max_draft <= 0:
-                out[i] = DraftProposal(tokens=torch.empty(0, dtype=torch.long))
-        if live:
-            batch = [requests[i] for i in live]
-            lengths = [min(self.block_size, r.max_draft) for r in batch]
-            kmax = max(lengths)
-            # contiguous: a strided [B, k, d] input sends nn.Linear down a batched-matmul
-            # path that copies the LM head's weight once per request.
-            # A trimmed block: the positions no request may use are not run (one spare kept).
-            trim = kmax + 1 if self.config.trim_block else None
-            hidden = self.block_hidden(batch, trim)[:, :kmax].contiguous()
-            contexts = [r.context() for r in batch]
-            tail = None
-            if self._tail is not None and all(
-                r.sampling.greedy and not needs_processing(r.sampling, c) for r, c in zip(batch, contexts)
-            ):
-                tail = self._tail(hidden, [r.token_ids[-1] for r in batch])
-            probs: torch.Tensor | None = None
-            if tail is not None:
-                tokens, _, logits = tail
-                conf = self._calibrate(logits, batch, lengths)
-            else:
-                base = self.model.lm_head(hidden)
-                anchors = torch.tensor([r.token_ids[-1] for r in batch], dtype=torch.long, device=dev)
-                drafted = self.model.sample_block(
-                    base,
-                    anchors,
-                    [r.sampling for r in batch],
-                    [r.generator for r in batch],
-                    hidden,
-                    contexts,
-                    self._greedy,
-                )
-                conf = self._confidences(hidden, drafted.prev_tokens, batch, lengths)
-                # Tokens and confidences go to the host once per step (the engine and the policy
-                # read them there); per-request slices of device tensors would sync per request.
-                tokens, probs = drafted.tokens.cpu(), drafted.probs
-            for j, (i, r) in enumerate(zip(live, batch)):
-                k = lengths[j]
-                out[i] = DraftProposal(
-                    tokens=tokens[j, :k],
-                    probs=None
-                    if probs is None or r.sampling.greedy
-                    else self.model.to_target_probs(probs[j, :k]),
-                    confidences=None if conf is None else conf[j],
-                )
-        return out  # type: ignore[return-value]
+    def free(self, request_id: str) -> None:
+        self.cache.free(request_id)
+        self.pending.pop(request_id, None)
 
-    def _confidences(
+
+class DraftConfidence:
+    """The confidence head's c_k for a proposal: raw logits (the module's, or `FastConfidence`'s
+    on a CPU), calibrated by the checkpoint's temperatures or refit online from verification
+    outcomes (`OnlineCalibrator`)."""
+
+    def __init__(
+        self, model: DSparkModel, fast: FastConfidence | None, config: DSparkDrafterConfig, bs: int
+    ) -> None:
+        self.model, self.fast = model, fast
+        self.calibrator: OnlineCalibrator | None = None
+        if config.online_calibration and model.confidence_head is not None:
+            offline = model.calibration.temperatures if model.calibration is not None else None
+            self.calibrator = OnlineCalibrator(bs, offline)
+        # per request: the raw confidence logits and the confidences used in its last proposal
+        self.last: dict[str, tuple[list[float], list[float]]] = {}
+
+    def of_block(
         self, hidden: torch.Tensor, prev: torch.Tensor, batch: list[DraftRequest], lengths: list[int]
     ) -> list[torch.Tensor] | None:
         """c_k per request: the offline-calibrated head, or the online calibrator's fit (which
         only ever learned from earlier rounds)."""
-        if self._fast_confidence is not None:
-            logits: torch.Tensor | None = self._fast_confidence(hidden, prev)
+        if self.fast is not None:
+            logits: torch.Tensor | None = self.fast(hidden, prev)
         else:
             logits = self.model.confidence_logits(hidden, prev)
-        return self._calibrate(logits, batch, lengths)
+        return self.calibrate(logits, batch, lengths)
 
-    def _calibrate(
+    def calibrate(
         self, logits: torch.Tensor | None, batch: list[DraftRequest], lengths: list[int]
     ) -> list[torch.Tensor] | None:
         """Raw confidence logits [B, K] -> c_k per request (offline temperatures, or the online
@@ -554,20 +452,208 @@ class DSparkDrafter:
         out = []
         for j, (r, k) in enumerate(zip(batch, lengths)):
             used = self.calibrator.calibrate(raw[j][:k])
-            self._last[r.request_id] = (raw[j][:k], used)
+            self.last[r.request_id] = (raw[j][:k], used)
             out.append(torch.tensor(used, dtype=torch.float32))
         return out
 
     def observe_acceptance(self, request_id: str, proposed: int, accepted: int) -> None:
-        """Verification outcome of the request's last proposal: feeds online calibration."""
-        last = self._last.pop(request_id, None)
+        last = self.last.pop(request_id, None)
         if self.calibrator is not None and last is not None and proposed > 0:
             self.calibrator.record(last[0], last[1], proposed, accepted)
 
+
+@dataclass(frozen=True)
+class _GreedyPaths:
+    """All-greedy blocks of a few rows on a CPU: the Markov head's walk in one C call; in bf16
+    with the packed LM head, the head, the walk and the confidences in one C call."""
+
+    walk: GreedyMarkov | None = None
+    tail: GreedyTail | None = None
+
+
+def _greedy_paths(model: DSparkModel, fast_backbone: bool, confidence: FastConfidence | None) -> _GreedyPaths:
+    head = model.markov_head
+    if head is None or not GreedyMarkov.applies(head, model.dtype, model.device):
+        return _GreedyPaths()
+    lib = load_kernels()
+    assert lib is not None
+    walk = GreedyMarkov(lib, head, model.d2t)
+    packed_head = getattr(model.lm_head.forward, "linear", None)  # `_Packed` by _prepack_linears
+    if fast_backbone and model.dtype == torch.bfloat16 and isinstance(packed_head, SmallGemmLinear):
+        try:
+            return _GreedyPaths(walk, GreedyTail(lib, packed_head, walk, confidence))
+        except ValueError:  # a head with a bias
+            pass
+    return _GreedyPaths(walk)
+
+
+class DSparkDrafter:
+    """DSpark (Markov + confidence heads) or DFlash (parallel only) behind the Drafter API."""
+
+    online_confidence = False  # its confidences come from its heads (recalibrated by `calibrator`)
+
+    def __init__(self, model: DSparkModel, config: DSparkDrafterConfig, name: str):
+        trained = model.config.block_size
+        bs = config.block_size or trained
+        if bs > trained:
+            raise ValueError(f"block_size {bs!r} exceeds the checkpoint's block_size {trained}")
+        self.name = name
+        self.model = model.eval()
+        # On a CPU: the layers run through fused, packed copies (fast.py); the heads keep
+        # their modules, packed in place.
+        self.backbone: DSparkModel | FastDraftBackbone = model
+        if fast_backbone_applies(model):
+            self.backbone = FastDraftBackbone(model)
+        fast = self.backbone is not model
+        _prepack_linears(self.model, skip=(model.layers, model.fc) if fast else ())
+        # on a CPU: the confidence head's logits from a per-token table and one small product
+        fast_confidence = FastConfidence(model) if fast and model.confidence_head is not None else None
+        greedy = _greedy_paths(model, fast, fast_confidence)
+        self._greedy, self._tail = greedy.walk, greedy.tail
+        self.config = config
+        self.block_size = bs
+        self.tap_layers: tuple[int, ...] = tuple(model.config.target_layer_ids)
+        self.contexts = DraftContexts(model, name, config.initial_capacity)
+        self.cache = self.contexts.cache
+        self.confidence = DraftConfidence(model, fast_confidence, config, bs)
+        self.calibrator = self.confidence.calibrator
+
+    @property
+    def _pending(self) -> dict[str, _Pending]:
+        """The requests' pending tap states (`DraftContexts.pending`)."""
+        return self.contexts.pending
+
+    # -- context ------------------------------------------------------------------------
+
+    def observe(self, contexts: list[AcceptedContext]) -> None:
+        """Take the kept tokens' tap states; they are projected into the context K/V only when
+        the request next drafts (`DraftContexts.absorb`), batched with everything pending then.
+        While the draft gate keeps drafting off (high load), steps pay nothing here, and a
+        request that finishes without drafting again never pays at all.
+
+        A context starting before what is held (cached + pending) replaces from there on (the
+        target rolled back); one starting after it is a gap and an error."""
+        self.contexts.observe(contexts, self.config.max_pending, self._absorb)
+
+    def _absorb(self, request_ids: list[str]) -> None:
+        self.contexts.absorb(request_ids, self.backbone, self.config.absorb_apart)
+
+    def catch_up_seconds(self, request_ids: list[str]) -> float | None:
+        return self.contexts.catch_up_seconds(request_ids)
+
+    # -- drafting -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def block_hidden(self, requests: list[DraftRequest], length: int | None = None) -> torch.Tensor:
+        """Final hidden states of each request's block: [B, L, d], L = length (at most the
+        block size; None: the block size): the anchor and L - 1 mask positions. Pending context
+        is absorbed first, or, where the fast backbone reads the pools in place, in the block's
+        own pass (`ContextRows`)."""
+        L = self.block_size if length is None else max(1, min(length, self.block_size))
+        in_place = isinstance(self.backbone, FastDraftBackbone) and self.backbone.reads_pools_in_place
+        pending = None
+        rids = [r.request_id for r in requests]
+        if in_place and self.contexts.pending_rows(rids) <= self.config.absorb_apart:
+            pending = self.contexts.take(rids)  # projected in the block's own pass
+        else:
+            self._absorb(rids)
+        slots = self.contexts.anchored_slots(requests)
+        starts = [len(r.token_ids) - 1 for r in requests]
+        dev = self.model.device
+        # [B, L] = [anchor, mask, ..., mask] and its positions, from host lists (one op each)
+        mask_id = self.model.config.mask_token_id
+        ids = torch.tensor(
+            [[r.token_ids[-1]] + [mask_id] * (L - 1) for r in requests], dtype=torch.long, device=dev
+        )
+        pos = torch.tensor([range(s, s + L) for s in starts], dtype=torch.long, device=dev)
+        if in_place:
+            assert isinstance(self.backbone, FastDraftBackbone)
+            self.cache.reserve(max(starts) + L)  # room for the block's own k/v
+            context = None
+            if pending is not None:
+                feats = self.backbone.project_context(pending.hidden)
+                context = ContextRows(feats, pending.slots, pending.positions)
+            return self.backbone.forward_block_in_place(
+                ids, pos, self.cache.k, self.cache.v, slots, starts, context
+            )
+        ctx_kv, ctx_mask = self.cache.gather(slots)
+        return self.backbone.forward_block(ids, pos, ctx_kv, ctx_mask)
+
+    @torch.no_grad()
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        out: list[DraftProposal | None] = [
+            None if r.max_draft > 0 else DraftProposal(tokens=torch.empty(0, dtype=torch.long))
+            for r in requests
+        ]
+        live = [i for i, r in enumerate(requests) if r.max_draft > 0]
+        if not live:
+            return out  # type: ignore[return-value]  # every request drafts nothing
+        batch = [requests[i] for i in live]
+        lengths = [min(self.block_size, r.max_draft) for r in batch]
+        kmax = max(lengths)
+        # contiguous: a strided [B, k, d] input sends nn.Linear down a batched-matmul
+        # path that copies the LM head's weight once per request.
+        # A trimmed block: the positions no request may use are not run (one spare kept).
+        trim = kmax + 1 if self.config.trim_block else None
+        hidden = self.block_hidden(batch, trim)[:, :kmax].contiguous()
+        drafted = self._draft(hidden, batch, lengths)
+        for j, (i, r) in enumerate(zip(live, batch)):
+            k = lengths[j]
+            probs = drafted.probs
+            out[i] = DraftProposal(
+                tokens=drafted.tokens[j, :k],
+                probs=None
+                if probs is None or r.sampling.greedy
+                else self.model.to_target_probs(probs[j, :k]),
+                confidences=None if drafted.confidences is None else drafted.confidences[j],
+            )
+        return out  # type: ignore[return-value]  # every request has its proposal now
+
+    def _draft(self, hidden: torch.Tensor, batch: list[DraftRequest], lengths: list[int]) -> _Drafted:
+        """The block's tokens from its hidden states: in one C call (`GreedyTail`) for a few
+        all-greedy unprocessed rows, else the LM head and `sample_block`; with their confidences."""
+        contexts = [r.context() for r in batch]
+        tail = None
+        if self._tail is not None and all(
+            r.sampling.greedy and not needs_processing(r.sampling, c) for r, c in zip(batch, contexts)
+        ):
+            tail = self._tail(hidden, [r.token_ids[-1] for r in batch])
+        if tail is not None:
+            tokens, _, logits = tail
+            return _Drafted(tokens, None, self.confidence.calibrate(logits, batch, lengths))
+        base = self.model.lm_head(hidden)
+        anchors = torch.tensor([r.token_ids[-1] for r in batch], dtype=torch.long, device=self.model.device)
+        drafted = self.model.sample_block(
+            base,
+            anchors,
+            [r.sampling for r in batch],
+            [r.generator for r in batch],
+            hidden,
+            contexts,
+            self._greedy,
+        )
+        conf = self.confidence.of_block(hidden, drafted.prev_tokens, batch, lengths)
+        # Tokens and confidences go to the host once per step (the engine and the policy
+        # read them there); per-request slices of device tensors would sync per request.
+        return _Drafted(drafted.tokens.cpu(), drafted.probs, conf)
+
+    def observe_acceptance(self, request_id: str, proposed: int, accepted: int) -> None:
+        """Verification outcome of the request's last proposal: feeds online calibration."""
+        self.confidence.observe_acceptance(request_id, proposed, accepted)
+
     def free(self, request_id: str) -> None:
-        self.cache.free(request_id)
-        self._pending.pop(request_id, None)
-        self._last.pop(request_id, None)
+        self.contexts.free(request_id)
+        self.confidence.last.pop(request_id, None)
+
+
+@dataclass(frozen=True)
+class _Drafted:
+    """A batch's drafts: tokens [B, K] int64 on the host, the distributions they were drawn
+    from ([B, K, V'], None when every row is greedy) and c_k per request (None: no head)."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None
+    confidences: list[torch.Tensor] | None
 
 
 def _build(

@@ -757,9 +757,9 @@ class TargetLayerWeights(LayerProducts):
 
 class TargetLayers(_LayersInC):
     """The target's decoder layers over one step in one C call (`target_layers`): the kernels of
-    `FastForwardMixin._layers_fused` with the paged attention, in its order, without a Python
-    dispatch, an allocation and the argument checks per kernel. float32 or bf16 (the products'
-    dtype); every product's rows must stay within the packed gemm's `max_rows` (above it the
+    `verifier.forward_fast.FastForward._layers_fused` with the paged attention, in its order,
+    without a Python dispatch, an allocation and the argument checks per kernel. float32 or bf16
+    (the products' dtype); every product's rows must stay within the packed gemm's `max_rows` (above it the
     Python loop's fallback runs); no q/k head norms (the loop runs those too)."""
 
     def __init__(

@@ -59,6 +59,36 @@ _PARAMS = (
     "top_k",
 )
 
+
+def _request(request_id: str, prompt_ids: list[int], params: GenerationParams) -> Request:
+    """The engine's request for these parameters; a range error is a 400 naming the parameter."""
+    try:
+        sp = SamplingParams(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            min_p=params.min_p,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            logit_bias=params.logit_bias,
+        )
+        return Request(
+            request_id,
+            list(prompt_ids),
+            sp,
+            params.max_tokens,
+            stop=params.stop,
+            ignore_eos=params.ignore_eos,
+            logprobs=params.logprobs,
+        )
+    except (ValueError, TypeError, RuntimeError) as exc:
+        msg = str(exc)
+        param = next((p for p in _PARAMS if msg.startswith(p)), "seed" if "seed" in msg else None)
+        raise EngineError(msg, 400, param) from exc
+
+
 DRAIN_MESSAGE = "the server is shutting down; this request was cut off"
 
 
@@ -205,46 +235,11 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: GenerationParams
     ) -> AsyncGenerator[StreamDelta, None]:
-        if self._draining:
-            raise EngineError("the server is draining (shutting down)", 503, code="draining")
-        if not self.ready:
-            raise EngineError("the model is still loading", 503)
-        try:
-            sp = SamplingParams(
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                seed=params.seed,
-                min_p=params.min_p,
-                presence_penalty=params.presence_penalty,
-                frequency_penalty=params.frequency_penalty,
-                repetition_penalty=params.repetition_penalty,
-                logit_bias=params.logit_bias,
-            )
-            req = Request(
-                request_id,
-                list(prompt_ids),
-                sp,
-                params.max_tokens,
-                stop=params.stop,
-                ignore_eos=params.ignore_eos,
-                logprobs=params.logprobs,
-            )
-        except (ValueError, TypeError, RuntimeError) as exc:
-            msg = str(exc)
-            param = next((p for p in _PARAMS if msg.startswith(p)), "seed" if "seed" in msg else None)
-            raise EngineError(msg, 400, param) from exc
-        loop = asyncio.get_running_loop()
-        if params.grammar is not None:
-            g = params.grammar
-            try:  # off the event loop and off the engine thread (bounded by GrammarConfig)
-                req.constraint = await loop.run_in_executor(
-                    None, self._bundle().engine.compile_grammar, g.kind, g.schema
-                )
-            except ValueError as exc:
-                raise EngineError(str(exc), 400, g.param) from exc
+        """Queue one request on the engine thread and yield its deltas until it finishes; a
+        caller that goes away aborts it (its KV is freed at once)."""
+        req = await self._prepare(request_id, prompt_ids, params)
         q: asyncio.Queue[StreamDelta | Exception] = asyncio.Queue()
-        self._queues[request_id] = (loop, q)
+        self._queues[request_id] = (asyncio.get_running_loop(), q)
         self._inbox.put(AddRequest(req))
         finished = False
         try:
@@ -260,6 +255,24 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:  # the caller went away: free the request's KV now
                 self.abort(request_id)
+
+    async def _prepare(self, request_id: str, prompt_ids: list[int], params: GenerationParams) -> Request:
+        """The engine's request for these parameters, its grammar compiled; an EngineError
+        while draining or loading, or for a parameter out of range."""
+        if self._draining:
+            raise EngineError("the server is draining (shutting down)", 503, code="draining")
+        if not self.ready:
+            raise EngineError("the model is still loading", 503)
+        req = _request(request_id, prompt_ids, params)
+        if params.grammar is not None:
+            g = params.grammar
+            try:  # off the event loop and off the engine thread (bounded by GrammarConfig)
+                req.constraint = await asyncio.get_running_loop().run_in_executor(
+                    None, self._bundle().engine.compile_grammar, g.kind, g.schema
+                )
+            except ValueError as exc:
+                raise EngineError(str(exc), 400, g.param) from exc
+        return req
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(AbortRequest(request_id))

@@ -42,14 +42,13 @@ class SchedulerConfig:
     verification spreads it over more tokens. False prices the target forward alone (the
     cost table, the paper's SPS)."""
     branch_rows: int = 0
-    """Verified rows within which a greedy request also verifies a second block from the same
-    anchor (with the combined drafters: prompt lookup's match beside a DSpark-led block),
-    keeping the longer accepted run; never in a step that prefills. 0 = never (the default):
-    on the 2-core AVX512-BF16 CPU (bf16, the embedded model, one stream) second blocks raised
-    tokens per round 4% (13% with DSpark's block beside lookup-led ones too) but rows past ~8
-    cost compute there (the target's forward took 6.8 ms for 8 rows, 8.1 ms for 16), so
-    per-user speed did not move (bench/second_block.py). Worth it where 16 rows cost what 8
-    do (an accelerator)."""
+    """Verified rows within which a greedy request also verifies a branch: a second draft block
+    from the same anchor (with the combined drafters: prompt lookup's match beside a DSpark-led
+    block), keeping the longer accepted run; never in a step that prefills. 0 = never (the
+    default): a branch raises the tokens per round, but where the extra rows cost compute (a
+    CPU) the longer forward takes that gain back and per-user speed does not move
+    (bench/second_block.py measures both). Worth it where a forward's time does not grow
+    with these few extra rows (an accelerator)."""
     enable_prefix_caching: bool = True
     """Share the KV of full blocks of committed tokens across requests by a hash of their
     content and position (automatic prefix caching): a prompt whose leading blocks are cached

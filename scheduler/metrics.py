@@ -1,12 +1,13 @@
 """Engine metrics in Prometheus form. Names follow vLLM's (`vllm:` becomes `dspark:`) where the
 meaning is the same, so existing dashboards carry over. The gauges and spec-decode counters that
 routers and autoscalers read are also exported under vLLM's own names (always on): each alias is
-declared where its `dspark:` metric is defined and re-exposes that metric's samples at scrape
+declared in the metric's row of `ENGINE_METRICS` and re-exposes that metric's samples at scrape
 time, so the value is stored and updated once."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -43,6 +44,144 @@ LATENCY_BUCKETS = (
     40.0,
     80.0,
 )
+FORWARD_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+# Every series carries the served model's name.
+MODEL_LABEL = "model_name"
+# The finish reasons exported at zero from the start.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+Kind = type[Counter] | type[Gauge] | type[Histogram]
+
+
+@dataclass(frozen=True)
+class BlockBuckets:
+    """Histogram buckets that follow the drafter's block size: first .. max_block + beyond,
+    one per count a block can produce."""
+
+    first: int
+    beyond: int
+
+    def values(self, max_block: int) -> tuple[int, ...]:
+        return tuple(range(self.first, max_block + self.beyond + 1))
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric.
+
+    attr: the `EngineMetrics` attribute that holds it.
+    name / kind / help: as exported.
+    labels: its labels besides the model name.
+    buckets: a histogram's buckets (fixed, or following the block size).
+    vllm: the vLLM name it is also exported under, or None.
+    unmeasured: no sample until first recorded (a gauge with no meaningful zero); otherwise a
+                 metric without further labels is exported at zero from the start, so a dashboard sees
+                 it before the first event.
+    preset: values of its one further label exported at zero from the start.
+    """
+
+    attr: str
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | BlockBuckets | None = None
+    vllm: str | None = None
+    unmeasured: bool = False
+    preset: tuple[str, ...] = ()
+
+    def build(self, registry: CollectorRegistry, max_block: int) -> Counter | Gauge | Histogram:
+        labels = (MODEL_LABEL, *self.labels)
+        if self.kind is Histogram:
+            b = self.buckets
+            buckets = b.values(max_block) if isinstance(b, BlockBuckets) else b
+            assert buckets is not None, f"histogram {self.name} needs buckets"
+            return Histogram(self.name, self.help, labels, buckets=buckets, registry=registry)
+        return self.kind(self.name, self.help, labels, registry=registry)
+
+
+# Every metric the engine exports, in export order (one row each; `MetricSpec`).
+# fmt: off
+ENGINE_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("running", "dspark:num_requests_running", Gauge, "Requests decoding or prefilling.",
+               vllm="vllm:num_requests_running"),
+    MetricSpec("waiting", "dspark:num_requests_waiting", Gauge, "Requests queued for admission.",
+               vllm="vllm:num_requests_waiting"),
+    MetricSpec("kv_usage", "dspark:kv_cache_usage_perc", Gauge, "Fraction of KV cache blocks in use (0-1).",
+               vllm="vllm:kv_cache_usage_perc"),
+    MetricSpec("kv_cached_free", "dspark:kv_cache_cached_free_perc", Gauge,
+               "Fraction of KV cache blocks holding cached prefixes no request holds (0-1); they count "
+               "as free, so they are not in kv_cache_usage_perc."),
+    MetricSpec("prefix_queries", "dspark:prefix_cache_queries", Counter,
+               "Prompt tokens looked up in the prefix cache at admission.", vllm="vllm:prefix_cache_queries"),
+    MetricSpec("prefix_hits", "dspark:prefix_cache_hits", Counter,
+               "Prompt tokens found in the prefix cache (their prefill skipped).",
+               vllm="vllm:prefix_cache_hits"),
+    MetricSpec("prefix_hit_rate", "dspark:prefix_cache_hit_rate", Gauge,
+               "Prefix cache hits / queries in tokens, since start (0-1)."),
+    MetricSpec("prefix_blocks", "dspark:prefix_cache_blocks", Gauge,
+               "KV blocks holding cached content (held by requests or not)."),
+    MetricSpec("prefix_evictions", "dspark:prefix_cache_evictions", Counter,
+               "Cached KV blocks evicted to make room."),
+    MetricSpec("preemptions", "dspark:num_preemptions", Counter,
+               "Requests preempted (KV freed; they resume by recomputing).", vllm="vllm:num_preemptions"),
+    MetricSpec("prompt_tokens", "dspark:prompt_tokens", Counter, "Prefilled prompt tokens."),
+    MetricSpec("gen_tokens", "dspark:generation_tokens", Counter, "Generated tokens returned."),
+    MetricSpec("finished", "dspark:request_success", Counter, "Finished requests.",
+               labels=("finished_reason",), preset=FINISH_REASONS),
+    MetricSpec("ttft", "dspark:time_to_first_token_seconds", Histogram, "Time to first token.",
+               buckets=LATENCY_BUCKETS),
+    MetricSpec("itl", "dspark:inter_token_latency_seconds", Histogram,
+               "Time between tokens (a step yielding n tokens counts n times its time / n).",
+               buckets=LATENCY_BUCKETS),
+    MetricSpec("e2e", "dspark:e2e_request_latency_seconds", Histogram, "Arrival to finish.",
+               buckets=LATENCY_BUCKETS),
+    MetricSpec("forward_tokens", "dspark:forward_batch_tokens", Histogram, "Tokens per target forward.",
+               buckets=FORWARD_TOKEN_BUCKETS),
+    MetricSpec("forward_seconds", "dspark:forward_seconds", Histogram, "Duration of a target forward.",
+               buckets=LATENCY_BUCKETS),
+    # speculative decoding
+    MetricSpec("drafts", "dspark:spec_decode_num_drafts", Counter,
+               "Verification rounds with at least one draft.",
+               vllm="vllm:spec_decode_num_drafts"),
+    MetricSpec("draft_tokens", "dspark:spec_decode_num_draft_tokens", Counter, "Draft tokens verified.",
+               vllm="vllm:spec_decode_num_draft_tokens"),
+    MetricSpec("accepted", "dspark:spec_decode_num_accepted_tokens", Counter, "Draft tokens accepted.",
+               vllm="vllm:spec_decode_num_accepted_tokens"),
+    MetricSpec("accepted_pos", "dspark:spec_decode_num_accepted_tokens_per_pos", Counter,
+               "Accepted draft tokens by position (0-based).", labels=("position",),
+               vllm="vllm:spec_decode_num_accepted_tokens_per_pos"),
+    MetricSpec("branches", "dspark:spec_decode_second_blocks", Counter,
+               "Second draft blocks verified beside a request's first (greedy, low load), by whether "
+               "their accepted run was the longer one and kept.", labels=("outcome",)),
+    MetricSpec("accept_len", "dspark:spec_decode_acceptance_length", Histogram,
+               "Tokens per round, the target's own token included.", buckets=BlockBuckets(1, 2)),
+    MetricSpec("budget", "dspark:spec_decode_verify_budget", Histogram,
+               "Draft tokens admitted for verification per request per step.", buckets=BlockBuckets(0, 0)),
+    MetricSpec("budget_mean", "dspark:spec_decode_verify_budget_mean", Gauge,
+               "Mean verification budget per request in the last step."),
+    MetricSpec("step_overhead", "dspark:spec_decode_step_overhead_seconds", Gauge,
+               "Seconds a drafting step spends besides the target forward at the last step's load "
+               "(drafting, sampling, bookkeeping), as the verification policy prices it.", unmeasured=True),
+    MetricSpec("expected", "dspark:spec_decode_expected_tokens", Counter,
+               "Tokens per step the policy expected (tau), summed over steps."),
+    MetricSpec("realized", "dspark:spec_decode_realized_tokens", Counter,
+               "Tokens per step actually produced by decode requests, summed."),
+    MetricSpec("accel_mem", "dspark:accelerator_memory_used_bytes", Gauge,
+               "Accelerator memory allocated by the engine (CUDA only).", unmeasured=True),
+    MetricSpec("conf_ece", "dspark:spec_decode_confidence_ece", Gauge,
+               "Live expected calibration error of the survival probability the policy used, by draft "
+               "position (0-based), over the recent window.", labels=("position",)),
+    MetricSpec("conf_temp", "dspark:spec_decode_confidence_temperature", Gauge,
+               "Online-calibrated confidence temperature T_k by draft position.", labels=("position",)),
+    MetricSpec("conf_bias", "dspark:spec_decode_confidence_bias", Gauge,
+               "Online-calibrated confidence bias b_k by draft position.", labels=("position",)),
+    MetricSpec("conf_samples", "dspark:spec_decode_confidence_samples", Gauge,
+               "Verified drafts behind the live ECE, by draft position.", labels=("position",)),
+    MetricSpec("cost", "dspark:cost_table_steps_per_second", Gauge,
+               "Profiled target steps per second at a batch of B tokens.", labels=("batch_tokens",)),
+)
+# fmt: on
 
 
 class AliasCollector:
@@ -85,251 +224,67 @@ class AliasCollector:
 
 
 class EngineMetrics:
-    """The engine's reports (`EngineMetricsSink`) as Prometheus metrics in `registry`."""
+    """The engine's reports (`EngineMetricsSink`) as Prometheus metrics in `registry`, one
+    attribute per row of `ENGINE_METRICS`."""
+
+    running: Gauge
+    waiting: Gauge
+    kv_usage: Gauge
+    kv_cached_free: Gauge
+    prefix_queries: Counter
+    prefix_hits: Counter
+    prefix_hit_rate: Gauge
+    prefix_blocks: Gauge
+    prefix_evictions: Counter
+    preemptions: Counter
+    prompt_tokens: Counter
+    gen_tokens: Counter
+    finished: Counter
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    forward_tokens: Histogram
+    forward_seconds: Histogram
+    drafts: Counter
+    draft_tokens: Counter
+    accepted: Counter
+    accepted_pos: Counter
+    branches: Counter
+    accept_len: Histogram
+    budget: Histogram
+    budget_mean: Gauge
+    step_overhead: Gauge
+    expected: Counter
+    realized: Counter
+    accel_mem: Gauge
+    conf_ece: Gauge
+    conf_temp: Gauge
+    conf_bias: Gauge
+    conf_samples: Gauge
+    cost: Gauge
 
     def __init__(self, registry: CollectorRegistry, model_name: str, max_block: int = 16) -> None:
-        L = ["model_name"]
-        self.labels = {"model_name": model_name}
-        r = registry
+        self.labels = {MODEL_LABEL: model_name}
         self.aliases = AliasCollector()
-        vllm = self.aliases.alias
-        self.running = vllm(
-            Gauge("dspark:num_requests_running", "Requests decoding or prefilling.", L, registry=r),
-            "vllm:num_requests_running",
-        )
-        self.waiting = vllm(
-            Gauge("dspark:num_requests_waiting", "Requests queued for admission.", L, registry=r),
-            "vllm:num_requests_waiting",
-        )
-        self.kv_usage = vllm(
-            Gauge("dspark:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", L, registry=r),
-            "vllm:kv_cache_usage_perc",
-        )
-        self.kv_cached_free = Gauge(
-            "dspark:kv_cache_cached_free_perc",
-            "Fraction of KV cache blocks holding cached prefixes no request "
-            "holds (0-1); they count as free, so they are not in kv_cache_usage_perc.",
-            L,
-            registry=r,
-        )
-        self.prefix_queries = vllm(
-            Counter(
-                "dspark:prefix_cache_queries",
-                "Prompt tokens looked up in the prefix cache at admission.",
-                L,
-                registry=r,
-            ),
-            "vllm:prefix_cache_queries",
-        )
-        self.prefix_hits = vllm(
-            Counter(
-                "dspark:prefix_cache_hits",
-                "Prompt tokens found in the prefix cache (their prefill skipped).",
-                L,
-                registry=r,
-            ),
-            "vllm:prefix_cache_hits",
-        )
-        self.prefix_hit_rate = Gauge(
-            "dspark:prefix_cache_hit_rate",
-            "Prefix cache hits / queries in tokens, since start (0-1).",
-            L,
-            registry=r,
-        )
-        self.prefix_blocks = Gauge(
-            "dspark:prefix_cache_blocks",
-            "KV blocks holding cached content (held by requests or not).",
-            L,
-            registry=r,
-        )
-        self.prefix_evictions = Counter(
-            "dspark:prefix_cache_evictions", "Cached KV blocks evicted to make room.", L, registry=r
-        )
-        self.preemptions = vllm(
-            Counter(
-                "dspark:num_preemptions",
-                "Requests preempted (KV freed; they resume by recomputing).",
-                L,
-                registry=r,
-            ),
-            "vllm:num_preemptions",
-        )
+        for spec in ENGINE_METRICS:
+            metric = spec.build(registry, max_block)
+            setattr(self, spec.attr, metric)
+            if spec.vllm is not None:
+                self.aliases.alias(metric, spec.vllm)
+        registry.register(self.aliases)
+        for spec in ENGINE_METRICS:
+            self._export_zero(spec)
         self._last_prefix = (0, 0, 0)
         self._last_preemptions = 0
-        self.prompt_tokens = Counter("dspark:prompt_tokens", "Prefilled prompt tokens.", L, registry=r)
-        self.gen_tokens = Counter("dspark:generation_tokens", "Generated tokens returned.", L, registry=r)
-        self.finished = Counter(
-            "dspark:request_success", "Finished requests.", L + ["finished_reason"], registry=r
-        )
-        self.ttft = Histogram(
-            "dspark:time_to_first_token_seconds",
-            "Time to first token.",
-            L,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "dspark:inter_token_latency_seconds",
-            "Time between tokens (a step yielding n tokens counts n times its time / n).",
-            L,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "dspark:e2e_request_latency_seconds", "Arrival to finish.", L, buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.forward_tokens = Histogram(
-            "dspark:forward_batch_tokens",
-            "Tokens per target forward.",
-            L,
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
-            registry=r,
-        )
-        self.forward_seconds = Histogram(
-            "dspark:forward_seconds", "Duration of a target forward.", L, buckets=LATENCY_BUCKETS, registry=r
-        )
-        # speculative decoding
-        self.drafts = vllm(
-            Counter(
-                "dspark:spec_decode_num_drafts", "Verification rounds with at least one draft.", L, registry=r
-            ),
-            "vllm:spec_decode_num_drafts",
-        )
-        self.draft_tokens = vllm(
-            Counter("dspark:spec_decode_num_draft_tokens", "Draft tokens verified.", L, registry=r),
-            "vllm:spec_decode_num_draft_tokens",
-        )
-        self.accepted = vllm(
-            Counter("dspark:spec_decode_num_accepted_tokens", "Draft tokens accepted.", L, registry=r),
-            "vllm:spec_decode_num_accepted_tokens",
-        )
-        self.accepted_pos = vllm(
-            Counter(
-                "dspark:spec_decode_num_accepted_tokens_per_pos",
-                "Accepted draft tokens by position (0-based).",
-                L + ["position"],
-                registry=r,
-            ),
-            "vllm:spec_decode_num_accepted_tokens_per_pos",
-        )
-        self.second_blocks = Counter(
-            "dspark:spec_decode_second_blocks",
-            "Second draft blocks verified beside a request's first (greedy, low load), by "
-            "whether their accepted run was the longer one and kept.",
-            L + ["outcome"],
-            registry=r,
-        )
-        self.accept_len = Histogram(
-            "dspark:spec_decode_acceptance_length",
-            "Tokens per round, the target's own token included.",
-            L,
-            buckets=tuple(range(1, max_block + 3)),
-            registry=r,
-        )
-        self.budget = Histogram(
-            "dspark:spec_decode_verify_budget",
-            "Draft tokens admitted for verification per request per step.",
-            L,
-            buckets=tuple(range(max_block + 1)),
-            registry=r,
-        )
-        self.budget_mean = Gauge(
-            "dspark:spec_decode_verify_budget_mean",
-            "Mean verification budget per request in the last step.",
-            L,
-            registry=r,
-        )
-        self.step_overhead = Gauge(
-            "dspark:spec_decode_step_overhead_seconds",
-            "Seconds a drafting step spends besides the target forward at the last step's load "
-            "(drafting, sampling, bookkeeping), as the verification policy prices it.",
-            L,
-            registry=r,
-        )
-        self.expected = Counter(
-            "dspark:spec_decode_expected_tokens",
-            "Tokens per step the policy expected (tau), summed over steps.",
-            L,
-            registry=r,
-        )
-        self.realized = Counter(
-            "dspark:spec_decode_realized_tokens",
-            "Tokens per step actually produced by decode requests, summed.",
-            L,
-            registry=r,
-        )
-        self.accel_mem = Gauge(
-            "dspark:accelerator_memory_used_bytes",
-            "Accelerator memory allocated by the engine (CUDA only).",
-            L,
-            registry=r,
-        )
-        self.conf_ece = Gauge(
-            "dspark:spec_decode_confidence_ece",
-            "Live expected calibration error of the survival probability the "
-            "policy used, by draft position (0-based), over the recent window.",
-            L + ["position"],
-            registry=r,
-        )
-        self.conf_temp = Gauge(
-            "dspark:spec_decode_confidence_temperature",
-            "Online-calibrated confidence temperature T_k by draft position.",
-            L + ["position"],
-            registry=r,
-        )
-        self.conf_bias = Gauge(
-            "dspark:spec_decode_confidence_bias",
-            "Online-calibrated confidence bias b_k by draft position.",
-            L + ["position"],
-            registry=r,
-        )
-        self.conf_samples = Gauge(
-            "dspark:spec_decode_confidence_samples",
-            "Verified drafts behind the live ECE, by draft position.",
-            L + ["position"],
-            registry=r,
-        )
         self._steps = 0
-        self.cost = Gauge(
-            "dspark:cost_table_steps_per_second",
-            "Profiled target steps per second at a batch of B tokens.",
-            L + ["batch_tokens"],
-            registry=r,
-        )
-        registry.register(self.aliases)
 
-        # Export every series at zero from the start (spec-decode counters included), so a
-        # dashboard sees them before the first draft round.
-        for m in (
-            self.running,
-            self.waiting,
-            self.kv_usage,
-            self.kv_cached_free,
-            self.prefix_queries,
-            self.prefix_hits,
-            self.prefix_hit_rate,
-            self.prefix_blocks,
-            self.prefix_evictions,
-            self.preemptions,
-            self.prompt_tokens,
-            self.gen_tokens,
-            self.ttft,
-            self.itl,
-            self.e2e,
-            self.forward_tokens,
-            self.forward_seconds,
-            self.drafts,
-            self.draft_tokens,
-            self.accepted,
-            self.accept_len,
-            self.budget,
-            self.budget_mean,
-            self.expected,
-            self.realized,
-        ):
-            m.labels(**self.labels)
-        for reason in ("stop", "length", "abort", "error"):
-            self.finished.labels(**self.labels, finished_reason=reason)
+    def _export_zero(self, spec: MetricSpec) -> None:
+        """Create the series a dashboard should see before the first event (`MetricSpec`)."""
+        metric: Counter | Gauge | Histogram = getattr(self, spec.attr)
+        if not spec.labels and not spec.unmeasured:
+            metric.labels(**self.labels)
+        for value in spec.preset:
+            metric.labels(**self.labels, **{spec.labels[0]: value})
 
     def set_cost_table(self, table: CostTable) -> None:
         for b, s in zip(table.batch_sizes, table.steps_per_second):
@@ -375,8 +330,9 @@ class EngineMetrics:
         self.gen_tokens.labels(**self.labels).inc(n)
 
     def record_second_block(self, kept: bool) -> None:
-        """A second block was verified; kept: its run was the longer and replaced the first's."""
-        self.second_blocks.labels(**self.labels, outcome="kept" if kept else "dropped").inc()
+        """A branch (a second draft block from the same anchor) was verified; kept: its run was
+        the longer and replaced the first block's."""
+        self.branches.labels(**self.labels, outcome="kept" if kept else "dropped").inc()
 
     def record_realized(self, n: int) -> None:
         """Tokens a decoding request produced this step (before stop conditions cut them)."""

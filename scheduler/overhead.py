@@ -3,10 +3,10 @@
 The prefix scheduler weighs each extra verified draft against what it adds to the step's time.
 The cost table prices the target forward alone; a speculative step also drafts, samples the
 verification and books its results, and that part is paid once a step whatever the batch. On
-a GPU it is small beside the forward; on a CPU with a small target it is a fifth of a step or
-more, and pricing the forward alone makes every verified draft look dearer than it is (the
-policy then verifies fewer drafts than pay). Measured from past steps only, so the lengths it
-moves never depend on this step's drafts.
+a GPU it is small beside the forward; on a CPU with a small target it is a sizeable share of a
+step (bench/step_breakdown.py splits a step into its parts), and pricing the forward alone makes
+every verified draft look dearer than it is (the policy then verifies fewer drafts than pay).
+Measured from past steps only, so the lengths it moves never depend on this step's drafts.
 """
 
 from __future__ import annotations

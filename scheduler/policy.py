@@ -69,8 +69,8 @@ class CostTable:
         of SPS per R. Where it is given, a forward whose request count is known is priced
         from it, by its tokens per request: the block sizes price extra tokens as one
         request's, while at load every request's extra rows also cost attention over its own
-        context (on a 2-core CPU, sixteen requests verifying 4 tokens each took 1.65x a decode
-        step, where the block shape predicted 1.34x).
+        context, so the block shape underprices a verify step at load (bench/step_costs.py
+        times verify steps by load).
     """
 
     batch_sizes: tuple[int, ...]

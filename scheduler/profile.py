@@ -12,7 +12,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -70,15 +70,23 @@ def _timed(runner: ModelRunner, segs: list[Segment]) -> float:
     return time.perf_counter() - t0
 
 
-def _rounds(
-    runner: ModelRunner, shapes: list[Callable[[], tuple[list[Segment], Callable[[], None]]]], repeats: int
-) -> list[float]:
+class LaidOut(NamedTuple):
+    """One profiled forward's segments, its KV laid out for them, and how to take that back."""
+
+    segments: list[Segment]
+    undo: Callable[[], None]
+
+
+Shape = Callable[[], LaidOut]
+"""Lays out the KV of one profiled forward shape and returns it (`LaidOut`)."""
+
+
+def _rounds(runner: ModelRunner, shapes: list[Shape], repeats: int) -> list[float]:
     """Steps per second of each shape: the shapes are timed in turn, one forward each, for
     repeats + 1 rounds (the first warms up), and each keeps its fastest round. On a shared
     machine a slow spell then lands on a few samples of many shapes instead of every sample of
-    a few (timed one shape after another, a spell of a second made one point of a table 1.5x
-    too slow), and noise only ever slows a forward, so the fastest is the machine's cost.
-    Each shape is a callable that lays its KV out and returns (segments, undo)."""
+    a few (timed one shape after another, one spell would skew a whole point of the table),
+    and noise only ever slows a forward, so the fastest is the machine's cost."""
     best = [float("inf")] * len(shapes)
     for rnd in range(repeats + 1):
         for i, shape in enumerate(shapes):
@@ -123,68 +131,18 @@ def measure(
     (one request carrying B tokens), in interleaved rounds (`_rounds`). Returns
     {"batch_sizes", "steps_per_second", "block_sizes", "block_steps_per_second", "grid_requests",
     "grid_tokens", "grid_steps_per_second", "by_context", "block_by_context"}."""
-    # the engine is not built yet (or idle): a scratch allocator over the whole cache
+    # the engine is not built yet (or is idle): a scratch allocator over the whole cache
     blocks = BlockManager(runner.kv.num_blocks, runner.kv.block_size)
-    nreq = PROFILE_REQUESTS
     decode_ctxs, block_ctxs = measured_contexts(runner, context_lens, batch_sizes, block_sizes)
+    requests = tuple(R for R in grid_requests if R <= PROFILE_REQUESTS)
+    grid = [(R, t) for R in requests for t in grid_tokens]
     by_ctx: dict[int, list[float]] = {}
     grid_by_ctx: dict[int, list[float]] = {}
     for ctx in decode_ctxs:
-        ids = [f"__profile{i}" for i in range(nreq)]
-        for rid in ids:
-            blocks.append(rid, ctx)
-
-        def decode(B: int, ctx: int = ctx, ids: list[str] = ids) -> tuple[list[Segment], Callable[[], None]]:
-            # The prefix KV content does not change the cost, so it is left as is (no prefill).
-            r = min(B, nreq)
-            per = [B // r + (1 if i < B % r else 0) for i in range(r)]
-            segs = []
-            for rid, n in zip(ids, per):
-                blocks.append(rid, n)
-                segs.append(Segment(rid, [0] * n, ctx, 0, blocks.table(rid).blocks))
-
-            def undo() -> None:
-                for rid in ids[:r]:
-                    blocks.truncate(rid, ctx)
-
-            return segs, undo
-
-        def spread(
-            R: int, t: int, ctx: int = ctx, ids: list[str] = ids
-        ) -> tuple[list[Segment], Callable[[], None]]:
-            for rid in ids[:R]:
-                blocks.append(rid, t)
-
-            def undo() -> None:
-                for rid in ids[:R]:
-                    blocks.truncate(rid, ctx)
-
-            return [Segment(rid, [0] * t, ctx, 0, blocks.table(rid).blocks) for rid in ids[:R]], undo
-
-        grid = [(R, t) for R in grid_requests if R <= nreq for t in grid_tokens]
-        shapes: list[Callable[[], tuple[list[Segment], Callable[[], None]]]]
-        shapes = [functools.partial(decode, B) for B in batch_sizes]
-        shapes += [functools.partial(spread, R, t) for R, t in grid]
-        timed = _rounds(runner, shapes, repeats)
+        timed = _time_decodes(runner, blocks, ctx, batch_sizes, grid, repeats)
         by_ctx[ctx] = timed[: len(batch_sizes)]
         grid_by_ctx[ctx] = timed[len(batch_sizes) :]
-        for rid in ids:
-            blocks.free(rid)
-    # Block-shaped: ONE request carrying B tokens (anchor + drafts), what verification adds
-    # on top of a decode. At low load this, not B decode requests, is what a block costs.
-    by_ctx_block: dict[int, list[float]] = {}
-    for ctx in block_ctxs:
-        rid = "__profile_block"
-        blocks.append(rid, ctx)
-
-        def block(B: int, ctx: int = ctx) -> tuple[list[Segment], Callable[[], None]]:
-            blocks.append(rid, B)
-            return [Segment(rid, [0] * B, ctx, 0, blocks.table(rid).blocks)], lambda: blocks.truncate(
-                rid, ctx
-            )
-
-        by_ctx_block[ctx] = _rounds(runner, [functools.partial(block, B) for B in block_sizes], repeats)
-        blocks.free(rid)
+    by_ctx_block = {ctx: _time_blocks(runner, blocks, ctx, block_sizes, repeats) for ctx in block_ctxs}
     return {
         "batch_sizes": list(batch_sizes),
         "steps_per_second": _merge(by_ctx, len(batch_sizes)),
@@ -192,8 +150,69 @@ def measure(
         "block_steps_per_second": _merge(by_ctx_block, len(block_sizes)),
         "by_context": {str(k): v for k, v in by_ctx.items()},
         "block_by_context": {str(k): v for k, v in by_ctx_block.items()},
-        **_grid(grid_by_ctx, tuple(R for R in grid_requests if R <= nreq), grid_tokens),
+        **_grid(grid_by_ctx, requests, grid_tokens),
     }
+
+
+def _time_decodes(
+    runner: ModelRunner,
+    blocks: BlockManager,
+    ctx: int,
+    batch_sizes: tuple[int, ...],
+    grid: list[tuple[int, int]],
+    repeats: int,
+) -> list[float]:
+    """Steps per second at context `ctx` of each decode shape (B tokens over up to
+    PROFILE_REQUESTS requests), then of each grid shape (R requests carrying t tokens each)."""
+    ids = [f"__profile{i}" for i in range(PROFILE_REQUESTS)]
+    for rid in ids:
+        blocks.append(rid, ctx)
+    shapes: list[Shape] = [functools.partial(_decode_shape, blocks, ids, ctx, B) for B in batch_sizes]
+    shapes += [functools.partial(_spread_shape, blocks, ids[:R], ctx, t) for R, t in grid]
+    timed = _rounds(runner, shapes, repeats)
+    for rid in ids:
+        blocks.free(rid)
+    return timed
+
+
+def _time_blocks(
+    runner: ModelRunner, blocks: BlockManager, ctx: int, block_sizes: tuple[int, ...], repeats: int
+) -> list[float]:
+    """Steps per second at context `ctx` of ONE request carrying B tokens (anchor + drafts), what
+    verification adds on top of a decode. At low load this, not B decode requests, is what a
+    block costs."""
+    rid = "__profile_block"
+    blocks.append(rid, ctx)
+    timed = _rounds(
+        runner, [functools.partial(_spread_shape, blocks, [rid], ctx, B) for B in block_sizes], repeats
+    )
+    blocks.free(rid)
+    return timed
+
+
+def _decode_shape(blocks: BlockManager, ids: list[str], ctx: int, B: int) -> LaidOut:
+    """B tokens spread as evenly as they go over the first min(B, len(ids)) requests. The
+    prefix KV content does not change the cost, so it is left as is (no prefill)."""
+    r = min(B, len(ids))
+    per = [B // r + (1 if i < B % r else 0) for i in range(r)]
+    segs = []
+    for rid, n in zip(ids, per):
+        blocks.append(rid, n)
+        segs.append(blocks.segment(rid, [0] * n, ctx, 0))
+    return LaidOut(segs, functools.partial(_cut_back, blocks, ids[:r], ctx))
+
+
+def _spread_shape(blocks: BlockManager, ids: list[str], ctx: int, t: int) -> LaidOut:
+    """Each of `ids` carrying t tokens."""
+    for rid in ids:
+        blocks.append(rid, t)
+    segs = [blocks.segment(rid, [0] * t, ctx, 0) for rid in ids]
+    return LaidOut(segs, functools.partial(_cut_back, blocks, ids, ctx))
+
+
+def _cut_back(blocks: BlockManager, ids: list[str], ctx: int) -> None:
+    for rid in ids:
+        blocks.truncate(rid, ctx)
 
 
 def _grid(

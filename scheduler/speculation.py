@@ -18,7 +18,7 @@ import torch
 from dspark_serve.drafter.base import AcceptedContext, Drafter, DraftProposal, DraftRequest
 from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
-from dspark_serve.scheduler.gate import DraftGate
+from dspark_serve.scheduler.gate import DraftGate, GateConfig
 from dspark_serve.scheduler.load import LoadState
 from dspark_serve.scheduler.overhead import StepOverhead
 from dspark_serve.scheduler.policy import CostTable, Policy, PolicyDecision, PolicyInput, parse_policy
@@ -35,7 +35,8 @@ class StepProposal:
 
     proposals: one DraftProposal per decoding request (possibly empty blocks).
     lengths: drafts each request verifies (<= len(proposals[i])).
-        A proposal's `alternate` block, where one is kept, is verified whole.
+        A proposal's branch (`DraftProposal.alternate`: a second draft block from the same
+        anchor), where one is kept, is verified whole.
     drafting: the draft gate let this step draft.
     decision: what the policy decided (None when no request decodes).
     """
@@ -46,7 +47,8 @@ class StepProposal:
     decision: PolicyDecision | None = None
 
     def alternate(self, i: int) -> torch.Tensor | None:  # [M] int64 or None
-        """Request i's second block, verified beside `drafts(i)` from the same anchor."""
+        """Request i's branch: a second draft block verified beside `drafts(i)` from the same
+        anchor (the engine's `Branch`), or None."""
         return self.proposals[i].alternate
 
     def drafts(self, i: int) -> torch.Tensor:  # [lengths[i]] int64
@@ -105,7 +107,8 @@ class Speculation:
             # With a profiled cost table the gate predicts drafting's gain at a load it has not
             # measured from one it has (what verification costs there is on the table).
             table = self.cost_table
-            self._gate = DraftGate(price=(lambda b, n: 1.0 / table.sps(b, n)) if table is not None else None)
+            price = (lambda b, n: 1.0 / table.sps(b, n)) if table is not None else None
+            self._gate = DraftGate(GateConfig(price=price))
         self.gate = self._gate if on else None
 
     @property
@@ -128,8 +131,7 @@ class Speculation:
         """Tokens per decoding request the scheduler leaves free for drafts the policy may admit.
         None where the gate runs the running requests' load level plain: the reserve only
         shrinks the prefill chunks, and a step that prefills drafts only in the level's
-        favoured mode (at 32 requests with drafting off the reserve cost one prefill step in
-        eleven)."""
+        favoured mode, so a reserve there would cost prefill steps for drafts never made."""
         d = self._drafting
         if d is None:
             return 0
@@ -158,7 +160,7 @@ class Speculation:
         # Its level counts the requests still prefilling and those queued behind them, which
         # decode within a few steps: while many ramp up, drafting for the first few would pay
         # that catch-up for contexts that stop drafting once all of them decode at a level
-        # where drafting loses (32 requests arriving at once are admitted a few a step).
+        # where drafting loses (many requests arriving at once are admitted a few a step).
         prefilling = load is not None and load.prefill_tokens > 0
         soon = len(decodes) + (
             load.num_prefilling + load.num_waiting if load is not None and prefilling else 0
@@ -168,16 +170,22 @@ class Speculation:
             assert self.gate is not None and self.drafter is not None
             catch_up = None if prefilling else self.drafter.catch_up_seconds([r.request_id for r in decodes])
             drafting = self.gate.should_draft(soon, explore=not prefilling, catch_up=catch_up)
-        proposals = self._draft(decodes, alternates=not prefilling) if drafting else no_drafts(len(decodes))
+        proposals = self._draft(decodes, branches=not prefilling) if drafting else no_drafts(len(decodes))
         lengths, decision = self._choose_lengths(decodes, proposals, room, load)
+        self._trim_branches(proposals, lengths, min(self.cfg.branch_rows, room + len(decodes)))
+        return StepProposal(proposals, lengths, drafting, decision)
+
+    @staticmethod
+    def _trim_branches(proposals: list[DraftProposal], lengths: list[int], cap: int) -> None:
+        """Branches ride only within the nearly-free rows: each keeps what fits in `cap`
+        verified rows after every request's anchor and verified drafts (and the branches
+        before it), its own anchor row included; one that does not fit is dropped."""
         rows = sum(1 + n for n in lengths)
-        cap = min(self.cfg.branch_rows, room + len(decodes))
-        for i, p in enumerate(proposals):  # alternates ride only within the nearly-free rows
+        for i, p in enumerate(proposals):
             if p.alternate is not None:
                 keep = min(len(p.alternate), cap - rows - 1)  # its anchor row + its drafts
                 proposals[i] = replace(p, alternate=p.alternate[:keep] if keep > 0 else None)
                 rows += 1 + keep if keep > 0 else 0
-        return StepProposal(proposals, lengths, drafting, decision)
 
     def lookahead(self, r: Request) -> int:
         """The most drafts `r` may verify this step (fixed before drafting; the scheduler makes
@@ -200,15 +208,15 @@ class Speculation:
             cap = min(cap, r.last_budget + self.cfg.draft_headroom)
         return max(0, cap)
 
-    def _draft(self, decodes: list[Request], alternates: bool = False) -> list[DraftProposal]:
-        """alternates: greedy requests may get a second block (`DraftRequest.alternate`) where
-        every request's full block and a second block's anchor and first draft fit in
-        `branch_rows` verified rows (`propose` trims second blocks to the rows left)."""
+    def _draft(self, decodes: list[Request], branches: bool = False) -> list[DraftProposal]:
+        """branches: greedy requests may get a branch (`DraftRequest.alternate`) where every
+        request's full block and a branch's anchor and first draft fit in `branch_rows`
+        verified rows (`propose` trims branches to the rows left)."""
         proposals = no_drafts(len(decodes))
         if not self.speculating or not decodes:
             return proposals
         assert self.drafter is not None
-        two = alternates and (1 + self.drafter.block_size) * len(decodes) + 2 <= self.cfg.branch_rows
+        branching = branches and (1 + self.drafter.block_size) * len(decodes) + 2 <= self.cfg.branch_rows
         views = [
             DraftRequest(
                 r.request_id,
@@ -218,7 +226,7 @@ class Speculation:
                 r.generator,
                 self._max_draft(r),
                 r.constraint,
-                two and r.sampling.greedy and r.constraint is None and not r.sampling.penalized,
+                branching and r.sampling.greedy and r.constraint is None and not r.sampling.penalized,
             )
             for r in decodes
         ]
@@ -259,24 +267,24 @@ class Speculation:
 
     # -- after verification ----------------------------------------------------------------------
     def settle(
-        self, r: Request, verified: int, accepted: int, alternate: tuple[int, int] | None = None
+        self, r: Request, verified: int, accepted: int, branch: tuple[int, int] | None = None
     ) -> tuple[int, int] | None:
         """Book one decode step of `r` that verified `verified` drafts and kept `accepted`
-        (and, with a second block, `alternate` = its verified and accepted drafts; the round
-        counts the block whose run was kept, the first on a tie). Returns the round's
-        (verified, accepted), or None when no draft was verified."""
+        (and, with a branch, `branch` = its verified and accepted drafts; the round counts the
+        block whose run was kept, the first on a tie). Returns the round's (verified,
+        accepted), or None when no draft was verified."""
         r.spec.steps += 1
         d = self._drafting
         if d is None:
             return None
         if verified > 0:
             d.observe_acceptance(r.request_id, verified, accepted)
-        if alternate is not None and alternate[0] > 0:
+        if branch is not None and branch[0] > 0:
             feedback = getattr(d, "observe_alternate", None)
             if feedback is not None:
-                feedback(r.request_id, *alternate)
-            if alternate[1] > accepted or verified <= 0:
-                verified, accepted = alternate
+                feedback(r.request_id, *branch)
+            if branch[1] > accepted or verified <= 0:
+                verified, accepted = branch
         if verified <= 0:
             return None
         r.spec.rounds += 1

@@ -1,16 +1,18 @@
-"""OpenAI request/response schemas (the subset this server implements).
+"""OpenAI request/response schemas (the subset this server implements), and the owner of every
+rule a request can break without the engine: ranges, lengths, and the rules that tie one
+parameter to another (`RuleError`). What only the engine knows (vocabulary size, context
+length, whether a grammar compiles) is checked in `params.py` and by the engine.
 
 Fields are strict: a string is never coerced to a number (`"max_tokens": "10"` is a 400), a
 number never to a bool. Parameters of the OpenAI API that this server does not implement are
-listed in UNSUPPORTED and answered 400 by name (never silently ignored); see `check_extras`.
+refused by name before validation (`body.py`).
 """
 
 from __future__ import annotations
 
-import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 
 def _no_text_or_bool(v: object) -> object:
@@ -27,11 +29,27 @@ Int = Annotated[int, Field(strict=False), BeforeValidator(_no_text_or_bool)]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # logit_bias keys: ASCII decimal token ids (str.isdigit() would take "²" and "١٢").
 TOKEN_ID_KEY = r"^[0-9]{1,10}$"
+BIAS_LIMIT = 100  # a logit_bias value lies in [-BIAS_LIMIT, BIAS_LIMIT]
 TokenIdKey = Annotated[str, Field(pattern=TOKEN_ID_KEY)]
-Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+Bias = Annotated[float, Field(ge=-BIAS_LIMIT, le=BIAS_LIMIT)]
 # repetition_penalty divides positive logits: below this it scales them past any useful range
-# (1e-300 overflowed them to inf). The engine checks the same range (SamplingParams).
-REPETITION_PENALTY_MIN = 0.01
+# (1e-300 overflowed them to inf).
+REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 10.0
+PENALTY_LIMIT = 2  # presence_penalty and frequency_penalty lie in [-PENALTY_LIMIT, PENALTY_LIMIT]
+MAX_CHOICES = 16  # n
+MAX_STOPS = 16  # stop strings in one request
+MAX_TOP_LOGPROBS = 20  # top_logprobs (chat) and logprobs (completions)
+MAX_TOOLS = 128
+COMPLETION_MAX_TOKENS = 16  # completions' max_tokens when left out or null (OpenAI's default)
+
+
+class RuleError(ValueError):
+    """A request that breaks one of the rules below: the parameter to name and the message, as
+    the client reads them (the error mapping answers 400 with both, `errors.py`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param, self.message = param, message
 
 
 class TextPart(BaseModel):
@@ -109,6 +127,13 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
 
+    def check(self) -> None:
+        """json_schema comes with its schema, and only with type json_schema."""
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise RuleError("response_format", "response_format json_schema needs json_schema.schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise RuleError("response_format", "json_schema goes with response_format type json_schema")
+
 
 class FunctionDef(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -149,12 +174,12 @@ class _Sampling(BaseModel):
     top_k: Int = Field(default=0, ge=-1, le=2**31 - 1)
     seed: Int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    n: Int = Field(default=1, ge=1, le=16)
+    n: Int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, ge=REPETITION_PENALTY_MIN, le=10.0)
+    presence_penalty: float = Field(default=0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    frequency_penalty: float = Field(default=0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    repetition_penalty: float = Field(default=1.0, ge=REPETITION_PENALTY_MIN, le=REPETITION_PENALTY_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     logit_bias: dict[TokenIdKey, Bias] | None = None
     response_format: ResponseFormat | None = None
@@ -167,6 +192,16 @@ class _Sampling(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    @model_validator(mode="after")
+    def _check_sampling_rules(self) -> Self:
+        # After the fields (a field's own error is reported first): the rules across fields.
+        if self.response_format is not None:
+            self.response_format.check()
+        stops = self.stop_list()
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise RuleError("stop", f"stop must be up to {MAX_STOPS} non-empty strings")
+        return self
+
 
 GenerationRequest = _Sampling  # the fields every generation request has
 
@@ -175,17 +210,52 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
-    tools: list[ToolDef] | None = Field(default=None, max_length=128)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_chat_rules(self) -> Self:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RuleError("top_logprobs", "top_logprobs needs logprobs: true")
+        choice = self.tool_choice
+        if not self.tools:
+            if choice is not None and choice != "none":
+                raise RuleError("tool_choice", "tool_choice needs tools")
+            return self
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise RuleError("tools", "tools must have distinct function names")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise RuleError("tool_choice", f"tool_choice names an unknown function {choice.function.name!r}")
+        return self
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[Int]
     # OpenAI's default; `null` means the default too (not "up to the context limit").
-    max_tokens: Int | None = Field(default=16, ge=1)
-    logprobs: Int | None = Field(default=None, ge=0, le=20)
+    max_tokens: Int | None = Field(default=COMPLETION_MAX_TOKENS, ge=1)
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> Self:
+        p = self.prompt
+        if isinstance(p, list) and len(p) != 1 and not self.prompt_token_ids():
+            raise RuleError("prompt", "only one prompt per request is supported")
+        return self
+
+    def prompt_token_ids(self) -> list[int] | None:
+        """The prompt when it is given as token ids (a non-empty list of integers), else None."""
+        p = self.prompt
+        if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+            return [int(x) for x in p]
+        return None
+
+    def prompt_text(self) -> str:
+        """The prompt given as text (a string, or a list of one string); for a prompt that
+        `prompt_token_ids` does not take."""
+        return self.prompt if isinstance(self.prompt, str) else str(self.prompt[0])
 
 
 class ErrorDetail(BaseModel):
@@ -199,119 +269,3 @@ class ErrorResponse(BaseModel):
     """Every error this server returns: `{"error": {message, type, param, code}}`."""
 
     error: ErrorDetail
-
-
-# OpenAI parameters this server does not implement. A request that sets one to anything but its
-# neutral value (listed here; a missing entry means only null) is refused with a 400 naming it.
-UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "functions": ([],),
-    "function_call": ("none",),
-    "echo": (False,),
-    "suffix": ("",),
-    "best_of": (1,),
-    "audio": (),
-    "modalities": (["text"],),
-    "prediction": (),
-    "reasoning_effort": (),
-    "verbosity": (),
-    "web_search_options": (),
-}
-# OpenAI parameters that do not change what is generated; accepted and not used.
-ACCEPTED_UNUSED = ("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
-
-
-def check_extras(
-    body: dict[str, Any], schema: type[BaseModel]
-) -> tuple[dict[str, Any], str | None, str | None]:
-    """Drop accepted-but-unused keys and neutral unsupported ones from a raw request body.
-
-    Returns (cleaned body, offending parameter or None, message)."""
-    out: dict[str, Any] = {}
-    for key, value in body.items():
-        if key in schema.model_fields:
-            out[key] = value
-        elif key in ACCEPTED_UNUSED:
-            continue
-        elif key in UNSUPPORTED:
-            if value is None or any(value == v and type(value) is type(v) for v in UNSUPPORTED[key]):
-                continue
-            return out, key, f"`{key}` is not supported by this server"
-        else:
-            return out, key, f"Unrecognized request argument supplied: {key}"
-    return out, None, None
-
-
-def check_content_parts(body: dict[str, Any]) -> tuple[str | None, str | None]:
-    """A readable error for non-text content parts (images, audio, files): (param, message)."""
-    msgs = body.get("messages")
-    if not isinstance(msgs, list):
-        return None, None
-    for i, m in enumerate(msgs):
-        content = m.get("content") if isinstance(m, dict) else None
-        if not isinstance(content, list):
-            continue
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
-                return (
-                    f"messages.{i}.content.{j}",
-                    f"content parts of type `{kind}` are not supported: this model reads text only",
-                )
-    return None, None
-
-
-# Integer literals longer than this many digits are refused by name before any conversion
-# (Python refuses to convert literals over 4,300 digits at all; no parameter needs 40).
-MAX_INT_DIGITS = 40
-
-
-class _LongInt:
-    """An integer literal too long to convert, kept as its digit count (`parse_body`)."""
-
-    def __init__(self, digits: int) -> None:
-        self.digits = digits
-
-
-def _parse_int(literal: str) -> int | _LongInt:
-    digits = len(literal.lstrip("-"))
-    return _LongInt(digits) if digits > MAX_INT_DIGITS else int(literal)
-
-
-def parse_body(raw: bytes) -> Any:
-    """A request body's JSON (raises what json.loads raises); long integer literals stay
-    unconverted until `check_values` names them."""
-    return json.loads(raw, parse_int=_parse_int)
-
-
-def _lone_surrogate(s: str) -> str | None:
-    """The first lone surrogate in s, as U+XXXX (JSON's "\\ud800" escapes decode to them)."""
-    for ch in s:
-        if "\ud800" <= ch <= "\udfff":
-            return f"U+{ord(ch):04X}"
-    return None
-
-
-def check_values(body: Any) -> tuple[str | None, str | None]:
-    """The first value no parameter can hold: a lone surrogate in a string or a key (text must
-    be valid Unicode: it could be neither tokenized nor echoed in an error), or an integer
-    literal over MAX_INT_DIGITS digits. Returns (parameter path or None, message)."""
-    stack: list[tuple[Any, tuple[str, ...]]] = [(body, ())]
-    while stack:
-        value, path = stack.pop()
-        param = ".".join(path) or None
-        if isinstance(value, _LongInt):
-            return param, f"{param or 'a value'}: an integer of {value.digits} digits is out of range"
-        if isinstance(value, str) and (bad := _lone_surrogate(value)) is not None:
-            return (
-                param,
-                f"{param or 'a value'}: the text holds a lone surrogate ({bad}); it must be valid Unicode",
-            )
-        if isinstance(value, dict):
-            for k, v in value.items():
-                if (bad := _lone_surrogate(k)) is not None:
-                    where = f" in {param}" if param else ""
-                    return param, f"a key{where} holds a lone surrogate ({bad}); it must be valid Unicode"
-                stack.append((v, (*path, k)))
-        elif isinstance(value, list):
-            stack.extend((v, (*path, str(i))) for i, v in enumerate(value))
-    return None, None

@@ -17,7 +17,10 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dspark_serve.training.loss import CE_LABELS
 from dspark_serve.training.progress import Progress
@@ -116,36 +119,18 @@ def _drafter_config(a: argparse.Namespace, target):
     )
 
 
-def cmd_train(a: argparse.Namespace) -> None:
-    from dataclasses import replace
-
-    import torch
-
-    from dspark_serve.training.cache import load_cache
-    from dspark_serve.training.loss import LossConfig
-    from dspark_serve.training.train import (
-        TrainConfig,
-        build_draft_model,
-        draft_model_from_checkpoint,
-        draft_vocabulary,
-        grow_draft_model,
-        grown_config,
-        load_step_weights,
-        load_train_data,
-        run_train,
-        save_final,
-        vocabulary_coverage,
-    )
-
+def _check_train_args(a: argparse.Namespace) -> None:
     if (a.grow_layers or a.grow_markov_rank or a.convert_markov_head) and not a.init_from:
         raise SystemExit(
             "train: --grow-layers, --grow-markov-rank and --convert-markov-head change the drafter "
             "given by --init-from"
         )
-    _set_threads(a.threads)
-    target = _load_target(a)
-    cfg = _drafter_config(a, target)
-    tcfg = TrainConfig(
+
+
+def _train_config(a: argparse.Namespace):
+    from dspark_serve.training.train import TrainConfig
+
+    return TrainConfig(
         steps=a.steps,
         batch_seqs=a.batch_seqs,
         num_anchors=a.num_anchors,
@@ -157,27 +142,54 @@ def cmd_train(a: argparse.Namespace) -> None:
         seed=a.seed,
         follow_fraction=a.follow_fraction,
     )
-    lcfg = LossConfig(
+
+
+def _loss_config(a: argparse.Namespace):
+    from dspark_serve.training.loss import LossConfig
+
+    return LossConfig(
         ce_alpha=a.ce_alpha,
         l1_alpha=a.l1_alpha,
         confidence_alpha=a.confidence_alpha,
         decay_gamma=a.decay_gamma,
         ce_labels=a.ce_labels,
     )
-    work = Path(a.out) / "train" / a.name
-    ckpt = work / "ckpt.pt"
-    # Scoring saved checkpoints needs no training data (the vocabulary comes from the run).
-    data = []
+
+
+def _training_sequences(a: argparse.Namespace, ckpt: Path) -> list:
+    """The training sequences of --out and every --extra-data folder (none when only scoring
+    saved checkpoints: the vocabulary then comes from the run). The held-out sequences always
+    come from --out."""
+    from dspark_serve.training.train import load_train_data
+
+    data: list = []
     if not (a.score_checkpoints and ckpt.exists()):
-        # The held-out sequences always come from --out; --extra-data folders add training shards.
         for folder in [a.out, *a.extra_data]:
             data += load_train_data(folder, a.holdout_every)
-    print(
-        f"train {a.name}: {len(data)} sequences, {sum(len(s.input_ids) - s.num_prompt for s in data)} "
-        f"response tokens; drafter {cfg.num_hidden_layers} layers, markov_rank {cfg.markov_rank}"
+    return data
+
+
+@dataclass(frozen=True)
+class _DraftStart:
+    """What a training run starts from: the drafter's architecture, its draft vocabulary
+    (None = the target's whole vocabulary) and, with --init-from on a fresh run, the
+    exported drafter itself (None = built from the target)."""
+
+    config: Any
+    d2t: Any = None
+    model: Any = None
+
+
+def _draft_start(a: argparse.Namespace, cfg, target, data: list, ckpt: Path) -> _DraftStart:
+    import torch
+
+    from dspark_serve.training.train import (
+        draft_model_from_checkpoint,
+        draft_vocabulary,
+        grow_draft_model,
+        grown_config,
     )
-    d2t = None
-    start = None  # an exported drafter to start from (--init-from), unless the run resumes
+
     if a.init_from and not ckpt.exists():
         start = grow_draft_model(
             draft_model_from_checkpoint(a.init_from, target.model),
@@ -186,27 +198,91 @@ def cmd_train(a: argparse.Namespace) -> None:
             a.grow_markov_rank,
             a.convert_markov_head,
         )
-        cfg, d2t = start.config, start.d2t
         print(f"train {a.name}: starting from {a.init_from} (its architecture and draft vocabulary)")
-    elif a.init_from:  # resuming such a run: the start's architecture, the run's own vocabulary
+        return _DraftStart(start.config, start.d2t, start)
+    if a.init_from:  # resuming such a run: the start's architecture, the run's own vocabulary
         from dspark_serve.drafter.dspark_model import read_config
 
         cfg = grown_config(read_config(a.init_from), a.grow_layers, a.grow_markov_rank, a.convert_markov_head)
-        d2t = torch.load(ckpt, weights_only=False)["model"]["d2t"] if cfg.truncated else None
-    elif a.draft_vocab:
+        return _DraftStart(
+            cfg, torch.load(ckpt, weights_only=False)["model"]["d2t"] if cfg.truncated else None
+        )
+    if a.draft_vocab:
         # A resumed run keeps the vocabulary it started with (the data may have grown since).
         d2t = (
             torch.load(ckpt, weights_only=False)["model"]["d2t"]
             if ckpt.exists()
             else draft_vocabulary(data, a.draft_vocab, always=[target.tokenizer.eos_token_id])
         )
-        cfg = cfg.replace(draft_vocab_size=int(d2t.numel()))
-    if d2t is not None and data:
+        return _DraftStart(cfg.replace(draft_vocab_size=int(d2t.numel())), d2t)
+    return _DraftStart(cfg)
+
+
+def _train_steps(a: argparse.Namespace, model, data: list, tcfg, lcfg, work: Path, target) -> None:
+    """Run (or resume) the optimizer steps with a progress bar, scoring the held-out
+    sequences at every checkpoint."""
+    from dspark_serve.training.cache import load_cache
+    from dspark_serve.training.train import run_train
+
+    bar = Progress(a.out, f"train-{a.name}", tcfg.steps, "step")
+    held_out = (
+        load_cache(Path(a.out) / "cache", holdout=True, holdout_every=a.holdout_every)[: a.held_out_seqs]
+        if a.held_out_seqs
+        else []
+    )
+    run_train(
+        model,
+        data,
+        tcfg,
+        lcfg,
+        work,
+        lambda s: bar.update(
+            s.step,
+            tcfg.steps,
+            loss=s.loss,
+            ce=s.ce,
+            l1=s.l1,
+            conf=s.confidence,
+            tau=s.tau,
+            s_per_step=s.seconds,
+        ),
+        target_head=target.model.get_output_embeddings(),
+        held_out=held_out,
+    )
+    bar.close()
+
+
+def cmd_train(a: argparse.Namespace) -> None:
+    from dataclasses import replace
+
+    from dspark_serve.training.train import (
+        build_draft_model,
+        load_step_weights,
+        save_final,
+        vocabulary_coverage,
+    )
+
+    _check_train_args(a)
+    _set_threads(a.threads)
+    target = _load_target(a)
+    cfg = _drafter_config(a, target)
+    tcfg, lcfg = _train_config(a), _loss_config(a)
+    work = Path(a.out) / "train" / a.name
+    ckpt = work / "ckpt.pt"
+    data = _training_sequences(a, ckpt)
+    print(
+        f"train {a.name}: {len(data)} sequences, {sum(len(s.input_ids) - s.num_prompt for s in data)} "
+        f"response tokens; drafter {cfg.num_hidden_layers} layers, markov_rank {cfg.markov_rank}"
+    )
+    start = _draft_start(a, cfg, target, data, ckpt)
+    if start.d2t is not None and data:
         print(
-            f"train {a.name}: draft vocabulary of {d2t.numel()} ids covers "
-            f"{vocabulary_coverage(data, d2t):.2%} of the response tokens"
+            f"train {a.name}: draft vocabulary of {start.d2t.numel()} ids covers "
+            f"{vocabulary_coverage(data, start.d2t):.2%} of the response tokens"
         )
-    model = (start or build_draft_model(cfg, target.model, tcfg.init_from_target, d2t)).to(a.device)
+    model = (
+        start.model or build_draft_model(start.config, target.model, tcfg.init_from_target, start.d2t)
+    ).to(a.device)
     if a.score_checkpoints:
         _score_checkpoints(a, model, work, tcfg, lcfg, target.model.get_output_embeddings())
         return
@@ -214,32 +290,7 @@ def cmd_train(a: argparse.Namespace) -> None:
         load_step_weights(model, work, a.finalize_at)
         tcfg = replace(tcfg, steps=a.finalize_at)
     else:
-        bar = Progress(a.out, f"train-{a.name}", tcfg.steps, "step")
-        held_out = (
-            load_cache(Path(a.out) / "cache", holdout=True, holdout_every=a.holdout_every)[: a.held_out_seqs]
-            if a.held_out_seqs
-            else []
-        )
-        run_train(
-            model,
-            data,
-            tcfg,
-            lcfg,
-            work,
-            lambda s: bar.update(
-                s.step,
-                tcfg.steps,
-                loss=s.loss,
-                ce=s.ce,
-                l1=s.l1,
-                conf=s.confidence,
-                tau=s.tau,
-                s_per_step=s.seconds,
-            ),
-            target_head=target.model.get_output_embeddings(),
-            held_out=held_out,
-        )
-        bar.close()
+        _train_steps(a, model, data, tcfg, lcfg, work, target)
     path = save_final(model, work)
     (work / "final" / "train_args.json").write_text(
         json.dumps({"train": tcfg.__dict__, "loss": lcfg.__dict__, "sequences": len(data)}, indent=1)
@@ -280,6 +331,23 @@ def _load_drafter(path: str, target, device: str):
     )
 
 
+def _calibration_report(path: str, seqs: list, samples, temps: list[float], before, after) -> dict:
+    from dspark_serve.training.calibrate import pooled_ece
+    from dspark_serve.training.evaluate import summarize_positions
+
+    return {
+        "drafter": path,
+        "held_out_sequences": len(seqs),
+        "blocks": int(samples.mask[:, 0].sum()),
+        "labels": "teacher-forced expected prefix survival prod c*_k",
+        "temperatures": temps,
+        "ece_before": pooled_ece(before),
+        "ece_after": pooled_ece(after),
+        "per_position_before": summarize_positions(before),
+        "per_position_after": summarize_positions(after),
+    }
+
+
 def cmd_calibrate(a: argparse.Namespace) -> None:
     import torch
 
@@ -294,7 +362,7 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
         pooled_ece,
         position_metrics,
     )
-    from dspark_serve.training.evaluate import summarize_positions, write_json
+    from dspark_serve.training.evaluate import write_json
 
     _set_threads(a.threads)
     target = _load_target(a)
@@ -309,8 +377,7 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
         model, seqs, a.num_anchors, seed=a.seed, target_head=target.model.get_output_embeddings()
     )
     bar.update(1, 2, blocks=int(samples.mask[:, 0].sum()))
-    cfg = STSConfig()
-    temps = fit_sts(samples.logits, samples.prefix_labels, samples.mask, cfg)
+    temps = fit_sts(samples.logits, samples.prefix_labels, samples.mask, STSConfig())
     before = position_metrics(cumulative_survival(samples.logits), samples.prefix_labels, samples.mask)
     after = position_metrics(
         cumulative_survival(samples.logits, torch.tensor(temps)), samples.prefix_labels, samples.mask
@@ -318,17 +385,7 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
     save_calibration(Calibration(tuple(temps)), path)
     bar.update(2, 2, ece_before=pooled_ece(before), ece_after=pooled_ece(after))
     bar.close()
-    report = {
-        "drafter": path,
-        "held_out_sequences": len(seqs),
-        "blocks": int(samples.mask[:, 0].sum()),
-        "labels": "teacher-forced expected prefix survival prod c*_k",
-        "temperatures": temps,
-        "ece_before": pooled_ece(before),
-        "ece_after": pooled_ece(after),
-        "per_position_before": summarize_positions(before),
-        "per_position_after": summarize_positions(after),
-    }
+    report = _calibration_report(path, seqs, samples, temps, before, after)
     out = Path(a.out) / "calibration" / a.name
     write_json(out / "calibration_report.json", report)
     plot_reliability(
@@ -377,6 +434,14 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
     )
 
 
+def _add_common_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--out", default="runs/smollm2", help="work directory of this pipeline")
+    sp.add_argument("--model", default=None, help="target (default: embedded SmolLM2-135M-Instruct)")
+    sp.add_argument("--device", default="cpu")
+    sp.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    sp.add_argument("--seed", type=int, default=0)
+
+
 def _add_model_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--layers", type=int, default=2, help="draft transformer layers")
     sp.add_argument("--block-size", type=int, default=7)
@@ -386,21 +451,7 @@ def _add_model_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--markov-head-type", default="vanilla", choices=("vanilla", "gated", "rnn"))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dspark-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = p.add_subparsers(dest="cmd", required=True)
-
-    def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--out", default="runs/smollm2", help="work directory of this pipeline")
-        sp.add_argument("--model", default=None, help="target (default: embedded SmolLM2-135M-Instruct)")
-        sp.add_argument("--device", default="cpu")
-        sp.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-        sp.add_argument("--seed", type=int, default=0)
-
-    g = sub.add_parser("gen-data", help="stage 1: the target answers the training prompts")
-    common(g)
+def _add_gen_data_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--prompts", default=None, help="JSONL(.gz) of prompts (default: the vendored train set)")
     g.add_argument("--max-prompt-tokens", type=int, default=256)
     g.add_argument(
@@ -418,16 +469,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-cache", action="store_true", help="store token ids only")
     g.add_argument("--worker", type=int, default=0, help="this process's index among --num-workers")
     g.add_argument("--num-workers", type=int, default=1, help="processes sharing the plan")
-    g.set_defaults(func=cmd_gen_data)
 
-    c = sub.add_parser("cache-target", help="stage 1b: cache target taps for data shards without one")
-    common(c)
+
+def _add_cache_target_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--taps", type=_taps, default=_taps(DEFAULT_TAPS))
-    c.set_defaults(func=cmd_cache_target)
 
-    t = sub.add_parser("train", help="stage 2: train a drafter from the cache")
-    common(t)
-    _add_model_args(t)
+
+def _add_train_schedule_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--name", default="dspark", help="run name (work dir <out>/train/<name>)")
     t.add_argument("--steps", type=int, default=400)
     t.add_argument("--batch-seqs", type=int, default=4)
@@ -442,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(the anchors serving drafts from; 0 = uniform)",
     )
     t.add_argument("--checkpoint-every", type=int, default=25)
+
+
+def _add_train_loss_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--ce-alpha", type=float, default=0.1)
     t.add_argument("--l1-alpha", type=float, default=0.9)
     t.add_argument("--confidence-alpha", type=float, default=1.0)
@@ -452,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=CE_LABELS,
         help="cross-entropy labels: the tokens the target wrote (data) or its argmax at every slot",
     )
+
+
+def _add_train_data_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--holdout-every", type=int, default=10)
     t.add_argument(
         "--extra-data",
@@ -467,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--fp32", action="store_true", help="no bfloat16 autocast")
     t.add_argument("--no-init-from-target", action="store_true")
+
+
+def _add_train_start_args(t: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--init-from",
         default=None,
@@ -501,6 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="keep only the N ids the target writes most (truncated draft vocabulary; 0 = all)",
     )
+
+
+def _add_train_mode_args(t: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--score-checkpoints",
         action="store_true",
@@ -512,28 +572,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="skip training; save the weights of checkpoint step N as the final drafter",
     )
-    t.set_defaults(func=cmd_train)
 
-    k = sub.add_parser("calibrate", help="stage 3: Sequential Temperature Scaling on held-out data")
-    common(k)
+
+def _add_train_args(t: argparse.ArgumentParser) -> None:
+    _add_model_args(t)
+    _add_train_schedule_args(t)
+    _add_train_loss_args(t)
+    _add_train_data_args(t)
+    _add_train_start_args(t)
+    _add_train_mode_args(t)
+
+
+def _add_calibrate_args(k: argparse.ArgumentParser) -> None:
     k.add_argument("--name", default="dspark")
     k.add_argument("--drafter", default=None, help="checkpoint dir (default <out>/train/<name>/final)")
     k.add_argument("--holdout-every", type=int, default=10)
     k.add_argument("--num-anchors", type=int, default=64)
     k.add_argument("--max-seqs", type=int, default=200)
-    k.set_defaults(func=cmd_calibrate)
 
-    e = sub.add_parser("export", help="stage 4: DeepSpec-format directory without shared weights")
-    common(e)
+
+def _add_export_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--name", default="dspark")
     e.add_argument("--drafter", default=None, help="checkpoint dir (default <out>/train/<name>/final)")
     e.add_argument("--dest", required=True)
     e.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     e.add_argument("--max-mb", type=float, default=50.0)
-    e.set_defaults(func=cmd_export)
 
-    v = sub.add_parser("evaluate", help="acceptance length + calibration on the dev sets")
-    common(v)
+
+def _add_evaluate_args(v: argparse.ArgumentParser) -> None:
     v.add_argument("--drafter", action="append", default=[], help="NAME=PATH (repeatable)")
     v.add_argument(
         "--datasets",
@@ -546,7 +612,55 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-new-tokens", type=int, default=128)
     v.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     v.add_argument("--no-ngram", action="store_true")
-    v.set_defaults(func=cmd_evaluate)
+
+
+@dataclass(frozen=True)
+class _Subcommand:
+    """One stage of the pipeline on the command line: its name, help line, the arguments it
+    adds to the common ones and the function that runs it."""
+
+    name: str
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], None]
+
+
+SUBCOMMANDS = (
+    _Subcommand(
+        "gen-data", "stage 1: the target answers the training prompts", _add_gen_data_args, cmd_gen_data
+    ),
+    _Subcommand(
+        "cache-target",
+        "stage 1b: cache target taps for data shards without one",
+        _add_cache_target_args,
+        cmd_cache_target,
+    ),
+    _Subcommand("train", "stage 2: train a drafter from the cache", _add_train_args, cmd_train),
+    _Subcommand(
+        "calibrate",
+        "stage 3: Sequential Temperature Scaling on held-out data",
+        _add_calibrate_args,
+        cmd_calibrate,
+    ),
+    _Subcommand(
+        "export", "stage 4: DeepSpec-format directory without shared weights", _add_export_args, cmd_export
+    ),
+    _Subcommand(
+        "evaluate", "acceptance length + calibration on the dev sets", _add_evaluate_args, cmd_evaluate
+    ),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dspark-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for command in SUBCOMMANDS:
+        sp = sub.add_parser(command.name, help=command.help)
+        _add_common_args(sp)
+        command.add_args(sp)
+        sp.set_defaults(func=command.run)
     return p
 
 

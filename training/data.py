@@ -2,8 +2,8 @@
 
 Responses are stored as token ids in numbered shards (`data/shard_00000.pt`, one per
 generation batch) so an interrupted run resumes at the first missing shard. A shard holds its
-ids as lzma-compressed uint16 (`token_shard`: a third of the size of pickled lists, so many
-passes of data fit in the repository); shards written as lists still load. The HF backend
+ids as lzma-compressed uint16 (`token_shard`: much smaller than pickled lists, so many
+passes of data fit in the repository); shards written as lists still load. The serving engine
 can also store the target's tap hidden states in the same pass (the cache of stage 1b), which
 saves a second forward over every sequence.
 """
@@ -17,6 +17,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -162,7 +163,7 @@ def token_shard(samples: Sequence[Sample], holdout: bool) -> dict:
     dtype = "int32" if max(every, default=0) > 0xFFFF or min(every, default=0) < 0 else "uint16"
 
     def pack(ids: list[int]) -> torch.Tensor:
-        # a uint8 tensor, not bytes: torch.save pickles bytes as latin-1 text (~1.5x larger)
+        # a uint8 tensor, not bytes: torch.save pickles bytes as latin-1 text, which is larger
         data = lzma.compress(np.asarray(ids, dtype=dtype).tobytes(), preset=9)
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
@@ -259,10 +260,107 @@ class TapCapture:
 
 @dataclass
 class _Shard:
+    """A shard being generated: its prompts, and per prompt slot the response and (with taps)
+    the captured states of the requests finished so far."""
+
     index: int
     prompt_ids: list[list[int]]
     responses: dict[int, list[int]]
     records: dict[int, dict]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.responses) == len(self.prompt_ids)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A request in the engine: the shard and prompt slot its response goes to."""
+
+    shard: _Shard
+    slot: int
+    request: Any
+
+
+@dataclass(frozen=True)
+class _GenDataPaths:
+    """Where a generation writes: token shards under data/, cache shards (taps) under cache/."""
+
+    data_dir: Path
+    cache_dir: Path
+    tap_ids: Sequence[int] | None
+
+    def done(self, i: int) -> bool:
+        return (self.data_dir / SHARD_PATTERN.format(i)).exists() and (
+            self.tap_ids is None or (self.cache_dir / SHARD_PATTERN.format(i)).exists()
+        )
+
+    def save(self, shard: _Shard, holdout_every: int) -> list[Sample]:
+        """Both shards of a complete shard, cache first; returns its samples."""
+        samples = [Sample(list(p), shard.responses[j]) for j, p in enumerate(shard.prompt_ids)]
+        if self.tap_ids is not None:
+            records = [shard.records[j] for j in range(len(samples))]
+            save_atomic(
+                cache_record_shard(samples, records, self.tap_ids),
+                self.cache_dir / SHARD_PATTERN.format(shard.index),
+            )
+        save_atomic(
+            token_shard(samples, is_holdout(shard.index, holdout_every)),
+            self.data_dir / SHARD_PATTERN.format(shard.index),
+        )
+        return samples
+
+
+def _write_plan(data_dir: Path, cfg: GenDataConfig, batches: list[list[int]]) -> None:
+    with open(data_dir / "plan.json", "w") as f:
+        # file names only: the plan is committed with the data and must not name this machine
+        json.dump(
+            {
+                "config": {**cfg.__dict__, "prompts": Path(cfg.prompts).name, "out_dir": "."},
+                "num_batches": len(batches),
+                "num_prompts": sum(map(len, batches)),
+            },
+            f,
+            indent=1,
+        )
+
+
+def _prepare_dirs(cfg: GenDataConfig, engine, tap_ids: Sequence[int] | None) -> _GenDataPaths:
+    paths = _GenDataPaths(Path(cfg.out_dir) / "data", Path(cfg.out_dir) / "cache", tap_ids)
+    paths.data_dir.mkdir(parents=True, exist_ok=True)
+    if tap_ids is not None:
+        paths.cache_dir.mkdir(parents=True, exist_ok=True)
+        if engine.capture is None or tuple(engine.capture.tap_ids) != tuple(tap_ids):
+            raise ValueError("the engine must capture the requested taps")
+    return paths
+
+
+def _add_shard_requests(engine, shard: _Shard, cfg: GenDataConfig, owner: dict[str, _Pending]) -> None:
+    """One request per prompt of the shard, seeded by shard and slot when sampling."""
+    from dspark_serve.ops.sampling_params import SamplingParams
+    from dspark_serve.scheduler.request import Request
+
+    for j, ids in enumerate(shard.prompt_ids):
+        seed = cfg.seed * 100003 + shard.index * 1009 + j
+        sp = SamplingParams(temperature=cfg.temperature, seed=seed if cfg.temperature > 0 else None)
+        rid = f"gen-{shard.index}-{j}"
+        req = Request(rid, list(ids), sp, cfg.max_new_tokens)
+        engine.add_request(req)
+        owner[rid] = _Pending(shard, j, req)
+
+
+def _collect_finished(engine, owner: dict[str, _Pending], eos: int) -> None:
+    """One engine step; every request it finishes hands its response (and states) to its shard."""
+    for out in engine.step():
+        if not out.finished:
+            continue
+        pending = owner.pop(out.request_id)
+        req_tokens = list(pending.request.output_ids)
+        if out.finish_reason == "stop":
+            req_tokens.append(eos)  # the end-of-turn token is a label too
+        pending.shard.responses[pending.slot] = req_tokens
+        if engine.capture is not None:
+            pending.shard.records[pending.slot] = engine.capture.pop(out.request_id)
 
 
 def run_gen_data(
@@ -277,78 +375,27 @@ def run_gen_data(
 
     Shards are fed back to back: the next shard's prompts join as soon as the engine has free
     sequence slots, so the batch never drains between shards. Returns the number of shards."""
-    from dspark_serve.ops.sampling_params import SamplingParams
-    from dspark_serve.scheduler.request import Request
-
-    data_dir = Path(cfg.out_dir) / "data"
-    cache_dir = Path(cfg.out_dir) / "cache"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    capture = engine.capture
-    if tap_ids is not None:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        if capture is None or tuple(capture.tap_ids) != tuple(tap_ids):
-            raise ValueError("the engine must capture the requested taps")
+    paths = _prepare_dirs(cfg, engine, tap_ids)
     prompts = [encode_chat(tokenizer, p) for p in read_prompts(cfg.prompts)]
     batches = plan_batches(prompts, cfg)
     eos = int(tokenizer.eos_token_id)
-    with open(data_dir / "plan.json", "w") as f:
-        # file names only: the plan is committed with the data and must not name this machine
-        json.dump(
-            {
-                "config": {**cfg.__dict__, "prompts": Path(cfg.prompts).name, "out_dir": "."},
-                "num_batches": len(batches),
-                "num_prompts": sum(map(len, batches)),
-            },
-            f,
-            indent=1,
-        )
-
-    def done(i: int) -> bool:
-        return (data_dir / SHARD_PATTERN.format(i)).exists() and (
-            tap_ids is None or (cache_dir / SHARD_PATTERN.format(i)).exists()
-        )
-
-    todo = [i for i in range(len(batches)) if i % cfg.num_workers == cfg.worker and not done(i)]
-    finished_shards = len([i for i in range(len(batches)) if i % cfg.num_workers == cfg.worker]) - len(todo)
-    owner: dict[str, tuple[_Shard, int, Request]] = {}
+    _write_plan(paths.data_dir, cfg, batches)
+    mine = [i for i in range(len(batches)) if i % cfg.num_workers == cfg.worker]
+    todo = [i for i in mine if not paths.done(i)]
+    finished_shards = len(mine) - len(todo)
+    owner: dict[str, _Pending] = {}
     open_shards: list[_Shard] = []
     tokens_done = 0
-    slots = engine.cfg.max_num_seqs
     while todo or open_shards:
         # Join the next shard once the running ones leave free sequence slots.
-        while todo and len(owner) < slots:
+        while todo and len(owner) < engine.cfg.max_num_seqs:
             i = todo.pop(0)
-            sh = _Shard(i, [prompts[j] for j in batches[i]], {}, {})
-            open_shards.append(sh)
-            for j, ids in enumerate(sh.prompt_ids):
-                seed = cfg.seed * 100003 + i * 1009 + j
-                sp = SamplingParams(temperature=cfg.temperature, seed=seed if cfg.temperature > 0 else None)
-                rid = f"gen-{i}-{j}"
-                req = Request(rid, list(ids), sp, cfg.max_new_tokens)
-                engine.add_request(req)
-                owner[rid] = (sh, j, req)
-        for out in engine.step():
-            if not out.finished:
-                continue
-            sh, j, req = owner.pop(out.request_id)
-            req_tokens = list(req.output_ids)
-            if out.finish_reason == "stop":
-                req_tokens.append(eos)  # the end-of-turn token is a label too
-            sh.responses[j] = req_tokens
-            if capture is not None:
-                sh.records[j] = capture.pop(out.request_id)
-        for sh in [s for s in open_shards if len(s.responses) == len(s.prompt_ids)]:
+            open_shards.append(_Shard(i, [prompts[j] for j in batches[i]], {}, {}))
+            _add_shard_requests(engine, open_shards[-1], cfg, owner)
+        _collect_finished(engine, owner, eos)
+        for sh in [s for s in open_shards if s.complete]:
             open_shards.remove(sh)
-            samples = [Sample(list(p), sh.responses[j]) for j, p in enumerate(sh.prompt_ids)]
-            if tap_ids is not None:
-                records = [sh.records[j] for j in range(len(samples))]
-                save_atomic(
-                    cache_record_shard(samples, records, tap_ids), cache_dir / SHARD_PATTERN.format(sh.index)
-                )
-            save_atomic(
-                token_shard(samples, is_holdout(sh.index, cfg.holdout_every)),
-                data_dir / SHARD_PATTERN.format(sh.index),
-            )
+            samples = paths.save(sh, cfg.holdout_every)
             tokens_done += sum(len(s.response_ids) for s in samples)
             finished_shards += 1
             if progress:

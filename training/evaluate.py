@@ -153,6 +153,90 @@ def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.float() / temperature, -1)
 
 
+def _next_token(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> int:
+    """The target's token from one row of logits: argmax when greedy, else a draw."""
+    if temperature == 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(_probs(logits, temperature), 1, generator=gen))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One round's verification: the leading drafts accepted, and the target's own token
+    after them (the bonus, or the residual draw that replaces the first rejected draft)."""
+
+    accepted: int
+    bonus: int
+
+
+def verify_greedy(drafts: list[int], logits: torch.Tensor) -> Verdict:
+    """Drafts are accepted while they equal the target's argmax. logits: [K+1, V]."""
+    target_tok = logits.argmax(-1)
+    n = 0
+    while n < len(drafts) and drafts[n] == int(target_tok[n]):
+        n += 1
+    return Verdict(n, int(target_tok[n]))
+
+
+def verify_sampled(
+    drafts: list[int], logits: torch.Tensor, prop: Proposal, temperature: float, gen: torch.Generator
+) -> Verdict:
+    """Lossless rejection sampling: draft d is kept with probability min(1, p(d) / q(d)) (q
+    one-hot for drafters without distributions); the first rejected one is replaced by a draw
+    from the residual max(p - q, 0), and a fully accepted block gets a bonus draw from p."""
+    p = _probs(logits, temperature)
+    n = 0
+    while n < len(drafts):
+        d = drafts[n]
+        qd = 1.0 if prop.probs is None else float(prop.probs[n, d])
+        if float(torch.rand((), generator=gen)) < min(1.0, float(p[n, d]) / max(qd, 1e-20)):
+            n += 1
+            continue
+        q = torch.zeros_like(p[n])
+        if prop.probs is None:
+            q[d] = 1.0
+        else:
+            q = prop.probs[n].float()
+        resid = (p[n] - q).clamp_min(0)
+        resid = resid / resid.sum() if float(resid.sum()) > 0 else p[n]
+        return Verdict(n, int(torch.multinomial(resid, 1, generator=gen)))
+    return Verdict(n, int(torch.multinomial(p[n], 1, generator=gen)))
+
+
+def verify(
+    drafts: list[int], logits: torch.Tensor, prop: Proposal, temperature: float, gen: torch.Generator
+) -> Verdict:
+    """The target's verdict on a block: greedy at temperature 0, else rejection sampling."""
+    if temperature == 0:
+        return verify_greedy(drafts, logits)
+    return verify_sampled(drafts, logits, prop, temperature, gen)
+
+
+def _taps_of(o, n: int, taps_idx: list[int]) -> torch.Tensor | None:
+    """The first n positions' tap hidden states of a target output (None: no taps wanted)."""
+    if not taps_idx:
+        return None
+    return torch.cat([o.hidden_states[i][0, :n] for i in taps_idx], -1)
+
+
+def _record_round(stats: RunStats, prop: Proposal, drafts: list[int], accepted: int) -> None:
+    if drafts:
+        stats.accepted.append(accepted)
+        stats.proposed.append(len(drafts))
+    if prop.conf_logits is not None and drafts:
+        stats.conf_logits.append(prop.conf_logits[: len(drafts)].tolist())
+        stats.prefix.append([1 if j < accepted else 0 for j in range(len(drafts))])
+
+
+def _round_tokens(drafts: list[int], verdict: Verdict, eos_id: int) -> list[int]:
+    """The tokens a round adds: the accepted drafts and the target's own token, cut after
+    an end of sequence."""
+    new = drafts[: verdict.accepted] + [verdict.bonus]
+    if eos_id in new:
+        new = new[: new.index(eos_id) + 1]
+    return new
+
+
 @torch.no_grad()
 def speculative_generate(
     target,
@@ -176,18 +260,8 @@ def speculative_generate(
     out = target(
         torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True, output_hidden_states=want_hidden
     )
-
-    def taps_of(o, n: int) -> torch.Tensor | None:
-        if not want_hidden:
-            return None
-        return torch.cat([o.hidden_states[i][0, :n] for i in taps_idx], -1)
-
-    drafter.observe(taps_of(out, len(prompt_ids)), 0, list(prompt_ids))
-    last = out.logits[0, -1]
-    if temperature == 0:
-        x = int(last.argmax())
-    else:
-        x = int(torch.multinomial(_probs(last, temperature), 1, generator=gen))
+    drafter.observe(_taps_of(out, len(prompt_ids), taps_idx), 0, list(prompt_ids))
+    x = _next_token(out.logits[0, -1], temperature, gen)
     history = list(prompt_ids) + [x]
     produced = 1
     pos = len(prompt_ids)  # position of the anchor x
@@ -195,48 +269,17 @@ def speculative_generate(
         k = min(drafter.block_size, max_new_tokens - produced - 1)
         prop = drafter.propose(history, pos, k, temperature, gen)
         drafts = prop.tokens.tolist()[:k]
-        verify = torch.tensor([[x] + drafts])
-        o = target(verify, past_key_values=cache, use_cache=True, output_hidden_states=want_hidden)
-        logits = o.logits[0].float()  # [K+1, V]; row j predicts the token after verify[j]
-        n = 0
-        if temperature == 0:
-            target_tok = logits.argmax(-1)
-            while n < len(drafts) and drafts[n] == int(target_tok[n]):
-                n += 1
-            bonus = int(target_tok[n])
-        else:
-            p = _probs(logits, temperature)
-            bonus = None
-            while n < len(drafts):
-                d = drafts[n]
-                qd = 1.0 if prop.probs is None else float(prop.probs[n, d])
-                if float(torch.rand((), generator=gen)) < min(1.0, float(p[n, d]) / max(qd, 1e-20)):
-                    n += 1
-                    continue
-                q = torch.zeros_like(p[n])
-                if prop.probs is None:
-                    q[d] = 1.0
-                else:
-                    q = prop.probs[n].float()
-                resid = (p[n] - q).clamp_min(0)
-                resid = resid / resid.sum() if float(resid.sum()) > 0 else p[n]
-                bonus = int(torch.multinomial(resid, 1, generator=gen))
-                break
-            if bonus is None:
-                bonus = int(torch.multinomial(p[n], 1, generator=gen))
+        fed = torch.tensor([[x] + drafts])
+        o = target(fed, past_key_values=cache, use_cache=True, output_hidden_states=want_hidden)
+        logits = o.logits[0].float()  # [K+1, V]; row j predicts the token after fed[j]
+        verdict = verify(drafts, logits, prop, temperature, gen)
+        n = verdict.accepted
         extra = cache.get_seq_length() - (pos + 1 + n)
         if extra > 0:  # negative = tokens to drop (the form every transformers version accepts)
             cache.crop(-extra)
-        drafter.observe(taps_of(o, n + 1), pos, [x] + drafts[:n])
-        if drafts:
-            stats.accepted.append(n)
-            stats.proposed.append(len(drafts))
-        if prop.conf_logits is not None and drafts:
-            stats.conf_logits.append(prop.conf_logits[: len(drafts)].tolist())
-            stats.prefix.append([1 if j < n else 0 for j in range(len(drafts))])
-        new = drafts[:n] + [bonus]
-        if eos_id in new:
-            new = new[: new.index(eos_id) + 1]
+        drafter.observe(_taps_of(o, n + 1, taps_idx), pos, [x] + drafts[:n])
+        _record_round(stats, prop, drafts, n)
+        new = _round_tokens(drafts, verdict, eos_id)
         history += new
         produced += len(new)
         x = history[-1]
@@ -292,6 +335,142 @@ def _stats_from_json(d: dict) -> RunStats:
     return RunStats(**d)
 
 
+@dataclass(frozen=True)
+class EvalJob:
+    """One evaluation run: a drafter on one dev set at one temperature."""
+
+    dataset: str  # the dev set's file
+    temperature: float
+    drafter: str
+
+    @property
+    def name(self) -> str:
+        return dataset_name(self.dataset)
+
+
+def _dev_files(datasets: Sequence[str] | None) -> list[str]:
+    """The dev sets asked for, or every vendored one."""
+    from dspark_serve.training.data import dev_sets
+
+    files = list(datasets) if datasets else [str(f) for f in dev_sets().values()]
+    if not files:
+        raise ValueError("no dev datasets found")
+    return files
+
+
+def _load_eval_drafters(target, drafters: dict[str, str], ngram: bool):
+    """The checkpoints as DSparkModels sharing the target's embedding and head, and every
+    drafter to evaluate (prompt lookup too, with ngram, at the largest block size)."""
+    from dspark_serve.drafter.dspark_model import load_dspark
+
+    hf = target.model
+    models = {
+        name: load_dspark(
+            path, target_embed=hf.get_input_embeddings(), target_lm_head=hf.get_output_embeddings()
+        )
+        for name, path in drafters.items()
+    }
+    evals: dict[str, EvalDrafter] = {n: NeuralDrafter(m) for n, m in models.items()}
+    bs = max([m.config.block_size for m in models.values()] or [7])
+    if ngram:
+        evals["ngram"] = NgramEvalDrafter(bs)
+    return models, evals
+
+
+def _run_job(
+    target, drafter: EvalDrafter, job: EvalJob, part: Path, max_prompts: int, max_new_tokens: int, seed: int
+) -> RunStats:
+    """A job's statistics: read back from `part` when a previous run finished it, else
+    generated (prompt i seeded seed + i) and saved there."""
+    from dspark_serve.training.data import encode_chat, read_prompts
+
+    if part.exists():
+        return _stats_from_json(json.loads(part.read_text()))
+    prompts = read_prompts(job.dataset)
+    if max_prompts:
+        prompts = prompts[:max_prompts]
+    tok = target.tokenizer
+    eos = int(tok.eos_token_id)
+    stats = RunStats()
+    for i, text in enumerate(prompts):
+        stats.merge(
+            speculative_generate(
+                target.model,
+                drafter,
+                encode_chat(tok, text),
+                max_new_tokens,
+                job.temperature,
+                eos,
+                seed=seed + i,
+            )
+        )
+    part.write_text(json.dumps(asdict(stats)))
+    return stats
+
+
+def _job_row(stats: RunStats, block_size: int) -> dict:
+    return {
+        "acceptance_length": stats.acceptance_length,
+        "conditional_acceptance": stats.conditional_acceptance(block_size),
+        "rounds": len(stats.accepted),
+        "new_tokens": stats.new_tokens,
+        "seconds": round(stats.seconds, 1),
+    }
+
+
+def _macro(table: dict[str, dict], temperatures: Sequence[float], names: Sequence[str]) -> dict:
+    """Per temperature, each drafter's acceptance length averaged over the dev sets (and
+    DSpark's over DFlash's where both ran)."""
+    macro: dict = {}
+    for temp in temperatures:
+        key = f"T{temp:g}"
+        macro[key] = {
+            n: float(np.mean([table[d][key][n]["acceptance_length"] for d in table])) for n in names
+        }
+        if "dspark" in macro[key] and "dflash" in macro[key]:
+            macro[key]["dspark_over_dflash"] = macro[key]["dspark"] / macro[key]["dflash"]
+    return macro
+
+
+def _confidence_summary(
+    pooled: dict[tuple[str, float], RunStats], models: dict[str, DSparkModel], results: Path
+) -> dict:
+    """Per (drafter with a confidence head, temperature): the calibration of its cumulative
+    survival on the rounds verified, before and after its temperatures; reliability diagrams."""
+    from dspark_serve.training.calibrate import (
+        cumulative_survival,
+        plot_reliability,
+        pooled_ece,
+        position_metrics,
+    )
+
+    out = {}
+    for (name, temp), stats in pooled.items():
+        model = models.get(name)
+        if model is None or not stats.conf_logits:
+            continue
+        logits, labels, mask = confidence_arrays(stats, model.config.block_size)
+        before = position_metrics(cumulative_survival(logits), labels, mask)
+        temps = model.calibration.temperatures if model.calibration else (1.0,) * model.config.block_size
+        after = position_metrics(
+            cumulative_survival(logits, torch.tensor(temps[: logits.shape[1]])), labels, mask
+        )
+        out[f"{name}_T{temp:g}"] = {
+            "ece_before": pooled_ece(before),
+            "ece_after": pooled_ece(after),
+            "temperatures": list(temps),
+            "per_position_before": summarize_positions(before),
+            "per_position_after": summarize_positions(after),
+        }
+        plot_reliability(
+            before,
+            after,
+            f"{name}, T={temp:g}: cumulative survival on dev rounds",
+            str(results / f"reliability_{name}_T{temp:g}.png"),
+        )
+    return out
+
+
 def run_evaluation(
     target,
     drafters: dict[str, str],
@@ -307,67 +486,31 @@ def run_evaluation(
     """Evaluate every drafter on every dev set at every temperature; writes
     `<results_dir>/summary.json` and reliability diagrams. Finished (dataset, temperature,
     drafter) runs are kept under `<results_dir>/runs/` and skipped when resuming."""
-    from dspark_serve.drafter.dspark_model import load_dspark
-    from dspark_serve.training.calibrate import (
-        cumulative_survival,
-        plot_reliability,
-        pooled_ece,
-        position_metrics,
-    )
-    from dspark_serve.training.data import dev_sets, encode_chat, read_prompts
+    from dspark_serve.training.progress import Progress
 
     results = Path(results_dir)
     (results / "runs").mkdir(parents=True, exist_ok=True)
-    files = list(datasets) if datasets else [str(f) for f in dev_sets().values()]
-    if not files:
-        raise ValueError("no dev datasets found")
-    hf, tok = target.model, target.tokenizer
-    eos = int(tok.eos_token_id)
-    models = {
-        name: load_dspark(
-            path, target_embed=hf.get_input_embeddings(), target_lm_head=hf.get_output_embeddings()
-        )
-        for name, path in drafters.items()
-    }
-    evals: dict[str, EvalDrafter] = {n: NeuralDrafter(m) for n, m in models.items()}
-    bs = max([m.config.block_size for m in models.values()] or [7])
-    if ngram:
-        evals["ngram"] = NgramEvalDrafter(bs)
-    jobs = [(f, t, n) for f in files for t in temperatures for n in evals]
-    bar = None
-    if progress_out is not None:
-        from dspark_serve.training.progress import Progress
-
-        bar = Progress(progress_out, "evaluate", len(jobs), "run")
+    files = _dev_files(datasets)
+    models, evals = _load_eval_drafters(target, drafters, ngram)
+    jobs = [EvalJob(f, t, n) for f in files for t in temperatures for n in evals]
+    bar = None if progress_out is None else Progress(progress_out, "evaluate", len(jobs), "run")
     table: dict[str, dict] = {}
     pooled: dict[tuple[str, float], RunStats] = {}
-    for j, (f, temp, name) in enumerate(jobs):
-        ds = dataset_name(f)
-        part = results / "runs" / f"{ds}_T{temp:g}_{name}.json"
-        if part.exists():
-            stats = _stats_from_json(json.loads(part.read_text()))
-        else:
-            prompts = read_prompts(f)
-            if max_prompts:
-                prompts = prompts[:max_prompts]
-            stats = RunStats()
-            for i, text in enumerate(prompts):
-                stats.merge(
-                    speculative_generate(
-                        hf, evals[name], encode_chat(tok, text), max_new_tokens, temp, eos, seed=seed + i
-                    )
-                )
-            part.write_text(json.dumps(asdict(stats)))
-        pooled.setdefault((name, temp), RunStats()).merge(stats)
-        table.setdefault(ds, {}).setdefault(f"T{temp:g}", {})[name] = {
-            "acceptance_length": stats.acceptance_length,
-            "conditional_acceptance": stats.conditional_acceptance(evals[name].block_size),
-            "rounds": len(stats.accepted),
-            "new_tokens": stats.new_tokens,
-            "seconds": round(stats.seconds, 1),
-        }
+    for j, job in enumerate(jobs):
+        part = results / "runs" / f"{job.name}_T{job.temperature:g}_{job.drafter}.json"
+        stats = _run_job(target, evals[job.drafter], job, part, max_prompts, max_new_tokens, seed)
+        pooled.setdefault((job.drafter, job.temperature), RunStats()).merge(stats)
+        row = _job_row(stats, evals[job.drafter].block_size)
+        table.setdefault(job.name, {}).setdefault(f"T{job.temperature:g}", {})[job.drafter] = row
         if bar:
-            bar.update(j + 1, len(jobs), dataset=ds, T=temp, drafter=name, tau=stats.acceptance_length)
+            bar.update(
+                j + 1,
+                len(jobs),
+                dataset=job.name,
+                T=job.temperature,
+                drafter=job.drafter,
+                tau=stats.acceptance_length,
+            )
     if bar:
         bar.close()
     summary: dict = {
@@ -375,40 +518,8 @@ def run_evaluation(
         "max_prompts_per_dataset": max_prompts,
         "max_new_tokens": max_new_tokens,
         "drafters": dict(drafters),
-        "macro": {},
-        "confidence": {},
+        "macro": _macro(table, temperatures, list(evals)),
+        "confidence": _confidence_summary(pooled, models, results),
     }
-    for temp in temperatures:
-        key = f"T{temp:g}"
-        summary["macro"][key] = {
-            n: float(np.mean([table[d][key][n]["acceptance_length"] for d in table])) for n in evals
-        }
-        if "dspark" in summary["macro"][key] and "dflash" in summary["macro"][key]:
-            summary["macro"][key]["dspark_over_dflash"] = (
-                summary["macro"][key]["dspark"] / summary["macro"][key]["dflash"]
-            )
-    for (name, temp), stats in pooled.items():
-        model = models.get(name)
-        if model is None or not stats.conf_logits:
-            continue
-        logits, labels, mask = confidence_arrays(stats, model.config.block_size)
-        before = position_metrics(cumulative_survival(logits), labels, mask)
-        temps = model.calibration.temperatures if model.calibration else (1.0,) * model.config.block_size
-        after = position_metrics(
-            cumulative_survival(logits, torch.tensor(temps[: logits.shape[1]])), labels, mask
-        )
-        summary["confidence"][f"{name}_T{temp:g}"] = {
-            "ece_before": pooled_ece(before),
-            "ece_after": pooled_ece(after),
-            "temperatures": list(temps),
-            "per_position_before": summarize_positions(before),
-            "per_position_after": summarize_positions(after),
-        }
-        plot_reliability(
-            before,
-            after,
-            f"{name}, T={temp:g}: cumulative survival on dev rounds",
-            str(results / f"reliability_{name}_T{temp:g}.png"),
-        )
     write_json(results / "summary.json", summary)
     return summary

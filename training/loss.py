@@ -105,6 +105,53 @@ def acceptance_rate(
     return (1.0 - 0.5 * l1_distance(draft_probs, target_probs, d2t)).clamp(0.0, 1.0)
 
 
+def _cross_entropy(
+    logq: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, d2t: torch.Tensor | None, vocab_size: int
+) -> torch.Tensor:
+    """Weighted mean of -log q(y) over the slots. Labels (target ids) are mapped to draft ids
+    with a truncated vocabulary; a label outside it has no draft id and weighs nothing."""
+    w_ce = w
+    if d2t is not None:
+        t2d = torch.full((vocab_size,), -1, dtype=torch.long, device=labels.device)
+        t2d[d2t.to(labels.device)] = torch.arange(d2t.numel(), device=labels.device)
+        labels = t2d[labels]
+        w_ce = w * (labels >= 0)
+        labels = labels.clamp_min(0)
+    ce = -torch.gather(logq, -1, labels.unsqueeze(-1)).squeeze(-1)
+    return (ce * w_ce).sum() / w_ce.sum().clamp_min(1e-6)
+
+
+@dataclass(frozen=True)
+class AcceptanceMetrics:
+    """Teacher-forced acceptance of a batch (no gradient); see `LossOutput`."""
+
+    accept_rate: torch.Tensor
+    tau: torch.Tensor
+    greedy_tau: torch.Tensor
+
+
+@torch.no_grad()
+def acceptance_metrics(
+    c_star: torch.Tensor, logq: torch.Tensor, top: torch.Tensor, mask: torch.Tensor, d2t: torch.Tensor | None
+) -> AcceptanceMetrics:
+    """c*_k per position, and the expected accepted length per block under sampled (c*) and
+    greedy (draft argmax == target argmax) verification. top: the target's argmax ids."""
+    m = mask.to(torch.float32)
+    per_pos = (c_star * m).sum(dim=tuple(range(m.dim() - 1))) / m.sum(
+        dim=tuple(range(m.dim() - 1))
+    ).clamp_min(1.0)
+    blocks = m[..., 0] > 0
+    pick = logq.argmax(-1)
+    if d2t is not None:
+        pick = d2t.to(pick.device)[pick]
+    hit = (pick == top).to(torch.float32) * m
+
+    def per_block(rate: torch.Tensor) -> torch.Tensor:  # 1 + sum_k prod_{i<=k} rate_i
+        return (rate.cumprod(-1).sum(-1) + 1.0)[blocks].mean() if blocks.any() else m.new_zeros(())
+
+    return AcceptanceMetrics(per_pos, per_block(c_star * m), per_block(hit))
+
+
 def dspark_loss(
     draft_logits: torch.Tensor,
     target_logits: torch.Tensor,
@@ -132,20 +179,12 @@ def dspark_loss(
     den = w.sum().clamp_min(1e-6)
     logq = draft_logits.float().log_softmax(-1)  # one normalization serves CE and q
     top = target_logits.argmax(-1)  # the target's greedy token: argmax labels, greedy hits
-    labels, w_ce = (top if cfg.ce_labels == "argmax" else labels.long()), w
-    if d2t is not None:
-        t2d = torch.full((target_logits.shape[-1],), -1, dtype=torch.long, device=labels.device)
-        t2d[d2t.to(labels.device)] = torch.arange(d2t.numel(), device=labels.device)
-        labels = t2d[labels]
-        w_ce = w * (labels >= 0)
-        labels = labels.clamp_min(0)
-    ce = -torch.gather(logq, -1, labels.unsqueeze(-1)).squeeze(-1)
-    q = logq.exp()
+    labels = top if cfg.ce_labels == "argmax" else labels.long()
+    ce_mean = _cross_entropy(logq, labels, w, d2t, target_logits.shape[-1])
     with torch.no_grad():
         p = target_logits.float().softmax(-1)
-    l1 = l1_distance(q, p, d2t)
+    l1 = l1_distance(logq.exp(), p, d2t)
     c_star = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
-    ce_mean = (ce * w_ce).sum() / w_ce.sum().clamp_min(1e-6)
     l1_mean = (l1 * w).sum() / den
     if confidence_logits is not None:
         bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), c_star, reduction="none")
@@ -153,27 +192,13 @@ def dspark_loss(
     else:
         conf_mean = ce_mean.new_zeros(())
     loss = cfg.ce_alpha * ce_mean + cfg.l1_alpha * l1_mean + cfg.confidence_alpha * conf_mean
-    with torch.no_grad():
-        m = mask.to(torch.float32)
-        per_pos = (c_star * m).sum(dim=tuple(range(m.dim() - 1))) / m.sum(
-            dim=tuple(range(m.dim() - 1))
-        ).clamp_min(1.0)
-        blocks = m[..., 0] > 0
-        pick = logq.argmax(-1)
-        if d2t is not None:
-            pick = d2t.to(pick.device)[pick]
-        hit = (pick == top).to(torch.float32) * m
-
-        def per_block(rate: torch.Tensor) -> torch.Tensor:  # 1 + sum_k prod_{i<=k} rate_i
-            return (rate.cumprod(-1).sum(-1) + 1.0)[blocks].mean() if blocks.any() else m.new_zeros(())
-
-        tau, greedy_tau = per_block(c_star * m), per_block(hit)
+    metrics = acceptance_metrics(c_star, logq, top, mask, d2t)
     return LossOutput(
         loss=loss,
         ce=ce_mean.detach(),
         l1=l1_mean.detach(),
         confidence=conf_mean.detach(),
-        accept_rate=per_pos,
-        tau=tau,
-        greedy_tau=greedy_tau,
+        accept_rate=metrics.accept_rate,
+        tau=metrics.tau,
+        greedy_tau=metrics.greedy_tau,
     )

@@ -11,7 +11,7 @@ def save_png(fig: Any, path: str | os.PathLike, dpi: int) -> None:
     """Write a matplotlib figure as a 256-colour palette PNG.
 
     Line and bar plots use a handful of colours, so the palette keeps them visually identical
-    while the file is about a third of matplotlib's true-colour PNG (the benchmark results are
+    while the file is much smaller than matplotlib's true-colour PNG (the benchmark results are
     committed, and the repository has a size budget)."""
     from PIL import Image  # matplotlib's own dependency
 

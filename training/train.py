@@ -416,6 +416,72 @@ def evaluate_held_out(
     )
 
 
+def _resume(model: DSparkModel, opt: torch.optim.Optimizer, ckpt_path: Path) -> int:
+    """Load the run's checkpoint when there is one; returns the step to start from."""
+    if not ckpt_path.exists():
+        return 0
+    ck = torch.load(ckpt_path, weights_only=False)
+    model.load_state_dict(ck["model"], strict=False)
+    opt.load_state_dict(ck["optimizer"])
+    return int(ck["step"])
+
+
+def _train_step(
+    model: DSparkModel,
+    data: Sequence[CachedSequence],
+    cfg: TrainConfig,
+    loss_cfg: LossConfig,
+    opt: torch.optim.Optimizer,
+    step: int,
+    target_head: nn.Module | None,
+) -> StepStats:
+    """One optimizer step on a batch drawn from a generator seeded by the step, so a resumed
+    run sees the same data order."""
+    t0 = time.time()
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # resumable data order
+    idx = torch.randint(len(data), (cfg.batch_seqs,), generator=gen).tolist()
+    batch = training_batch(model, [data[i] for i in idx], cfg, gen)
+    lr = lr_at(step, cfg)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    out = forward_loss(model, batch, loss_cfg, cfg.bf16, target_head)
+    opt.zero_grad(set_to_none=True)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(trainable_parameters(model), cfg.max_grad_norm)
+    opt.step()
+    return StepStats(
+        step=step + 1,
+        loss=float(out.loss.detach()),
+        ce=float(out.ce),
+        l1=float(out.l1),
+        confidence=float(out.confidence),
+        tau=float(out.tau),
+        accept_rate=[round(float(a), 4) for a in out.accept_rate],
+        lr=lr,
+        seconds=time.time() - t0,
+    )
+
+
+def _save_checkpoint(
+    model: DSparkModel, opt: torch.optim.Optimizer, cfg: TrainConfig, step: int, work: Path
+) -> None:
+    """The resumable checkpoint (written then renamed), and the weights alone of this step,
+    so runs can be compared at an equal step."""
+    ckpt_path = work / "ckpt.pt"
+    tmp = ckpt_path.with_suffix(".tmp")
+    torch.save(
+        {
+            "model": trainable_state(model),
+            "optimizer": opt.state_dict(),
+            "step": step,
+            "train_config": asdict(cfg),
+        },
+        tmp,
+    )
+    os.replace(tmp, ckpt_path)
+    torch.save(trainable_state(model), work / f"weights_step{step}.pt")
+
+
 def run_train(
     model: DSparkModel,
     data: Sequence[CachedSequence],
@@ -431,68 +497,28 @@ def run_train(
     (a `{"held_out": ...}` line in log.jsonl), so overfitting shows as training goes."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    ckpt_path = work / "ckpt.pt"
-    params = trainable_parameters(model)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    start = 0
-    if ckpt_path.exists():
-        ck = torch.load(ckpt_path, weights_only=False)
-        model.load_state_dict(ck["model"], strict=False)
-        opt.load_state_dict(ck["optimizer"])
-        start = int(ck["step"])
+    opt = torch.optim.AdamW(
+        trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+    )
+    start = _resume(model, opt, work / "ckpt.pt")
     history: list[StepStats] = []
     model.train()
-    log = open(work / "log.jsonl", "a")
-    for step in range(start, cfg.steps):
-        t0 = time.time()
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # resumable data order
-        idx = torch.randint(len(data), (cfg.batch_seqs,), generator=gen).tolist()
-        batch = training_batch(model, [data[i] for i in idx], cfg, gen)
-        lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        out = forward_loss(model, batch, loss_cfg, cfg.bf16, target_head)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        opt.step()
-        stats = StepStats(
-            step=step + 1,
-            loss=float(out.loss.detach()),
-            ce=float(out.ce),
-            l1=float(out.l1),
-            confidence=float(out.confidence),
-            tau=float(out.tau),
-            accept_rate=[round(float(a), 4) for a in out.accept_rate],
-            lr=lr,
-            seconds=time.time() - t0,
-        )
-        history.append(stats)
-        log.write(json.dumps(asdict(stats)) + "\n")
-        log.flush()
-        if progress:
-            progress(stats)
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            tmp = ckpt_path.with_suffix(".tmp")
-            torch.save(
-                {
-                    "model": trainable_state(model),
-                    "optimizer": opt.state_dict(),
-                    "step": step + 1,
-                    "train_config": asdict(cfg),
-                },
-                tmp,
-            )
-            os.replace(tmp, ckpt_path)
-            # Weights alone per checkpoint, so runs can be compared at an equal step.
-            torch.save(trainable_state(model), work / f"weights_step{step + 1}.pt")
-            if held_out:
-                ho = evaluate_held_out(
-                    model, held_out, cfg.num_anchors, loss_cfg, cfg.bf16, step + 1, target_head
-                )
-                log.write(json.dumps({"held_out": asdict(ho)}) + "\n")
-                log.flush()
-    log.close()
+    with open(work / "log.jsonl", "a") as log:
+        for step in range(start, cfg.steps):
+            stats = _train_step(model, data, cfg, loss_cfg, opt, step, target_head)
+            history.append(stats)
+            log.write(json.dumps(asdict(stats)) + "\n")
+            log.flush()
+            if progress:
+                progress(stats)
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                _save_checkpoint(model, opt, cfg, step + 1, work)
+                if held_out:
+                    ho = evaluate_held_out(
+                        model, held_out, cfg.num_anchors, loss_cfg, cfg.bf16, step + 1, target_head
+                    )
+                    log.write(json.dumps({"held_out": asdict(ho)}) + "\n")
+                    log.flush()
     model.eval()
     return history
 

@@ -101,7 +101,6 @@ def load_dspark(
     if (target_embed is None) != (target_lm_head is None):
         raise ValueError("pass both target_embed and target_lm_head, or neither")
     dev = _exact_device(device)
-    shared = target_embed is not None
     embed = cast(nn.Embedding, _as_shared(target_embed, dev, dtype)) if target_embed is not None else None
     # A truncated vocabulary's head is cut from the target's once d2t is read (below).
     head = (
@@ -109,23 +108,42 @@ def load_dspark(
         if target_lm_head is not None and not cfg.truncated
         else None
     )
-    with torch.device("meta"):  # no throwaway random init of ~0.5B parameters
+    with torch.device("meta"):  # no throwaway random init of weights the checkpoint replaces
         model = DSparkModel(cfg, embed, head)
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    skip = SHARED_PREFIXES if shared else ()
+    skip = SHARED_PREFIXES if target_embed is not None else ()
     state = _read_state_dict(path, set(own), skip)
-    if drop_markov_head:
-        state = {
-            k: v
-            for k, v in state.items()
-            if k in own or not k.startswith(("markov_head.", "confidence_head."))
-        }
+    if drop_markov_head:  # the heads' weights the DFlash model has no place for
+        heads = ("markov_head.", "confidence_head.")
+        state = {k: v for k, v in state.items() if k in own or not k.startswith(heads)}
+    _check_state(path, cfg, state, own, skip)
+    model.load_state_dict(
+        {k: v.to(device=dev) if k == "d2t" else v.to(device=dev, dtype=dtype) for k, v in state.items()},
+        strict=False,
+        assign=True,
+    )
+    if cfg.truncated:
+        _attach_draft_vocabulary(model, path, target_lm_head, dev, dtype)
+    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
+    model.calibration = read_calibration(path)
+    return model.eval()
+
+
+def _check_state(
+    path: str,
+    cfg: DSparkConfig,
+    state: dict[str, torch.Tensor],
+    own: dict[str, tuple[int, ...]],
+    skip: tuple[str, ...],
+) -> None:
+    """The checkpoint's weights are exactly the model's (less the shared ones skipped), each
+    of the shape the config implies; a truncated vocabulary comes with its d2t map."""
     unexpected = sorted(set(state) - set(own))
     if unexpected:
         raise ValueError(f"unexpected weights in {path!r}: {unexpected[:8]}")
     if cfg.truncated and "d2t" not in state:
         raise ValueError(f"{path!r}: draft_vocab_size is {cfg.draft_vocab_size} but there is no d2t map")
-    missing = sorted(k for k in set(own) - set(state) if not (shared and k.startswith(skip)))
+    missing = sorted(k for k in set(own) - set(state) if not (skip and k.startswith(skip)))
     if missing:
         hint = (
             " (embed_tokens / lm_head are not in the checkpoint: pass the target's)"
@@ -136,21 +154,18 @@ def load_dspark(
     for key, value in state.items():
         if tuple(value.shape) != own[key]:
             raise ValueError(f"weight {key!r} has shape {tuple(value.shape)}, config implies {own[key]}")
-    model.load_state_dict(
-        {k: v.to(device=dev) if k == "d2t" else v.to(device=dev, dtype=dtype) for k, v in state.items()},
-        strict=False,
-        assign=True,
-    )
-    if cfg.truncated:
-        d2t = model.d2t
-        assert d2t is not None  # a truncated config makes the buffer
-        if d2t.min() < 0 or d2t.max() >= cfg.vocab_size or torch.unique(d2t).numel() != d2t.numel():
-            raise ValueError(f"{path!r}: d2t must list distinct target ids in [0, {cfg.vocab_size})")
-        if target_lm_head is not None:
-            model.lm_head = draft_head(target_lm_head, d2t, dev, dtype)
-    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
-    model.calibration = read_calibration(path)
-    return model.eval()
+
+
+def _attach_draft_vocabulary(
+    model: DSparkModel, path: str, target_lm_head: nn.Linear | None, dev: torch.device, dtype: torch.dtype
+) -> None:
+    """Check a truncated vocabulary's d2t map, and cut the draft head from the target's."""
+    cfg, d2t = model.config, model.d2t
+    assert d2t is not None  # a truncated config makes the buffer
+    if d2t.min() < 0 or d2t.max() >= cfg.vocab_size or torch.unique(d2t).numel() != d2t.numel():
+        raise ValueError(f"{path!r}: d2t must list distinct target ids in [0, {cfg.vocab_size})")
+    if target_lm_head is not None:
+        model.lm_head = draft_head(target_lm_head, d2t, dev, dtype)
 
 
 def draft_head(

@@ -11,6 +11,17 @@ from dspark_serve.drafter.dspark_model.ops import ACTIVATIONS, SUPPORTED_ROPE, r
 
 ARCHITECTURE = "Qwen3DSparkModel"
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+# The fields a config.json must have; the others have defaults.
+REQUIRED_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+    "block_size",
+    "target_layer_ids",
+    "mask_token_id",
+)
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,12 @@ class DSparkConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        self._check_sizes()
+        self._check_taps()
+        self._check_heads()
+        self._check_numerics()
+
+    def _check_sizes(self) -> None:
         for name in (
             "hidden_size",
             "num_hidden_layers",
@@ -91,6 +108,9 @@ class DSparkConfig:
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim!r}")
+
+    def _check_taps(self) -> None:
+        """Taps: target layers (-1: the embeddings), strictly increasing; the mask token."""
         if not self.target_layer_ids:
             raise ValueError(f"target_layer_ids must not be empty, got {self.target_layer_ids!r}")
         prev = None
@@ -108,6 +128,9 @@ class DSparkConfig:
             raise ValueError(
                 f"mask_token_id must be in [0, vocab_size={self.vocab_size}), got {self.mask_token_id!r}"
             )
+
+    def _check_heads(self) -> None:
+        """The Markov and confidence heads."""
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank!r}")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
@@ -116,6 +139,9 @@ class DSparkConfig:
             )
         if self.confidence_head_with_markov and self.enable_confidence_head and self.markov_rank == 0:
             raise ValueError("confidence_head_with_markov=True needs markov_rank > 0, got 0")
+
+    def _check_numerics(self) -> None:
+        """Activation, norm, rotary embedding, draft vocabulary, anchors."""
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}")
         if self.rms_norm_eps <= 0:
@@ -160,20 +186,7 @@ class DSparkConfig:
         archs = d.get("architectures")
         if archs and ARCHITECTURE not in archs:
             raise ValueError(f"expected architectures to contain {ARCHITECTURE!r}, got {archs!r}")
-        missing = [
-            k
-            for k in (
-                "hidden_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "intermediate_size",
-                "vocab_size",
-                "block_size",
-                "target_layer_ids",
-                "mask_token_id",
-            )
-            if k not in d
-        ]
+        missing = [k for k in REQUIRED_FIELDS if k not in d]
         if missing:
             raise ValueError(f"config is missing DSpark fields {missing!r}")
         theta, scaling = _rope_from_hf(d)

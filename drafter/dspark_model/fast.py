@@ -11,8 +11,9 @@ context_kv, forward_block) with the kernels the target's fast forward uses.
   head), the query heads of a group stacked as rows, over a copy of the context
   (`forward_block`; SDPA is slow on CPU for short bf16 queries);
 - in bf16 with the C kernels, the in-place pass's layers run as one C call
-  (`verifier.cpu_kernels.DraftLayers`: the same kernels in the same order, the same bits),
-  which spares the Python dispatch of a layer's dozen kernels (~12% of a proposal).
+  (`ops.cpu_kernels.DraftLayers`: the same kernels in the same order, the same bits),
+  which spares the Python dispatch of a layer's dozen kernels (a noticeable share of a
+  proposal; bench/drafting_cost.py measures what a proposal costs).
 
 The modules stay the reference (training, float32 serving, CUDA); this path is chosen where
 `applies` says so and is tested against them to bf16 rounding.
@@ -94,6 +95,137 @@ def _linear(ws: Sequence[torch.Tensor], bs: Sequence[torch.Tensor | None]) -> Li
     return make_linear(w, b, "auto", "none")
 
 
+def _fused_layer(layer: DecoderLayer, act: Callable[[torch.Tensor], torch.Tensor]) -> _Layer:
+    """A decoder layer's weights as fused, prepacked copies."""
+    a, m = layer.self_attn, layer.mlp
+    return _Layer(
+        in_norm=FastRMSNorm.of(layer.input_layernorm),
+        post_norm=FastRMSNorm.of(layer.post_attention_layernorm),
+        q_norm=FastRMSNorm.of(a.q_norm),
+        k_norm=FastRMSNorm.of(a.k_norm),
+        qkv=_linear(
+            [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
+            [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias],
+        ),
+        kv=_linear([a.k_proj.weight, a.v_proj.weight], [a.k_proj.bias, a.v_proj.bias]),
+        o=_linear([a.o_proj.weight], [a.o_proj.bias]),
+        gate_up=_linear([m.gate_proj.weight, m.up_proj.weight], [None]),
+        down=_linear([m.down_proj.weight], [None]),
+        act=act,
+    )
+
+
+def _layer_driver(
+    kernels: ctypes.CDLL, layers: list[_Layer], norm: FastRMSNorm, H: int, Hkv: int, D: int
+) -> DraftLayers | None:
+    """The layers in one C call (`DraftLayers`) where every piece of `_layers` runs through the
+    C kernels in bf16 (packed products, the fused norms, SwiGLU); else None. The caller has
+    checked the kernels, the fused elementwise ops and the dtype."""
+    if D > 256:
+        return None
+    parts = [lin for L in layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
+    if not all(isinstance(lin, SmallGemmLinear) and lin.dtype == torch.bfloat16 for lin in parts):
+        return None
+    nxt = [L.in_norm for L in layers[1:]] + [norm]
+    weights = [
+        DraftLayerWeights(
+            qkv=cast(SmallGemmLinear, L.qkv),
+            o=cast(SmallGemmLinear, L.o),
+            gate_up=cast(SmallGemmLinear, L.gate_up),
+            down=cast(SmallGemmLinear, L.down),
+            q_norm=(L.q_norm.w, L.q_norm.eps),
+            k_norm=(L.k_norm.w, L.k_norm.eps),
+            post_norm=(L.post_norm.w, L.post_norm.eps),
+            next_norm=(N.w, N.eps),
+        )
+        for L, N in zip(layers, nxt)
+    ]
+    first = layers[0].in_norm
+    try:
+        return DraftLayers(kernels, weights, (first.w, first.eps), H, Hkv, D)
+    except ValueError:  # a bias on the MLP's products, a norm of another dtype
+        return None
+
+
+class RotaryTables:
+    """cos and signed sin by position, built once (doubling as positions grow) and read by
+    index: the sign of rotate_half is folded into sin."""
+
+    def __init__(
+        self, inv_freq: torch.Tensor, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.inv_freq, self.D, self.dtype, self.device = inv_freq, head_dim, dtype, device
+        self.cos = self.sin = torch.empty(0, head_dim, dtype=dtype, device=device)
+
+    def upto(self, n: int) -> None:
+        """Make the tables cover positions 0 .. n - 1."""
+        if self.cos.shape[0] >= n:
+            return
+        size = max(n, 2 * self.cos.shape[0])
+        cos, sin = rope_cos_sin(torch.arange(size, device=self.device), self.inv_freq, self.dtype)
+        sin = sin.clone()
+        sin[:, : self.D // 2] *= -1  # rotate_half(x) * sin == roll(x, D/2) * signed sin
+        self.cos, self.sin = cos, sin
+
+    def at(self, positions: torch.Tensor, built: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [..., n] -> cos, signed sin: [..., n, 1, D] (broadcast over heads).
+        built: the caller made the tables long enough already (`upto`), which spares
+        reading the largest position back from the tensor."""
+        if not built:
+            self.upto(int(positions.max()) + 1)
+        flat = positions.reshape(-1)  # index_select: torch's advanced indexing is far slower on CPU
+        shape = (*positions.shape, 1, self.D)
+        return self.cos.index_select(0, flat).view(shape), self.sin.index_select(0, flat).view(shape)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [..., n, heads, D]; cos, sin from `at`."""
+        return x * cos + torch.roll(x, self.D // 2, dims=-1) * sin
+
+
+@dataclass(frozen=True)
+class PoolSegments:
+    """Where an in-place block pass reads and writes the drafter's context pools: the C
+    attention kernel's segment arrays (row0, n, start: [B] int32; table: [B, nblk] int32 block
+    table over pools seen in runs of `block_size` positions) and `flat`, the pool rows viewed
+    as [num_slots * capacity, Hkv, D] that the block's own k/v (then the context rows') go to."""
+
+    row0: torch.Tensor
+    n: torch.Tensor
+    start: torch.Tensor
+    table: torch.Tensor
+    flat: torch.Tensor
+    block_size: int
+
+    @classmethod
+    def of(
+        cls, slots: Sequence[int], starts: Sequence[int], Lb: int, capacity: int, context: ContextRows | None
+    ) -> PoolSegments:
+        B = len(slots)
+        bs = capacity & -capacity  # the largest power of two dividing it: a request's run of blocks
+        per = capacity // bs
+        nblk = -(-(max(starts) + Lb) // bs)
+        # The kernel's segment arrays from host lists in one tensor (a torch op costs more than
+        # the arithmetic here): row0 | n | start | block table [B, nblk]
+        ints = torch.tensor(
+            [b * Lb for b in range(B)]
+            + [Lb] * B
+            + list(starts)
+            + [s * per + j for s in slots for j in range(nblk)],
+            dtype=torch.int32,
+        )
+        # index_copy_ into the flat rows, not an indexed put: the cheaper of the two
+        flat = torch.tensor(
+            [s * capacity + p for s, p0 in zip(slots, starts) for p in range(p0, p0 + Lb)], dtype=torch.long
+        )
+        if context is not None:
+            flat = torch.cat([flat, context.slots * capacity + context.positions])
+        return cls(ints[:B], ints[B : 2 * B], ints[2 * B : 3 * B], ints[3 * B :].view(B, nblk), flat, bs)
+
+    @property
+    def arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.row0, self.n, self.start, self.table
+
+
 class FastDraftBackbone:
     """Built once from a serving (frozen) DSparkModel; the weights are fused copies, so the
     model must not train afterwards."""
@@ -104,33 +236,15 @@ class FastDraftBackbone:
         self.scale = 1.0 / math.sqrt(self.D)  # SDPA's default, as the modules use
         self.dtype, self.device = model.dtype, model.device
         self.embed = model.embed_tokens
-        self.inv_freq = model.inv_freq
         self.fc = _linear([model.fc.weight], [model.fc.bias])
         self.hidden_norm = FastRMSNorm.of(model.hidden_norm)
         self.norm = FastRMSNorm.of(model.norm)
         self.layers: list[_Layer] = []
         for layer in model.layers:
             assert isinstance(layer, DecoderLayer)
-            a, m = layer.self_attn, layer.mlp
-            self.layers.append(
-                _Layer(
-                    in_norm=FastRMSNorm.of(layer.input_layernorm),
-                    post_norm=FastRMSNorm.of(layer.post_attention_layernorm),
-                    q_norm=FastRMSNorm.of(a.q_norm),
-                    k_norm=FastRMSNorm.of(a.k_norm),
-                    qkv=_linear(
-                        [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
-                        [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias],
-                    ),
-                    kv=_linear([a.k_proj.weight, a.v_proj.weight], [a.k_proj.bias, a.v_proj.bias]),
-                    o=_linear([a.o_proj.weight], [a.o_proj.bias]),
-                    gate_up=_linear([m.gate_proj.weight, m.up_proj.weight], [None]),
-                    down=_linear([m.down_proj.weight], [None]),
-                    act=ACTIVATIONS[cfg.hidden_act],
-                )
-            )
-        self._cos = self._sin = torch.empty(0, self.D, dtype=self.dtype, device=self.device)
-        self._rope_upto(256)
+            self.layers.append(_fused_layer(layer, ACTIVATIONS[cfg.hidden_act]))
+        self.rope = RotaryTables(model.inv_freq, self.D, self.dtype, self.device)
+        self.rope.upto(256)
         self._kernels = load_kernels()  # None: forward_block's batched matmuls only
         # residual add + norm and SwiGLU in one C call each (csrc/elementwise.c), as the
         # target's fused layer loop runs them
@@ -138,35 +252,9 @@ class FastDraftBackbone:
         if self._kernels is not None and cfg.hidden_act == "silu":
             self._fused = FusedElementwise(self._kernels)
         self._paged: dict[int, PagedAttention] = {}  # per pool block size
-        self._driver = self._layer_driver()
-
-    def _layer_driver(self) -> DraftLayers | None:
-        """The layers in one C call (`DraftLayers`) where every piece of `_layers` runs through
-        the C kernels in bf16 (packed products, the fused norms, SwiGLU); else None."""
-        if self._kernels is None or self._fused is None or self.dtype != torch.bfloat16 or self.D > 256:
-            return None
-        parts = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
-        if not all(isinstance(lin, SmallGemmLinear) and lin.dtype == torch.bfloat16 for lin in parts):
-            return None
-        nxt = [L.in_norm for L in self.layers[1:]] + [self.norm]
-        weights = [
-            DraftLayerWeights(
-                qkv=cast(SmallGemmLinear, L.qkv),
-                o=cast(SmallGemmLinear, L.o),
-                gate_up=cast(SmallGemmLinear, L.gate_up),
-                down=cast(SmallGemmLinear, L.down),
-                q_norm=(L.q_norm.w, L.q_norm.eps),
-                k_norm=(L.k_norm.w, L.k_norm.eps),
-                post_norm=(L.post_norm.w, L.post_norm.eps),
-                next_norm=(N.w, N.eps),
-            )
-            for L, N in zip(self.layers, nxt)
-        ]
-        first = self.layers[0].in_norm
-        try:
-            return DraftLayers(self._kernels, weights, (first.w, first.eps), self.H, self.Hkv, self.D)
-        except ValueError:  # a bias on the MLP's products, a norm of another dtype
-            return None
+        self._driver: DraftLayers | None = None
+        if self._kernels is not None and self._fused is not None and self.dtype == torch.bfloat16:
+            self._driver = _layer_driver(self._kernels, self.layers, self.norm, self.H, self.Hkv, self.D)
 
     def _paged_kernel(self, block_size: int) -> PagedAttention:
         kernel = self._paged.get(block_size)
@@ -176,34 +264,11 @@ class FastDraftBackbone:
             self._paged[block_size] = kernel
         return kernel
 
-    def _rope_upto(self, n: int) -> None:
-        if self._cos.shape[0] >= n:
-            return
-        size = max(n, 2 * self._cos.shape[0])
-        cos, sin = rope_cos_sin(torch.arange(size, device=self.device), self.inv_freq, self.dtype)
-        sin = sin.clone()
-        sin[:, : self.D // 2] *= -1  # rotate_half(x) * sin == roll(x, D/2) * signed sin
-        self._cos, self._sin = cos, sin
-
-    def _rope_at(self, positions: torch.Tensor, built: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [..., n] -> cos, signed sin: [..., n, 1, D] (broadcast over heads).
-        built: the caller made the tables long enough already (`_rope_upto`), which spares
-        reading the largest position back from the tensor."""
-        if not built:
-            self._rope_upto(int(positions.max()) + 1)
-        flat = positions.reshape(-1)  # index_select: torch's advanced indexing costs ~10x on CPU
-        shape = (*positions.shape, 1, self.D)
-        return self._cos.index_select(0, flat).view(shape), self._sin.index_select(0, flat).view(shape)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [..., n, heads, D]; cos, sin from `_rope_at`."""
-        return x * cos + torch.roll(x, self.D // 2, dims=-1) * sin
-
     def _norm(self, norm: FastRMSNorm, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm over x's last dimension (any leading shape, any strides: the q / k heads are
         views into the fused qkv rows): one C call over a packed copy where the kernels built
-        (torch's float32 rms_norm on a CPU runs as ~6 kernels, ~90 us for a block's heads),
-        else the norm's own path."""
+        (torch's float32 rms_norm on a CPU runs as several kernels, costly for a block's
+        heads), else the norm's own path."""
         E = self._fused
         if E is None or x.dtype not in (torch.float32, torch.bfloat16):
             return norm(x)
@@ -214,15 +279,15 @@ class FastDraftBackbone:
         self, norm: FastRMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         """The q / k head norm and the rotary embedding after it. x: [..., n, heads, D] (a view
-        into the fused projection's rows); cos, sin from `_rope_at` -> [..., n, heads, D]. In
-        float32 or bf16 with the C kernels, one pass over the heads (`norm_rope_f32` / `_bf16`)."""
+        into the fused projection's rows); cos, sin from `RotaryTables.at` -> [..., n, heads, D].
+        In float32 or bf16 with the C kernels, one pass over the heads (`norm_rope_f32` / `_bf16`)."""
         E = self._fused
         if E is not None and x.dtype in (torch.float32, torch.bfloat16):
             nh, D = x.shape[-2:]
             out = E.norm_rope(x.reshape(-1, nh, D), norm.w, norm.eps, cos.reshape(-1, D), sin.reshape(-1, D))
             if out is not None:
                 return out.view(x.shape)
-        return self._rope(self._norm(norm, x), cos, sin)
+        return self.rope.apply(self._norm(norm, x), cos, sin)
 
     # -- the DSparkModel methods the serving drafter calls ---------------------------------------
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -235,7 +300,7 @@ class FastDraftBackbone:
         """feats: [n, d]; positions: [n] -> k, v: [n, Hkv, D]."""
         L, n, nk = self.layers[layer_idx], feats.shape[0], self.Hkv * self.D
         kv = L.kv(feats)
-        k = self._norm_rope(L.k_norm, kv[:, :nk].view(n, self.Hkv, self.D), *self._rope_at(positions))
+        k = self._norm_rope(L.k_norm, kv[:, :nk].view(n, self.Hkv, self.D), *self.rope.at(positions))
         return k, kv[:, nk:].view(n, self.Hkv, self.D)
 
     def forward_block(
@@ -255,7 +320,7 @@ class FastDraftBackbone:
         if not bool(ctx_mask.all()):
             bias = torch.zeros(B, 1, 1, ctx_mask.shape[1] + Lb, dtype=self.dtype, device=self.device)
             bias[:, 0, 0, : ctx_mask.shape[1]].masked_fill_(~ctx_mask, float("-inf"))
-        cos, sin = self._rope_at(block_positions)  # once for every layer's q and k
+        cos, sin = self.rope.at(block_positions)  # once for every layer's q and k
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             ck, cv = ctx_kv[li]
@@ -277,18 +342,18 @@ class FastDraftBackbone:
         built: bool = False,
     ) -> torch.Tensor:
         """The decoder layers over the block. x: [B, L, d] embedded block (a fresh tensor: it is
-        updated in place); cos, sin from `_rope_at`; attend(layer, q [B, L, H, D], k, v
+        updated in place); cos, sin from `RotaryTables.at`; attend(layer, q [B, L, H, D], k, v
         [R, Hkv, D]) -> [B * L, H * D], R = B * L rows of the block, then context's rows when
         given (their k / v computed here, from their features, at their positions) -> hidden
         [B, L, d] (final norm applied). With the C kernels each residual add runs fused with the
-        norm after it, SwiGLU in one call. built: as `_rope_at`'s, for the context's angles."""
+        norm after it, SwiGLU in one call. built: as `RotaryTables.at`'s, for the context's angles."""
         B, Lb, d = x.shape
         H, Hkv, D = self.H, self.Hkv, self.D
         nq, nk, n = H * D, Hkv * D, B * Lb
         E = self._fused if x.dtype in (torch.float32, torch.bfloat16) else None
         kcos, ksin = cos.reshape(n, 1, D), sin.reshape(n, 1, D)
         if context is not None:  # the context rows' rotary angles, once for every layer
-            ccos, csin = self._rope_at(context.positions, built)
+            ccos, csin = self.rope.at(context.positions, built)
             kcos, ksin = torch.cat([kcos, ccos]), torch.cat([ksin, csin])
         h = x.reshape(n, d).contiguous()
         xn = E.add_rmsnorm(h, None, self.layers[0].in_norm.w, self.layers[0].in_norm.eps) if E else None
@@ -340,54 +405,27 @@ class FastDraftBackbone:
         the block's, before attending.
         -> hidden [B, L, d] (final norm applied)."""
         assert self._kernels is not None
-
         B, Lb = block_ids.shape
         H, Hkv, D = self.H, self.Hkv, self.D
-        nq = H * D
-        capacity = k_pools[0].shape[1]
-        bs = capacity & -capacity  # the largest power of two dividing it: a request's run of blocks
-        per = capacity // bs
-        top = max(starts) + Lb
-        nblk = -(-top // bs)
-        # The kernel's segment arrays from host lists in one tensor (a torch op costs more than
-        # the arithmetic here): row0 | n | start | block table [B, nblk]
-        ints = torch.tensor(
-            [b * Lb for b in range(B)]
-            + [Lb] * B
-            + list(starts)
-            + [s * per + j for s in slots for j in range(nblk)],
-            dtype=torch.int32,
-        )
-        row0, n, start = ints[:B], ints[B : 2 * B], ints[2 * B : 3 * B]
-        table = ints[3 * B :].view(B, nblk)
-        kernel = self._paged_kernel(bs)
+        seg = PoolSegments.of(slots, starts, Lb, k_pools[0].shape[1], context)
         weight = self.embed.weight
         x = weight.index_select(0, block_ids.reshape(-1)).view(B, Lb, weight.shape[1])
         if x.dtype != self.dtype:
             x = x.to(self.dtype)
-        self._rope_upto(top)
-        cos, sin = self._rope_at(block_positions, built=True)
-        # where the block's own k/v (then the context rows') go: rows of the pools viewed as
-        # [num_slots * capacity, Hkv, D] (index_copy_ there, not an indexed put: ~3x cheaper)
-        flat = torch.tensor(
-            [s * capacity + p for s, p0 in zip(slots, starts) for p in range(p0, p0 + Lb)], dtype=torch.long
-        )
-        if context is not None:
-            flat = torch.cat([flat, context.slots * capacity + context.positions])
-
+        self.rope.upto(max(starts) + Lb)
+        cos, sin = self.rope.at(block_positions, built=True)
+        kernel = self._paged_kernel(seg.block_size)
         rows_all = B * Lb + (0 if context is None else context.feats.shape[0])
         if self._driver is not None and rows_all <= self._driver.max_rows:
-            return self._layers_in_c(
-                x, cos, sin, k_pools, v_pools, flat, context, (row0, n, start, table), bs
-            )
+            return self._layers_in_c(x, cos, sin, k_pools, v_pools, seg, context)
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kp, vp = k_pools[li], v_pools[li]
-            kp.view(-1, Hkv, D).index_copy_(0, flat, k)
-            vp.view(-1, Hkv, D).index_copy_(0, flat, v)
+            kp.view(-1, Hkv, D).index_copy_(0, seg.flat, k)
+            vp.view(-1, Hkv, D).index_copy_(0, seg.flat, v)
             a = q.new_empty(B * Lb, H, D)
-            kernel(q.reshape(B * Lb, H, D), kp, vp, a, row0, n, start, table, self.scale, causal=False)
-            return a.view(B * Lb, nq)
+            kernel(q.reshape(B * Lb, H, D), kp, vp, a, *seg.arrays, self.scale, causal=False)
+            return a.view(B * Lb, H * D)
 
         return self._layers(x, cos, sin, attend, context, built=True)
 
@@ -398,10 +436,8 @@ class FastDraftBackbone:
         sin: torch.Tensor,
         k_pools: Sequence[torch.Tensor],
         v_pools: Sequence[torch.Tensor],
-        flat: torch.Tensor,
+        seg: PoolSegments,
         context: ContextRows | None,
-        segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-        block_size: int,
     ) -> torch.Tensor:
         """`_layers` with the in-place attention, as one `DraftLayers` call (the same kernels in
         the same order: the same bits)."""
@@ -415,10 +451,12 @@ class FastDraftBackbone:
             cos_k, sin_k = cos_q, sin_q
         else:
             rows = torch.cat([h, context.feats])  # rows n.. stay the context's features
-            ccos, csin = self._rope_at(context.positions, built=True)
+            ccos, csin = self.rope.at(context.positions, built=True)
             cos_k, sin_k = torch.cat([cos_q, ccos.reshape(-1, D)]), torch.cat([sin_q, csin.reshape(-1, D)])
-        shift = block_size.bit_length() - 1
-        self._driver(k_pools, v_pools, h, rows, flat, cos_q, sin_q, cos_k, sin_k, segments, shift, self.scale)
+        shift = seg.block_size.bit_length() - 1
+        self._driver(
+            k_pools, v_pools, h, rows, seg.flat, cos_q, sin_q, cos_k, sin_k, seg.arrays, shift, self.scale
+        )
         return rows[:n].view(B, Lb, d)
 
     def _attend(
@@ -477,7 +515,7 @@ class GreedyMarkov:
         B, K, V = base.shape
         if B > self.max_rows or base.dtype not in (torch.float32, torch.bfloat16):
             return None
-        base = base.contiguous()  # read in its dtype (a float32 copy cost ~0.1 ms a block)
+        base = base.contiguous()  # read in its dtype (a float32 copy would cost time every block)
         anchor = anchor.long().contiguous()
         tokens = torch.empty(B, K, dtype=torch.long)
         prevs = torch.empty(B, K, dtype=torch.long)
@@ -506,7 +544,7 @@ class FastConfidence:
     """The confidence head's raw logits while serving on a CPU: w_h . h + (W1 w_e)[prev] + b,
     the Markov embedding's share precomputed once for every previous token, so a block costs a
     gather and one small product instead of an embedding lookup, a concatenation and a
-    one-output linear (~0.15 ms a block in bf16). float32 throughout, where the module rounds
+    one-output linear. float32 throughout, where the module rounds
     its bf16 output once more. The weights are a snapshot taken at load (a serving model does
     not train); the bias is read from the module at each call."""
 
@@ -538,7 +576,7 @@ class GreedyTail:
     raw confidence logits, in one C call (`draft_tail_bf16`): the packed draft LM head, the
     Markov head's walk (`GreedyMarkov`'s) and the confidence head (`FastConfidence`'s maths,
     its sum run in C), instead of three Python calls and a dozen torch ops between them, each
-    ~10-30 us right after a kernel has streamed weights through the caches. bf16 only."""
+    slow right after a kernel has streamed weights through the caches. bf16 only."""
 
     def __init__(
         self, lib: ctypes.CDLL, head: SmallGemmLinear, walk: GreedyMarkov, confidence: FastConfidence | None

@@ -32,6 +32,55 @@ class SampledBlock:
     prev_tokens: torch.Tensor
 
 
+@dataclass(frozen=True)
+class _SampledRows:
+    """The rows of a block that sample (not greedy): their indices, sampling tensors and
+    generators."""
+
+    index: torch.Tensor
+    tensors: SamplingTensors
+    generators: list[torch.Generator | None]
+
+    @classmethod
+    def of(
+        cls,
+        rows: list[int],
+        sampling: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        dev: torch.device,
+    ) -> _SampledRows:
+        return cls(
+            torch.tensor(rows, dtype=torch.long, device=dev),
+            SamplingTensors.from_params([sampling[i] for i in rows], dev),
+            [generators[i] for i in rows],
+        )
+
+    def draw(self, logits: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        """Overwrite these rows of tok [B] (the argmax) with draws from q; returns the block
+        step's distributions [B, V'] (one-hot on greedy rows)."""
+        st = self.tensors
+        q = probs_from_logits(logits[self.index], st.temperature, st.top_p, st.top_k, st.min_p)
+        tok[self.index] = sample(q, self.generators)
+        full = torch.zeros(logits.shape[0], logits.shape[1], dtype=torch.float32, device=logits.device)
+        full.scatter_(1, tok.unsqueeze(1), 1.0)
+        full[self.index] = q
+        return full
+
+
+def _shaped_logits(
+    logits: torch.Tensor,
+    shaped: list[int],
+    shape: Callable[[int, torch.Tensor, list[int]], torch.Tensor],
+    tokens: list[torch.Tensor],
+) -> torch.Tensor:
+    """The step's logits with the processed rows passed through shape (a copy)."""
+    logits = logits.clone()
+    drafted = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in range(logits.shape[0])]
+    for i in shaped:
+        logits[i] = shape(i, logits[i], drafted[i])
+    return logits
+
+
 @torch.no_grad()
 def sample_block(
     base_logits: torch.Tensor,
@@ -60,7 +109,7 @@ def sample_block(
     greedy: (base_logits, anchor) -> (tokens, prev_tokens) target ids for a block whose rows
     are all greedy and unprocessed, the same argmax walk in one call (a C loop on CPUs,
     `fast.GreedyMarkov`), or None where it does not apply."""
-    b, steps, vocab = base_logits.shape  # vocab: the draft vocabulary (output_size)
+    b, steps, _ = base_logits.shape
     dev = base_logits.device
     if head is not None and head.kind != "vanilla" and hidden is None:
         raise ValueError(f"markov_head_type {head.kind!r} needs the block hidden states")
@@ -72,10 +121,24 @@ def sample_block(
         walked = greedy(base_logits, anchor)
         if walked is not None:
             return SampledBlock(walked[0].to(dev), None, walked[1].to(dev))
-    if rows:
-        row_idx = torch.tensor(rows, dtype=torch.long, device=dev)
-        st = SamplingTensors.from_params([sampling[i] for i in rows], dev)
-        row_gens = [generators[i] for i in rows]
+    sampler = _SampledRows.of(rows, sampling, generators, dev) if rows else None
+    return _left_to_right(base_logits, anchor, head, hidden, sampler, shaped, shape, to_target_ids)
+
+
+def _left_to_right(
+    base_logits: torch.Tensor,
+    anchor: torch.Tensor,
+    head: MarkovHead | None,
+    hidden: torch.Tensor | None,
+    sampler: _SampledRows | None,
+    shaped: list[int],
+    shape: Callable[[int, torch.Tensor, list[int]], torch.Tensor] | None,
+    to_target_ids: Callable[[torch.Tensor], torch.Tensor],
+) -> SampledBlock:
+    """The block one step at a time: Markov bias from the previous token, processing of the
+    shaped rows, argmax, then the sampled rows' draws (see `sample_block`)."""
+    b, steps, _ = base_logits.shape
+    dev = base_logits.device
     state = head.init_state((b,), head.markov_w1.weight) if head is not None else None
     prev = anchor.long().to(dev)
     tokens: list[torch.Tensor] = []
@@ -87,25 +150,16 @@ def sample_block(
             state, bias = head.step(state, prev, hidden[:, k] if hidden is not None else None)
             logits = logits + bias.float()
         if shaped and shape is not None:
-            logits = logits.clone()
-            drafted = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in range(b)]
-            for i in shaped:
-                logits[i] = shape(i, logits[i], drafted[i])
+            logits = _shaped_logits(logits, shaped, shape, tokens)
         tok = logits.argmax(-1)
-        if rows:
-            q = probs_from_logits(logits[row_idx], st.temperature, st.top_p, st.top_k, st.min_p)
-            tok[row_idx] = sample(q, row_gens)
-            full = torch.zeros(b, vocab, dtype=torch.float32, device=dev)
-            full.scatter_(1, tok.unsqueeze(1), 1.0)
-            full[row_idx] = q
-            probs.append(full)
+        if sampler is not None:
+            probs.append(sampler.draw(logits, tok))
         prevs.append(prev)
-        tok = to_target_ids(tok)
-        tokens.append(tok)
-        prev = tok
+        prev = to_target_ids(tok)
+        tokens.append(prev)
     if steps == 0:
         empty = torch.empty(b, 0, dtype=torch.long, device=dev)
         return SampledBlock(empty, None, empty)
     return SampledBlock(
-        torch.stack(tokens, 1), torch.stack(probs, 1) if rows else None, torch.stack(prevs, 1)
+        torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, torch.stack(prevs, 1)
     )

@@ -194,7 +194,7 @@ def test_context_is_absorbed_lazily_at_the_next_draft(monkeypatch):
         dr.observe([AcceptedContext("a", [1], 13, hid[0, :1])])
     dr.observe([ctx(11, 12)])
     dr.free("a")  # pending states go with the request
-    assert dr.cache.length("a") == 0 and "a" not in dr._pending
+    assert dr.cache.length("a") == 0 and "a" not in dr.contexts.pending
 
 
 def test_in_place_block_absorbs_the_context_in_its_own_pass(monkeypatch):
@@ -258,7 +258,7 @@ def test_a_large_catch_up_is_projected_apart_and_priced(monkeypatch):
     assert apart.catch_up_seconds(["r0", "r1"]) is None  # nothing measured yet
     first = reqs([(0, 3), (1, 4)])
     assert torch.equal(apart.block_hidden(first), riding.block_hidden(first))
-    assert calls == [] and apart._row_seconds is None  # 7 rows rode in the pass: not measured
+    assert calls == [] and apart.contexts.row_seconds is None  # 7 rows rode in the pass: not measured
     for dr in (apart, riding):
         dr.observe([ctx(0, 3, 9), ctx(1, 4, 10)])
     ends = [(0, 9), (1, 10)]
@@ -269,7 +269,7 @@ def test_a_large_catch_up_is_projected_apart_and_priced(monkeypatch):
             for r, e in ends:
                 got = getattr(apart.cache, pools)[layer][apart.cache.slot(f"r{r}"), :e]
                 assert torch.equal(got, getattr(riding.cache, pools)[layer][riding.cache.slot(f"r{r}"), :e])
-    per = apart._row_seconds
+    per = apart.contexts.row_seconds
     assert per is not None and per > 0
     apart.observe([ctx(0, 9, 11)])
     assert apart.catch_up_seconds(["r0", "r1"]) == pytest.approx(2 * per)
@@ -337,7 +337,7 @@ def test_pending_states_are_bounded():
         dr.observe([AcceptedContext("a", [1], i, hid[i : i + 1])])
     assert dr.cache.length("a") == 0
     dr.observe([AcceptedContext("a", [1], 3, hid[3:4])])  # the 4th pending position: projected
-    assert dr.cache.length("a") == 4 and "a" not in dr._pending
+    assert dr.cache.length("a") == 4 and "a" not in dr.contexts.pending
     with pytest.raises(ValueError, match="max_pending"):
         DSparkDrafterConfig(max_pending=0)
 
@@ -371,9 +371,9 @@ def test_stored_context_waits_without_copies_or_bound(monkeypatch):
     store.hidden[6:8] = hid[0, 6:8]  # the target rolled back to 6 and kept other states there
     dr.observe([ctx(6, 9)])
     assert dr.cache.length("a") == 0 and store.reads == []
-    assert all(not isinstance(h, torch.Tensor) for h in dr._pending["a"].hidden)  # no copies
+    assert all(not isinstance(h, torch.Tensor) for h in dr.contexts.pending["a"].hidden)  # no copies
     dr.observe([AcceptedContext("a", ids[0, 9:11].tolist(), 9, hid[0, 9:11])])  # copies: bounded...
-    assert dr.cache.length("a") == 0 and dr._pending["a"].copied == 2
+    assert dr.cache.length("a") == 0 and dr.contexts.pending["a"].copied == 2
     req = DraftRequest("a", ids[0, :12].tolist(), 3, GREEDY, None, 100)
     got = dr.block_hidden([req])[0]
     assert dr.cache.length("a") == 11 and store.reads == [("a", 0, 6), ("a", 6, 9)]
@@ -606,7 +606,7 @@ def test_fast_confidence_equals_the_head(with_markov):
     torch.testing.assert_close(conf(hidden, prev), model.confidence_logits(hidden, prev), **close)
     if load_kernels() is not None:
         dr = make_drafter(tiny_model().float())
-        assert isinstance(dr.backbone, FastDraftBackbone) and dr._fast_confidence is not None
+        assert isinstance(dr.backbone, FastDraftBackbone) and dr.confidence.fast is not None
 
 
 def test_factories_share_target_modules(tmp_path):

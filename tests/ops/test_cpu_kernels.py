@@ -1,7 +1,7 @@
 """The C small-row matmul (ops/csrc/small_gemm.c) against a float64 reference, its routing
 (bf16 rows above the limit go to oneDNN), the float32 kernel's batch invariance and its
 selection by `make_linear`. The paged attention kernel is held to a dense reference in
-test_fast_forward.py."""
+test_forward_fast.py."""
 
 import pytest
 import torch
@@ -321,7 +321,7 @@ def test_argmax_rows_leaves_other_tensors_to_torch(lib):
 def test_attention_runs_on_the_tiles_where_the_matmul_does(lib):
     """Both kernels ask for the tile state the same way, so a build for a CPU with AMX runs bf16
     attention of many query rows on the tiles exactly where the matmul runs on them (the dense
-    checks of tests/verifier/test_fast_forward.py then test that path here, and the no-AMX build
+    checks of tests/verifier/test_forward_fast.py then test that path here, and the no-AMX build
     of tests/ops/test_kernel_builds.py the AVX512 one)."""
     assert lib.paged_attention_tiles() == lib.small_gemm_tiles()
     if "amx_bf16" not in cpu_flags() or "amx_tile" not in cpu_flags():

@@ -29,7 +29,7 @@ NO_AVX512 = [
 NO_AVX = [*NO_AVX512, "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx"]
 TESTS = [
     "tests/ops/test_cpu_kernels.py",
-    "tests/verifier/test_fast_forward.py",
+    "tests/verifier/test_forward_fast.py",
     "tests/drafter/test_dspark_serving.py",
 ]
 # flags appended to cpu_kernels.CFLAGS, and the CPU flag that makes the build narrower than native

@@ -1,5 +1,6 @@
 """The install: one `dspark_serve` namespace in site-packages, console scripts that work."""
 
+import re
 import subprocess
 import sys
 import sysconfig
@@ -24,6 +25,11 @@ def test_every_package_folder_is_declared_under_the_namespace():
         for p in (ROOT / top).rglob("__init__.py")
     )
     assert found and sorted(_declared_packages()) == found
+
+
+def test_the_image_copies_every_package_folder():
+    copied = set(re.findall(r"^COPY (\w+) \1$", (ROOT / "Dockerfile").read_text(), re.M))
+    assert copied == set(FOLDERS)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from dspark_serve.drafter.base import DraftProposal
 from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
-from dspark_serve.scheduler.gate import DraftGate
+from dspark_serve.scheduler.gate import DraftGate, GateConfig, load_level
 from dspark_serve.scheduler.request import Request
 from tests.helpers import ByteTokenizer, FakeDrafterBase, hf_greedy, runner_for, tiny_model
 
@@ -18,7 +18,7 @@ from tests.helpers import ByteTokenizer, FakeDrafterBase, hf_greedy, runner_for,
 def _warm(g, level_decodes, on_rate, off_rate):
     """Run a level's warm-up: alternate until both modes have `warmup` steps measured."""
     seen = []
-    while g.verdict(g.level(level_decodes)) is None:
+    while g.estimate.verdict(load_level(level_decodes)) is None:
         d = g.should_draft(level_decodes)
         seen.append(d)
         g.record(level_decodes, d, decode_tokens=on_rate if d else off_rate, seconds=1.0)
@@ -26,30 +26,30 @@ def _warm(g, level_decodes, on_rate, off_rate):
 
 
 def test_gate_alternates_then_picks_the_faster_mode_and_explores():
-    g = DraftGate(warmup=2, explore_every=5)
+    g = DraftGate(GateConfig(warmup=2, explore_every=5))
     seen = _warm(g, 1, on_rate=3, off_rate=1)
     # warm-up alternates in bursts of 3; the first step after the switch is not measured
     assert seen == [True, True, True, False, False, False]
-    assert g.verdict(0) == (True, pytest.approx(3.0))
+    assert g.estimate.verdict(0) == (True, pytest.approx(3.0))
     picks = [g.should_draft(1) for _ in range(512)]
     # drafting is 3x faster: a burst of 3 plain steps costs 6 steps' worth, so with 1% regret
     # it would run every 600 steps; the longest interval, 512, bounds it
     assert g.interval(3.0) == 512 and picks.count(False) == 3
     first = picks.index(False)
     assert picks[first : first + 3] == [False] * 3  # one burst, not three scattered steps
-    assert g.level(1) != g.level(16) and g.rate(16, True) == 0.0  # levels are learned apart
+    assert load_level(1) != load_level(16) and g.rate(16, True) == 0.0  # levels are learned apart
 
 
 def test_switch_steps_are_not_measured():
     """The first step of a mode after the other one pays the switch (a drafter catching up on
     context the plain steps kept): recording it would make drafting look slower than it is."""
-    g = DraftGate(warmup=2, explore_every=8)
+    g = DraftGate(GateConfig(warmup=2, explore_every=8))
     for _ in range(3):
         g.record(1, False, decode_tokens=10, seconds=1.0)
     g.record(1, True, decode_tokens=1, seconds=10.0)  # the switch step: slow, not measured
     for _ in range(3):
         g.record(1, True, decode_tokens=30, seconds=1.0)
-    assert g.rate(1, True) == pytest.approx(30.0) and g.verdict(0) == (True, pytest.approx(3.0))
+    assert g.rate(1, True) == pytest.approx(30.0) and g.estimate.verdict(0) == (True, pytest.approx(3.0))
     g.record(1, False, decode_tokens=0, seconds=5.0)  # switching back: not measured either
     assert g.rate(1, False) == pytest.approx(10.0)
 
@@ -58,7 +58,7 @@ def test_explorations_that_pay_a_dear_switch_run_more_rarely():
     """The gap between the modes alone would explore every 30 steps; each exploration here also
     pays a 10 s switch into plain steps and a 5 s switch back (a drafter absorbing what the plain
     steps kept), so the interval grows until that measured loss fits the regret too."""
-    g = DraftGate(warmup=2, explore_every=4, regret=0.1)
+    g = DraftGate(GateConfig(warmup=2, explore_every=4, regret=0.1))
     _warm(g, 1, on_rate=100, off_rate=50)  # drafting 2x faster; the warm-up ends on plain steps
     assert g.interval(2.0, 0) == 30
     g.record(1, True, decode_tokens=100, seconds=1.0)  # a cheap switch back: nothing lost
@@ -77,11 +77,11 @@ def test_explorations_that_pay_a_dear_switch_run_more_rarely():
 
 
 def test_exploration_interval_follows_the_gap_within_bounds():
-    g = DraftGate(explore_every=16, max_explore_every=256, regret=0.02)
+    g = DraftGate(GateConfig(explore_every=16, max_explore_every=256, regret=0.02))
     assert g.interval(1.05) == 16  # a small gap: explore at the shortest interval
     assert g.interval(1.9) == 135  # ceil(3 steps x 0.9 / 0.02)
     assert g.interval(50.0) == 256 and g.interval(float("inf")) == 256
-    close = DraftGate(warmup=2, explore_every=4, regret=0.02)
+    close = DraftGate(GateConfig(warmup=2, explore_every=4, regret=0.02))
     _warm(close, 1, on_rate=105, off_rate=100)
     assert close.interval(1.05) == 8
     picks = [close.should_draft(1) for _ in range(40)]
@@ -89,20 +89,20 @@ def test_exploration_interval_follows_the_gap_within_bounds():
 
 
 def test_unmeasured_level_borrows_a_neighbours_verdict():
-    g = DraftGate(warmup=2, explore_every=4, regret=0.1)
+    g = DraftGate(GateConfig(warmup=2, explore_every=4, regret=0.1))
     _warm(g, 2, on_rate=50, off_rate=100)  # drafting loses 2x at 2 decodes (level 1)
     # 16 decodes (level 4): no alternation, it starts plain and explores in a burst every 30 steps
     picks = [g.should_draft(16) for _ in range(30)]
     assert picks[0] is False and picks.count(True) == 3 and picks[-3:] == [True] * 3
     # ...and a lower level does not borrow a loss (drafting may still win with less load)
-    assert g.borrowed(0) is None and g.should_draft(1) is True
-    h = DraftGate(warmup=2)
+    assert g.estimate.borrowed(0) is None and g.should_draft(1) is True
+    h = DraftGate(GateConfig(warmup=2))
     _warm(h, 8, on_rate=200, off_rate=100)  # drafting wins at 8 decodes (level 3)
-    assert h.borrowed(1) == (True, pytest.approx(2.0)) and h.should_draft(2) is True
-    assert h.borrowed(5) is None  # a clear win at lower load says nothing about higher load
-    m = DraftGate(warmup=2, explore_every=16, regret=0.1)
+    assert h.estimate.borrowed(1) == (True, pytest.approx(2.0)) and h.should_draft(2) is True
+    assert h.estimate.borrowed(5) is None  # a clear win at lower load says nothing about higher load
+    m = DraftGate(GateConfig(warmup=2, explore_every=16, regret=0.1))
     _warm(m, 4, on_rate=110, off_rate=100)  # drafting wins by 10% at 4 decodes (level 2)
-    assert m.borrowed(4) == (False, pytest.approx(1.1))  # 16 decodes: a thin win does not carry up
+    assert m.estimate.borrowed(4) == (False, pytest.approx(1.1))  # 16 decodes: a thin win does not carry up
     picks = [m.should_draft(16) for _ in range(16)]
     assert picks[0] is False and picks.count(True) == 3  # plain, one exploration burst (interval 16)
 
@@ -110,7 +110,7 @@ def test_unmeasured_level_borrows_a_neighbours_verdict():
 def _warm_rows(g, decodes, tokens_per_request, rows_per_request, on_seconds, off_seconds):
     """A level's warm-up with whole steps: `decodes` requests, drafting steps that verify
     `rows_per_request` rows and keep `tokens_per_request` tokens per request."""
-    while g.verdict(g.level(decodes)) is None:
+    while g.estimate.verdict(load_level(decodes)) is None:
         if g.should_draft(decodes):
             g.record(decodes, True, decodes * tokens_per_request, on_seconds, decodes * rows_per_request)
         else:
@@ -130,27 +130,30 @@ def test_unmeasured_level_predicts_from_the_cost_curve():
     def flat(tokens, requests):
         return 0.04
 
-    g = DraftGate(warmup=2, explore_every=8, regret=0.1, price=compute_bound)
+    g = DraftGate(GateConfig(warmup=2, explore_every=8, regret=0.1, price=compute_bound))
     _warm_rows(g, 1, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
-    assert g.verdict(0) == (True, pytest.approx(2.0))
+    assert g.estimate.verdict(0) == (True, pytest.approx(2.0))
     # rest of a drafting step beyond the verify: 3 / 2 - 0.05 / 0.04 = 0.25 plain steps;
     # at 16 requests: 3 / (0.80 / 0.16 + 0.25) = 0.571, plain 1.75x faster
-    assert g.predicted(16) == (False, pytest.approx(1.75))
+    assert g.estimate.predicted(16) == (False, pytest.approx(1.75))
     assert g.interval(1.75) == 23  # ceil(3 steps x 0.75 / 0.1)
     picks = [g.should_draft(16) for _ in range(23)]
     # plain from the first step; the first burst comes once an interval has passed since the
     # (notional) last one
     assert picks[:20] == [False] * 20 and picks[20:] == [True] * 3
-    blind = DraftGate(warmup=2, explore_every=8, regret=0.1)
+    blind = DraftGate(GateConfig(warmup=2, explore_every=8, regret=0.1))
     _warm_rows(blind, 1, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
-    assert blind.prior(16) is None and [blind.should_draft(16) for _ in range(6)] == [True] * 3 + [False] * 3
-    free = DraftGate(warmup=2, explore_every=8, regret=0.1, price=flat)
+    assert (
+        blind.estimate.prior(16) is None
+        and [blind.should_draft(16) for _ in range(6)] == [True] * 3 + [False] * 3
+    )
+    free = DraftGate(GateConfig(warmup=2, explore_every=8, regret=0.1, price=flat))
     _warm_rows(free, 1, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
-    assert free.predicted(16) == (True, pytest.approx(2.0))
+    assert free.estimate.predicted(16) == (True, pytest.approx(2.0))
     assert [free.should_draft(16) for _ in range(8)] == [True] * 8
     # once the level is measured, its own verdict rules whatever the prediction said
     _warm_rows(g, 16, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
-    assert g.verdict(4) == (True, pytest.approx(2.0)) and g.should_draft(16) is True
+    assert g.estimate.verdict(4) == (True, pytest.approx(2.0)) and g.should_draft(16) is True
 
 
 def test_with_only_drafting_measured_plain_is_priced_from_the_cost_curve():
@@ -167,33 +170,35 @@ def test_with_only_drafting_measured_plain_is_priced_from_the_cost_curve():
     def flat(tokens, requests):
         return 0.04
 
-    def drafted_only(price):
-        g = DraftGate(warmup=2, explore_every=8, regret=0.1, price=price)
+    def drafted_only(price, climb=0.05):
+        g = DraftGate(GateConfig(warmup=2, explore_every=8, regret=0.1, price=price, climb=climb))
         for _ in range(4):
             g.record(1, True, 3, 0.06, 5)
-        assert g.verdict(0) is None  # plain never ran at one request
+        assert g.estimate.verdict(0) is None  # plain never ran at one request
         return g
 
     g = drafted_only(compute_bound)
-    assert g.predicted(16) == (False, pytest.approx(1.75))  # 3 / (5 + 0.25), as when measured
+    assert g.estimate.predicted(16) == (False, pytest.approx(1.75))  # 3 / (5 + 0.25), as when measured
     assert [g.should_draft(16) for _ in range(8)] == [False] * 8
     # at 2 requests: 3 / (0.10 / 0.04 + 0.25) = 1.09, a win under carry (1.5) that still drafts
     # one level up (it clears 1 + climb = 1.05); with a steeper climb it starts plain
-    assert g.predicted(2) == (True, pytest.approx(3 / 2.75))
-    steep = drafted_only(compute_bound)
-    steep.climb = 0.1
-    assert steep.predicted(2) == (False, 1.0)
-    assert drafted_only(flat).predicted(16) == (True, pytest.approx(2.0))
-    blind = DraftGate(warmup=2, explore_every=8, regret=0.1)
+    assert g.estimate.predicted(2) == (True, pytest.approx(3 / 2.75))
+    steep = drafted_only(compute_bound, climb=0.1)
+    assert steep.estimate.predicted(2) == (False, 1.0)
+    assert drafted_only(flat).estimate.predicted(16) == (True, pytest.approx(2.0))
+    blind = DraftGate(GateConfig(warmup=2, explore_every=8, regret=0.1))
     for _ in range(4):
         blind.record(1, True, 3, 0.06, 5)
-    assert blind.prior(16) is None and [blind.should_draft(16) for _ in range(6)] == [True] * 3 + [False] * 3
+    assert (
+        blind.estimate.prior(16) is None
+        and [blind.should_draft(16) for _ in range(6)] == [True] * 3 + [False] * 3
+    )
     # a level with both modes measured speaks before the estimate, even from farther away:
     # at 16 requests drafting kept 1 token a request from 2 rows and lost 2x (rest 2 - 2 = 0),
     # so at 2 requests 1 / (0.04 / 0.04 + 0) = 1.0, where the estimate from one request said 1.09
     _warm_rows(g, 16, tokens_per_request=1, rows_per_request=2, on_seconds=0.08, off_seconds=0.04)
-    assert g.verdict(4) == (False, pytest.approx(2.0))
-    assert g.predicted(2) == (True, pytest.approx(1.0))
+    assert g.estimate.verdict(4) == (False, pytest.approx(2.0))
+    assert g.estimate.predicted(2) == (True, pytest.approx(1.0))
 
 
 def test_a_thin_win_predicted_at_a_busier_level_starts_it_plain():
@@ -205,17 +210,17 @@ def test_a_thin_win_predicted_at_a_busier_level_starts_it_plain():
         return 0.04 * (1.0 + 0.03 * tokens)
 
     def gate(carry):
-        g = DraftGate(warmup=2, explore_every=8, regret=0.1, price=mild, carry=carry)
+        g = DraftGate(GateConfig(warmup=2, explore_every=8, regret=0.1, price=mild, carry=carry))
         _warm_rows(g, 1, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
         return g
 
     g = gate(carry=1.25)
     # rest = 3 / 2 - 1.15 / 1.03; at 4 requests 3 / (1.6 / 1.12 + rest) = 1.66: carried up
-    assert g.predicted(4) == (True, pytest.approx(1.6555, abs=1e-3))
+    assert g.estimate.predicted(4) == (True, pytest.approx(1.6555, abs=1e-3))
     # at 16: 3 / (3.4 / 1.48 + rest) = 1.12, under carry: plain, the gap unknown
-    assert g.predicted(16) == (False, 1.0) and g.interval(1.0) == 8
+    assert g.estimate.predicted(16) == (False, 1.0) and g.interval(1.0) == 8
     assert [g.should_draft(16) for _ in range(16)] == ([False] * 5 + [True] * 3) * 2
-    assert gate(carry=1.0).predicted(16) == (True, pytest.approx(1.1190, abs=1e-3))
+    assert gate(carry=1.0).estimate.predicted(16) == (True, pytest.approx(1.1190, abs=1e-3))
 
 
 def test_a_levels_own_verdict_must_clear_a_prior_it_contradicts():
@@ -228,9 +233,11 @@ def test_a_levels_own_verdict_must_clear_a_prior_it_contradicts():
         return 0.01 * max(4.0, tokens)
 
     def gate(z, warmup=2):
-        g = DraftGate(warmup=warmup, explore_every=8, regret=0.1, price=compute_bound, z=z, alpha=1e-9)
+        g = DraftGate(
+            GateConfig(warmup=warmup, explore_every=8, regret=0.1, price=compute_bound, z=z, alpha=1e-9)
+        )
         _warm_rows(g, 1, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
-        assert g.prior(16) == (False, pytest.approx(1.75))
+        assert g.estimate.prior(16) == (False, pytest.approx(1.75))
         return g
 
     def level16(g, drafting_steps):
@@ -242,35 +249,35 @@ def test_a_levels_own_verdict_must_clear_a_prior_it_contradicts():
     noisy = [16, 16, 48, 16, 48]  # 160 or 480 tok/s a step: 320 by the ratio of sums
     g = gate(z=1.0)
     level16(g, noisy)
-    assert g.verdict(4) == (True, pytest.approx(1.2))  # drafting measured 1.2x faster...
-    assert g.favoured(16) == (False, pytest.approx(1.75)) and g.contested(16)  # ...not enough
+    assert g.estimate.verdict(4) == (True, pytest.approx(1.2))  # drafting measured 1.2x faster...
+    assert g.favoured(16) == (False, pytest.approx(1.75)) and g.estimate.contested(16)  # ...not enough
     picks = [g.should_draft(16) for _ in range(16)]
     assert picks == ([False] * 5 + [True] * 3) * 2  # a burst every 8 steps, not every 23
     trusting = gate(z=0.0)
     level16(trusting, noisy)
-    assert trusting.favoured(16) == (True, pytest.approx(1.2)) and not trusting.contested(16)
+    assert trusting.favoured(16) == (True, pytest.approx(1.2)) and not trusting.estimate.contested(16)
     clear = gate(z=1.0)
     level16(clear, [32, 32, 32, 32, 32])  # a steady 320 tok/s: the level's own verdict rules
-    assert clear.favoured(16) == (True, pytest.approx(1.2)) and not clear.contested(16)
+    assert clear.favoured(16) == (True, pytest.approx(1.2)) and not clear.estimate.contested(16)
     assert [clear.should_draft(16) for _ in range(5)] == [True] * 5
     agree = gate(z=1.0)
     level16(agree, [16, 8, 24, 8, 24])  # drafting loses, as predicted, by its own measure
-    assert agree.favoured(16) == agree.verdict(4) and agree.favoured(16)[0] is False
+    assert agree.favoured(16) == agree.estimate.verdict(4) and agree.favoured(16)[0] is False
     # one burst (two measured steps) that agrees with the prior sizes the gap: the prior's
     # 1.75x would explore every 23 steps, the measured 3.3x every 69
     early = gate(z=1.0, warmup=6)
     level16(early, [16, 8, 8])
-    assert early.verdict(4) is None and early.favoured(16) == (False, pytest.approx(10 / 3))
-    assert not early.contested(16) and early.interval(10 / 3, 4, False) == 70
+    assert early.estimate.verdict(4) is None and early.favoured(16) == (False, pytest.approx(10 / 3))
+    assert not early.estimate.contested(16) and early.interval(10 / 3, 4, False) == 70
     picks = [early.should_draft(16) for _ in range(70)]
     assert picks[:67] == [False] * 67 and picks[67:] == [True] * 3
     # ...while one that contradicts it is not trusted yet
     rash = gate(z=1.0, warmup=6)
     level16(rash, [16, 48, 16])
-    assert rash.favoured(16) == (False, pytest.approx(1.75)) and rash.contested(16)
+    assert rash.favoured(16) == (False, pytest.approx(1.75)) and rash.estimate.contested(16)
     # a prior alone claiming a wide gap (225 steps at 1% regret) still lets the level measure
     # itself within probe_every steps
-    slow = DraftGate(warmup=2, explore_every=8, regret=0.01, price=compute_bound, probe_every=32)
+    slow = DraftGate(GateConfig(warmup=2, explore_every=8, regret=0.01, price=compute_bound, probe_every=32))
     _warm_rows(slow, 1, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
     assert slow.interval(1.75) == 225
     assert [slow.should_draft(16) for _ in range(32)] == [False] * 29 + [True] * 3
@@ -281,28 +288,28 @@ def test_an_exploration_of_drafting_waits_until_its_catch_up_fits_the_regret():
     context the plain steps kept: the gate explores only once as many steps are behind it as
     keep that within `regret` of their time. Where drafting wins, explorations are plain steps
     and the catch-up changes nothing."""
-    g = DraftGate(warmup=2, explore_every=4, regret=0.5)
+    g = DraftGate(GateConfig(warmup=2, explore_every=4, regret=0.5))
     _warm(g, 1, on_rate=1, off_rate=2)
     assert g.favoured(1) == (False, pytest.approx(2.0)) and g.interval(2.0, 0, False) == 6
     assert g.catch_up_interval(0, 5.0) == 10  # 5 s within 50% of 1 s steps
-    assert g.catch_up_interval(0, 1e9) == g.max_explore_every and g.catch_up_interval(3, 5.0) == 0
+    assert g.catch_up_interval(0, 1e9) == g.config.max_explore_every and g.catch_up_interval(3, 5.0) == 0
     cheap, dear = copy.deepcopy(g), copy.deepcopy(g)
     assert [cheap.should_draft(1, catch_up=0.5) for _ in range(12)] == ([False] * 3 + [True] * 3) * 2
     assert [g.should_draft(1) for _ in range(12)] == ([False] * 3 + [True] * 3) * 2  # unknown: as before
     assert [dear.should_draft(1, catch_up=5.0) for _ in range(20)] == ([False] * 7 + [True] * 3) * 2
-    wins = DraftGate(warmup=2, explore_every=4, regret=0.5)
+    wins = DraftGate(GateConfig(warmup=2, explore_every=4, regret=0.5))
     _warm(wins, 1, on_rate=2, off_rate=1)
     twin = copy.deepcopy(wins)
     same = [twin.should_draft(1) for _ in range(12)]
     assert [wins.should_draft(1, catch_up=5.0) for _ in range(12)] == same
     # a prior alone would probe within probe_every steps; a dear catch-up defers that probe too
     price = lambda tokens, requests: 0.01 * max(4.0, tokens)
-    probe = DraftGate(warmup=2, explore_every=8, regret=0.01, price=price, probe_every=32)
+    probe = DraftGate(GateConfig(warmup=2, explore_every=8, regret=0.01, price=price, probe_every=32))
     _warm_rows(probe, 1, tokens_per_request=3, rows_per_request=5, on_seconds=0.06, off_seconds=0.04)
     probe.record(16, False, 16, 0.05)
     probe.record(16, False, 16, 0.05)
     picks = [probe.should_draft(16, catch_up=0.4) for _ in range(800)]
-    assert picks.index(True) == probe.max_explore_every - 3  # 0.4 s over 1% of 0.05 s steps: 800
+    assert picks.index(True) == probe.config.max_explore_every - 3  # 0.4 s over 1% of 0.05 s steps: 800
 
 
 def test_gate_config_rejects_bad_values():
@@ -323,7 +330,7 @@ def test_gate_config_rejects_bad_values():
     )
     for bad in bads:
         with pytest.raises(ValueError, match=repr(next(iter(bad.values())))):
-            DraftGate(**bad)
+            GateConfig(**bad)
 
 
 class SlowWrongDrafter(FakeDrafterBase):
@@ -422,7 +429,7 @@ def test_seeded_requests_follow_the_gate_and_keep_plain_decodings_output():
 
 
 def test_rates_are_ratios_of_sums_and_near_ties_keep_drafting():
-    g = DraftGate(warmup=2, alpha=1e-9)  # (almost) no decay: plain sums
+    g = DraftGate(GateConfig(warmup=2, alpha=1e-9))  # (almost) no decay: plain sums
     # drafting steps keep 1 token in 30 ms or 7 in 50 ms; plain steps 1 token in 27 ms
     for toks, sec in ((1, 0.03), (7, 0.05), (1, 0.03), (7, 0.05)):
         g.record(1, True, decode_tokens=toks, seconds=sec)
@@ -430,21 +437,21 @@ def test_rates_are_ratios_of_sums_and_near_ties_keep_drafting():
         g.record(1, False, decode_tokens=1, seconds=0.027)
     # tokens / seconds over the steps (16 / 0.16 = 100 tok/s), not the mean of the per-step
     # rates (86.7 tok/s)
-    assert abs(g.rate(1, True) - 100.0) < 1e-6 and g.verdict(0)[0] is True
-    tie = DraftGate(warmup=2, margin=0.03)
+    assert abs(g.rate(1, True) - 100.0) < 1e-6 and g.estimate.verdict(0)[0] is True
+    tie = DraftGate(GateConfig(warmup=2, margin=0.03))
     _warm(tie, 1, on_rate=98, off_rate=100)  # plain 2% faster: within the margin
-    assert tie.verdict(0)[0] is True
+    assert tie.estimate.verdict(0)[0] is True
     _warm(tie, 2, on_rate=90, off_rate=100)  # plain 11% faster: drafting goes off
-    assert tie.verdict(1)[0] is False
+    assert tie.estimate.verdict(1)[0] is False
 
 
 def test_steps_that_prefill_follow_the_favoured_mode_and_never_explore():
     """A step with a prefill chunk is not measured and would make the drafter catch up on every
     request's kept context: it takes the level's verdict and leaves the exploration schedule
     alone, so the decode steps' explorations come exactly where they would without it."""
-    g = DraftGate(warmup=2, explore_every=5)
+    g = DraftGate(GateConfig(warmup=2, explore_every=5))
     _warm(g, 4, on_rate=1, off_rate=3)  # plain is 3x faster at this level
-    twin = DraftGate(warmup=2, explore_every=5)
+    twin = DraftGate(GateConfig(warmup=2, explore_every=5))
     _warm(twin, 4, on_rate=1, off_rate=3)
     with_prefills, plain_only = [], []
     for _ in range(600):
@@ -453,7 +460,7 @@ def test_steps_that_prefill_follow_the_favoured_mode_and_never_explore():
         plain_only.append(twin.should_draft(4))
     assert with_prefills == plain_only and with_prefills.count(True) >= 3  # explorations still run
     # a level nothing is known of: plain, without advancing the alternation
-    fresh = DraftGate(warmup=2)
+    fresh = DraftGate(GateConfig(warmup=2))
     assert [fresh.should_draft(1, explore=False) for _ in range(5)] == [False] * 5
     assert [fresh.should_draft(1) for _ in range(4)] == [True, True, True, False]
     assert fresh.should_draft(1, explore=False) is False

@@ -1,12 +1,15 @@
-"""The vLLM-named aliases mirror the dspark: metrics (same values, one storage)."""
+"""The vLLM-named aliases mirror the dspark: metrics (same values, one storage); every metric of
+the table is exported under its name, type and labels."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dspark_serve.scheduler.metrics import AliasCollector, EngineMetrics, EngineSnapshot
+from dspark_serve.scheduler.metrics import ENGINE_METRICS, AliasCollector, EngineMetrics, EngineSnapshot
 
 VLLM = (
     "vllm:num_requests_running",
@@ -19,6 +22,46 @@ VLLM = (
     "vllm:prefix_cache_queries",
     "vllm:prefix_cache_hits",
     "vllm:num_preemptions",
+)
+
+# Every dspark: metric as exported (name without a counter's _total, type, labels): a dropped,
+# renamed or retyped metric breaks the dashboards and alerts that read it.
+EXPORTED = (
+    ("dspark:num_requests_running", "gauge", ("model_name",)),
+    ("dspark:num_requests_waiting", "gauge", ("model_name",)),
+    ("dspark:kv_cache_usage_perc", "gauge", ("model_name",)),
+    ("dspark:kv_cache_cached_free_perc", "gauge", ("model_name",)),
+    ("dspark:prefix_cache_queries", "counter", ("model_name",)),
+    ("dspark:prefix_cache_hits", "counter", ("model_name",)),
+    ("dspark:prefix_cache_hit_rate", "gauge", ("model_name",)),
+    ("dspark:prefix_cache_blocks", "gauge", ("model_name",)),
+    ("dspark:prefix_cache_evictions", "counter", ("model_name",)),
+    ("dspark:num_preemptions", "counter", ("model_name",)),
+    ("dspark:prompt_tokens", "counter", ("model_name",)),
+    ("dspark:generation_tokens", "counter", ("model_name",)),
+    ("dspark:request_success", "counter", ("model_name", "finished_reason")),
+    ("dspark:time_to_first_token_seconds", "histogram", ("model_name",)),
+    ("dspark:inter_token_latency_seconds", "histogram", ("model_name",)),
+    ("dspark:e2e_request_latency_seconds", "histogram", ("model_name",)),
+    ("dspark:forward_batch_tokens", "histogram", ("model_name",)),
+    ("dspark:forward_seconds", "histogram", ("model_name",)),
+    ("dspark:spec_decode_num_drafts", "counter", ("model_name",)),
+    ("dspark:spec_decode_num_draft_tokens", "counter", ("model_name",)),
+    ("dspark:spec_decode_num_accepted_tokens", "counter", ("model_name",)),
+    ("dspark:spec_decode_num_accepted_tokens_per_pos", "counter", ("model_name", "position")),
+    ("dspark:spec_decode_second_blocks", "counter", ("model_name", "outcome")),
+    ("dspark:spec_decode_acceptance_length", "histogram", ("model_name",)),
+    ("dspark:spec_decode_verify_budget", "histogram", ("model_name",)),
+    ("dspark:spec_decode_verify_budget_mean", "gauge", ("model_name",)),
+    ("dspark:spec_decode_step_overhead_seconds", "gauge", ("model_name",)),
+    ("dspark:spec_decode_expected_tokens", "counter", ("model_name",)),
+    ("dspark:spec_decode_realized_tokens", "counter", ("model_name",)),
+    ("dspark:accelerator_memory_used_bytes", "gauge", ("model_name",)),
+    ("dspark:spec_decode_confidence_ece", "gauge", ("model_name", "position")),
+    ("dspark:spec_decode_confidence_temperature", "gauge", ("model_name", "position")),
+    ("dspark:spec_decode_confidence_bias", "gauge", ("model_name", "position")),
+    ("dspark:spec_decode_confidence_samples", "gauge", ("model_name", "position")),
+    ("dspark:cost_table_steps_per_second", "gauge", ("model_name", "batch_tokens")),
 )
 
 
@@ -145,7 +188,7 @@ def test_engine_snapshot_feeds_the_gauges_and_the_calibration_export():
     assert got[("dspark:spec_decode_confidence_samples", pos)] == 9
 
 
-def test_second_blocks_are_counted_by_outcome():
+def test_branches_are_counted_by_outcome():
     reg = CollectorRegistry()
     m = EngineMetrics(reg, "tiny")
     for kept in (True, False, False):
@@ -167,3 +210,32 @@ def test_the_policy_report_exports_the_step_overhead_it_priced():
     m.record_policy(PolicyDecision([2, 3], 4.5), overhead=0.004)
     assert samples(reg)[key] == 0.004
     assert samples(reg)[("dspark:spec_decode_verify_budget_mean", (("model_name", "tiny"),))] == 2.5
+
+
+def test_every_metric_is_exported_under_its_name_type_and_labels():
+    reg = CollectorRegistry()
+    m = EngineMetrics(reg, "tiny", max_block=4)
+    text = generate_latest(reg).decode()
+    types = {
+        name.removesuffix("_total"): typ
+        for name, typ in re.findall(r"^# TYPE (dspark:\S+) (\w+)$", text, re.M)
+        if not name.endswith("_created")
+    }
+    assert types == {name: typ for name, typ, _ in EXPORTED}
+    built = {s.name: getattr(m, s.attr) for s in ENGINE_METRICS}
+    assert {name: tuple(built[name]._labelnames) for name, _, _ in EXPORTED} == {
+        name: labels for name, _, labels in EXPORTED
+    }
+    # the block-sized histograms follow the block size: a bucket per count a block can make
+    got = samples(reg)
+    les = lambda metric: sorted(
+        float(dict(k[1])["le"]) for k in got if k[0] == metric + "_bucket" and dict(k[1])["le"] != "+Inf"
+    )
+    assert les("dspark:spec_decode_acceptance_length") == [1, 2, 3, 4, 5, 6]
+    assert les("dspark:spec_decode_verify_budget") == [0, 1, 2, 3, 4]
+
+
+def test_each_row_of_the_table_is_a_typed_attribute():
+    hints = {n: t for n, t in EngineMetrics.__annotations__.items()}
+    assert {s.attr: s.kind.__name__ for s in ENGINE_METRICS} == hints
+    assert len({s.name for s in ENGINE_METRICS}) == len(ENGINE_METRICS)

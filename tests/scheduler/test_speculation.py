@@ -162,14 +162,17 @@ def test_the_gate_prices_verification_with_the_cost_table_and_learns_rows():
 
     table = CostTable(batch_sizes=(1, 8, 64), steps_per_second=(40.0, 20.0, 4.0))
     spec = Speculation(FakeDrafter(), SchedulerConfig(verify_policy="dspark"), 512, cost_table=table)
-    assert spec.gate is not None and spec.gate.price is not None
-    assert abs(spec.gate.price(8, 8) - 1 / 20.0) < 1e-12 and abs(spec.gate.price(64, 8) - 1 / 4.0) < 1e-12
+    assert spec.gate is not None and spec.gate.config.price is not None
+    assert (
+        abs(spec.gate.config.price(8, 8) - 1 / 20.0) < 1e-12
+        and abs(spec.gate.config.price(64, 8) - 1 / 4.0) < 1e-12
+    )
     p = spec.propose([decoding("a"), decoding("b")], room=100, load=LOAD)
     assert p.drafting and sum(p.lengths) > 0
     spec.record_step(p, num_decodes=2, has_prefills=False, decode_tokens=5, seconds=0.1, forward_seconds=0.05)
-    rate = spec.gate._rates[(1, True)]
+    rate = spec.gate.estimate.rates[(1, True)]
     assert (rate.requests, rate.rows) == (2, 2 + sum(p.lengths))  # anchors + verified drafts
-    assert Speculation(FakeDrafter(), SchedulerConfig(verify_policy="dspark"), 512).gate.price is None
+    assert Speculation(FakeDrafter(), SchedulerConfig(verify_policy="dspark"), 512).gate.config.price is None
 
 
 def test_the_gate_keeps_what_it_learned_across_policy_switches():

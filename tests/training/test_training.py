@@ -602,3 +602,111 @@ def _after_anchors(seqs, seed: int) -> torch.Generator:
     gen = torch.Generator().manual_seed(seed)
     sample_anchors(pad_sequences(seqs).loss_mask, 6, gen)
     return gen
+
+
+def test_dspark_train_trains_scores_finalizes_and_starts_from_an_export(tmp_path, monkeypatch):
+    """`dspark-train train` end to end on a tiny target: a run with a truncated draft vocabulary
+    saves its final drafter and arguments, scores its checkpoints on the held-out shard,
+    finalizes an earlier step, and an export grown by a layer starts a second run."""
+    import json
+    import types
+
+    from dspark_serve.training import cli
+    from dspark_serve.training.data import SHARD_PATTERN, save_atomic
+    from dspark_serve.training.train import draft_model_from_checkpoint
+
+    target = _tiny_target()
+    seqs = _cached_sequences(target, 9, 24, 4)
+    out = tmp_path / "out"
+    (out / "cache").mkdir(parents=True)
+    for i in range(3):  # holdout_every=3: shard 2 is held out
+        part = seqs[3 * i : 3 * i + 3]
+        shard = {
+            "tap_ids": [0, 2],
+            "input_ids": [s.input_ids for s in part],
+            "num_prompt": [s.num_prompt for s in part],
+            "taps": [s.taps for s in part],
+            "last": [s.last for s in part],
+        }
+        save_atomic(shard, out / "cache" / SHARD_PATTERN.format(i))
+    loaded = types.SimpleNamespace(model=target, tokenizer=types.SimpleNamespace(eos_token_id=2))
+    monkeypatch.setattr(cli, "_load_target", lambda a: loaded)
+    model_args = ["--layers", "1", "--block-size", "4", "--taps", "0,2", "--mask-token-id", "1"]
+    model_args += ["--markov-rank", "8", "--num-anchors", "6", "--holdout-every", "3", "--fp32"]
+    run = ["train", "--out", str(out), "--name", "r", "--steps", "4", "--checkpoint-every", "2"]
+    run += ["--held-out-seqs", "2", "--draft-vocab", "10", *model_args]
+    assert cli.main(run) == 0
+    work = out / "train" / "r"
+    saved = json.loads((work / "final" / "train_args.json").read_text())
+    assert saved["sequences"] == 6 and saved["train"]["steps"] == 4
+    assert draft_model_from_checkpoint(work / "final", target).config.draft_vocab_size == 10
+    assert cli.main([*run, "--score-checkpoints"]) == 0
+    scored = json.loads((work / "held_out.json").read_text())
+    assert scored["held_out_sequences"] == 2 and [c["step"] for c in scored["checkpoints"]] == [2, 4]
+    assert cli.main([*run, "--finalize-at", "2"]) == 0
+    assert json.loads((work / "final" / "train_args.json").read_text())["train"]["steps"] == 2
+    export_drafter(draft_model_from_checkpoint(work / "final", target), tmp_path / "export", dtype="float32")
+    grown = ["train", "--out", str(out), "--name", "g", "--steps", "2", "--checkpoint-every", "2"]
+    grown += ["--held-out-seqs", "0", "--init-from", str(tmp_path / "export"), "--grow-layers", "2"]
+    assert cli.main([*grown, *model_args]) == 0
+    again = draft_model_from_checkpoint(out / "train" / "g" / "final", target)
+    assert again.config.num_hidden_layers == 2 and again.config.draft_vocab_size == 10
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--out", str(out), "--grow-layers", "2"])
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_sampled_verification_emits_the_targets_distribution(with_probs):
+    """Rejection sampling is lossless: the first token a round emits (the draft when kept, the
+    residual draw when not) follows the target's distribution, whatever the draft's."""
+    from dspark_serve.training.evaluate import Proposal, verify_sampled
+
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = torch.log(p).repeat(2, 1)  # [K+1, V] at temperature 1
+    q = torch.tensor([[0.7, 0.1, 0.1, 0.1]])
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(4)
+    n = 20000
+    for _ in range(n):
+        draft = int(torch.multinomial(q[0], 1, generator=gen)) if with_probs else 0
+        prop = Proposal(torch.tensor([draft]), q if with_probs else None, None)
+        verdict = verify_sampled([draft], logits, prop, 1.0, gen)
+        counts[draft if verdict.accepted else verdict.bonus] += 1
+    assert torch.allclose(counts / n, p, atol=0.015)
+
+
+def test_evaluation_writes_a_summary_and_resumes_from_its_runs(tmp_path):
+    """`dspark-train evaluate` on a tiny target: every drafter at every temperature on every
+    dev set, the macro average, the confidence head's calibration before and after its
+    temperatures with reliability diagrams; a second call reads the finished runs back."""
+    import json
+    import types
+
+    from dspark_serve.training.evaluate import run_evaluation
+
+    class Tokenizer:
+        eos_token_id = 11
+
+        def apply_chat_template(self, messages, add_generation_prompt, return_dict):
+            return [3 + ord(c) % 90 for c in messages[0]["content"]][:12]
+
+    target = _tiny_target()
+    model = build_draft_model(_tiny_drafter_config(target), target, True).eval()
+    model.calibration = Calibration((1.5, 2.0, 0.7, 3.0))
+    export_drafter(model, tmp_path / "dspark", dtype="float32")
+    dev = tmp_path / "dev-toy.jsonl"
+    dev.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["abcabcabc", "hello hello", "unused"]))
+    loaded = types.SimpleNamespace(model=target, tokenizer=Tokenizer())
+    results = tmp_path / "results"
+    kwargs = dict(max_prompts=2, max_new_tokens=16, temperatures=(0.0, 1.0), seed=1)
+    summary = run_evaluation(loaded, {"dspark": str(tmp_path / "dspark")}, [str(dev)], str(results), **kwargs)
+    rows = summary["datasets"]["toy"]
+    assert set(rows) == {"T0", "T1"} and all(set(r) == {"dspark", "ngram"} for r in rows.values())
+    assert all(1.0 <= r["acceptance_length"] <= 5.0 for t in rows.values() for r in t.values())
+    assert summary["macro"]["T0"]["dspark"] == rows["T0"]["dspark"]["acceptance_length"]
+    assert summary["confidence"]["dspark_T0"]["temperatures"] == [1.5, 2.0, 0.7, 3.0]
+    assert (results / "reliability_dspark_T1.png").exists() and (results / "summary.json").exists()
+    assert len(list((results / "runs").glob("*.json"))) == 4
+    written = (results / "summary.json").read_text()
+    run_evaluation(loaded, {"dspark": str(tmp_path / "dspark")}, [str(dev)], str(results), **kwargs)
+    assert (results / "summary.json").read_text() == written

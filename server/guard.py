@@ -1,0 +1,118 @@
+"""The ASGI guard in front of every route: the API key on /v1/*, and the request body's size
+and arrival deadline. No torch here.
+
+A pure ASGI middleware (an `@app.middleware("http")` would hide client disconnects from the
+routes). The body limit is checked on the declared length before anything is read, and again
+while the body is buffered; a body not received in full within `body_timeout` seconds is
+answered 408 and the connection closed. The header deadline and the connection cap live in
+the HTTP protocol itself (`connections.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dspark_serve.server.config import ServerConfig
+from dspark_serve.server.errors import error_response
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request the guard answers itself."""
+
+    status: int
+    message: str
+    headers: Mapping[str, str] | None = None
+
+
+class Guard:
+    """The API key, then the body limit and deadline; everything else passes to `app`."""
+
+    def __init__(self, app: ASGIApp, config: ServerConfig, on_error: Callable[[int], None]) -> None:
+        self.app, self.config, self.on_error = app, config, on_error
+        self._key = config.api_key.encode() if config.api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal = self._check_headers(scope)
+        if refusal is not None:
+            return await self._reply(scope, receive, send, refusal)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        body = await self._read_body(receive)
+        if isinstance(body, Refusal):
+            return await self._reply(scope, receive, send, body)
+        if body is not None:  # None: the client went away
+            await self.app(scope, _replay(body, receive), send)
+
+    def _check_headers(self, scope: Scope) -> Refusal | None:
+        if self._key is not None and scope["path"].startswith("/v1/") and not self._authorized(scope):
+            return Refusal(401, "invalid or missing API key")
+        length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        if length is None:
+            return None
+        try:
+            declared = int(length)
+        except ValueError:
+            return Refusal(400, "invalid Content-Length")
+        return Refusal(413, self._too_large(declared)) if declared > self.config.max_body_bytes else None
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = b""
+        for k, v in scope.get("headers", ()):
+            if k == b"authorization":
+                header = v
+                break
+        scheme, _, token = header.partition(b" ")
+        key = self._key
+        return key is not None and scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+
+    async def _read_body(self, receive: Receive) -> bytes | Refusal | None:
+        """The whole body (bounded, within the deadline); None when the client went away."""
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.config.body_timeout):
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        return None
+                    chunk = msg.get("body", b"")
+                    size += len(chunk)
+                    if size > self.config.max_body_bytes:
+                        return Refusal(413, self._too_large(None))
+                    chunks.append(chunk)
+                    if not msg.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            late = f"the request body was not received within {self.config.body_timeout:g}s"
+            return Refusal(408, late, {"connection": "close"})
+
+    def _too_large(self, declared: int | None) -> str:
+        got = f" ({declared} bytes)" if declared is not None else ""
+        return f"request body too large{got}; the limit is {self.config.max_body_bytes} bytes"
+
+    async def _reply(self, scope: Scope, receive: Receive, send: Send, refusal: Refusal) -> None:
+        self.on_error(refusal.status)
+        response = error_response(refusal.status, refusal.message, headers=refusal.headers)
+        await response(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that hands the buffered body on first; later calls reach the server again,
+    so the routes still see the client disconnect."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

@@ -1,0 +1,266 @@
+"""Responses in OpenAI's shapes, whole and streamed: choices, chunks, usage, logprobs, tool
+calls, provenance, and the SSE framing. Pure functions of the engine's deltas. No torch here.
+
+A request that may call a tool (`ToolMode.parse`) is recognised on the whole reply, so it
+streams its reply when complete (as content, or as one tool-call delta with its name and
+arguments), the way OpenAI streams a tool call's chunks, only in one piece.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dspark_serve.scheduler.client import StreamDelta
+from dspark_serve.server.errors import ApiError, error_body
+from dspark_serve.server.tools import ToolCall, ToolMode, parse_call
+
+Kind = Literal["chat", "completion"]
+
+SSE_DONE = "data: [DONE]\n\n"
+
+# Characters JSON leaves raw that many line splitters (Python's str.splitlines, httpx's
+# iter_lines) take for a line break; SSE itself breaks lines only at CR and LF.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_event(payload: Mapping[str, Any]) -> str:
+    """One SSE ``data:`` event holding ``payload`` as JSON on a single line.
+
+    Text stays UTF-8 (no ASCII escaping of every non-ASCII character), but the three characters
+    above are escaped: a model can write them, and a client splitting the stream with
+    ``splitlines`` would otherwise cut the event in two.
+    """
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS_JSON_KEEPS)}\n\n"
+
+
+def sse_error(message: str, status: int, param: str | None, code: str | None) -> str:
+    """An error as an SSE event (a stream's HTTP status is already sent)."""
+    return sse_event(error_body(message, status, param, code))
+
+
+def usage(last: StreamDelta | None, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """OpenAI `usage`, with the speculative-decoding summary of `last` when given."""
+    u: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if last is not None and last.spec is not None:
+        u["spec_decode"] = last.spec
+    return u
+
+
+def token_records(d: StreamDelta | None) -> list[dict[str, Any]]:
+    """Provenance (`"dspark": {"tokens": [...]}`): each new token's id, text, kind, draft position."""
+    if d is None:
+        return []
+    return [
+        {"id": t.token_id, "text": t.text, "kind": t.kind, "position": t.draft_position} for t in d.tokens
+    ]
+
+
+def logprob_items(d: StreamDelta) -> list[dict[str, Any]]:
+    """OpenAI chat `logprobs.content` entries for a delta's tokens."""
+    out = []
+    for t in d.tokens:
+        lp = t.logprob
+        if lp is None:
+            continue
+        out.append(
+            {
+                "token": lp.token,
+                "logprob": lp.logprob,
+                "bytes": list(lp.token.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": a.token, "logprob": a.logprob, "bytes": list(a.token.encode("utf-8"))}
+                    for a in lp.top
+                ],
+            }
+        )
+    return out
+
+
+def completion_logprobs(deltas: list[StreamDelta], offset: int) -> dict[str, Any]:
+    """OpenAI completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for d in deltas:
+        for t in d.tokens:
+            if t.logprob is None:
+                continue
+            tokens.append(t.logprob.token)
+            lps.append(t.logprob.logprob)
+            tops.append({a.token: a.logprob for a in t.logprob.top})
+            offsets.append(offset)
+            offset += len(t.text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """One entry of `tool_calls` (with its `index` in a streamed delta)."""
+    body = {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    return body if index is None else {"index": index, **body}
+
+
+@dataclass
+class ChoiceProgress:
+    """What a streamed choice has sent so far."""
+
+    completion_tokens: int = 0
+    text: list[str] = field(default_factory=list)
+    """The text held back while the reply may be a tool call."""
+    offset: int = 0
+    """Characters sent (completions' `text_offset`)."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The shape of one request's response: its id and model, whether it is a chat, and what it
+    includes (logprobs, usage in the stream, provenance, tool calls)."""
+
+    kind: Kind
+    id: str
+    created: int
+    model: str
+    n: int
+    prompt_tokens: int
+    logprobs: bool
+    include_usage: bool
+    provenance: bool
+    tools: ToolMode | None
+
+    @property
+    def buffered(self) -> bool:
+        """The reply is held back until complete: it may be a tool call."""
+        return self.tools is not None and self.tools.parse
+
+    def choice(
+        self, i: int, text: str, finish: str | None, delta: bool, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        if self.kind == "chat":
+            body = {"content": text} if delta else {"role": "assistant", "content": text}
+            key = "delta" if delta else "message"
+            return {"index": i, key: body, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def _tool_call(self, text: str, finish: str | None) -> ToolCall | None:
+        """The reply as a call of a declared function, when it is one and ended on its own."""
+        if self.tools is None or not self.tools.parse:
+            return None
+        call = parse_call(text, self.tools.functions)
+        return call if finish == "stop" else None
+
+    def _logprobs(self, deltas: list[StreamDelta], offset: int) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        if self.kind == "chat":
+            return {"content": [x for d in deltas for x in logprob_items(d)]}
+        return completion_logprobs(deltas, offset)
+
+    # -- whole -------------------------------------------------------------------------------
+
+    def whole(self, results: list[list[StreamDelta]]) -> dict[str, Any]:
+        """The response body of a request that does not stream: every choice's deltas joined."""
+        choices, records, completion, lasts = [], [], 0, []
+        for i, deltas in enumerate(results):
+            last = deltas[-1] if deltas else None
+            if last is not None and last.error:
+                raise ApiError(503, last.error, code="draining")
+            completion += last.completion_tokens if last else 0
+            text = "".join(d.text for d in deltas)
+            choices.append(self._whole_choice(i, text, last.finish_reason if last else "stop", deltas))
+            if self.provenance:
+                records += [t for d in deltas for t in token_records(d)]
+            lasts.append(last)
+        body = {
+            "id": self.id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage(lasts[0] if self.n == 1 else None, self.prompt_tokens, completion),
+        }
+        if self.provenance:
+            body["dspark"] = {"tokens": records}
+        return body
+
+    def _whole_choice(
+        self, i: int, text: str, finish: str | None, deltas: list[StreamDelta]
+    ) -> dict[str, Any]:
+        call = self._tool_call(text, finish)
+        if call is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": [tool_call_json(call)]}
+            return {"index": i, "message": message, "logprobs": None, "finish_reason": "tool_calls"}
+        return self.choice(i, text, finish, False, self._logprobs(deltas, 0))
+
+    # -- streamed ----------------------------------------------------------------------------
+
+    def chunk(
+        self,
+        choices: list[dict[str, Any]],
+        usage: dict[str, Any] | None = None,
+        tokens: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """One SSE event of the stream."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        p = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            p["usage"] = usage
+        if tokens:
+            p["dspark"] = {"tokens": tokens}
+        return sse_event(p)
+
+    def opening_events(self) -> list[str]:
+        """A chat stream opens each choice with the assistant's role."""
+        if self.kind != "chat":
+            return []
+        opening = {"role": "assistant", "content": ""}
+        return [
+            self.chunk([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}])
+            for i in range(self.n)
+        ]
+
+    def delta_events(self, i: int, d: StreamDelta, progress: ChoiceProgress) -> list[str]:
+        """The events for choice i's delta d: its text (held back while buffered), then, when it
+        is the last, the reply's end and a drain's error."""
+        progress.completion_tokens = d.completion_tokens
+        events = []
+        tokens = token_records(d) if self.provenance else None
+        if self.buffered:
+            progress.text.append(d.text)
+        elif d.text or tokens or (self.logprobs and d.tokens):
+            lp = self._logprobs([d], progress.offset)
+            progress.offset += sum(len(t.text) for t in d.tokens)
+            events.append(self.chunk([self.choice(i, d.text, None, True, lp)], tokens=tokens))
+        if d.finished:
+            events += self._finish_events(i, d.finish_reason, progress)
+        if d.error:  # cut by a drain: say so after the finish_reason
+            events.append(sse_error(d.error, 503, None, "draining"))
+        return events
+
+    def _finish_events(self, i: int, finish: str | None, progress: ChoiceProgress) -> list[str]:
+        events = []
+        if self.buffered:
+            text = "".join(progress.text)
+            call = self._tool_call(text, finish)
+            if call is not None:
+                delta = {"tool_calls": [tool_call_json(call, 0)]}
+                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                events.append(self.chunk([choice]))
+                finish = "tool_calls"
+            elif text:
+                events.append(self.chunk([self.choice(i, text, None, True)]))
+        last = self.choice(i, "", finish, True)
+        events.append(self.chunk([{**last, **({"delta": {}} if self.kind == "chat" else {})}]))
+        return events
+
+    def usage_event(self, last: StreamDelta | None, completion_tokens: int) -> str:
+        """The stream's closing usage chunk (include_usage); the speculative-decoding summary
+        only for a single choice."""
+        return self.chunk([], usage(last if self.n == 1 else None, self.prompt_tokens, completion_tokens))

@@ -1,0 +1,118 @@
+"""The two generate routes, /v1/chat/completions and /v1/completions: each reads its request,
+turns it into engine parameters (`params.py`) and hands it to `generate.respond`. No torch here.
+
+Both read the body themselves (not through FastAPI's body parameters): the raw checks and the
+request model's own errors give OpenAI-shaped 400s naming the parameter (`body.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+
+from dspark_serve.server.body import decode
+from dspark_serve.server.errors import ERROR_DOCS, ApiError
+from dspark_serve.server.generate import Generation, respond
+from dspark_serve.server.params import (
+    chat_messages,
+    check_logit_bias,
+    check_prompt_ids,
+    generation_params,
+    tool_mode,
+)
+from dspark_serve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from dspark_serve.server.state import AppState, State
+
+RequestT = TypeVar("RequestT", bound=GenerationRequest)
+
+router = APIRouter()
+
+GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **{k: ERROR_DOCS[k] for k in (400, 401, 404, 413, 429, 503)},
+    200: {
+        "content": {"application/json": {}, "text/event-stream": {}},
+        "description": "A completion, or with `stream: true` server-sent events",
+    },
+}
+
+
+def body_doc(schema: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI requestBody of a route that reads `schema` itself."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema.__name__}"}}},
+        }
+    }
+
+
+async def read_request(state: AppState, request: Request, schema: type[RequestT]) -> RequestT:
+    """The validated request, once the server can take it: not draining, the model served,
+    loaded, and the request's token ids in its vocabulary."""
+    if state.draining:
+        raise ApiError(503, "the server is draining (shutting down)", code="draining")
+    req = await run_in_threadpool(decode, await request.body(), schema, state.config.max_json_depth)
+    if req.model is not None and req.model != state.served_model_name:
+        raise ApiError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
+    if not state.engine.ready:
+        raise ApiError(503, "model is loading")
+    check_logit_bias(req, state.vocab_size)
+    return req
+
+
+@router.post(
+    "/v1/chat/completions",
+    responses=GENERATE_RESPONSES,
+    openapi_extra=body_doc(ChatCompletionRequest),
+    response_model=None,
+)
+async def chat(request: Request, state: State) -> Response | dict[str, Any]:
+    req = await read_request(state, request, ChatCompletionRequest)
+    tools = tool_mode(req)
+    messages = chat_messages(req, tools)
+    try:  # off the event loop: a long conversation must not hold up other requests
+        prompt_ids = await run_in_threadpool(state.engine.tokenize_chat, messages)
+    except Exception as exc:  # templates reject odd role orders
+        raise ApiError(400, f"messages could not be formatted: {exc}", "messages") from exc
+    gen = Generation(
+        kind="chat",
+        prompt_ids=prompt_ids,
+        params=generation_params(req, len(prompt_ids), state.engine.max_model_len, tools),
+        n=req.n,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        provenance=bool(req.dspark and req.dspark.provenance),
+        tools=tools,
+    )
+    return await respond(state, request, gen)
+
+
+@router.post(
+    "/v1/completions",
+    responses=GENERATE_RESPONSES,
+    openapi_extra=body_doc(CompletionRequest),
+    response_model=None,
+)
+async def completions(request: Request, state: State) -> Response | dict[str, Any]:
+    req = await read_request(state, request, CompletionRequest)
+    prompt_ids = req.prompt_token_ids()
+    if prompt_ids is not None:
+        check_prompt_ids(prompt_ids, state.vocab_size)
+    else:
+        prompt_ids = await run_in_threadpool(state.engine.tokenize, req.prompt_text())
+    if not prompt_ids:
+        raise ApiError(400, "prompt must not be empty", "prompt")
+    gen = Generation(
+        kind="completion",
+        prompt_ids=prompt_ids,
+        params=generation_params(req, len(prompt_ids), state.engine.max_model_len),
+        n=req.n,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        provenance=bool(req.dspark and req.dspark.provenance),
+    )
+    return await respond(state, request, gen)

@@ -1,0 +1,77 @@
+"""What every route shares: the engine client, the server's configuration, the metrics
+registry and its error counter. One `AppState` per app, built by `build_app`. No torch here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, Counter
+
+from dspark_serve.scheduler.client import EngineClient
+from dspark_serve.server.config import ServerConfig
+from dspark_serve.server.errors import COUNTED_STATUSES, error_response
+
+
+@dataclass(frozen=True)
+class AppState:
+    engine: EngineClient
+    config: ServerConfig
+    registry: CollectorRegistry
+    errors: Counter
+    """Error responses by HTTP status (`dspark:http_errors`)."""
+
+    @classmethod
+    def create(cls, engine: EngineClient, config: ServerConfig, registry: CollectorRegistry) -> AppState:
+        errors = Counter(
+            "dspark:http_errors",
+            "Error responses by HTTP status (429: queue full).",
+            ["status"],
+            registry=registry,
+        )
+        for status in COUNTED_STATUSES:
+            errors.labels(status=str(status))  # exported at zero from the start
+        return cls(engine, config, registry, errors)
+
+    @property
+    def served_model_name(self) -> str:
+        """The model's name in /v1/models and in responses (the configured one, else the engine's)."""
+        return self.config.served_model_name or self.engine.model_name
+
+    @property
+    def draining(self) -> bool:
+        return bool(getattr(self.engine, "draining", False))
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The engine's vocabulary size once known (token ids are checked against it)."""
+        vocab: int | None = getattr(self.engine, "vocab_size", None)
+        return vocab
+
+    def count_error(self, status: int) -> None:
+        self.errors.labels(status=str(status)).inc()
+
+    def fail(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> JSONResponse:
+        """An error response, counted."""
+        self.count_error(status)
+        return error_response(status, message, param, code, headers)
+
+
+async def app_state(request: Request) -> AppState:
+    """The AppState of the app serving `request` (async: FastAPI runs it on the event loop)."""
+    state: AppState = request.app.state.dspark
+    return state
+
+
+# A route parameter that receives the AppState (no trace in the OpenAPI document).
+State = Annotated[AppState, Depends(app_state)]
