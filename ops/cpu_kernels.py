@@ -234,8 +234,7 @@ def loaded_kernels() -> ctypes.CDLL | None:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x [T, V] -> x.argmax(-1) [T] int64, the same indices (first maximum; a NaN counts as the
     maximum). float32 / bf16 CPU rows go through the C kernel once it is loaded: torch's CPU
-    argmax takes ~4 ns an element in bf16 (0.75 ms for a verify step's 8 x 49,152 logits);
-    anything else, torch's."""
+    argmax is slow on bf16 rows as wide as a vocabulary; anything else, torch's."""
     lib = loaded_kernels()
     if (
         lib is None

@@ -18,12 +18,12 @@ from dspark_serve.ops import cpu_kernels
 from dspark_serve.ops.cpu_kernels import SmallGemmLinear
 from dspark_serve.ops.platform import cpu_flags
 
-# Up to this many rows the C gemm kernel beats oneDNN's bf16 one on AVX512-BF16 CPUs
-# (bench/gemm_rows.py: 1.09x at 128, even at 192) ...
+# Up to this many rows the C gemm kernel is at least as fast as oneDNN's bf16 one on AVX512-BF16
+# CPUs (bench/gemm_rows.py measures the crossover) ...
 SMALL_GEMM_ROWS = 128
-# ... but on a CPU with AMX oneDNN runs on its tiles and wins from ~10 rows against the AVX512
-# path (1.3x at 16, 4.5x at 128). The kernel's own tile path (from 5 rows) is ahead of oneDNN
-# to 64 rows (1.15-1.3x from 8 to 48) and level with it to 160, so there the limit stays 128.
+# ... but on a CPU with AMX oneDNN runs on its tiles and overtakes the kernel's AVX512 path after
+# a handful of rows; the kernel's own tile path keeps up with oneDNN to past 128 rows, so where
+# the kernel has tiles the limit stays 128.
 SMALL_GEMM_ROWS_AMX_UNUSED = 8  # AMX on the CPU, but the kernel may not use it: oneDNN from 9 rows
 
 

@@ -80,7 +80,7 @@ def probs_from_logits(
     if plain and not bool(((top_k > 0) & (top_k < vocab)).any() | (top_p < 1.0).any()):
         # Nothing to filter: the softmax widens the rows itself (one pass over the vocabulary
         # instead of a copy, a division and a softmax; dividing by 1 is exact, so skipped):
-        # the same bits. 32 rows of 49,152: ~1 ms saved a step.
+        # the same bits.
         if bool((divisor == 1.0).all()):
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         else:
@@ -160,8 +160,8 @@ def sample_from_uniforms(
     idx = torch.searchsorted(cdf, x.unsqueeze(1), right=True).squeeze(1)
     # Guard against rounding past the end: fall back to the last token with mass. Only a row
     # whose draw is past the end or on a token without mass can be past its last token with
-    # mass, so only those rows look for it (a pass over every row's vocabulary was ~40% of a
-    # draw of 32 rows).
+    # mass, so only those rows look for it (a pass over every row's vocabulary would cost a
+    # large share of the draw).
     vocab = probs.shape[1]
     odd = (idx >= vocab) | (probs.gather(1, idx.clamp(max=vocab - 1).unsqueeze(1)).squeeze(1) <= 0)
     if bool(odd.any()):

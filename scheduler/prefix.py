@@ -41,8 +41,7 @@ class TapCache:
         rows, slots: the step's whole forward, its tap rows [T, m*d] and each row's KV slot [T]
         (`ForwardOutput.hidden / .slots`): stored as they are in one copy, the rows of drafts
         the verdict rejected included (their slots are written again before any read, as their
-        K/V is), instead of gathered per context (a 32-request run stored its rows in 20 ms
-        instead of 27)."""
+        K/V is), instead of gathered per context (one copy is cheaper than a gather per request)."""
         has = self.blocks.has
         keep = [c.hidden is not None and bool(c.token_ids) and has(c.request_id) for c in contexts]
         out = [
@@ -100,8 +99,8 @@ class TapCache:
         """The stored rows of a request's positions start .. end - 1 (`TapRows`)."""
         assert self.rows is not None, "no tap rows stored yet"
         slots = torch.tensor(self.blocks.slots(request_id, start, end), device=self.rows.device)
-        # index_select: torch's advanced indexing (rows[slots]) took ~0.4 ms for 3 bf16 rows of
-        # this width on a CPU, index_select ~8 us
+        # index_select: torch's advanced indexing (rows[slots]) is far slower on a CPU for a
+        # few wide rows
         return self.rows.index_select(0, slots)
 
     def context(self, request_id: str, token_ids: list[int], num_cached: int) -> AcceptedContext:

@@ -40,8 +40,8 @@ class ModelConfig:
     gemm_rows: int = 0
     """The most rows (tokens of one forward) a bfloat16 product takes through the C gemm kernel
     before oneDNN's; 0 = by the CPU and the kernels' build: 8 where oneDNN runs on AMX tiles and
-    the kernel does not (oneDNN then wins from ~10 rows), else 128 (bench/gemm_rows.py measures
-    the crossover)."""
+    the kernel does not (oneDNN then overtakes it after a handful of rows), else 128
+    (bench/gemm_rows.py measures the crossover)."""
     attention: str = "auto"
     """How the fast forward attends: paged (a C kernel, built on first use with the system
     compiler, that reads the paged KV cache in place for every segment, decode, verify and
@@ -54,8 +54,8 @@ class ModelConfig:
     """CPU: freed host blocks of up to this many MiB stay with the process for the next step
     (glibc's malloc: its mmap and trim thresholds fixed there) instead of going back to the OS
     and being faulted in again at every step; 0 keeps the allocator's defaults. A step's large
-    temporaries (logits, sampling probabilities: 6-50 MB at 32 requests) otherwise cost 32
-    sampled requests 12,500 page faults a step, up to half the step (`verifier/host_memory.py`)."""
+    temporaries (logits, sampling probabilities) would otherwise be mapped and faulted in afresh
+    every step (`verifier/host_memory.py`)."""
     quantize: str = "none"
     """none, or int8: weight-only int8 with one scale per output channel (fast forward only).
     int8 CHANGES THE TARGET: outputs follow the quantised model, not the float one. On CPU it pays

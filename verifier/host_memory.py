@@ -1,13 +1,12 @@
 """Freed host memory kept by the process between engine steps (glibc's malloc).
 
 Every step allocates and frees the same large temporaries: the logits, and for sampled requests
-the target probabilities, the sort top-p needs and the rejection sampler's buffers, 6 MB to
-50 MB each at 32 requests. glibc returns a freed block above its mmap threshold (dynamic, at
+the target probabilities, the sort top-p needs and the rejection sampler's buffers, megabytes
+each at a few dozen requests. glibc returns a freed block above its mmap threshold (dynamic, at
 most 32 MiB) to the OS at once, and trims the heap's free top above its trim threshold, so the
 next step maps the same amount afresh and faults every page of it in again (a page fault per
-4 KiB, the zeroing included). Measured on the embedded model, bf16, a 2-core CPU, 32 sampled
-requests (temperature 0.7) decoding plainly: 12,500 minor faults and 59-110 ms a step with the
-allocator's defaults, none and 42 ms with both thresholds fixed at 1 GiB.
+4 KiB, the zeroing included): for many sampled requests the faults can cost as much as the
+step's own work (docs/benchmarks.md has the measurement).
 
 The price: up to the threshold of freed memory stays with the process (its high-water mark of
 temporaries), as a serving process's memory does anyway. The model's weights and the KV cache,

@@ -202,7 +202,7 @@ def greedy_verify(
     the recovered or bonus token is the argmax at the first row not accepted. Exactly what
     `rejection_sample` returns for one-hot p (whatever q), without a vocabulary-wide
     probability or a random draw. It walks host lists (a few integers per request: a dozen
-    tiny tensor ops cost more, ~0.4 ms a step), so the result is on the host."""
+    tiny tensor ops cost more), so the result is on the host."""
     if target_argmax.dim() != 1 or num_draft.dim() != 1:
         raise ValueError(
             f"target_argmax must be [T] and num_draft [B], got {tuple(target_argmax.shape)} "
