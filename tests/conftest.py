@@ -8,7 +8,8 @@ process by more than RELEASE_GROWTH_MIB, the suite collects garbage and hands th
 back to the OS (malloc_trim), so its peak is the largest single module's, not their sum.
 
 With DSPARK_TEST_RSS=1 set, each test module's end prints the pytest process's resident memory
-(now and peak, from /proc/self/status) and the module's wall time, so a full run shows which
+(now and peak, from /proc/self/status), the module's wall time and its CPU time (the process's
+and its finished children's), so a full run shows which
 modules grow the process and which never give the memory back. Unset, it costs nothing.
 """
 
@@ -38,6 +39,13 @@ def _proc_status_mib(field: str) -> float:
     return 0.0
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (less noisy than wall time on a shared
+    machine)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def _malloc_trim() -> None:
     """Give the C heap's free pages back to the OS (glibc only; elsewhere nothing)."""
     try:
@@ -63,6 +71,7 @@ class MemoryRelease:
         self.rss_after_release = _proc_status_mib("VmRSS")
         self.module: str | None = None  # the module running, from its first test to its last
         self.module_started = 0.0
+        self.module_cpu_before = 0.0
         self.module_rss_before = 0.0
 
     def release(self) -> None:
@@ -74,7 +83,8 @@ class MemoryRelease:
         rss = _proc_status_mib("VmRSS")
         sys.stderr.write(
             f"\n[rss] {module}: rss {rss:.0f} MiB ({rss - self.module_rss_before:+.0f}), "
-            f"peak {_proc_status_mib('VmHWM'):.0f} MiB, {time.monotonic() - self.module_started:.1f} s\n"
+            f"peak {_proc_status_mib('VmHWM'):.0f} MiB, {time.monotonic() - self.module_started:.1f} s, "
+            f"cpu {_cpu_seconds() - self.module_cpu_before:.1f} s\n"
         )
 
     @pytest.hookimpl(hookwrapper=True)
@@ -83,6 +93,7 @@ class MemoryRelease:
         if module != self.module:
             self.module = module
             self.module_started = time.monotonic()
+            self.module_cpu_before = _cpu_seconds()
             self.module_rss_before = _proc_status_mib("VmRSS")
         yield
         module_ends = nextitem is None or _module(nextitem.nodeid) != module

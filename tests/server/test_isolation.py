@@ -16,6 +16,8 @@ import pytest
 from tests.server.bad_inputs import BAD_INPUTS, assert_refused
 from tests.server.test_e2e import MODEL, LiveServer
 
+pytestmark = pytest.mark.slow  # a real server, cluster, browser or the embedded model: -m "not slow" skips it
+
 
 @pytest.fixture(scope="module")
 def plain():

@@ -34,6 +34,7 @@ def llm():
     )
 
 
+@pytest.mark.slow  # the embedded model: -m "not slow" skips it
 def test_gen_data_matches_plain_greedy_and_full_forward(llm, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"turns": [p]}) for p in PROMPTS))
