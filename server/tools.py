@@ -1,7 +1,7 @@
 """Tool calling in a generic JSON format (for chat templates that have no tool format of their
 own, such as the embedded SmolLM2's, which ignores `tools`).
 
-The format (documented in the README):
+The format (documented in docs/api.md):
 - the tools are described in a system message: an instruction followed by one JSON line per
   function (`{"name", "description", "parameters"}`); it joins the first system message, or
   comes first when there is none;
