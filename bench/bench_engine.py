@@ -289,7 +289,7 @@ def sweep(args) -> dict:
         "medians": sweep_medians(rows),
         "drafter": args.drafter,
         "block_size": block,
-        "cost_table": eng.cost_table.to_dict() if eng.cost_table else None,
+        "cost_table": eng.speculation.cost_table.to_dict() if eng.speculation.cost_table else None,
         # seconds a drafting step spent besides the forward, per decoding requests, at the end
         "step_overhead": {str(n): eng.speculation.overhead.seconds(n) for n in args.concurrency},
     }

@@ -1,18 +1,18 @@
 """A second draft block per greedy request, measured: one stream, the embedded default.
 
-  python bench/second_block.py --branch-rows 0,12,16 --rounds 4 --out bench/results/second-block.json
+  python bench/branches.py --branch-rows 0,12,16 --rounds 4 --out bench/results/second-block.json
 
 One engine with the default drafters (`dspark+ngram`) and policy (dspark). Each arm sets
-`SchedulerConfig.branch_rows` (0 = one block, the baseline) and, with --primary-alternate, lets
+`SchedulerConfig.branch_rows` (0 = one block, the baseline) and, with --primary-branch, lets
 a lookup-led step draft DSpark's block as the second one too. Every arm decodes the same prompts
 at one stream per round; rounds alternate the arms' order, so a slow spell of a shared machine
 hits all of them. Reported per arm: per-user tokens/s per round and its ratio to the baseline's
 in the same round (the median of those ratios is the figure), tokens per round (tau), and how
-many second blocks were verified and kept.
+many branches were verified and kept.
 
-  python bench/second_block.py --potential --prompts 36 --out bench/results/second-block-potential.json
+  python bench/branches.py --potential --prompts 36 --out bench/results/second-block-potential.json
 
---potential measures what a second block could gain, before any arm runs: one pass of the
+--potential measures what a branch could gain, before any arm runs: one pass of the
 default (one block), where every step also drafts both drafters' blocks on the side; greedy
 output is the target's argmax chain, so each block's accepted run is read off the final text.
 Reported per dev set: the mean accepted drafts of DSpark's block, of lookup's, of the block the
@@ -39,12 +39,12 @@ from dspark_serve.scheduler.metrics_sink import NullMetrics  # noqa: E402
 
 
 class _Blocks(NullMetrics):
-    """Counts second blocks verified and kept."""
+    """Counts branches verified and kept."""
 
     def __init__(self) -> None:
         self.kept = self.dropped = 0
 
-    def record_second_block(self, kept: bool) -> None:
+    def record_branch(self, kept: bool) -> None:
         self.kept += kept
         self.dropped += not kept
 
@@ -131,7 +131,7 @@ def potential(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--branch-rows", default="0,12,16", help="arms; the first is the baseline")
-    ap.add_argument("--primary-alternate", action="store_true")
+    ap.add_argument("--primary-branch", action="store_true")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=4)
@@ -155,9 +155,9 @@ def main() -> None:
     eng = llm.engine
     counts = _Blocks()
     eng.metrics = counts
-    if args.primary_alternate:
+    if args.primary_branch:
         assert isinstance(eng.drafter, CombinedDrafter)
-        eng.drafter.config = dataclasses.replace(eng.drafter.config, primary_alternate=True)
+        eng.drafter.config = dataclasses.replace(eng.drafter.config, primary_branch=True)
     prompts = [chat_ids(llm.tokenizer, t, 512) for _, t in load_prompts(DATA, args.prompts)]
     run_engine_closed_loop(eng, prompts[:3], 1, 32, 0.0, "warm-up")
     base = eng.speculation.cfg
@@ -174,7 +174,7 @@ def main() -> None:
                     "branch_rows": br,
                     "per_user_tps": pr.per_user_tps,
                     "tau": pr.tau,
-                    "second_blocks": counts.kept + counts.dropped - kept - dropped,
+                    "branches": counts.kept + counts.dropped - kept - dropped,
                     "kept": counts.kept - kept,
                 }
             )
@@ -193,7 +193,7 @@ def main() -> None:
             "ratio_to_baseline": statistics.median(ratios),
             "ratios": [round(x, 3) for x in ratios],
             "tau": statistics.median(r["tau"] or 0.0 for r in mine),
-            "second_blocks": sum(r["second_blocks"] for r in mine),
+            "branches": sum(r["branches"] for r in mine),
             "kept": sum(r["kept"] for r in mine),
         }
         print(br, json.dumps(summary[str(br)]))

@@ -1,6 +1,6 @@
 """Steady-state engine steps by policy and concurrency: C requests decoding (prefill done, a few
-warm-up steps), then --steps steps timed, split into the step's parts (drafting and the policy,
-the verify forward, verification's sampling and the commit). Each policy in its own engine (the
+warm-up steps), then --steps steps timed, split into the step's parts (drafting, the policy, the
+verify forward, verification's sampling and the commit). Each policy in its own engine (the
 draft gate off, so a static length drafts at every load); greedy, the DSpark + n-gram drafter.
 
   python bench/step_costs.py --policies none,static:1,static:3 --concurrency 4,8,16,32 \\
@@ -25,7 +25,13 @@ sys.path.insert(0, str(ROOT))
 from bench.bench_engine import chat_ids  # noqa: E402
 from bench.common import DATA, load_prompts, save_result, start_decoding, timed_steps, timing_args  # noqa: E402
 
-PARTS = ("_draft_and_choose_lengths", "verify", "_commit")
+# (owner, attribute, label): the step's parts as the engine calls them
+PARTS = (
+    ("speculation", "draft", "draft"),
+    (None, "_choose_lengths", "choose_lengths"),
+    (None, "verify", "verify"),
+    (None, "_commit", "commit"),
+)
 
 
 def measure(policy: str, concurrency: list[int], steps: int, drafter: str) -> list[dict]:
@@ -37,21 +43,22 @@ def measure(policy: str, concurrency: list[int], steps: int, drafter: str) -> li
     eng = llm.engine
     spent: collections.Counter[str] = collections.Counter()
 
-    def timed(name: str):
-        fn = getattr(eng, name)
+    def timed(owner, name: str, label: str):
+        fn = getattr(owner, name)
 
         def wrapper(*a, **k):
             t0 = time.perf_counter()
             out = fn(*a, **k)
-            spent[name] += time.perf_counter() - t0
-            if name == "verify":
+            spent[label] += time.perf_counter() - t0
+            if label == "verify":
                 spent["forward"] += out.forward_seconds
             return out
 
         return wrapper
 
-    for name in PARTS:
-        setattr(eng, name, timed(name))
+    for where, name, label in PARTS:
+        owner = eng if where is None else getattr(eng, where)
+        setattr(owner, name, timed(owner, name, label))
     prompts = [chat_ids(llm.tokenizer, t, 320) for _, t in load_prompts(DATA, max(concurrency))]
     rows = []
     for c in concurrency:

@@ -33,9 +33,9 @@ class DraftRequest:
         the context); a drafter may propose fewer, never more.
     constraint: the request's grammar, or None. A drafter that samples masks q with it; a
         deterministic one (prompt lookup) cuts its block at the first token it forbids.
-    alternate: the engine can verify a second block for this request beside the first (a
+    branch: the engine can verify a branch for this request beside the first (a
         greedy request at a load where the extra rows are nearly free): a drafter with two
-        sources of drafts may put the other one's block in `DraftProposal.alternate`.
+        sources of drafts may put the other one's block in `DraftProposal.branch`.
     """
 
     request_id: str
@@ -45,7 +45,7 @@ class DraftRequest:
     generator: torch.Generator | None
     max_draft: int
     constraint: TokenConstraint | None = None
-    alternate: bool = False
+    branch: bool = False
 
     def context(self) -> TokenContext:
         """What penalties and the grammar read at the first draft position."""
@@ -63,7 +63,7 @@ class DraftProposal:
                  (then q_k is one-hot on tokens[k], as for n-gram lookup or greedy).
     confidences: [K] float32 in [0, 1], c_k = P(token k survives | tokens < k survived), or
                  None when the drafter has no estimate.
-    alternate:   [M] int64, a second greedy block (only where the request allowed one): the
+    branch:   [M] int64, a second greedy block (only where the request allowed one): the
                  target verifies both from the same anchor and the longer accepted run is
                  kept. Greedy verification keeps exactly the target's argmax chain whichever
                  block it checks, so the choice cannot change the output.
@@ -72,7 +72,7 @@ class DraftProposal:
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     confidences: torch.Tensor | None = None
-    alternate: torch.Tensor | None = None
+    branch: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.numel())

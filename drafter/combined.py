@@ -13,8 +13,8 @@ per length of the suffix matched: a one-token match is a far weaker sign than a 
 a lookup drafter without confidences is judged by its recent acceptance on the request). A
 fixed schedule sends every
 `explore_every`-th round of a request to the other drafter, so both estimates stay current.
-Where the engine verifies a second block (`DraftRequest.alternate`, greedy requests only), a
-lookup match rides beside a DSpark-led block (and, with `primary_alternate`, DSpark's block beside
+Where the engine verifies a branch (`DraftRequest.branch`, greedy requests only), a
+lookup match rides beside a DSpark-led block (and, with `primary_branch`, DSpark's block beside
 a lookup-led one); each drafter hears its own block's outcome.
 """
 
@@ -47,8 +47,8 @@ class CombinedConfig:
         in accepted tokens per round. The default is the share of a plain decode step a DSpark
         proposal costs on a small CPU with the embedded model (bench/drafting_cost.py measures
         it); 0 compares acceptance alone (the costs compared are in docs/training.md).
-    primary_alternate: whether a step led by a lookup match also drafts the primary's block as
-        the second block where the engine verifies one (`DraftRequest.alternate`). A lookup
+    primary_branch: whether a step led by a lookup match also drafts the primary's block as
+        the branch where the engine verifies one (`DraftRequest.branch`). A lookup
         match always rides beside a primary-led block (it costs nothing to find).
     """
 
@@ -57,7 +57,7 @@ class CombinedConfig:
     explore_every: int = 8
     primary_floor: float = 0.3
     primary_cost: float = 0.2
-    primary_alternate: bool = False
+    primary_branch: bool = False
 
     def __post_init__(self) -> None:
         if not (0.0 < self.decay <= 1.0):
@@ -130,9 +130,9 @@ class CombinedDrafter:
         for i, (r, p) in enumerate(zip(requests, out)):
             which = self.choose(r.request_id, p)
             self._state[r.request_id].last = which
-            # Where the engine verifies a second block (r.alternate), a lookup match and the
+            # Where the engine verifies a branch (r.branch), a lookup match and the
             # primary's block are both sent; the choice above only says which one leads.
-            if which == 0 or (which == 1 and r.alternate and self.config.primary_alternate):
+            if which == 0 or (which == 1 and r.branch and self.config.primary_branch):
                 use_primary.append(i)
             elif which < 0:
                 out[i] = DraftProposal(tokens=torch.empty(0, dtype=torch.long))
@@ -140,9 +140,9 @@ class CombinedDrafter:
             for i, p in zip(use_primary, primary.propose([requests[i] for i in use_primary])):
                 found = out[i]
                 if self._state[requests[i].request_id].last == 1:
-                    out[i] = replace(found, alternate=p.tokens if len(p) else None)
-                elif requests[i].alternate and len(found):
-                    out[i] = replace(p, alternate=found.tokens)
+                    out[i] = replace(found, branch=p.tokens if len(p) else None)
+                elif requests[i].branch and len(found):
+                    out[i] = replace(p, branch=found.tokens)
                 else:
                     out[i] = p
         for r in requests:
@@ -155,8 +155,8 @@ class CombinedDrafter:
         for d in self.drafters:  # both keep complete contexts, whichever drafted
             d.observe(contexts)
 
-    def observe_alternate(self, request_id: str, proposed: int, accepted: int) -> None:
-        """Feedback on the block that rode along as the alternate (the drafter not leading)."""
+    def observe_branch(self, request_id: str, proposed: int, accepted: int) -> None:
+        """Feedback on the block that rode along as the branch (the drafter not leading)."""
         st = self._state.get(request_id)
         if st is None or st.last < 0 or proposed <= 0:
             return

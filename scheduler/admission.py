@@ -12,6 +12,7 @@ import torch
 
 from dspark_serve.ops.sampling import SamplingTensors
 from dspark_serve.scheduler.client import EngineError
+from dspark_serve.scheduler.limits import LimitError, check_context, check_token_ids
 from dspark_serve.scheduler.request import Request, Status
 
 
@@ -36,9 +37,7 @@ class Limits:
 def _check_tokens(req: Request, V: int) -> None:
     if not req.prompt_ids:
         raise RequestRejected("the prompt is empty", 400, "messages")
-    for t in req.prompt_ids:
-        if type(t) is not int or not (0 <= t < V):
-            raise RequestRejected(f"prompt token id {t!r} is out of range [0, {V})", 400, "prompt")
+    check_token_ids(req.prompt_ids, V, "prompt", "prompt")
     if type(req.max_tokens) is not int or req.max_tokens < 1:
         raise RequestRejected(
             f"max_tokens must be a positive integer, got {req.max_tokens!r}", 400, "max_tokens"
@@ -55,26 +54,14 @@ def _check_sampling(req: Request, V: int) -> None:
         SamplingTensors.from_params([sp], torch.device("cpu"))
     except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
         raise RequestRejected(f"sampling parameters out of range: {exc}", 400) from exc
-    bad_bias = [t for t, _ in sp.logit_bias if t >= V]
-    if bad_bias:
-        raise RequestRejected(
-            f"logit_bias token id {bad_bias[0]} is out of range [0, {V})", 400, "logit_bias"
-        )
+    check_token_ids((t for t, _ in sp.logit_bias), V, "logit_bias", "logit_bias")
     if req.logprobs is not None and not (0 <= req.logprobs <= 20):
         raise RequestRejected(f"top_logprobs must be in [0, 20], got {req.logprobs!r}", 400, "top_logprobs")
 
 
 def _check_length(req: Request, limits: Limits) -> None:
-    n = len(req.prompt_ids)
-    total = n + req.max_tokens
-    if total > limits.max_model_len:
-        raise RequestRejected(
-            f"This model's maximum context length is {limits.max_model_len} tokens. However, you "
-            f"requested {total} tokens ({n} in the messages, {req.max_tokens} in "
-            f"the completion). Please reduce the length of the messages or completion.",
-            400,
-            "max_tokens",
-        )
+    total = len(req.prompt_ids) + req.max_tokens
+    check_context(len(req.prompt_ids), req.max_tokens, limits.max_model_len)
     if limits.blocks_needed(total) > limits.kv_blocks:
         raise RequestRejected("the request needs more KV cache than the server has", 400, "max_tokens")
 
@@ -84,9 +71,12 @@ def check_request(req: Request, limits: Limits, in_use: bool) -> None:
     bring; `in_use`: its id is already taken."""
     if in_use:
         raise RequestRejected(f"request id {req.request_id!r} is already in use", 400)
-    _check_tokens(req, limits.vocab_size)
-    _check_sampling(req, limits.vocab_size)
-    _check_length(req, limits)
+    try:
+        _check_tokens(req, limits.vocab_size)
+        _check_sampling(req, limits.vocab_size)
+        _check_length(req, limits)
+    except LimitError as exc:
+        raise RequestRejected(str(exc), 400, exc.param, exc.code) from exc
 
 
 def step_problem(req: Request, vocab_size: int) -> str | None:

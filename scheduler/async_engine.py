@@ -207,7 +207,7 @@ class AsyncEngine:
             dtype_reason=b.dtype.reason,
             device=str(e.runner.device),
             drafter=e.drafter.name if e.drafter is not None else "none",
-            verify_policy=e.policy.name,
+            verify_policy=e.speculation.policy.name,
         )
 
     def wait_ready(self, timeout: float | None = None) -> bool:

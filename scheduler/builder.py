@@ -18,7 +18,7 @@ from dspark_serve.ops.platform import default_cache_dir
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine, HiddenCapture
 from dspark_serve.scheduler.metrics_sink import EngineMetricsSink
-from dspark_serve.scheduler.policy import DSparkPolicy, parse_policy
+from dspark_serve.scheduler.policy import CostTable, DSparkPolicy, parse_policy
 from dspark_serve.verifier.config import ModelConfig
 from dspark_serve.verifier.host_memory import retain_freed_memory
 from dspark_serve.verifier.loader import (
@@ -81,6 +81,53 @@ def build_drafter_for(
     )
 
 
+def build_runner(
+    model_cfg: ModelConfig, target: Any, device: torch.device, dtype: torch.dtype
+) -> ModelRunner:
+    """The target's runner with a KV cache sized by the config (`kv_cache_tokens`)."""
+    tokens = kv_cache_tokens(model_cfg, target.model.config, device, dtype)
+    runner = ModelRunner(
+        target.model,
+        num_blocks=max(1, tokens // model_cfg.kv_block_size),
+        block_size=model_cfg.kv_block_size,
+        impl=model_cfg.forward,
+        linear=model_cfg.linear,
+        quantize=model_cfg.quantize,
+        attention=model_cfg.attention,
+        gemm_rows=model_cfg.gemm_rows,
+    )
+    log.info("target forward: %s", runner.describe())
+    kv = runner.kv
+    log.info("KV cache: %d blocks x %d tokens (%.0f MiB)", kv.num_blocks, kv.block_size, kv.nbytes / 2**20)
+    return runner
+
+
+def cost_table_for(
+    runner: ModelRunner,
+    target: Any,
+    cache_dir: Path,
+    sched_cfg: SchedulerConfig,
+    drafting: bool,
+    metrics: EngineMetricsSink | None,
+    profile: bool | None,
+    stage: Callable[[str], None],
+) -> tuple[CostTable | None, str]:
+    """The measured cost table (loaded or profiled), where the policy reads one: by default
+    only the load-aware policy with a drafter does. -> (table or None, where it came from)."""
+    if profile is None:
+        profile = drafting and isinstance(parse_policy(sched_cfg.policy_spec(drafting=True)), DSparkPolicy)
+    if not profile:
+        return None, "none (no drafter)"
+    from dspark_serve.scheduler.profile import format_table, load_or_profile
+
+    stage("loading or measuring the cost table")
+    table, raw, source = load_or_profile(runner, target.name, cache_dir, sched_cfg.reprofile)
+    log.info("cost table (%s):\n%s", source, format_table(raw))
+    if metrics is not None:
+        metrics.set_cost_table(table)
+    return table, source
+
+
 def build_engine(
     model_cfg: ModelConfig,
     drafter_cfg: DrafterConfig,
@@ -100,46 +147,18 @@ def build_engine(
     cache_dir = Path(model_cfg.cache_dir) if model_cfg.cache_dir else default_cache_dir()
     stage("loading the target model")
     target = load_target(model_cfg.model, device, dtype, cache_dir)
-    max_len = min(
-        model_cfg.max_model_len,
-        getattr(target.model.config, "max_position_embeddings", model_cfg.max_model_len),
-    )
-    tokens = kv_cache_tokens(model_cfg, target.model.config, device, dtype)
-    runner = ModelRunner(
-        target.model,
-        num_blocks=max(1, tokens // model_cfg.kv_block_size),
-        block_size=model_cfg.kv_block_size,
-        impl=model_cfg.forward,
-        linear=model_cfg.linear,
-        quantize=model_cfg.quantize,
-        attention=model_cfg.attention,
-        gemm_rows=model_cfg.gemm_rows,
-    )
-    log.info("target forward: %s", runner.describe())
-    log.info(
-        "KV cache: %d blocks x %d tokens (%.0f MiB)",
-        runner.kv.num_blocks,
-        runner.kv.block_size,
-        runner.kv.nbytes / 2**20,
-    )
+    model_len = getattr(target.model.config, "max_position_embeddings", model_cfg.max_model_len)
+    max_len = min(model_cfg.max_model_len, model_len)
+    runner = build_runner(model_cfg, target, device, dtype)
     stage("loading the drafter")
     drafter = build_drafter_for(drafter_cfg, target, device, dtype, model_cfg.model is None)
     # after the weights and the KV cache: those keep their own mappings
     if device.type == "cpu" and retain_freed_memory(model_cfg.retain_freed_mib):
         log.info("freed host blocks of up to %d MiB are kept for the next step", model_cfg.retain_freed_mib)
-    table, source = None, "none (no drafter)"
-    if profile is None:  # only the load-aware policy reads the cost table
-        profile = drafter is not None and isinstance(
-            parse_policy(sched_cfg.policy_spec(drafting=True)), DSparkPolicy
-        )
-    if profile:
-        from dspark_serve.scheduler.profile import format_table, load_or_profile
-
-        stage("loading or measuring the cost table")
-        table, raw, source = load_or_profile(runner, target.name, cache_dir, sched_cfg.reprofile)
-        log.info("cost table (%s):\n%s", source, format_table(raw))
-        if metrics is not None:
-            metrics.set_cost_table(table)
+    table, _ = cost_table_for(
+        runner, target, cache_dir, sched_cfg, drafter is not None, metrics, profile, stage
+    )
+    layers = runner.num_layers
     engine = Engine(
         runner,
         target.tokenizer,
@@ -148,10 +167,9 @@ def build_engine(
         drafter=drafter,
         cost_table=table,
         metrics=metrics,
-        capture=None if capture is None else capture(runner.num_layers),
+        capture=None if capture is None else capture(layers),
     )
     if drafter is not None:
-        log.info(
-            "drafter %s (block %d), verify policy %s", drafter.name, drafter.block_size, engine.policy.name
-        )
+        policy = engine.speculation.policy.name
+        log.info("drafter %s (block %d), verify policy %s", drafter.name, drafter.block_size, policy)
     return EngineBundle(engine, target.tokenizer, choice)

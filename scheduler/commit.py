@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from dspark_serve.scheduler.client import TokenLogprob, TokenRecord, TopLogprob
+from dspark_serve.scheduler.metrics_sink import EngineMetricsSink
 from dspark_serve.scheduler.request import Request, RequestOutput
 
 
@@ -94,6 +95,20 @@ def request_output(
         spec=r.spec if with_spec else None,
         tokens=tokens or [],
     )
+
+
+def record_tokens(metrics: EngineMetricsSink, r: Request, n: int, kept: int | None, now: float) -> None:
+    """The step's token metrics for r: n tokens appended (of `kept` the round kept, for a
+    decode; None for a completed prompt's first token), its first-token or inter-token time."""
+    metrics.record_tokens(n)
+    if kept is not None:
+        metrics.record_realized(kept)
+    if r.first_token_time is None or r.last_token_time is None:
+        r.first_token_time = now
+        metrics.record_first_token(now - r.arrival_time, len(r.prompt_ids))
+    else:
+        metrics.record_inter_token(now - r.last_token_time, n)
+    r.last_token_time = now
 
 
 def target_logprobs(

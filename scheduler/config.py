@@ -47,7 +47,7 @@ class SchedulerConfig:
     block), keeping the longer accepted run; never in a step that prefills. 0 = never (the
     default): a branch raises the tokens per round, but where the extra rows cost compute (a
     CPU) the longer forward takes that gain back and per-user speed does not move
-    (bench/second_block.py measures both). Worth it where a forward's time does not grow
+    (bench/branches.py measures both). Worth it where a forward's time does not grow
     with these few extra rows (an accelerator)."""
     enable_prefix_caching: bool = True
     """Share the KV of full blocks of committed tokens across requests by a hash of their

@@ -29,21 +29,21 @@ from dspark_serve.scheduler.client import TokenRecord
 from dspark_serve.scheduler.commit import (
     append_tokens,
     eos_token_ids,
+    record_tokens,
     request_output,
     target_logprobs,
     token_records,
 )
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.detokenizer import IncrementalDetokenizer
-from dspark_serve.scheduler.gate import DraftGate
-from dspark_serve.scheduler.load import LoadMonitor
+from dspark_serve.scheduler.load import LoadMonitor, LoadState
 from dspark_serve.scheduler.metrics_sink import EngineMetricsSink, EngineSnapshot, NullMetrics
-from dspark_serve.scheduler.policy import CostTable, Policy
+from dspark_serve.scheduler.policy import CostTable
 from dspark_serve.scheduler.prefix import TapCache
 from dspark_serve.scheduler.request import Request, RequestOutput, Status
 from dspark_serve.scheduler.scheduler import ScheduledBatch, Scheduler
 from dspark_serve.scheduler.settle import Committed, Settler
-from dspark_serve.scheduler.speculation import Speculation, StepProposal
+from dspark_serve.scheduler.speculation import Drafts, Speculation, StepProposal
 from dspark_serve.scheduler.verify_step import Verification, VerifyStep
 from dspark_serve.verifier.grammar import Grammar, GrammarCompiler, GrammarConfig
 from dspark_serve.verifier.model_runner import ModelRunner
@@ -117,28 +117,12 @@ class Engine:
         return self.speculation.drafter
 
     @property
-    def policy(self) -> Policy:
-        return self.speculation.policy
-
-    @property
-    def gate(self) -> DraftGate | None:
-        return self.speculation.gate
-
-    @property
-    def cost_table(self) -> CostTable | None:
-        return self.speculation.cost_table
-
-    @property
     def waiting(self) -> deque[Request]:
         return self.scheduler.waiting
 
     @property
     def running(self) -> list[Request]:
         return self.scheduler.running
-
-    @property
-    def reserved_blocks(self) -> int:
-        return self.scheduler.reserved_blocks
 
     @property
     def speculating(self) -> bool:
@@ -153,10 +137,8 @@ class Engine:
 
     def set_policy(self, spec: str) -> None:
         """Switch the verification policy (only between requests: drafter state is per request).
-        Cached blocks carry the tap states of the old setting (or none): the prefix cache starts
-        afresh. The tap rows' buffer is kept while a drafter that taps the target is loaded
-        (rows are written before read), so a policy switched back to drafting does not grow it
-        anew, page by fresh page."""
+        The prefix cache starts afresh (its blocks carry the old setting's tap states); the tap
+        rows' buffer stays while a drafter taps the target (a policy switched back reuses it)."""
         if self.scheduler.has_work():
             raise RuntimeError("set_policy needs an idle engine")
         self.speculation.use_policy(spec)
@@ -227,7 +209,9 @@ class Engine:
             with self.runner.attention_backends():
                 t0 = time.perf_counter()
                 self._restore_contexts(batch)
-                proposal = self._draft_and_choose_lengths(batch)
+                load = self._load(batch)
+                drafts = self.speculation.draft(batch.decodes, load)
+                proposal = self._choose_lengths(batch, drafts, load)
                 verification = self.verify(batch, proposal, self.tap_layers)
                 outputs = self._commit(batch, proposal, verification)
                 self._record_step(proposal, batch, outputs, time.perf_counter() - t0, verification)
@@ -307,13 +291,13 @@ class Engine:
         if contexts and self.capture is not None:
             self.capture.observe(contexts)
 
-    def _draft_and_choose_lengths(self, batch: ScheduledBatch) -> StepProposal:
-        if not batch.decodes:
-            return StepProposal([], [])
+    def _load(self, batch: ScheduledBatch) -> LoadState:
         prefilling = len(self.running) - len(batch.decodes)
-        load = self.load.snapshot(len(batch.decodes), len(self.waiting), batch.prefill_tokens, prefilling)
+        return self.load.snapshot(len(batch.decodes), len(self.waiting), batch.prefill_tokens, prefilling)
+
+    def _choose_lengths(self, batch: ScheduledBatch, drafts: Drafts, load: LoadState) -> StepProposal:
         room = self.cfg.max_num_batched_tokens - batch.prefill_tokens - len(batch.decodes)
-        proposal = self.speculation.propose(batch.decodes, room, load)
+        proposal = self.speculation.choose_lengths(batch.decodes, drafts, room, load)
         if proposal.decision is not None:
             self.metrics.record_policy(proposal.decision, load, self.speculation.priced_overhead)
         return proposal
@@ -351,20 +335,9 @@ class Engine:
             return self._fail(r, why)
         if appended.finish_reason is not None:
             self._finish(r, appended.finish_reason)
-        self._record_tokens(r, c, len(appended.token_ids), now)
+        record_tokens(self.metrics, r, len(appended.token_ids), len(c.tokens) if c.decoding else None, now)
         records = token_records(appended, c.provenance, logprobs)
         return self._output(r, appended.token_ids, final=r.finished, tokens=records)
-
-    def _record_tokens(self, r: Request, c: Committed, n: int, now: float) -> None:
-        self.metrics.record_tokens(n)
-        if c.decoding:
-            self.metrics.record_realized(len(c.tokens))
-        if r.first_token_time is None or r.last_token_time is None:
-            r.first_token_time = now
-            self.metrics.record_first_token(now - r.arrival_time, len(r.prompt_ids))
-        else:
-            self.metrics.record_inter_token(now - r.last_token_time, n)
-        r.last_token_time = now
 
     def _finish(self, r: Request, reason: str) -> None:
         r.status = Status.FINISHED

@@ -151,8 +151,9 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("accepted_pos", "dspark:spec_decode_num_accepted_tokens_per_pos", Counter,
                "Accepted draft tokens by position (0-based).", labels=("position",),
                vllm="vllm:spec_decode_num_accepted_tokens_per_pos"),
-    MetricSpec("branches", "dspark:spec_decode_second_blocks", Counter,
-               "Second draft blocks verified beside a request's first (greedy, low load), by whether "
+    MetricSpec("branches", "dspark:spec_decode_branches", Counter,
+               "Branches (second draft blocks from the same anchor) verified beside a request's "
+               "first (greedy, low load), by whether "
                "their accepted run was the longer one and kept.", labels=("outcome",)),
     MetricSpec("accept_len", "dspark:spec_decode_acceptance_length", Histogram,
                "Tokens per round, the target's own token included.", buckets=BlockBuckets(1, 2)),
@@ -329,7 +330,7 @@ class EngineMetrics:
     def record_tokens(self, n: int) -> None:
         self.gen_tokens.labels(**self.labels).inc(n)
 
-    def record_second_block(self, kept: bool) -> None:
+    def record_branch(self, kept: bool) -> None:
         """A branch (a second draft block from the same anchor) was verified; kept: its run was
         the longer and replaced the first block's."""
         self.branches.labels(**self.labels, outcome="kept" if kept else "dropped").inc()

@@ -99,14 +99,14 @@ class Settler:
             return
         first = res.accepted(i)
         k = _Kept(proposal.drafts(i).tolist(), i, i, first, proposal.lengths[i])
-        alternate = None
+        branch_run = None
         if b is not None:  # the longer accepted run of two blocks is kept
-            alternate = (len(b.tokens), res.accepted(b.row))
-            won = alternate[1] > first
+            branch_run = (len(b.tokens), res.accepted(b.row))
+            won = branch_run[1] > first
             if won:
-                k = _Kept(b.tokens.tolist(), b.row, b.segment, alternate[1], len(b.tokens))
+                k = _Kept(b.tokens.tolist(), b.row, b.segment, branch_run[1], len(b.tokens))
             self.verify.close_branch(b.request_id, adopt_into=r.request_id if won else None)
-            self.metrics.record_second_block(won)
+            self.metrics.record_branch(won)
         accepted = k.drafts[: k.accepted]
         start = r.num_computed
         r.num_computed += 1 + k.accepted
@@ -117,7 +117,7 @@ class Settler:
             out.contexts.append(
                 self._context(r.request_id, [r.output_ids[-1]] + accepted, start, v, k.segment)
             )
-        booked = self.speculation.settle(r, proposal.lengths[i], first, alternate)
+        booked = self.speculation.settle(r, proposal.lengths[i], first, branch_run)
         if booked is not None:
             self.metrics.record_round(*booked)
         speculating = self.speculation.speculating

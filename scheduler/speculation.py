@@ -35,7 +35,7 @@ class StepProposal:
 
     proposals: one DraftProposal per decoding request (possibly empty blocks).
     lengths: drafts each request verifies (<= len(proposals[i])).
-        A proposal's branch (`DraftProposal.alternate`: a second draft block from the same
+        A proposal's branch (`DraftProposal.branch`: a second draft block from the same
         anchor), where one is kept, is verified whole.
     drafting: the draft gate let this step draft.
     decision: what the policy decided (None when no request decodes).
@@ -46,10 +46,10 @@ class StepProposal:
     drafting: bool = True
     decision: PolicyDecision | None = None
 
-    def alternate(self, i: int) -> torch.Tensor | None:  # [M] int64 or None
+    def branch(self, i: int) -> torch.Tensor | None:  # [M] int64 or None
         """Request i's branch: a second draft block verified beside `drafts(i)` from the same
         anchor (the engine's `Branch`), or None."""
-        return self.proposals[i].alternate
+        return self.proposals[i].branch
 
     def drafts(self, i: int) -> torch.Tensor:  # [lengths[i]] int64
         """The draft tokens request i sends to verification."""
@@ -58,6 +58,15 @@ class StepProposal:
     def draft_probs(self, i: int) -> torch.Tensor | None:  # [lengths[i], V] or None
         p = self.proposals[i].probs
         return None if p is None else p[: self.lengths[i]]
+
+
+@dataclass
+class Drafts:
+    """This step's draft blocks, one per decoding request in batch order (empty blocks where
+    the gate closed the step: drafting False)."""
+
+    proposals: list[DraftProposal]
+    drafting: bool
 
 
 def no_drafts(n: int) -> list[DraftProposal]:
@@ -142,14 +151,11 @@ class Speculation:
         return min(2, d.block_size)
 
     # -- propose -------------------------------------------------------------------------------
-    def propose(self, decodes: list[Request], room: int, load: LoadState | None) -> StepProposal:
-        """Draft for every decoding request and choose its verification length.
-
-        room: tokens the forward can still take beyond one anchor per decode (the step's token
-            budget minus prefill chunks and anchors): a hard cap on the drafts verified.
-        load: the engine's load this step (the policy reads it)."""
+    def draft(self, decodes: list[Request], load: LoadState | None) -> Drafts:
+        """Draft for every decoding request, where the draft gate lets this step draft.
+        load: the engine's load this step (the gate reads its level)."""
         if not decodes:
-            return StepProposal([], [])
+            return Drafts([], drafting=False)
         # One decoding request: a drafter that already decides per request whether its drafts pay
         # (the combined drafter drafts nothing where its rounds do not) is not second-guessed by
         # the gate, whose load-level verdict would carry one request's text over to the next.
@@ -171,9 +177,23 @@ class Speculation:
             catch_up = None if prefilling else self.drafter.catch_up_seconds([r.request_id for r in decodes])
             drafting = self.gate.should_draft(soon, explore=not prefilling, catch_up=catch_up)
         proposals = self._draft(decodes, branches=not prefilling) if drafting else no_drafts(len(decodes))
+        return Drafts(proposals, drafting)
+
+    def choose_lengths(
+        self, decodes: list[Request], drafts: Drafts, room: int, load: LoadState | None
+    ) -> StepProposal:
+        """How many of its drafts each decoding request verifies (the policy), and which
+        branches fit beside them.
+
+        room: tokens the forward can still take beyond one anchor per decode (the step's token
+            budget minus prefill chunks and anchors): a hard cap on the drafts verified.
+        load: the engine's load this step (the policy reads it)."""
+        if not decodes:
+            return StepProposal([], [])
+        proposals = drafts.proposals
         lengths, decision = self._choose_lengths(decodes, proposals, room, load)
         self._trim_branches(proposals, lengths, min(self.cfg.branch_rows, room + len(decodes)))
-        return StepProposal(proposals, lengths, drafting, decision)
+        return StepProposal(proposals, lengths, drafts.drafting, decision)
 
     @staticmethod
     def _trim_branches(proposals: list[DraftProposal], lengths: list[int], cap: int) -> None:
@@ -182,9 +202,9 @@ class Speculation:
         before it), its own anchor row included; one that does not fit is dropped."""
         rows = sum(1 + n for n in lengths)
         for i, p in enumerate(proposals):
-            if p.alternate is not None:
-                keep = min(len(p.alternate), cap - rows - 1)  # its anchor row + its drafts
-                proposals[i] = replace(p, alternate=p.alternate[:keep] if keep > 0 else None)
+            if p.branch is not None:
+                keep = min(len(p.branch), cap - rows - 1)  # its anchor row + its drafts
+                proposals[i] = replace(p, branch=p.branch[:keep] if keep > 0 else None)
                 rows += 1 + keep if keep > 0 else 0
 
     def lookahead(self, r: Request) -> int:
@@ -209,7 +229,7 @@ class Speculation:
         return max(0, cap)
 
     def _draft(self, decodes: list[Request], branches: bool = False) -> list[DraftProposal]:
-        """branches: greedy requests may get a branch (`DraftRequest.alternate`) where every
+        """branches: greedy requests may get a branch (`DraftRequest.branch`) where every
         request's full block and a branch's anchor and first draft fit in `branch_rows`
         verified rows (`propose` trims branches to the rows left)."""
         proposals = no_drafts(len(decodes))
@@ -280,7 +300,7 @@ class Speculation:
         if verified > 0:
             d.observe_acceptance(r.request_id, verified, accepted)
         if branch is not None and branch[0] > 0:
-            feedback = getattr(d, "observe_alternate", None)
+            feedback = getattr(d, "observe_branch", None)
             if feedback is not None:
                 feedback(r.request_id, *branch)
             if branch[1] > accepted or verified <= 0:

@@ -136,7 +136,7 @@ class VerifyStep:
         blocks = self.blocks
         out: dict[int, Branch] = {}
         for i, r in enumerate(batch.decodes):
-            alt = proposal.alternate(i)
+            alt = proposal.branch(i)
             if alt is None:
                 continue
             bid = f"{r.request_id}\x00branch"

@@ -10,6 +10,7 @@ import dataclasses
 import json
 
 from dspark_serve.scheduler.client import GenerationParams, GrammarSpec
+from dspark_serve.scheduler.limits import LimitError, check_context, check_token_ids
 from dspark_serve.server.errors import ApiError
 from dspark_serve.server.protocol import (
     COMPLETION_MAX_TOKENS,
@@ -40,10 +41,10 @@ def chat_messages(req: ChatCompletionRequest, tools: ToolMode | None) -> list[di
 def check_prompt_ids(prompt_ids: list[int], vocab: int | None) -> None:
     """Token ids given as the prompt must lie in the vocabulary (or at least be non-negative
     while its size is unknown)."""
-    bad = [x for x in prompt_ids if x < 0 or (vocab is not None and x >= vocab)]
-    if bad:
-        where = f" [0, {vocab})" if vocab is not None else " (negative)"
-        raise ApiError(400, f"prompt token id {bad[0]} is out of range{where}", "prompt")
+    try:
+        check_token_ids(prompt_ids, vocab, "prompt", "prompt")
+    except LimitError as exc:
+        raise ApiError(400, str(exc), exc.param) from exc
 
 
 def check_logit_bias(req: GenerationRequest, vocab: int | None) -> None:
@@ -51,9 +52,10 @@ def check_logit_bias(req: GenerationRequest, vocab: int | None) -> None:
     the request model's)."""
     if not req.logit_bias or vocab is None:
         return
-    for key in req.logit_bias:
-        if int(key) >= vocab:
-            raise ApiError(400, f"logit_bias token id {key} is out of range [0, {vocab})", "logit_bias")
+    try:
+        check_token_ids((int(key) for key in req.logit_bias), vocab, "logit_bias", "logit_bias")
+    except LimitError as exc:
+        raise ApiError(400, str(exc), exc.param) from exc
 
 
 def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
@@ -108,15 +110,10 @@ def generation_params(
     max_tokens = max_tokens_of(req)
     if max_tokens is None:
         max_tokens = max(1, max_model_len - prompt_len)
-    if prompt_len + max_tokens > max_model_len:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
-            f"completion). Please reduce the length of the prompt or completion.",
-            "max_tokens",
-            "context_length_exceeded",
-        )
+    try:
+        check_context(prompt_len, max_tokens, max_model_len)
+    except LimitError as exc:
+        raise ApiError(400, str(exc), exc.param, exc.code) from exc
     return GenerationParams(
         max_tokens=max_tokens,
         temperature=req.temperature,

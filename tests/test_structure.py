@@ -137,5 +137,11 @@ def test_the_engine_step_reads_as_the_method():
     ]
     assert step[0] < MAX_STEP_LINES
     calls = [ast.unparse(c.func) for c in ast.walk(step[1]) if isinstance(c, ast.Call)]
-    order = ["self._schedule", "self._draft_and_choose_lengths", "self.verify", "self._commit"]
+    order = [
+        "self._schedule",
+        "self.speculation.draft",
+        "self._choose_lengths",
+        "self.verify",
+        "self._commit",
+    ]
     assert [c for c in calls if c in order] == order

@@ -111,18 +111,65 @@ def rejection_sample(
     Randomness: request b draws num_draft[b] + 1 uniforms from generators[b] (or the global RNG
     when None), so a seeded request does not depend on what else is in the batch.
     """
+    n_list = _checked_counts(
+        target_probs, draft_tokens, draft_probs, num_draft, generators, draft_deterministic
+    )
+    t, vocab = target_probs.shape
+    b, d = len(n_list), sum(n_list)
+    device = target_probs.device
+    nd = num_draft.to(device=device, dtype=torch.long)  # [B]
+    offsets = verify_offsets(nd)  # [B+1]
+    starts = offsets[:-1]  # [B] first verify row of each request
+    u = _uniforms(n_list, generators, device)  # [T]: a request's draft rows, then its final draw
+    req = torch.repeat_interleave(torch.arange(b, device=device), nd)  # [D] request of each draft
+    vrow = torch.arange(d, device=device) + req  # [D] verify row judging each draft
+    pos = vrow - starts[req]  # [D] position of each draft in its block
+    tokens = draft_tokens.to(device=device, dtype=torch.long).clamp(0, vocab - 1)  # [D]
+    det = None if draft_deterministic is None else draft_deterministic.to(device=device, dtype=torch.bool)
+    q = _DraftQ(draft_probs, det, tokens)
+
+    # Acceptance: u < p/q  <=>  u * q < p (no division, q = 0 cannot blow up).
+    p_tok = target_probs[vrow, tokens].float()  # [D]
+    accept = u[vrow] * q.of_tokens(req, p_tok) < p_tok  # [D]
+    # Length of each request's accepted prefix: its first rejected position, or num_draft.
+    num_accepted = nd.clone()  # [B]
+    if d > 0:
+        num_accepted.scatter_reduce_(0, req[~accept], pos[~accept], reduce="amin")
+
+    # Recovered and bonus tokens both sit at row starts + num_accepted: sample from the residual
+    # where the request was rejected there, from p itself where it ran out of drafts.
+    final_rows = starts + num_accepted  # [B]
+    final_dist = q.final_distribution(target_probs[final_rows].float(), final_rows, num_accepted < nd)
+    final_tokens = sample_from_uniforms(final_dist, u[offsets[1:] - 1])  # [B]: each request's last uniform
+
+    output = torch.full((t,), -1, dtype=torch.long, device=device)
+    kept = pos < num_accepted[req]  # [D]
+    output[vrow[kept]] = tokens[kept]
+    output[final_rows] = final_tokens
+    return RejectionResult(
+        output_tokens=output, num_accepted=num_accepted, num_output=num_accepted + 1, offsets=offsets
+    )
+
+
+def _checked_counts(
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    num_draft: torch.Tensor,
+    generators: Sequence[torch.Generator | None] | None,
+    draft_deterministic: torch.Tensor | None,
+) -> list[int]:
+    """`rejection_sample`'s inputs checked against each other -> num_draft as host integers."""
     if target_probs.dim() != 2:
         raise ValueError(f"target_probs must be [T, V], got shape {tuple(target_probs.shape)}")
     if num_draft.dim() != 1:
         raise ValueError(f"num_draft must be [B], got shape {tuple(num_draft.shape)}")
     t, vocab = target_probs.shape
-    b = int(num_draft.shape[0])
-    device = target_probs.device
     n_list = [int(n) for n in num_draft.tolist()]
+    b, d = len(n_list), sum(n_list)
     bad = [n for n in n_list if n < 0]
     if bad:
         raise ValueError(f"num_draft values must be >= 0, got {bad}")
-    d = sum(n_list)
     if t != d + b:
         raise ValueError(f"target_probs must have sum(num_draft + 1) = [{d + b}] rows, got {t}")
     if tuple(draft_tokens.shape) != (d,):
@@ -135,61 +182,46 @@ def rejection_sample(
         raise ValueError(f"{b} requests but {len(generators)} generators")
     if draft_deterministic is not None and tuple(draft_deterministic.shape) != (b,):
         raise ValueError(f"draft_deterministic must be [{b}], got shape {tuple(draft_deterministic.shape)}")
+    return n_list
 
-    nd = num_draft.to(device=device, dtype=torch.long)  # [B]
-    offsets = verify_offsets(nd)  # [B+1]
-    starts = offsets[:-1]  # [B] first verify row of each request
-    u = _uniforms(n_list, generators, device)  # [T]: a request's draft rows, then its final draw
-    req = torch.repeat_interleave(torch.arange(b, device=device), nd)  # [D] request of each draft
-    vrow = torch.arange(d, device=device) + req  # [D] verify row judging each draft
-    pos = vrow - starts[req]  # [D] position of each draft in its block
-    tokens = draft_tokens.to(device=device, dtype=torch.long).clamp(0, vocab - 1)  # [D]
-    det = None if draft_deterministic is None else draft_deterministic.to(device=device, dtype=torch.bool)
 
-    # Acceptance: u < p/q  <=>  u * q < p (no division, q = 0 cannot blow up).
-    p_tok = target_probs[vrow, tokens].float()  # [D]
-    if draft_probs is None:
-        q_tok = torch.ones_like(p_tok)
-    else:
-        q_tok = draft_probs[torch.arange(d, device=device), tokens].float()
-        if det is not None:
-            q_tok = torch.where(det[req], torch.ones_like(q_tok), q_tok)
-    accept = u[vrow] * q_tok < p_tok  # [D]
-    # Length of each request's accepted prefix: its first rejected position, or num_draft.
-    first_reject = nd.clone()
-    if d > 0:
-        first_reject.scatter_reduce_(0, req[~accept], pos[~accept], reduce="amin")
-    num_accepted = first_reject  # [B]
-    rejected = num_accepted < nd
+class _DraftQ:
+    """The draft distribution q of each draft row: `probs` [D, V], or one-hot on the draft token
+    where there are none or the request is deterministic (`det` [B] bool); tokens [D]."""
 
-    # Recovered and bonus tokens both sit at row starts + num_accepted: sample from the residual
-    # where the request was rejected there, from p itself where it ran out of drafts.
-    final_rows = starts + num_accepted  # [B]
-    p_final = target_probs[final_rows].float()  # [B, V]
-    final_dist = p_final
-    if d > 0 and bool(rejected.any()):
-        drow = (final_rows - torch.arange(b, device=device)).clamp(
-            max=d - 1
-        )  # [B] draft row at the rejection
-        onehot = torch.zeros_like(p_final).scatter_(1, tokens[drow].unsqueeze(1), 1.0)
-        if draft_probs is None:
+    def __init__(self, probs: torch.Tensor | None, det: torch.Tensor | None, tokens: torch.Tensor) -> None:
+        self.probs, self.det, self.tokens = probs, det, tokens
+
+    def of_tokens(self, req: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """q(x_k) of every draft [D] (req [D]: each draft's request)."""
+        if self.probs is None:
+            return torch.ones_like(like)
+        q_tok = self.probs[torch.arange(len(self.tokens), device=like.device), self.tokens].float()
+        if self.det is not None:
+            q_tok = torch.where(self.det[req], torch.ones_like(q_tok), q_tok)
+        return q_tok
+
+    def final_distribution(
+        self, p_final: torch.Tensor, final_rows: torch.Tensor, rejected: torch.Tensor
+    ) -> torch.Tensor:
+        """[B, V]: norm(max(0, p - q)) at a request's rejected draft (p where that residual has
+        ~no mass), p itself where every draft was accepted (p_final [B, V]: the rows at
+        final_rows [B]; rejected [B] bool)."""
+        d = len(self.tokens)
+        if d == 0 or not bool(rejected.any()):
+            return p_final
+        b = len(final_rows)
+        drow = (final_rows - torch.arange(b, device=p_final.device)).clamp(max=d - 1)  # [B] draft row
+        onehot = torch.zeros_like(p_final).scatter_(1, self.tokens[drow].unsqueeze(1), 1.0)
+        if self.probs is None:
             q_final = onehot
         else:
-            q_final = draft_probs[drow].float()
-            if det is not None:
-                q_final = torch.where(det.unsqueeze(1), onehot, q_final)
+            q_final = self.probs[drow].float()
+            if self.det is not None:
+                q_final = torch.where(self.det.unsqueeze(1), onehot, q_final)
         residual = (p_final - q_final).clamp_min(0.0)
         use_residual = rejected & (residual.sum(dim=1) > RESIDUAL_EPS)
-        final_dist = torch.where(use_residual.unsqueeze(1), residual, p_final)
-    final_tokens = sample_from_uniforms(final_dist, u[offsets[1:] - 1])  # [B]: each request's last uniform
-
-    output = torch.full((t,), -1, dtype=torch.long, device=device)
-    kept = pos < num_accepted[req]  # [D]
-    output[vrow[kept]] = tokens[kept]
-    output[final_rows] = final_tokens
-    return RejectionResult(
-        output_tokens=output, num_accepted=num_accepted, num_output=num_accepted + 1, offsets=offsets
-    )
+        return torch.where(use_residual.unsqueeze(1), residual, p_final)
 
 
 def greedy_verify(

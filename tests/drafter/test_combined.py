@@ -84,32 +84,32 @@ def test_lookup_wins_a_close_call_by_what_the_primary_costs():
         CombinedConfig(primary_cost=-0.5)
 
 
-def test_a_second_block_rides_along_only_where_the_request_allows_one():
-    """With `alternate` asked: a primary-led step sends lookup's match as the second block; a
-    lookup-led one sends the primary's block only with `primary_alternate`."""
+def test_a_branch_rides_along_only_where_the_request_allows_one():
+    """With a branch asked: a primary-led step sends lookup's match as the branch; a
+    lookup-led one sends the primary's block only with `primary_branch`."""
 
-    def ask(comb, alternate):
+    def ask(comb, branch):
         r = req()
-        r.alternate = alternate
+        r.branch = branch
         return comb.propose([r])[0]
 
     primary, lookup = Fake("dspark", block=4), Fake("ngram", hit=True, block=3)
     comb = CombinedDrafter(primary, lookup, CombinedConfig(explore_every=100, primary_cost=0.0, decay=1.0))
     p = ask(comb, False)
-    assert comb._state["a"].last == 1 and p.alternate is None  # a tie at the prior: lookup leads
+    assert comb._state["a"].last == 1 and p.branch is None  # a tie at the prior: lookup leads
     comb.observe_acceptance("a", 3, 0)  # and fails: the primary leads next
     p = ask(comb, True)
-    assert comb._state["a"].last == 0 and len(p) == 4 and p.alternate.tolist() == [0, 1, 2]
-    comb.observe_alternate("a", 3, 3)  # the lookup block did well: it leads next
+    assert comb._state["a"].last == 0 and len(p) == 4 and p.branch.tolist() == [0, 1, 2]
+    comb.observe_branch("a", 3, 3)  # the lookup block did well: it leads next
     assert comb._state["a"].score == [1.0, 3.0]
     asked = primary.asked
     p = ask(comb, True)
-    assert comb._state["a"].last == 1 and len(p) == 3 and p.alternate is None
+    assert comb._state["a"].last == 1 and len(p) == 3 and p.branch is None
     assert primary.asked == asked  # no primary block drafted for a lookup-led step
-    comb.config = CombinedConfig(explore_every=100, primary_cost=0.0, decay=1.0, primary_alternate=True)
+    comb.config = CombinedConfig(explore_every=100, primary_cost=0.0, decay=1.0, primary_branch=True)
     p = ask(comb, True)
-    assert len(p) == 3 and p.alternate.tolist() == [0, 1, 2, 3] and primary.asked == asked + 1
-    assert ask(comb, False).alternate is None
+    assert len(p) == 3 and p.branch.tolist() == [0, 1, 2, 3] and primary.asked == asked + 1
+    assert ask(comb, False).branch is None
 
 
 class Confident(Fake):

@@ -54,7 +54,7 @@ def test_mixed_batch_matches_generate(kind):
         assert r.output_ids == hf_greedy(model, r.prompt_ids, r.max_tokens), r.request_id
     assert doomed.finish_reason == "abort" and len(doomed.output_ids) < 50
     blocks = engine.blocks
-    assert blocks.num_free_blocks == blocks.num_blocks and engine.reserved_blocks == 0
+    assert blocks.num_free_blocks == blocks.num_blocks and engine.scheduler.reserved_blocks == 0
 
 
 def test_rollback_then_reforward_reproduces_logits():

@@ -365,7 +365,7 @@ def test_engine_stops_drafting_when_it_does_not_pay_and_stays_lossless():
     model = tiny_model("llama")
     prompt = list(b"gate test")
     engine = gated_engine(model, SlowWrongDrafter())
-    assert engine.gate is not None
+    assert engine.speculation.gate is not None
     r = Request("g", prompt, SamplingParams(temperature=0), 80, ignore_eos=True)
     engine.add_request(r)
     while engine.has_work():
@@ -373,7 +373,7 @@ def test_engine_stops_drafting_when_it_does_not_pay_and_stays_lossless():
     assert r.output_ids == hf_greedy(model, prompt, 80)
     drafted_steps = r.spec.rounds
     assert drafted_steps < 0.35 * r.spec.steps, (drafted_steps, r.spec.steps)
-    assert engine.gate.rate(1, False) > engine.gate.rate(1, True)
+    assert engine.speculation.gate.rate(1, False) > engine.speculation.gate.rate(1, True)
 
 
 class SlowWrongChooser(SlowWrongDrafter):
@@ -413,7 +413,7 @@ def test_seeded_requests_follow_the_gate_and_keep_plain_decodings_output():
 
     def run(engine: Engine, taught: int = 0) -> tuple[list[int], int]:
         for i in range(taught):  # teach the gate different things first
-            engine.gate.record(1, i % 2 == 0, decode_tokens=1 + (i % 3), seconds=0.01)
+            engine.speculation.gate.record(1, i % 2 == 0, decode_tokens=1 + (i % 3), seconds=0.01)
         r = Request("s", list(b"seeded"), sp, 20, ignore_eos=True)
         engine.add_request(r)
         while engine.has_work():

@@ -57,7 +57,7 @@ def fresh(ps, n=16):
 
 def assert_all_blocks_free(engine):
     b = engine.blocks
-    assert b.num_free_blocks == b.num_blocks and engine.reserved_blocks == 0
+    assert b.num_free_blocks == b.num_blocks and engine.scheduler.reserved_blocks == 0
     assert not engine.running and not engine.waiting and not engine.requests
 
 

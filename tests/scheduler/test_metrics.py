@@ -49,7 +49,7 @@ EXPORTED = (
     ("dspark:spec_decode_num_draft_tokens", "counter", ("model_name",)),
     ("dspark:spec_decode_num_accepted_tokens", "counter", ("model_name",)),
     ("dspark:spec_decode_num_accepted_tokens_per_pos", "counter", ("model_name", "position")),
-    ("dspark:spec_decode_second_blocks", "counter", ("model_name", "outcome")),
+    ("dspark:spec_decode_branches", "counter", ("model_name", "outcome")),
     ("dspark:spec_decode_acceptance_length", "histogram", ("model_name",)),
     ("dspark:spec_decode_verify_budget", "histogram", ("model_name",)),
     ("dspark:spec_decode_verify_budget_mean", "gauge", ("model_name",)),
@@ -192,11 +192,11 @@ def test_branches_are_counted_by_outcome():
     reg = CollectorRegistry()
     m = EngineMetrics(reg, "tiny")
     for kept in (True, False, False):
-        m.record_second_block(kept)
+        m.record_branch(kept)
     got = samples(reg)
     lab = lambda outcome: (("model_name", "tiny"), ("outcome", outcome))
-    assert got[("dspark:spec_decode_second_blocks_total", lab("kept"))] == 1
-    assert got[("dspark:spec_decode_second_blocks_total", lab("dropped"))] == 2
+    assert got[("dspark:spec_decode_branches_total", lab("kept"))] == 1
+    assert got[("dspark:spec_decode_branches_total", lab("dropped"))] == 2
 
 
 def test_the_policy_report_exports_the_step_overhead_it_priced():

@@ -274,7 +274,7 @@ def test_aborts_of_requests_sharing_blocks_return_every_reference(tmp_path):
 
 def test_a_forks_copied_block_keeps_its_tap_rows():
     """`TapCache.copy_block` beside the KV copy of a fork's partial block: the shared positions
-    read back the rows their parent stored (a second block that wins is adopted with them)."""
+    read back the rows their parent stored (a branch that wins is adopted with them)."""
     from dspark_serve.drafter.base import AcceptedContext
     from dspark_serve.scheduler.block_manager import BlockManager
     from dspark_serve.scheduler.prefix import TapCache

@@ -48,6 +48,11 @@ class ClosedGate:
         return False, 2.0
 
 
+def propose(spec, decodes, room, load):
+    """One step's speculation as the engine runs it: draft, then choose lengths."""
+    return spec.choose_lengths(decodes, spec.draft(decodes, load), room, load)
+
+
 def decoding(rid: str, seed=None) -> Request:
     r = Request(rid, [1, 2, 3], SamplingParams(temperature=1.0 if seed is not None else 0.0, seed=seed), 50)
     r.status, r.output_ids, r.num_computed = Status.DECODE, [4], 3
@@ -60,7 +65,7 @@ LOAD = LoadState(num_running=2)
 def test_without_a_drafter_nothing_is_drafted():
     spec = Speculation(None, SchedulerConfig(), max_model_len=512)
     assert spec.policy.name == "none" and not spec.speculating and spec.draft_reserve([]) == 0
-    p = spec.propose([decoding("a"), decoding("b")], room=100, load=LOAD)
+    p = propose(spec, [decoding("a"), decoding("b")], room=100, load=LOAD)
     assert p.lengths == [0, 0] and [len(x) for x in p.proposals] == [0, 0]
     assert p.decision is not None and p.decision.lengths == [0, 0]
 
@@ -75,11 +80,11 @@ def test_seeded_requests_follow_the_gate_and_draft_greedily():
     spec = Speculation(dr, SchedulerConfig(verify_policy="dspark"), max_model_len=512)
     spec.gate = ClosedGate()
     reqs = [decoding("plain"), decoding("seeded", seed=3)]
-    p = spec.propose(reqs, room=100, load=LOAD)
+    p = propose(spec, reqs, room=100, load=LOAD)
     assert not p.drafting and [len(x) for x in p.proposals] == [0, 0] and not dr.asked
     assert spec.draft_reserve(reqs) == 0  # the closed gate's level reserves nothing, seeded or not
     spec.gate = None  # drafting on: the seeded request's view is greedy, its processing kept
-    spec.propose(reqs, room=100, load=LOAD)
+    propose(spec, reqs, room=100, load=LOAD)
     views = {v.request_id: v.sampling for v in seen}
     assert views["seeded"].greedy and views["seeded"].seed == 3
     assert reqs[1].sampling.temperature == 1.0  # the request itself still samples
@@ -89,7 +94,7 @@ def test_the_token_room_caps_lengths_before_the_policy():
     dr = FakeDrafter(block_size=4)
     spec = Speculation(dr, SchedulerConfig(verify_policy="static:4"), max_model_len=512)
     reqs = [decoding(f"r{i}") for i in range(3)]
-    p = spec.propose(reqs, room=5, load=LOAD)
+    p = propose(spec, reqs, room=5, load=LOAD)
     assert p.lengths == [2, 2, 1] and [len(x) for x in p.proposals] == [4, 4, 4]
     assert [len(p.drafts(i)) for i in range(3)] == [2, 2, 1]
     assert [r.last_budget for r in reqs] == [2, 2, 1]
@@ -102,10 +107,10 @@ def test_headroom_limits_what_is_drafted_past_last_budget():
     )
     r = decoding("a")
     r.last_budget = 0
-    spec.propose([r], room=100, load=LoadState(num_running=1))
+    propose(spec, [r], room=100, load=LoadState(num_running=1))
     assert dr.asked[-1] == {"a": 1}
     r.last_budget, r.max_tokens = None, 3  # no budget yet: the remaining max_tokens caps it
-    spec.propose([r], room=100, load=LoadState(num_running=1))
+    propose(spec, [r], room=100, load=LoadState(num_running=1))
     assert dr.asked[-1] == {"a": 1}  # 3 - 1 output - 1 for the target's own token
 
 
@@ -114,7 +119,7 @@ def test_a_static_policy_asks_for_no_more_drafts_than_it_verifies():
     spec = Speculation(dr, SchedulerConfig(verify_policy="static:2"), max_model_len=512)
     r = decoding("a")
     assert spec.lookahead(r) == 2
-    out = spec.propose([r], room=100, load=LoadState(num_running=1))
+    out = propose(spec, [r], room=100, load=LoadState(num_running=1))
     assert dr.asked[-1] == {"a": 2} and out.lengths == [2]
     spec.use_policy("dspark")  # load-aware: up to the block (no budget of its own yet)
     r.last_budget = None
@@ -132,7 +137,7 @@ def test_online_confidence_drafters_explore_on_a_fixed_schedule():
     lengths = []
     for step in range(8):
         r.spec.steps = step
-        lengths.append(spec.propose([r], room=100, load=LoadState(num_running=1)).lengths[0])
+        lengths.append(propose(spec, [r], room=100, load=LoadState(num_running=1)).lengths[0])
     assert lengths == [1, 0, 0, 0, 1, 0, 0, 0]
     assert r.last_budget == 0  # the policy's own answer is what is remembered
 
@@ -150,7 +155,7 @@ def test_settle_books_rounds_and_feeds_the_drafter():
 def test_pure_decode_steps_teach_the_gate():
     spec = Speculation(FakeDrafter(), SchedulerConfig(verify_policy="dspark"), max_model_len=512)
     assert spec.gate is not None
-    p = spec.propose([decoding("a")], room=100, load=LoadState(num_running=1))
+    p = propose(spec, [decoding("a")], room=100, load=LoadState(num_running=1))
     spec.record_step(p, num_decodes=1, has_prefills=True, decode_tokens=5, seconds=0.1, forward_seconds=0.05)
     assert spec.gate.rate(1, p.drafting) == 0.0  # a prefill chunk was in the step
     spec.record_step(p, num_decodes=1, has_prefills=False, decode_tokens=5, seconds=0.1, forward_seconds=0.05)
@@ -167,7 +172,7 @@ def test_the_gate_prices_verification_with_the_cost_table_and_learns_rows():
         abs(spec.gate.config.price(8, 8) - 1 / 20.0) < 1e-12
         and abs(spec.gate.config.price(64, 8) - 1 / 4.0) < 1e-12
     )
-    p = spec.propose([decoding("a"), decoding("b")], room=100, load=LOAD)
+    p = propose(spec, [decoding("a"), decoding("b")], room=100, load=LOAD)
     assert p.drafting and sum(p.lengths) > 0
     spec.record_step(p, num_decodes=2, has_prefills=False, decode_tokens=5, seconds=0.1, forward_seconds=0.05)
     rate = spec.gate.estimate.rates[(1, True)]
@@ -179,7 +184,7 @@ def test_the_gate_keeps_what_it_learned_across_policy_switches():
     spec = Speculation(FakeDrafter(), SchedulerConfig(verify_policy="dspark"), max_model_len=512)
     gate = spec.gate
     assert gate is not None
-    p = spec.propose([decoding("a")], room=100, load=LoadState(num_running=1))
+    p = propose(spec, [decoding("a")], room=100, load=LoadState(num_running=1))
     spec.record_step(p, num_decodes=1, has_prefills=False, decode_tokens=5, seconds=0.1, forward_seconds=0.05)
     spec.use_policy("none")
     assert spec.gate is None  # plain decoding has no gate
@@ -203,9 +208,9 @@ def test_a_step_that_prefills_asks_the_gate_for_no_exploration():
     spec.gate = gate = Gate()
     reqs = [decoding("a"), decoding("b")]
     load = LoadState(num_running=2, num_waiting=3, prefill_tokens=300, num_prefilling=5)
-    p = spec.propose(reqs, room=100, load=load)
+    p = propose(spec, reqs, room=100, load=load)
     assert not p.drafting and [len(x) for x in p.proposals] == [0, 0] and dr.asked == []
-    p = spec.propose(reqs, room=100, load=LoadState(num_running=2, num_waiting=3, num_prefilling=5))
+    p = propose(spec, reqs, room=100, load=LoadState(num_running=2, num_waiting=3, num_prefilling=5))
     # the prefilling step is judged at the load it heads for (2 decoding + 5 prefilling + 3
     # queued); a pure decode step at its own (requests prefilling there carry no chunk in
     # this step, and the queued ones may wait for KV room)
@@ -250,9 +255,11 @@ def test_the_gate_hears_what_the_drafters_catch_up_would_cost():
     dr = Pricing()
     spec = Speculation(dr, SchedulerConfig(verify_policy="dspark"), max_model_len=512)
     spec.gate = gate = ClosedGate()
-    spec.propose([decoding("a"), decoding("b")], room=100, load=LOAD)
+    propose(spec, [decoding("a"), decoding("b")], room=100, load=LOAD)
     assert gate.asked == [(2, True, 0.25)] and dr.priced == ["a", "b"]
-    spec.propose([decoding("a")], room=100, load=LoadState(num_running=2, prefill_tokens=8, num_prefilling=1))
+    propose(
+        spec, [decoding("a")], room=100, load=LoadState(num_running=2, prefill_tokens=8, num_prefilling=1)
+    )
     assert gate.asked[1] == (2, False, None)
 
 
@@ -273,17 +280,17 @@ def test_the_measured_overhead_moves_the_policys_lengths():
         )
         spec = Speculation(dr, cfg, max_model_len=512, cost_table=table)
         reqs = [decoding(f"r{i}") for i in range(4)]
-        first = spec.propose(reqs, room=100, load=LoadState(num_running=4))
+        first = propose(spec, reqs, room=100, load=LoadState(num_running=4))
         spec.record_step(first, 4, False, 8, seconds=0.5, forward_seconds=0.01)  # after no step: ignored
         assert spec.overhead.seconds(4) is None
         for _ in range(3):
-            p = spec.propose(reqs, room=100, load=LoadState(num_running=4))
+            p = propose(spec, reqs, room=100, load=LoadState(num_running=4))
             spec.record_step(p, 4, False, 8, seconds=0.06, forward_seconds=0.01)
         assert spec.overhead.seconds(4) == pytest.approx(0.05)
-        then = spec.propose(reqs, room=100, load=LoadState(num_running=4)).lengths
+        then = propose(spec, reqs, room=100, load=LoadState(num_running=4)).lengths
         assert spec.priced_overhead == (pytest.approx(0.05) if price else None)
         # a seeded request's keyed output does not depend on timings: its step is priced alike
-        seeded = spec.propose([*reqs[:3], decoding("s", seed=1)], room=100, load=LoadState(num_running=4))
+        seeded = propose(spec, [*reqs[:3], decoding("s", seed=1)], room=100, load=LoadState(num_running=4))
         assert spec.priced_overhead == (pytest.approx(0.05) if price else None)
         return first.lengths, then, seeded.lengths
 

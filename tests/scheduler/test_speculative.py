@@ -344,13 +344,13 @@ class SecondBlocks(NullMetrics):
     def __init__(self):
         self.kept = self.dropped = 0
 
-    def record_second_block(self, kept):
+    def record_branch(self, kept):
         self.kept += kept
         self.dropped += not kept
 
 
 @pytest.mark.parametrize("branch_rows,both_ways", [(0, False), (64, False), (64, True)])
-def test_greedy_second_blocks_equal_plain_and_the_longer_run_is_kept(tmp_path, branch_rows, both_ways):
+def test_greedy_branches_equal_plain_and_the_longer_run_is_kept(tmp_path, branch_rows, both_ways):
     """With room for two blocks a request verifies prompt lookup's match beside DSpark's
     block (forking its block table from the anchor) and keeps the longer accepted run: the
     output is still plain greedy decoding's, bit for bit in float32, and no block leaks."""
@@ -358,7 +358,7 @@ def test_greedy_second_blocks_equal_plain_and_the_longer_run_is_kept(tmp_path, b
     path = random_dspark(model, tmp_path)
     dr = build_drafter("dspark+ngram", path=str(path), target_model=model)
     assert isinstance(dr, CombinedDrafter)
-    dr.config = dataclasses.replace(dr.config, primary_alternate=both_ways)
+    dr.config = dataclasses.replace(dr.config, primary_branch=both_ways)
     seen = SecondBlocks()
     engine = Engine(
         runner_for(model),
