@@ -1,7 +1,9 @@
 """Every benchmark script starts (its imports resolve) from a checkout: `--help` exits 0."""
 
+import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,15 +18,34 @@ def test_the_scripts_are_found():
     assert {"bench_engine.py", "acceptance.py", "step_breakdown.py", "gpu_suite.py"} <= set(SCRIPTS)
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_script_help_runs(script, tmp_path):
-    proc = subprocess.run(
+def run_help(script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), "--help"],
-        cwd=tmp_path,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+@pytest.fixture(scope="module")
+def help_runs(request, tmp_path_factory):
+    """The selected scripts' `--help` runs, as many at a time as there are CPUs: each is a
+    process that spends its time importing, so they overlap instead of queueing one by one."""
+    pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2)
+    runs: dict[str, Future[subprocess.CompletedProcess[str]]] = {}
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.path == request.path and callspec is not None and "script" in callspec.params:
+            script = callspec.params["script"]
+            runs[script] = pool.submit(run_help, script, tmp_path_factory.mktemp(script))
+    yield runs
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_help_runs(script, help_runs):
+    proc = help_runs[script].result()
     assert proc.returncode == 0 and "usage" in proc.stdout.lower(), proc.stderr[-2000:]
 
 
