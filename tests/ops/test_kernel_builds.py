@@ -44,6 +44,7 @@ sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-x", *sys.argv[2:]]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BUILDS))
 def test_narrower_kernel_builds_pass_the_kernel_tests(name, tmp_path):
     flags, wider = BUILDS[name]
