@@ -25,6 +25,8 @@ def load_prompts(data_dir: Path, n: int, domains=DOMAINS, offset: int = 0) -> li
     """n (domain, first user turn) pairs, round-robin over the dev sets so every point mixes domains."""
     files = dev_sets(data_dir)
     per = {d: read_prompts(files[d]) for d in domains if d in files}
+    if not per:
+        raise FileNotFoundError(f"no dev prompt sets of {list(domains)} in {data_dir}")
     out, i = [], offset
     while len(out) < n:
         for d, ps in per.items():

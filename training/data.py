@@ -90,7 +90,7 @@ class Sample:
 
 # The prompt sets vendored with the repository (gzipped JSONL; sources and licences in
 # data/README.md): train.jsonl.gz for drafter data, dev-*.jsonl.gz for benchmarks.
-PROMPTS_DIR = Path(__file__).resolve().parents[2] / "data" / "prompts"
+PROMPTS_DIR = Path(__file__).resolve().parents[1] / "data" / "prompts"
 TRAIN_PROMPTS = PROMPTS_DIR / "train.jsonl.gz"
 
 
