@@ -35,7 +35,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
     state = AppState.create(engine, config, registry)
     app.state.dspark = state
     app.add_middleware(Guard, config=config, on_error=state.count_error)
-    install_error_handlers(app, state.count_error)
+    install_error_handlers(app, state.fail)
     app.include_router(routes_meta.router)
     app.include_router(routes_generate.router)
     install_openapi(app, state)

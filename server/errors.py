@@ -124,18 +124,9 @@ def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
     return ApiError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param)
 
 
-def install_error_handlers(app: FastAPI, count_error: Callable[[int], None]) -> None:
-    """Every exception a route can end with becomes an OpenAI-shaped answer, counted by status."""
-
-    def answer(
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> JSONResponse:
-        count_error(status)
-        return error_response(status, message, param, code, headers)
+def install_error_handlers(app: FastAPI, answer: Callable[..., JSONResponse]) -> None:
+    """Every exception a route can end with becomes an OpenAI-shaped answer; `answer` is
+    `AppState.fail` (the error response, counted by status)."""
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("server", "scheduler", "drafter", "verifier", "ops", "training", "configs")
 
-# A number not glued to a name or another number ("v2x", "fp16x", "1.3" inside "21.3x" are not
+# A number not glued to a name or another number ("v2x", "fp16x", and the tail of a longer number are not
 # starts), then the unit.
 NUMBER = r"(?<![\w.])\d[\d,]*(?:\.\d+)?"
 FIGURE_PATTERNS = {

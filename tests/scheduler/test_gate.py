@@ -249,7 +249,10 @@ def test_a_levels_own_verdict_must_clear_a_prior_it_contradicts():
     noisy = [16, 16, 48, 16, 48]  # 160 or 480 tok/s a step: 320 by the ratio of sums
     g = gate(z=1.0)
     level16(g, noisy)
-    assert g.estimate.verdict(4) == (True, pytest.approx(1.2))  # drafting measured 1.2x faster...
+    assert g.estimate.verdict(4) == (
+        True,
+        pytest.approx(1.2),
+    )  # the recorded rates put drafting ahead by 1.2 ...
     assert g.favoured(16) == (False, pytest.approx(1.75)) and g.estimate.contested(16)  # ...not enough
     picks = [g.should_draft(16) for _ in range(16)]
     assert picks == ([False] * 5 + [True] * 3) * 2  # a burst every 8 steps, not every 23
@@ -309,7 +312,9 @@ def test_an_exploration_of_drafting_waits_until_its_catch_up_fits_the_regret():
     probe.record(16, False, 16, 0.05)
     probe.record(16, False, 16, 0.05)
     picks = [probe.should_draft(16, catch_up=0.4) for _ in range(800)]
-    assert picks.index(True) == probe.config.max_explore_every - 3  # 0.4 s over 1% of 0.05 s steps: 800
+    assert (
+        picks.index(True) == probe.config.max_explore_every - 3
+    )  # the test's catch-up 0.4 over 1% of its 0.05 steps: 800
 
 
 def test_gate_config_rejects_bad_values():
