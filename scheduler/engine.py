@@ -209,7 +209,7 @@ class Engine:
             with self.runner.attention_backends():
                 t0 = time.perf_counter()
                 self._restore_contexts(batch)
-                load = self._load(batch)
+                load = self._load(batch) if batch.decodes else None  # the gate and policy read it
                 drafts = self.speculation.draft(batch.decodes, load)
                 proposal = self._choose_lengths(batch, drafts, load)
                 verification = self.verify(batch, proposal, self.tap_layers)
@@ -295,7 +295,7 @@ class Engine:
         prefilling = len(self.running) - len(batch.decodes)
         return self.load.snapshot(len(batch.decodes), len(self.waiting), batch.prefill_tokens, prefilling)
 
-    def _choose_lengths(self, batch: ScheduledBatch, drafts: Drafts, load: LoadState) -> StepProposal:
+    def _choose_lengths(self, batch: ScheduledBatch, drafts: Drafts, load: LoadState | None) -> StepProposal:
         room = self.cfg.max_num_batched_tokens - batch.prefill_tokens - len(batch.decodes)
         proposal = self.speculation.choose_lengths(batch.decodes, drafts, room, load)
         if proposal.decision is not None:
