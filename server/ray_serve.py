@@ -50,6 +50,7 @@ class RayServeConfig:
     target_ongoing_requests: the autoscaler aims at this many requests in flight per replica.
     upscale_delay_s / downscale_delay_s: how long the autoscaler must see a need before it adds
         / removes a replica.
+    look_back_period_s: the window the autoscaler averages the ongoing requests over.
     num_cpus: CPUs Ray reserves for each replica.
     health_check_period_s / health_check_timeout_s: how often Ray asks a replica whether its
         engine is alive, and how long an answer may take.
@@ -65,6 +66,7 @@ class RayServeConfig:
     target_ongoing_requests: float = 8.0
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
+    look_back_period_s: float = 30.0
     num_cpus: float = 1.0
     health_check_period_s: float = 5.0
     health_check_timeout_s: float = 30.0
@@ -87,6 +89,7 @@ class RayServeConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in (
             "target_ongoing_requests",
+            "look_back_period_s",
             "num_cpus",
             "health_check_period_s",
             "health_check_timeout_s",
@@ -121,6 +124,7 @@ class RayServeConfig:
                 "target_ongoing_requests": self.target_ongoing_requests,
                 "upscale_delay_s": self.upscale_delay_s,
                 "downscale_delay_s": self.downscale_delay_s,
+                "look_back_period_s": self.look_back_period_s,
             }
         else:
             opts["num_replicas"] = self.num_replicas

@@ -1,9 +1,8 @@
 """Every benchmark script starts (its imports resolve) from a checkout: `--help` exits 0."""
 
-import os
+import json
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,35 +17,49 @@ def test_the_scripts_are_found():
     assert {"bench_engine.py", "acceptance.py", "step_breakdown.py", "gpu_suite.py"} <= set(SCRIPTS)
 
 
-def run_help(script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), "--help"],
-        cwd=cwd,
+# One process runs every script's `--help` as `python bench/<script> --help` would (its folder
+# first on sys.path, run as __main__), so torch and the project are imported once, not per script.
+DRIVER = """
+import contextlib, io, json, runpy, sys, traceback
+out = {}
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    sys.path.insert(0, path.rsplit("/", 1)[0])
+    buf, err, code = io.StringIO(), io.StringIO(), None
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code or 0
+    except BaseException:
+        code, err = 1, io.StringIO(err.getvalue() + traceback.format_exc())
+    sys.path.pop(0)
+    out[path] = {"code": code, "stdout": buf.getvalue(), "stderr": err.getvalue()[-2000:]}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def help_runs(tmp_path_factory) -> dict[str, dict]:
+    """Each script's `--help` result: its exit code (None: it returned without exiting), stdout
+    and the tail of stderr, run from a directory outside the checkout."""
+    paths = [str(ROOT / "bench" / s) for s in SCRIPTS]
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, *paths],
+        cwd=tmp_path_factory.mktemp("help"),
         capture_output=True,
         text=True,
         timeout=300,
     )
-
-
-@pytest.fixture(scope="module")
-def help_runs(request, tmp_path_factory):
-    """The selected scripts' `--help` runs, as many at a time as there are CPUs: each is a
-    process that spends its time importing, so they overlap instead of queueing one by one."""
-    pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2)
-    runs: dict[str, Future[subprocess.CompletedProcess[str]]] = {}
-    for item in request.session.items:
-        callspec = getattr(item, "callspec", None)
-        if item.path == request.path and callspec is not None and "script" in callspec.params:
-            script = callspec.params["script"]
-            runs[script] = pool.submit(run_help, script, tmp_path_factory.mktemp(script))
-    yield runs
-    pool.shutdown(cancel_futures=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = json.loads(proc.stdout.splitlines()[-1])
+    return {Path(p).name: r for p, r in runs.items()}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_help_runs(script, help_runs):
-    proc = help_runs[script].result()
-    assert proc.returncode == 0 and "usage" in proc.stdout.lower(), proc.stderr[-2000:]
+    run = help_runs[script]
+    assert run["code"] == 0 and "usage" in run["stdout"].lower(), run["stderr"]
 
 
 def test_sweep_medians_pair_each_round_with_its_own_plain_run():

@@ -37,6 +37,7 @@ def test_config_validates_and_builds_deployment_options():
         "target_ongoing_requests": 6,
         "upscale_delay_s": 30.0,
         "downscale_delay_s": 600.0,
+        "look_back_period_s": 30.0,
     }
     assert "num_replicas" not in auto
     for bad in (
@@ -46,6 +47,7 @@ def test_config_validates_and_builds_deployment_options():
         {"target_ongoing_requests": 0.0},
         {"health_check_period_s": float("nan")},
         {"upscale_delay_s": -1.0},
+        {"look_back_period_s": 0.0},
     ):
         with pytest.raises(ValueError, match=repr(next(iter(bad.values())))[:3]):
             RayServeConfig(**bad)
@@ -94,7 +96,10 @@ class FakeGauge:
 # -- a real local Ray cluster ---------------------------------------------------------------
 
 
-def _stream(url: str, body: dict, out: dict, started: threading.Event) -> None:
+def _stream(
+    url: str, body: dict, out: dict, started: threading.Event, stop: threading.Event | None = None
+) -> None:
+    """Reads one SSE stream into out["lines"]; `stop` set: the client hangs up (a disconnect)."""
     lines: list[str] = []
     out["lines"] = lines
     try:
@@ -104,6 +109,9 @@ def _stream(url: str, body: dict, out: dict, started: threading.Event) -> None:
                 if line.startswith("data: "):
                     lines.append(line[6:])
                     started.set()
+                if stop is not None and stop.is_set():
+                    out["hung_up"] = True
+                    break
     except httpx.HTTPError as exc:  # the connection was cut: an error, not a hang
         out["exception"] = repr(exc)
     finally:
@@ -111,7 +119,9 @@ def _stream(url: str, body: dict, out: dict, started: threading.Event) -> None:
         started.set()
 
 
-def _long_stream(url: str, max_tokens: int = 1500) -> tuple[threading.Thread, dict, threading.Event]:
+def _long_stream(
+    url: str, max_tokens: int = 1500, stop: threading.Event | None = None
+) -> tuple[threading.Thread, dict, threading.Event]:
     out: dict = {}
     started = threading.Event()
     t = threading.Thread(
@@ -121,6 +131,7 @@ def _long_stream(url: str, max_tokens: int = 1500) -> tuple[threading.Thread, di
             {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True},
             out,
             started,
+            stop,
         ),
         daemon=True,
     )
@@ -284,19 +295,24 @@ def test_autoscaling_on_ongoing_requests(serve_cluster):
         target_ongoing_requests=1,
         upscale_delay_s=1,
         downscale_delay_s=2,
+        look_back_period_s=2,
         num_cpus=0.5,
         app_name=app,
     )
     serve.run(deployment(model, drafter, sched, server, rcfg), name=app, route_prefix="/")
     try:
         assert _running_replicas(serve, app) == 1
-        # 3 in flight against a target of 1, long enough (~20 s at this machine's speed) to outlast
-        # a second replica's start: streams that end first drop the load before it is counted
-        streams = [_long_stream(url) for _ in range(3)]
+        # 3 in flight against a target of 1, long enough to outlast a second replica's start
+        # (streams that end first would drop the load before it is counted); once the second
+        # replica runs, the clients hang up: the disconnects end the requests and the load drops
+        hang_up = threading.Event()
+        streams = [_long_stream(url, stop=hang_up) for _ in range(3)]
         _wait(lambda: _running_replicas(serve, app) == 2, 180, "the scale-up to 2 replicas")
         assert _running_replicas(serve, app) <= 2  # never past max_replicas
-        for t, _, _ in streams:
+        hang_up.set()
+        for t, out, _ in streams:
             t.join(timeout=300)
+            assert out.get("hung_up") or out["lines"][-1:] == ["[DONE]"], out.get("exception")
         _wait(lambda: _running_replicas(serve, app) == 1, 180, "the scale-down to 1 replica")
     finally:
         serve.delete(app)
