@@ -19,7 +19,14 @@ from typing import Any
 
 from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.builder import EngineBundle
-from dspark_serve.scheduler.client import DrainReport, EngineError, GenerationParams, RuntimeInfo, StreamDelta
+from dspark_serve.scheduler.client import (
+    ChatTemplate,
+    DrainReport,
+    EngineError,
+    GenerationParams,
+    RuntimeInfo,
+    StreamDelta,
+)
 from dspark_serve.scheduler.engine import Engine, RequestRejected
 from dspark_serve.scheduler.request import Request, RequestOutput
 
@@ -221,9 +228,29 @@ class AsyncEngine:
             raise EngineError("the model is still loading", 503)
         return self.bundle
 
-    def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat_template(self) -> ChatTemplate:
+        b = self._bundle()
+        tok = b.tokenizer
+        template = tok.chat_template if isinstance(tok.chat_template, str) else None
+        model_type = getattr(b.engine.runner.config, "model_type", None)
+        added = {str(t): int(i) for t, i in tok.get_added_vocab().items()}
+        return ChatTemplate(template, model_type if isinstance(model_type, str) else None, added)
+
+    def tokenize_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template: str | None = None,
+    ) -> list[int]:
         tok = self._bundle().tokenizer
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tok.apply_chat_template(
+            messages,
+            tools=tools,
+            chat_template=template,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

@@ -3,7 +3,7 @@ server stays importable (and testable) without the model stack."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -46,8 +46,9 @@ class GenerationParams:
 class GrammarSpec:
     """A constraint on the output, as the server parsed it.
 
-    kind: "json_object" (any JSON object) or "json_schema" (`schema` holds the JSON schema text).
-    schema: the JSON schema, serialized (kind "json_schema" only).
+    kind: "json_object" (any JSON object), "json_schema" (`schema` holds the JSON schema text)
+        or "lark" (`schema` holds an llguidance Lark grammar, which may embed JSON schemas).
+    schema: the JSON schema or the grammar (kinds "json_schema" and "lark").
     param: the request parameter it came from (named in errors: response_format, tools)."""
 
     kind: str
@@ -55,10 +56,10 @@ class GrammarSpec:
     param: str = "response_format"
 
     def __post_init__(self) -> None:
-        if self.kind not in ("json_object", "json_schema"):
-            raise ValueError(f"grammar kind must be json_object or json_schema, got {self.kind!r}")
-        if (self.kind == "json_schema") != (self.schema is not None):
-            raise ValueError(f"a schema goes with kind json_schema only (kind {self.kind!r})")
+        if self.kind not in ("json_object", "json_schema", "lark"):
+            raise ValueError(f"grammar kind must be json_object, json_schema or lark, got {self.kind!r}")
+        if (self.kind != "json_object") != (self.schema is not None):
+            raise ValueError(f"a schema goes with kinds json_schema and lark only (kind {self.kind!r})")
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,17 @@ class DrainReport:
 
 
 @dataclass(frozen=True)
+class ChatTemplate:
+    """What the server reads of the model's chat template: its text (None: the tokenizer has
+    none), the model family (`config.model_type`), and the vocabulary's added tokens by text
+    (markers such as `<tool_call>` that a grammar names as single tokens)."""
+
+    template: str | None
+    model_type: str | None
+    added_tokens: Mapping[str, int]
+
+
+@dataclass(frozen=True)
 class RuntimeInfo:
     """How the loaded engine runs (shown on /v1/models): dtype and why, device, drafter."""
 
@@ -173,7 +185,17 @@ class EngineClient(Protocol):
     @property
     def runtime_info(self) -> RuntimeInfo | None: ...
 
-    def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    def chat_template(self) -> ChatTemplate: ...
+
+    def tokenize_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template: str | None = None,
+    ) -> list[int]:
+        """The conversation through the chat template (`template`: a template's text in place of
+        the model's), with `tools` for templates that render them."""
+        ...
 
     def tokenize(self, text: str) -> list[int]: ...
 

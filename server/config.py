@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from dspark_serve.server.tool_formats import PARSER_NAMES, VENDORED_TEMPLATES
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,12 @@ class ServerConfig:
     one is answered 408 and dropped."""
     max_connections: int = 1000
     """Open client connections at most; one more is answered 503 and closed at once."""
+    tool_call_parser: str = "auto"
+    """How the model writes tool calls: json, hermes, llama3_json or mistral (vLLM's names);
+    auto picks by the chat template and model family (json where the template renders no tools)."""
+    chat_template: str | None = None
+    """A chat template in place of the model's: a Jinja file, or a shipped one by name (hermes,
+    llama3_json, mistral)."""
     shutdown_timeout: float = 30.0
     """On SIGTERM (or `drain`): seconds in-flight requests may still run before their streams
     are ended with an error event and finish_reason `abort`."""
@@ -55,5 +64,14 @@ class ServerConfig:
                 raise ValueError(f"{name} must be in (0, 3600] seconds, got {value!r}")
         if not (1 <= self.max_connections <= 1_000_000):
             raise ValueError(f"max_connections must be in [1, 1000000], got {self.max_connections!r}")
+        if self.tool_call_parser not in PARSER_NAMES:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(PARSER_NAMES)}, got {self.tool_call_parser!r}"
+            )
+        if self.chat_template is not None and not (
+            self.chat_template in VENDORED_TEMPLATES or Path(self.chat_template).is_file()
+        ):
+            names = ", ".join(VENDORED_TEMPLATES)
+            raise ValueError(f"chat_template must be a file or one of {names}, got {self.chat_template!r}")
         if not (0 <= self.shutdown_timeout <= 3600):
             raise ValueError(f"shutdown_timeout must be in [0, 3600] seconds, got {self.shutdown_timeout!r}")

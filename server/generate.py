@@ -21,9 +21,9 @@ from fastapi.responses import Response, StreamingResponse
 from dspark_serve.scheduler.client import EngineClient, EngineError, GenerationParams, StreamDelta
 from dspark_serve.server.errors import ApiError
 from dspark_serve.server.params import choice_params
-from dspark_serve.server.render import SSE_DONE, ChoiceProgress, Kind, Reply, sse_error
+from dspark_serve.server.render import SSE_DONE, Kind, Reply, sse_error
 from dspark_serve.server.state import AppState
-from dspark_serve.server.tools import ToolMode
+from dspark_serve.server.tool_formats import ToolMode
 
 DISCONNECT_POLL_S = 0.25  # how often the client is checked for having gone away (until a stream takes over)
 
@@ -81,7 +81,7 @@ async def sse_events(
 ) -> AsyncGenerator[str, None]:
     """The stream's events, from the chat role chunks to `[DONE]`; an engine error mid-stream
     becomes an error event. Closing it (the client went away) aborts the engine requests."""
-    progress = [ChoiceProgress() for _ in range(reply.n)]
+    progress = [reply.progress() for _ in range(reply.n)]
     last = None
     try:
         for event in reply.opening_events():

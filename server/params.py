@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 from dspark_serve.scheduler.client import GenerationParams, GrammarSpec
 from dspark_serve.scheduler.limits import LimitError, check_context, check_token_ids
@@ -20,22 +21,55 @@ from dspark_serve.server.protocol import (
     GenerationRequest,
     NamedToolChoice,
 )
-from dspark_serve.server.tools import Function, ToolMode, call_schema, render_call, with_tools
+from dspark_serve.server.tool_formats import ChatSetup, ToolFormat, ToolMode, forced_grammar
+from dspark_serve.server.tools import Function, decoded_arguments, render_calls, with_tools
 
 
-def chat_messages(req: ChatCompletionRequest, tools: ToolMode | None) -> list[dict[str, str]]:
-    """The conversation as the chat template takes it: text content, earlier tool calls written
-    out as the assistant would have written them, and the tools declared when in play."""
-    messages = []
+def chat_messages(
+    req: ChatCompletionRequest, fmt: ToolFormat, tools: ToolMode | None
+) -> list[dict[str, Any]]:
+    """The conversation as the chat template takes it. Formats whose template renders tools get
+    earlier calls as `tool_calls` (arguments decoded) and tool results with their call id; the
+    `json` format gets earlier calls written out as the assistant wrote them, and the tools
+    declared in the system message when in play."""
+    messages: list[dict[str, Any]] = []
     for m in req.messages:
-        content = m.text()
+        msg: dict[str, Any] = {"role": m.role if m.role != "developer" else "system", "content": m.text()}
         if m.role == "assistant" and m.tool_calls:
-            calls = [render_call(c.function.name, c.function.arguments) for c in m.tool_calls]
-            content = "\n".join(([content] if content else []) + calls)
-        messages.append({"role": m.role if m.role != "developer" else "system", "content": content})
-    if tools is not None and tools.parse:
+            if fmt.renders_tools:
+                msg["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {
+                            "name": c.function.name,
+                            "arguments": decoded_arguments(c.function.arguments),
+                        },
+                    }
+                    for c in m.tool_calls
+                ]
+            else:
+                calls = render_calls([(c.function.name, c.function.arguments) for c in m.tool_calls])
+                msg["content"] = "\n".join(([msg["content"]] if msg["content"] else []) + [calls])
+        if m.role == "tool" and fmt.renders_tools:
+            msg.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v})
+        messages.append(msg)
+    if tools is not None and not fmt.renders_tools:
         messages = with_tools(messages, tools.functions)
     return messages
+
+
+def template_tools(tools: ToolMode | None) -> list[dict[str, Any]] | None:
+    """The tools as a chat template that renders them takes them (OpenAI's `tools` shape)."""
+    if tools is None or not tools.format.renders_tools:
+        return None
+    return [
+        {
+            "type": "function",
+            "function": {"name": f.name, "description": f.description or "", "parameters": f.parameters},
+        }
+        for f in tools.functions
+    ]
 
 
 def check_prompt_ids(prompt_ids: list[int], vocab: int | None) -> None:
@@ -58,8 +92,9 @@ def check_logit_bias(req: GenerationRequest, vocab: int | None) -> None:
         raise ApiError(400, str(exc), exc.param) from exc
 
 
-def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
-    """What the request's tools and tool_choice ask for (None: no tools in play)."""
+def tool_mode(req: ChatCompletionRequest, setup: ChatSetup) -> ToolMode | None:
+    """What the request's tools and tool_choice ask for, in the model's format (None: no tools
+    in play); under "required" or a named function, the grammar that forces the calls."""
     choice = req.tool_choice
     if not req.tools or choice == "none":
         return None
@@ -67,10 +102,13 @@ def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
         Function(t.function.name, t.function.description, t.function.parameters or {"type": "object"})
         for t in req.tools
     ]
+    allowed = functions
     if isinstance(choice, NamedToolChoice):
-        named = [f for f in functions if f.name == choice.function.name]
-        return ToolMode(functions, named, True, True)
-    return ToolMode(functions, functions, choice == "required", True)
+        allowed = [f for f in functions if f.name == choice.function.name]
+    constrained = isinstance(choice, NamedToolChoice) or choice == "required"
+    parallel = req.parallel_tool_calls is not False
+    grammar = forced_grammar(setup.tools, allowed, parallel, setup.marker_ids) if constrained else None
+    return ToolMode(functions, allowed, grammar, parallel, setup.tools)
 
 
 def logprobs_of(req: ChatCompletionRequest | CompletionRequest) -> int | None:
@@ -82,8 +120,8 @@ def logprobs_of(req: ChatCompletionRequest | CompletionRequest) -> int | None:
 
 def grammar_of(req: ChatCompletionRequest | CompletionRequest, tools: ToolMode | None) -> GrammarSpec | None:
     """The constraint on the output: a forced tool call, or the response_format."""
-    if tools is not None and tools.constrained:
-        return GrammarSpec("json_schema", json.dumps(call_schema(tools.allowed)), "tools")
+    if tools is not None and tools.grammar is not None:
+        return tools.grammar
     rf = req.response_format
     if rf is None or rf.type == "text":
         return None

@@ -1,21 +1,32 @@
 """Responses in OpenAI's shapes, whole and streamed: choices, chunks, usage, logprobs, tool
 calls, provenance, and the SSE framing. Pure functions of the engine's deltas. No torch here.
 
-A request that may call a tool (`ToolMode.parse`) is recognised on the whole reply, so it
-streams its reply when complete (as content, or as one tool-call delta with its name and
-arguments), the way OpenAI streams a tool call's chunks, only in one piece.
+A request with tools in play reads its reply through the format's `ToolCallParser`: streamed,
+content goes out as content deltas, each call as a first chunk with its index, id and name and
+then `arguments` deltas as the model writes them (OpenAI's chunks); whole, the reply's calls are
+its `tool_calls`. A reply that made calls ends with finish_reason "tool_calls" ("length" when
+max_tokens cut it).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from dspark_serve.scheduler.client import StreamDelta
 from dspark_serve.server.errors import ApiError, error_body
-from dspark_serve.server.tools import ToolCall, ToolMode, parse_call
+from dspark_serve.server.tool_formats import ToolMode
+from dspark_serve.server.tool_parser import (
+    ArgumentsDelta,
+    CallStarted,
+    ContentDelta,
+    ParsedCall,
+    ToolCallParser,
+    ToolEvent,
+    parse_reply,
+)
 
 Kind = Literal["chat", "completion"]
 
@@ -98,14 +109,28 @@ def completion_logprobs(deltas: list[StreamDelta], offset: int) -> dict[str, Any
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
-    """One entry of `tool_calls` (with its `index` in a streamed delta)."""
-    body = {
-        "id": call.id,
-        "type": "function",
-        "function": {"name": call.name, "arguments": call.arguments},
-    }
-    return body if index is None else {"index": index, **body}
+def tool_call_json(call: ParsedCall) -> dict[str, Any]:
+    """One entry of a message's `tool_calls`."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_deltas(events: list[ToolEvent]) -> list[dict[str, Any]]:
+    """A parser's events as chat deltas: content; a call's first chunk (index, id, name, empty
+    arguments); its arguments, consecutive pieces joined."""
+    out: list[dict[str, Any]] = []
+    for e in events:
+        if isinstance(e, ContentDelta):
+            out.append({"content": e.text})
+        elif isinstance(e, CallStarted):
+            fn = {"name": e.name, "arguments": ""}
+            out.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function", "function": fn}]})
+        elif isinstance(e, ArgumentsDelta):
+            prev = out[-1]["tool_calls"][0] if out and "tool_calls" in out[-1] else None
+            if prev is not None and prev["index"] == e.index and "id" not in prev:
+                prev["function"]["arguments"] += e.text
+            else:
+                out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
+    return out
 
 
 @dataclass
@@ -113,10 +138,10 @@ class ChoiceProgress:
     """What a streamed choice has sent so far."""
 
     completion_tokens: int = 0
-    text: list[str] = field(default_factory=list)
-    """The text held back while the reply may be a tool call."""
     offset: int = 0
     """Characters sent (completions' `text_offset`)."""
+    parser: ToolCallParser | None = None
+    """Reads the reply's tool calls (tools in play)."""
 
 
 @dataclass(frozen=True)
@@ -135,10 +160,10 @@ class Reply:
     provenance: bool
     tools: ToolMode | None
 
-    @property
-    def buffered(self) -> bool:
-        """The reply is held back until complete: it may be a tool call."""
-        return self.tools is not None and self.tools.parse
+    def progress(self) -> ChoiceProgress:
+        """A streamed choice's progress, with its tool-call parser when tools are in play."""
+        t = self.tools
+        return ChoiceProgress(parser=ToolCallParser(t.format, t.names, t.parallel) if t is not None else None)
 
     def choice(
         self, i: int, text: str, finish: str | None, delta: bool, logprobs: dict[str, Any] | None = None
@@ -148,13 +173,6 @@ class Reply:
             key = "delta" if delta else "message"
             return {"index": i, key: body, "logprobs": logprobs, "finish_reason": finish}
         return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
-
-    def _tool_call(self, text: str, finish: str | None) -> ToolCall | None:
-        """The reply as a call of a declared function, when it is one and ended on its own."""
-        if self.tools is None or not self.tools.parse:
-            return None
-        call = parse_call(text, self.tools.functions)
-        return call if finish == "stop" else None
 
     def _logprobs(self, deltas: list[StreamDelta], offset: int) -> dict[str, Any] | None:
         if not self.logprobs:
@@ -193,10 +211,14 @@ class Reply:
     def _whole_choice(
         self, i: int, text: str, finish: str | None, deltas: list[StreamDelta]
     ) -> dict[str, Any]:
-        call = self._tool_call(text, finish)
-        if call is not None:
-            message = {"role": "assistant", "content": None, "tool_calls": [tool_call_json(call)]}
-            return {"index": i, "message": message, "logprobs": None, "finish_reason": "tool_calls"}
+        t = self.tools
+        if t is not None:
+            reply = parse_reply(t.format, text, t.names, t.parallel)
+            if reply.calls:
+                calls = [tool_call_json(c) for c in reply.calls]
+                message = {"role": "assistant", "content": reply.content, "tool_calls": calls}
+                finish = "tool_calls" if finish == "stop" else finish
+                return {"index": i, "message": message, "logprobs": None, "finish_reason": finish}
         return self.choice(i, text, finish, False, self._logprobs(deltas, 0))
 
     # -- streamed ----------------------------------------------------------------------------
@@ -232,8 +254,11 @@ class Reply:
         progress.completion_tokens = d.completion_tokens
         events = []
         tokens = token_records(d) if self.provenance else None
-        if self.buffered:
-            progress.text.append(d.text)
+        if progress.parser is not None:
+            deltas = tool_deltas(progress.parser.feed(d.text)) or ([{}] if tokens else [])
+            for k, delta in enumerate(deltas):
+                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                events.append(self.chunk([choice], tokens=tokens if k == 0 else None))
         elif d.text or tokens or (self.logprobs and d.tokens):
             lp = self._logprobs([d], progress.offset)
             progress.offset += sum(len(t.text) for t in d.tokens)
@@ -246,16 +271,13 @@ class Reply:
 
     def _finish_events(self, i: int, finish: str | None, progress: ChoiceProgress) -> list[str]:
         events = []
-        if self.buffered:
-            text = "".join(progress.text)
-            call = self._tool_call(text, finish)
-            if call is not None:
-                delta = {"tool_calls": [tool_call_json(call, 0)]}
-                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
-                events.append(self.chunk([choice]))
+        if progress.parser is not None:
+            for delta in tool_deltas(progress.parser.close()):
+                events.append(
+                    self.chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+                )
+            if progress.parser.calls and finish == "stop":
                 finish = "tool_calls"
-            elif text:
-                events.append(self.chunk([self.choice(i, text, None, True)]))
         last = self.choice(i, "", finish, True)
         events.append(self.chunk([{**last, **({"delta": {}} if self.kind == "chat" else {})}]))
         return events

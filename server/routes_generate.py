@@ -22,6 +22,7 @@ from dspark_serve.server.params import (
     check_logit_bias,
     check_prompt_ids,
     generation_params,
+    template_tools,
     tool_mode,
 )
 from dspark_serve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
@@ -72,10 +73,13 @@ async def read_request(state: AppState, request: Request, schema: type[RequestT]
 )
 async def chat(request: Request, state: State) -> Response | dict[str, Any]:
     req = await read_request(state, request, ChatCompletionRequest)
-    tools = tool_mode(req)
-    messages = chat_messages(req, tools)
+    setup = state.chat
+    tools = tool_mode(req, setup)
+    messages = chat_messages(req, setup.tools, tools)
     try:  # off the event loop: a long conversation must not hold up other requests
-        prompt_ids = await run_in_threadpool(state.engine.tokenize_chat, messages)
+        prompt_ids = await run_in_threadpool(
+            state.engine.tokenize_chat, messages, template_tools(tools), setup.template
+        )
     except Exception as exc:  # templates reject odd role orders
         raise ApiError(400, f"messages could not be formatted: {exc}", "messages") from exc
     gen = Generation(

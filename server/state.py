@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -14,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter
 from dspark_serve.scheduler.client import EngineClient
 from dspark_serve.server.config import ServerConfig
 from dspark_serve.server.errors import COUNTED_STATUSES, error_response
+from dspark_serve.server.tool_formats import ChatSetup, chat_setup
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,13 @@ class AppState:
     def served_model_name(self) -> str:
         """The model's name in /v1/models and in responses (the configured one, else the engine's)."""
         return self.config.served_model_name or self.engine.model_name
+
+    @cached_property
+    def chat(self) -> ChatSetup:
+        """The chat template and tool format in use (read once the engine has loaded)."""
+        return chat_setup(
+            self.config.tool_call_parser, self.config.chat_template, self.engine.chat_template()
+        )
 
     @property
     def draining(self) -> bool:

@@ -1,24 +1,27 @@
-"""Tool calling in a generic JSON format (for chat templates that have no tool format of their
-own, such as the embedded SmolLM2's, which ignores `tools`).
+"""A request's tools: the functions it declares, how its tool_choice uses them (`ToolMode`),
+the JSON schema of a call, and this server's own `json` tool format for chat templates that have
+none (such as the embedded SmolLM2's, which ignores `tools`); the model families' formats are
+`tool_formats.py`, reading calls back is `tool_parser.py`.
 
-The format (documented in docs/api.md):
+The `json` format (documented in docs/api.md):
 - the tools are described in a system message: an instruction followed by one JSON line per
   function (`{"name", "description", "parameters"}`); it joins the first system message, or
   comes first when there is none;
-- a call is the whole assistant reply as one JSON object `{"name": ..., "arguments": {...}}`;
+- a call is the whole assistant reply as one JSON object `{"name": ..., "arguments": {...}}`,
+  several calls a JSON array of them;
 - earlier assistant calls (`tool_calls` in the history) are rendered in that same format, and
   tool results keep their role `tool`.
 
 tool_choice "none": the tools are not described and the reply is plain content. "auto": they
-are, and a reply that is exactly one call of a listed function is returned as a tool call.
-"required" or a named function: the reply is constrained (a JSON schema grammar) to a call
-of one of the tools (of that one), its arguments to the function's parameter schema.
+are, and calls of listed functions in the reply are returned as tool calls. "required" or a
+named function: the reply is constrained (a grammar) to calls of the tools (of that one), each
+call's arguments to the function's parameter schema.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,15 +39,6 @@ class Function:
     name: str
     description: str | None
     parameters: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A parsed call: the function's name and its arguments as JSON text."""
-
-    id: str
-    name: str
-    arguments: str
 
 
 def describe(functions: list[Function]) -> str:
@@ -69,17 +63,23 @@ def with_tools(messages: list[dict[str, str]], functions: list[Function]) -> lis
     return [{"role": "system", "content": text}, *messages]
 
 
-def render_call(name: str, arguments: str) -> str:
-    """An earlier call, as the assistant would have written it."""
+def decoded_arguments(arguments: str) -> Any:
+    """An earlier call's arguments as a JSON value (the text itself when it is not JSON)."""
     try:
-        args: Any = json.loads(arguments) if arguments else {}
+        return json.loads(arguments) if arguments else {}
     except json.JSONDecodeError:
-        args = arguments
-    return json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
+        return arguments
 
 
-def call_schema(functions: list[Function]) -> dict[str, Any]:
-    """The JSON schema of a call to one of `functions`.
+def render_calls(calls: Sequence[tuple[str, str]]) -> str:
+    """Earlier calls (name, arguments text) as the assistant writes them in this format: one
+    JSON object, or an array of them."""
+    objs = [{"name": name, "arguments": decoded_arguments(args)} for name, args in calls]
+    return json.dumps(objs[0] if len(objs) == 1 else objs, ensure_ascii=False)
+
+
+def call_schema(functions: Sequence[Function], args_key: str = "arguments") -> dict[str, Any]:
+    """The JSON schema of a call to one of `functions` (its arguments under `args_key`).
 
     Each function's parameters move whole under the call schema's `$defs` (as `fn_<name>`)
     and its local `$ref`s ("#", "#/$defs/a", ...) are rewritten to point there, so parameter
@@ -92,8 +92,8 @@ def call_schema(functions: list[Function]) -> dict[str, Any]:
         options.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": f.name}, "arguments": {"$ref": f"#/$defs/{key}"}},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": f.name}, args_key: {"$ref": f"#/$defs/{key}"}},
+                "required": ["name", args_key],
                 "additionalProperties": False,
             }
         )
@@ -115,35 +115,3 @@ def _rebase_refs(schema: Any, base: str) -> Any:
     if isinstance(schema, list):
         return [_rebase_refs(v, base) for v in schema]
     return schema
-
-
-def parse_call(text: str, functions: list[Function]) -> ToolCall | None:
-    """The reply as a call of a listed function, or None when it is not exactly one."""
-    try:
-        obj = json.loads(text.strip())
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or set(obj) != {"name", "arguments"}:
-        return None
-    name, args = obj["name"], obj["arguments"]
-    if not isinstance(name, str) or not isinstance(args, dict):
-        return None
-    if name not in {f.name for f in functions}:
-        return None
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(args, ensure_ascii=False))
-
-
-@dataclass(frozen=True)
-class ToolMode:
-    """How one request uses its tools.
-
-    functions: every declared function (described to the model, recognised in the reply).
-    allowed: the functions a constrained reply may call (all, or the named one).
-    constrained: tool_choice "required" or a named function: the reply is a grammar-constrained call.
-    parse: the reply is returned as a tool call when it is one (auto, required, named).
-    """
-
-    functions: list[Function]
-    allowed: list[Function]
-    constrained: bool
-    parse: bool

@@ -5,7 +5,8 @@ Both the in-process compiler (`verifier/grammar.py`) and the compile worker
 these same steps, so a schema the worker passed builds the same way in the server:
 
 1. `prepare`: size, JSON text, an object, a finite value exists (`no_finite_value`), then the
-   llguidance grammar text;
+   llguidance grammar text; a Lark grammar (text starting `%llguidance`, the forced tool calls'
+   grammars) has each JSON schema it embeds (`%json {...}`) checked the same way;
 2. `build_matcher`: the matcher under parser limits, its first mask (llguidance builds its
    lexer lazily: the first mask is most of the cost of a hard schema), then a short probe walk
    of allowed tokens, where grammars whose forced continuation explodes (a required property
@@ -65,12 +66,19 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 ANY_OBJECT = '{"type": "object"}'
 
 
+LARK_HEADER = "%llguidance"
+
+
 def schema_text(kind: str, schema: str | None) -> str:
-    """The JSON schema text of a grammar kind: "json_object" (any JSON object) or
-    "json_schema" (`schema`)."""
+    """The text a grammar kind is built from: "json_object" (any JSON object), "json_schema"
+    (`schema`) or "lark" (`schema`, a Lark grammar starting with `%llguidance`)."""
     if kind == "json_object":
         return ANY_OBJECT
     if kind == "json_schema" and schema is not None:
+        return schema
+    if kind == "lark" and schema is not None:
+        if not schema.startswith(LARK_HEADER):
+            raise GrammarError(f"a Lark grammar must start with {LARK_HEADER}")
         return schema
     raise GrammarError(f"unknown grammar kind {kind!r}")
 
@@ -81,21 +89,47 @@ def prepare(text: str, config: GrammarConfig) -> str:
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > config.max_schema_bytes:
         raise GrammarError(f"the JSON schema is {size} bytes; the limit is {config.max_schema_bytes}")
+    import llguidance
+
+    if text.startswith(LARK_HEADER):
+        for parsed in embedded_schemas(text):
+            check_schema(parsed)
+        try:
+            return str(llguidance.LLMatcher.grammar_from_lark(text))
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from exc
     try:
         parsed = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
         raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
+    check_schema(parsed)
+    try:
+        return str(llguidance.LLMatcher.grammar_from_json_schema(parsed, overrides=JSON_OPTIONS))
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from exc
+
+
+def check_schema(parsed: Any) -> None:
+    """A JSON schema is an object that admits a finite value (GrammarError otherwise)."""
     if not isinstance(parsed, dict):
         raise GrammarError("the JSON schema must be an object")
     problem = no_finite_value(parsed)
     if problem is not None:
         raise GrammarError(f"the JSON schema admits no finite value: {problem}")
-    import llguidance
 
-    try:
-        return str(llguidance.LLMatcher.grammar_from_json_schema(parsed, overrides=JSON_OPTIONS))
-    except (ValueError, TypeError, RecursionError) as exc:
-        raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from exc
+
+def embedded_schemas(lark: str) -> list[Any]:
+    """The JSON schemas a Lark grammar embeds (`%json {...}`), decoded."""
+    out, decoder, at = [], json.JSONDecoder(), lark.find("%json")
+    while at >= 0:
+        start = lark.find("{", at)
+        try:
+            value, end = decoder.raw_decode(lark, start)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
+        out.append(value)
+        at = lark.find("%json", end)
+    return out
 
 
 def limits() -> llguidance.LLParserLimits:
@@ -129,24 +163,20 @@ def build_matcher(
 
 def probe(matcher: llguidance.LLMatcher, eos_ids: frozenset[int], steps: int) -> None:
     """Consume up to `steps` allowed tokens (the lowest allowed id that is not EOS at each
-    step), then roll them back; raises GrammarError where the matcher fails on the way."""
-    consumed = 0
-    try:
-        for _ in range(steps):
-            if matcher.is_stopped():
-                break
-            raw = matcher.compute_logit_bias()
-            token = next((i for i, b in enumerate(raw) if b and i not in eos_ids), None)
-            if token is None or matcher.is_error():
-                break
-            if not matcher.consume_token(token):
-                break
-            consumed += 1
-        if matcher.is_error():
-            raise GrammarError(f"the JSON schema cannot be used: {matcher_error(matcher)}")
-    finally:
-        if consumed and not matcher.is_error():
-            matcher.rollback(consumed)
+    step) on a copy of the matcher; raises GrammarError where the copy fails on the way. (A
+    copy, not a rollback: llguidance cannot roll back over some special tokens.)"""
+    walker = matcher.deep_copy()
+    for _ in range(steps):
+        if walker.is_stopped():
+            break
+        raw = walker.compute_logit_bias()
+        token = next((i for i, b in enumerate(raw) if b and i not in eos_ids), None)
+        if token is None or walker.is_error():
+            break
+        if not walker.consume_token(token):
+            break
+    if walker.is_error():
+        raise GrammarError(f"the JSON schema cannot be used: {matcher_error(walker)}")
 
 
 # -- a finite value exists --------------------------------------------------------------------

@@ -10,7 +10,14 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from dspark_serve.scheduler.client import EngineError, GenerationParams, RuntimeInfo, StreamDelta, TokenRecord
+from dspark_serve.scheduler.client import (
+    ChatTemplate,
+    EngineError,
+    GenerationParams,
+    RuntimeInfo,
+    StreamDelta,
+    TokenRecord,
+)
 from dspark_serve.server.app import build_app
 from dspark_serve.server.config import ServerConfig
 from tests.server.bad_inputs import BAD_INPUTS, assert_refused
@@ -34,7 +41,10 @@ class FakeEngine:
         dtype="bfloat16", dtype_reason="auto: test", device="cpu", drafter="none", verify_policy="none"
     )
 
-    def tokenize_chat(self, messages):
+    def chat_template(self):
+        return ChatTemplate(None, None, {})
+
+    def tokenize_chat(self, messages, tools=None, template=None):
         return [1] * sum(len(m["content"]) for m in messages)
 
     def tokenize(self, text):

@@ -187,6 +187,65 @@ def test_required_tool_call_returns_parseable_arguments(spec):
     ]
 
 
+NOTE = {
+    "type": "function",
+    "function": {
+        "name": "save_note",
+        "description": "Save a note about a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "note": {"type": "string", "minLength": 40, "maxLength": 60},
+            },
+            "required": ["city", "note"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_a_forced_call_streams_its_arguments_step_by_step_and_equals_plain_decoding(spec, plain):
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Save a note about Paris."}],
+        max_tokens=120,
+        temperature=0,
+        tools=[NOTE],
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    call = spec.client().chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    assert call == plain.client().chat.completions.create(**kw).choices[0].message.tool_calls[0].model_copy(
+        update={"id": call.id}
+    )  # greedy under speculation and grammar equals plain decoding's
+    assert len(json.loads(call.function.arguments)["note"]) >= 40
+    chunks = list(spec.client().chat.completions.create(**kw, stream=True))
+    parts = [t for ch in chunks if ch.choices for t in ch.choices[0].delta.tool_calls or []]
+    args = [p.function.arguments for p in parts[1:] if p.function.arguments]
+    assert len(args) >= 3 and "".join(args) == call.function.arguments  # as generated, not at the end
+
+
+def test_a_tool_conversation_call_result_answer(spec):
+    c = spec.client()
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = c.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=60, temperature=0
+    )
+    call = first.choices[0].message.tool_calls[0]
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny and 24 degrees."},
+    ]
+    second = c.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=30, temperature=0
+    )
+    assert second.choices[0].message.content and second.choices[0].message.tool_calls is None
+    alone = c.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=1).usage.prompt_tokens
+    # the second prompt holds the call as the model wrote it and the result after the question
+    assert second.usage.prompt_tokens > alone + first.usage.completion_tokens + 5
+
+
 def test_n_three_returns_three_choices_and_usage_counts_all(spec):
     r = spec.client().chat.completions.create(
         model=MODEL, messages=MSG, max_tokens=16, temperature=1.0, seed=3, n=3, logprobs=True

@@ -14,9 +14,10 @@ class ScriptEngine(FakeEngine):
 
     max_model_len = 4096
 
-    def __init__(self, words=("Hel", "lo")):
+    def __init__(self, words=("Hel", "lo"), finish="stop"):
         super().__init__()
         self.words = list(words)
+        self.finish = finish
         self.calls = []
 
     async def generate(self, request_id, prompt_ids, params):
@@ -31,7 +32,7 @@ class ScriptEngine(FakeEngine):
                 w,
                 [i],
                 i == n - 1,
-                "stop" if i == n - 1 else None,
+                self.finish if i == n - 1 else None,
                 len(prompt_ids),
                 i + 1,
                 tokens=[TokenRecord(i, w, "plain", None, lp)],
@@ -146,7 +147,9 @@ def test_required_and_named_tool_choice_constrain_the_reply_and_return_tool_call
     body = chat(c, tools=TOOLS, tool_choice="required").json()
     prompt = eng.calls[-1][1]
     g = eng.calls[-1][2].grammar
-    assert g.param == "tools" and len(json.loads(g.schema)["anyOf"]) == 2
+    schema = json.loads(g.schema)  # one call as an object, or several as an array
+    assert g.param == "tools" and len(schema["$defs"]["call"]["anyOf"]) == 2
+    assert schema["anyOf"][1]["items"] == {"$ref": "#/$defs/call"}
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     call = choice["message"]["tool_calls"][0]
@@ -154,9 +157,10 @@ def test_required_and_named_tool_choice_constrain_the_reply_and_return_tool_call
     assert json.loads(call["function"]["arguments"]) == {"a": 3} and call["id"].startswith("call_")
     # the tools are described to the model (the fake tokenizer counts characters)
     assert len(prompt) > 200
-    chat(c, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    named = json.loads(eng.calls[-1][2].grammar.schema)
-    assert named["properties"]["name"] == {"const": "get_weather"}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chat(c, tools=TOOLS, tool_choice=named, parallel_tool_calls=False)
+    one = json.loads(eng.calls[-1][2].grammar.schema)  # one call: the object alone
+    assert one["properties"]["name"] == {"const": "get_weather"} and "anyOf" not in one
     assert_error(
         chat(c, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "zz"}}), 400, "tool_choice"
     )
@@ -169,15 +173,56 @@ def test_required_and_named_tool_choice_constrain_the_reply_and_return_tool_call
 
 
 def test_tool_call_streams_as_openai_streams_it():
-    chunks = sse(
-        chat(client(ScriptEngine([CALL[:10], CALL[10:]])), tools=TOOLS, tool_choice="required", stream=True)
-    )
+    """The call's id and name first, then its arguments as each engine step writes them."""
+    pieces = [CALL[i : i + 6] for i in range(0, len(CALL), 6)]
+    chunks = sse(chat(client(ScriptEngine(pieces)), tools=TOOLS, tool_choice="required", stream=True))
     deltas = [ch for c in chunks for ch in c["choices"]]
-    calls = [d["delta"]["tool_calls"] for d in deltas if "tool_calls" in d.get("delta", {})]
-    assert len(calls) == 1 and calls[0][0]["index"] == 0 and calls[0][0]["function"]["name"] == "get_weather"
-    assert json.loads(calls[0][0]["function"]["arguments"]) == {"a": 3}
+    calls = [d["delta"]["tool_calls"][0] for d in deltas if "tool_calls" in d.get("delta", {})]
+    first, rest = calls[0], calls[1:]
+    assert first["index"] == 0 and first["id"].startswith("call_") and first["type"] == "function"
+    assert first["function"] == {"name": "get_weather", "arguments": ""}
+    assert len(rest) >= 2 and all(set(c) == {"index", "function"} and c["index"] == 0 for c in rest)
+    assert json.loads("".join(c["function"]["arguments"] for c in rest)) == {"a": 3}
     assert deltas[-1]["finish_reason"] == "tool_calls"
     assert not any(d["delta"].get("content") for d in deltas)
+
+
+TWO_CALLS = [
+    "I will look both up.\n\n<tool_call>\n",
+    '{"name": "get_weather", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "noop", ',
+    '"arguments": {}}\n</tool_call>',
+]
+
+
+def test_parallel_calls_come_back_with_their_ids_and_indexes_after_the_content():
+    eng = ScriptEngine(TWO_CALLS)
+    c = client(eng, tool_call_parser="hermes")
+    msg = chat(c, tools=TOOLS).json()["choices"][0]
+    assert msg["finish_reason"] == "tool_calls" and msg["message"]["content"] == "I will look both up."
+    calls = msg["message"]["tool_calls"]
+    assert [x["function"]["name"] for x in calls] == ["get_weather", "noop"] and len(
+        {x["id"] for x in calls}
+    ) == 2
+    assert [json.loads(x["function"]["arguments"]) for x in calls] == [{"a": 1}, {}]
+    chunks = sse(chat(c, tools=TOOLS, stream=True))
+    deltas = [ch["delta"] for x in chunks for ch in x["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "I will look both up."
+    starts = [t for d in deltas for t in d.get("tool_calls") or [] if "id" in t]
+    assert [(t["index"], t["function"]["name"]) for t in starts] == [(0, "get_weather"), (1, "noop")]
+    # parallel_tool_calls false: the first call only
+    one = chat(c, tools=TOOLS, parallel_tool_calls=False).json()["choices"][0]["message"]["tool_calls"]
+    assert [x["function"]["name"] for x in one] == ["get_weather"]
+
+
+def test_a_forced_call_cut_by_max_tokens_is_still_a_tool_call():
+    eng = ScriptEngine([CALL[:20], CALL[20:-3]], finish="length")  # cut inside the arguments
+    body = chat(client(eng), tools=TOOLS, tool_choice="required").json()["choices"][0]
+    assert body["finish_reason"] == "length"
+    (call,) = body["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"a": '}
+    chunks = sse(chat(client(eng), tools=TOOLS, tool_choice="required", stream=True))
+    finishes = [ch["finish_reason"] for x in chunks for ch in x["choices"] if ch["finish_reason"]]
+    assert finishes == ["length"]
 
 
 def test_earlier_tool_calls_and_results_are_rendered():
