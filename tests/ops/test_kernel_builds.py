@@ -44,23 +44,52 @@ sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-x", *sys.argv[2:]]))
 """
 
 
+def _skip_reason(name: str) -> str | None:
+    if platform.machine() not in ("x86_64", "AMD64") or find_compiler() is None:
+        return "needs an x86-64 CPU and a C compiler"
+    wider = BUILDS[name][1]
+    if wider not in _cpu_flags().split():
+        return f"this CPU has no {wider}: the main suite already runs the {name} build's paths"
+    return None
+
+
+@pytest.fixture(scope="module")
+def child_runs(request, tmp_path_factory):
+    """Every selected build's child, started together (each builds, then runs its tests with one
+    torch thread: the children overlap instead of queueing) -> (process, its kernel cache)."""
+    runs = {}
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.path != request.path or callspec is None or "name" not in callspec.params:
+            continue
+        name = callspec.params["name"]
+        if name in runs or _skip_reason(name) is not None:
+            continue
+        cache = tmp_path_factory.mktemp(name)
+        env = dict(os.environ, XDG_CACHE_HOME=str(cache), OMP_NUM_THREADS="1")  # a fresh kernel cache
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, " ".join(BUILDS[name][0]), *TESTS],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        runs[name] = (proc, cache)
+    yield runs
+    for proc, _ in runs.values():
+        proc.kill()
+        proc.communicate()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BUILDS))
-def test_narrower_kernel_builds_pass_the_kernel_tests(name, tmp_path):
-    flags, wider = BUILDS[name]
-    if platform.machine() not in ("x86_64", "AMD64") or find_compiler() is None:
-        pytest.skip("needs an x86-64 CPU and a C compiler")
-    if wider not in _cpu_flags().split():
-        pytest.skip(f"this CPU has no {wider}: the main suite already runs the {name} build's paths")
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))  # a fresh kernel cache: built here
-    r = subprocess.run(
-        [sys.executable, "-c", CHILD, " ".join(flags), *TESTS],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    built = list((tmp_path / "dspark-serve" / "kernels").glob("cpu_kernels-*.so"))
+def test_narrower_kernel_builds_pass_the_kernel_tests(name, child_runs):
+    reason = _skip_reason(name)
+    if reason is not None:
+        pytest.skip(reason)
+    proc, cache = child_runs[name]
+    out, _ = proc.communicate(timeout=1500)
+    assert proc.returncode == 0, out[-4000:]
+    built = list((cache / "dspark-serve" / "kernels").glob("cpu_kernels-*.so"))
     assert len(built) == 1  # the narrower library, and no other, was built and used
