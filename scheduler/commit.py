@@ -43,10 +43,11 @@ class Appended:
 def append_tokens(r: Request, toks: list[int], eos_ids: frozenset[int]) -> Appended:
     """Append a round's tokens to `r` one by one, honouring EOS (not appended), stop strings
     and max_tokens exactly: nothing after the stop point is kept or returned. The caller
-    finishes the request when `finish_reason` is set."""
+    finishes the request when `finish_reason` is set. Under a grammar, EOS is allowed only
+    where the output is complete, so it ends the request even with ignore_eos."""
     out = Appended()
     for t in toks:
-        if t in eos_ids and not r.ignore_eos:
+        if t in eos_ids and (not r.ignore_eos or r.constraint is not None):
             out.finish_reason = "stop"
             break
         r.output_ids.append(t)

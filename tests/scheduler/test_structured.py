@@ -135,3 +135,23 @@ def test_sampled_constrained_distribution_is_unchanged_by_speculation(monkeypatc
     monkeypatch.setattr(verify_mod, "rejection_sample", broken_rejection_sample)
     broken = sampled_outcomes(model, prompt, n, 2, dspark_drafter(model, tmp_path, block_size=3))
     assert tv(broken) > 0.08, (tv(broken), broken, exact)
+
+
+def test_the_grammars_end_ends_a_request_that_ignores_eos(tmp_path):
+    """ignore_eos under a grammar: EOS is allowed only where the output is complete, so it ends
+    the request ("stop", valid JSON) instead of the request going on past its grammar."""
+    model = tiny_model("qwen3", seed=1)
+    engine = engine_for(model, build_drafter("ngram", block_size=7), "static:7")
+    reqs = [
+        Request(f"e{i}", list(range(40 + i, 50)), SamplingParams(temperature=0.0), 200, ignore_eos=True)
+        for i in range(4)
+    ]
+    for r in reqs:
+        r.constraint = engine.compile_grammar("json_schema", json.dumps(SCHEMA))
+    run(engine, reqs)
+    for r in reqs:
+        assert r.finish_reason == "stop", r.finish_reason
+        jsonschema.validate(json.loads(bytes(r.output_ids)), SCHEMA)
+    unconstrained = Request("u", list(range(40, 50)), SamplingParams(temperature=0.0), 40, ignore_eos=True)
+    run(engine, [unconstrained])
+    assert unconstrained.finish_reason == "length"  # without a grammar, EOS is still ignored
