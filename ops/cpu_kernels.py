@@ -150,6 +150,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.argmax_rows.restype = None
     # x, dtype (0 float32, 1 bf16), T, V, row stride, out
     lib.argmax_rows.argtypes = [ptr, i32, i32, i64, i64, ptr]
+    lib.mask_rows_bits.restype = None
+    lib.mask_rows_bits.argtypes = [ptr, i32, i64, i64, ptr, i64]  # x, T, V, row stride, bits, W
     lib.small_gemm_tiles.restype = i32
     lib.small_gemm_tiles.argtypes = []
     lib.paged_attention_tiles.restype = i32
@@ -248,6 +250,37 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.long)
     lib.argmax_rows(x.data_ptr(), DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out
+
+
+def mask_rows_bits(x: torch.Tensor, bits: torch.Tensor) -> None:
+    """x [T, V] float32 (in place), bits [T, W] int32 packed token masks (bit j of word w allows
+    token 32 w + j, llguidance's layout): every token not allowed becomes -inf. float32 CPU rows
+    go through the C kernel once it is loaded; anything else, unpacked by torch."""
+    lib = loaded_kernels()
+    if (
+        lib is not None
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and x.stride(-1) == 1
+        and bits.dtype == torch.int32
+        and bits.is_contiguous()
+        and bits.device.type == "cpu"
+        and bits.shape[0] == x.shape[0]
+    ):
+        lib.mask_rows_bits(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), bits.data_ptr(), bits.shape[1])
+        return
+    x.masked_fill_(~unpack_bits(bits.to(x.device), x.shape[1]), float("-inf"))
+
+
+def unpack_bits(bits: torch.Tensor, vocab: int) -> torch.Tensor:  # [T, W] int32 -> [T, vocab] bool
+    """Packed token masks as one bool per token (tokens past 32 W: not allowed)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(bits.shape[0], -1)
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab]
+    pad = torch.zeros(bits.shape[0], vocab - allowed.shape[1], dtype=torch.bool, device=bits.device)
+    return torch.cat([allowed, pad], 1)
 
 
 def paged_attention_supports(dtype: torch.dtype, device: torch.device) -> bool:

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from dspark_serve.ops.cpu_kernels import mask_rows_bits
 from dspark_serve.ops.sampling_params import SamplingParams
 
 
@@ -63,7 +64,8 @@ class GuardedConstraint:
         self.inner = inner
         self.error: str | None = None
 
-    def _failed(self, exc: Exception) -> None:
+    def fail(self, exc: Exception) -> None:
+        """Record a failure met outside the guard (a batched mask computation)."""
         if self.error is None:
             self.error = str(exc) or type(exc).__name__
 
@@ -75,7 +77,7 @@ class GuardedConstraint:
                     return rows
                 raise ValueError(f"constraint rows of shape {tuple(rows.shape)} for {len(drafts)} drafts")
             except Exception as exc:
-                self._failed(exc)
+                self.fail(exc)
         return torch.ones(len(drafts) + 1, vocab_size, dtype=torch.bool)
 
     def allowed_after(self, drafts: Sequence[int], vocab_size: int) -> torch.Tensor:  # [V] bool
@@ -86,7 +88,7 @@ class GuardedConstraint:
                     return row
                 raise ValueError(f"a constraint row of shape {tuple(row.shape)}")
             except Exception as exc:
-                self._failed(exc)
+                self.fail(exc)
         return torch.ones(vocab_size, dtype=torch.bool)
 
     def valid_prefix(self, drafts: Sequence[int]) -> int:
@@ -94,7 +96,7 @@ class GuardedConstraint:
             try:
                 return max(0, min(int(self.inner.valid_prefix(drafts)), len(drafts)))
             except Exception as exc:
-                self._failed(exc)
+                self.fail(exc)
         return 0
 
     def commit(self, tokens: Sequence[int]) -> None:
@@ -102,7 +104,7 @@ class GuardedConstraint:
             try:
                 self.inner.commit(tokens)
             except Exception as exc:
-                self._failed(exc)
+                self.fail(exc)
 
 
 @dataclass(frozen=True)
@@ -129,8 +131,11 @@ def process_block(
     sp: SamplingParams,
     ctx: TokenContext,
     drafts: Sequence[int],  # the tokens between the positions: row k follows drafts[:k]
+    packed: torch.Tensor | None = None,  # [n, W] int32: the grammar's rows, computed already
 ) -> torch.Tensor:  # [n, V] float32
-    """logit_bias, penalties and the grammar mask for one request's n positions (n - 1 <= len(drafts))."""
+    """logit_bias, penalties and the grammar mask for one request's n positions (n - 1 <= len(drafts)).
+    `packed`: the constraint's rows as packed masks (`mask_rows_bits`), computed with other
+    requests' in one batch; None: asked of the constraint here."""
     n, vocab = logits.shape
     if len(drafts) < n - 1:
         raise ValueError(f"{n} positions need {n - 1} drafts before them, got {len(drafts)}")
@@ -156,7 +161,9 @@ def process_block(
             out = out - sp.frequency_penalty * counts
         if sp.presence_penalty:
             out = out - sp.presence_penalty * (counts > 0).float()
-    if ctx.constraint is not None:
+    if packed is not None:
+        mask_rows_bits(out, packed)
+    elif ctx.constraint is not None:
         allowed = ctx.constraint.allowed(drafts, vocab).to(device)
         out = out.masked_fill(~allowed, float("-inf"))
     return out

@@ -16,6 +16,7 @@ drafts and rolling them back, so a rejected draft never reaches the committed st
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -104,6 +105,68 @@ class Grammar:
     @property
     def accepting(self) -> bool:
         return bool(self.matcher.is_accepting())
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one packed token mask."""
+    return (vocab_size + 31) // 32
+
+
+_EXECUTOR: list[llguidance.LLExecutor] = []
+
+
+def _executor() -> llguidance.LLExecutor:
+    """One llguidance executor per process (its threads fill masks of several requests at once)."""
+    if not _EXECUTOR:
+        import llguidance
+
+        _EXECUTOR.append(llguidance.LLExecutor(max(1, min(8, os.cpu_count() or 1))))
+    return _EXECUTOR[0]
+
+
+def fill_masks(
+    jobs: Sequence[tuple[Grammar, Sequence[int]]], vocab_size: int
+) -> list[torch.Tensor | Exception]:
+    """Packed token masks of several requests' verified rows in one call: for job (grammar,
+    drafts), len(drafts) + 1 rows [n, mask_words] int32, row k allowing what may follow the
+    committed tokens and drafts[:k] (`Grammar.allowed`, packed: bit j of word w is token
+    32 w + j). llguidance advances each matcher along its drafts and rolls it back, the
+    requests on its threads; rows after an invalid draft or EOS allow everything (that draft is
+    rejected; they are never used). A job whose matcher fails gets its exception instead."""
+    import llguidance.torch as llt
+
+    sizes = [len(d) + 1 for _, d in jobs]
+    bits = torch.full((sum(sizes), mask_words(vocab_size)), -1, dtype=torch.int32)
+    along, alone = [], []  # matchers with drafts to walk; matchers asked for one row
+    start = 0
+    for (g, drafts), n in zip(jobs, sizes):
+        walk = _until_eos([int(t) for t in drafts], g.eos_ids)
+        if walk:
+            along.append((g.matcher, start, walk))
+        else:
+            alone.append((g.matcher, start))
+        start += n
+    if along:
+        llt.fill_next_token_bitmask_par_with_draft_tokens(_executor(), along, bits)
+    if alone:
+        llt.fill_next_token_bitmask_par(_executor(), alone, bits)
+    out: list[torch.Tensor | Exception] = []
+    start = 0
+    for (g, _), n in zip(jobs, sizes):
+        if g.matcher.is_error():
+            out.append(RuntimeError(f"grammar failed computing a mask: {matcher_error(g.matcher)}"))
+        else:
+            out.append(bits[start : start + n])
+        start += n
+    return out
+
+
+def _until_eos(drafts: list[int], eos_ids: frozenset[int]) -> list[int]:
+    """The drafts up to the first EOS: the matcher is never advanced past it."""
+    for i, t in enumerate(drafts):
+        if t in eos_ids:
+            return drafts[:i]
+    return drafts
 
 
 class GrammarCompiler:

@@ -9,13 +9,14 @@ to the longest block, so the buffers hold sum(K_i + 1) rows of the vocabulary, n
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from dspark_serve.ops.cpu_kernels import argmax_rows
-from dspark_serve.ops.processors import TokenContext, needs_processing, process_block
+from dspark_serve.ops.processors import GuardedConstraint, TokenContext, needs_processing, process_block
 from dspark_serve.ops.sampling import (
     SamplingTensors,
     keyed_uniforms,
@@ -23,7 +24,10 @@ from dspark_serve.ops.sampling import (
     sample_from_uniforms,
 )
 from dspark_serve.ops.sampling_params import SamplingParams
+from dspark_serve.verifier.grammar import Grammar, fill_masks
 from dspark_serve.verifier.rejection import RejectionResult, greedy_verify, rejection_sample, verify_offsets
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -187,15 +191,15 @@ def process_rows(
         return ProcessedRows(logits, {})
     out = logits.float().clone()
     faults: dict[int, str] = {}
+    masks = grammar_masks(requests, logits.shape[-1])
     start = 0
     for b, r in enumerate(requests):
         n = r.num_draft + 1
         if needs_processing(r.sampling, r.context):
             ctx = r.context if r.context is not None else TokenContext((), ())
             try:
-                rows = process_block(
-                    logits[start : start + n], r.sampling, ctx, r.draft_tokens.reshape(-1).tolist()
-                )
+                drafts = r.draft_tokens.reshape(-1).tolist()
+                rows = process_block(logits[start : start + n], r.sampling, ctx, drafts, masks.get(b))
                 problem = _unusable(rows)
             except Exception as exc:
                 rows, problem = out[start : start + n], f"{type(exc).__name__}: {exc}"
@@ -205,6 +209,32 @@ def process_rows(
                 faults[b] = problem
         start += n
     return ProcessedRows(out, faults)
+
+
+def grammar_masks(requests: Sequence[VerifyRequest], vocab: int) -> dict[int, torch.Tensor]:
+    """The packed grammar masks of every request whose constraint is a working llguidance
+    grammar, all computed in one batch (`fill_masks`): request index -> [K + 1, W] int32. A
+    grammar that fails here is recorded by its guard (the request then fails alone); other
+    constraints answer row by row in `process_block`."""
+    jobs: list[tuple[int, GuardedConstraint, Grammar, list[int]]] = []
+    for b, r in enumerate(requests):
+        c = r.context.constraint if r.context is not None else None
+        if isinstance(c, GuardedConstraint) and c.error is None and isinstance(c.inner, Grammar):
+            jobs.append((b, c, c.inner, r.draft_tokens.reshape(-1).tolist()))
+    if not jobs:
+        return {}
+    try:
+        filled = fill_masks([(g, d) for _, _, g, d in jobs], vocab)
+    except Exception as exc:  # the batch itself failed: each grammar answers alone instead
+        log.warning("batched grammar masks failed (%s); computing them request by request", exc)
+        return {}
+    masks = {}
+    for (b, guard, _, _), rows in zip(jobs, filled):
+        if isinstance(rows, Exception):
+            guard.fail(rows)
+        else:
+            masks[b] = rows
+    return masks
 
 
 def _unusable(rows: torch.Tensor) -> str | None:  # rows: [n, V], one request's processed rows

@@ -241,6 +241,25 @@ void argmax_rows(const void *x, int dtype, int T, int64_t V, int64_t rs, int64_t
     for (int t = 0; t < T; t++) out[t] = argmax_row((const char *)x + (int64_t)t * rs * esize, dtype, V);
 }
 
+/* Token masks applied in place: x [T, V] float32 with row stride rs, bits [T, W] packed as
+ * llguidance writes them (bit j of word w allows token 32 w + j): a token that is not allowed
+ * gets -inf. Tokens past 32 W are not allowed. Whole words of 0 or of ones (most of a JSON
+ * state's vocabulary) are one store loop or nothing. */
+void mask_rows_bits(float *x, int T, int64_t V, int64_t rs, const int32_t *bits, int64_t W) {
+#pragma omp parallel for schedule(static) if (T >= 8)
+    for (int t = 0; t < T; t++) {
+        float *row = x + (int64_t)t * rs;
+        const uint32_t *b = (const uint32_t *)bits + (int64_t)t * W;
+        for (int64_t base = 0; base < V; base += 32) {
+            int64_t w = base / 32, n = V - base < 32 ? V - base : 32;
+            uint32_t word = w < W ? b[w] : 0u;
+            if (word == 0xFFFFFFFFu) continue;
+            for (int64_t j = 0; j < n; j++)
+                if (!((word >> j) & 1u)) row[base + j] = -INFINITY;
+        }
+    }
+}
+
 /* Greedy drafting through a vanilla Markov head, the whole block in one call: for each row b
  * and step k, logits[j] = base[b, k, j] + W2[j] . W1[prev] (the head's bias), the first maximal
  * j (torch.argmax's choice), token = d2t[j] (j without a map), and the token becomes the next

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 import dspark_serve.ops.linear as ff
-from dspark_serve.ops.cpu_kernels import FALLBACK_ROW_BUCKET, SmallGemmLinear, argmax_rows, load_kernels
+from dspark_serve.ops.cpu_kernels import (
+    FALLBACK_ROW_BUCKET,
+    SmallGemmLinear,
+    argmax_rows,
+    load_kernels,
+    mask_rows_bits,
+    unpack_bits,
+)
 from dspark_serve.ops.platform import cpu_flags
 from dspark_serve.verifier.config import ModelConfig
 from dspark_serve.verifier.model_runner import ModelRunner
@@ -316,6 +323,29 @@ def test_argmax_rows_leaves_other_tensors_to_torch(lib):
     assert torch.equal(argmax_rows(x), x.argmax(-1))
     cols = torch.randn(10, 4).t()  # elements not contiguous
     assert torch.equal(argmax_rows(cols), cols.argmax(-1))
+
+
+@pytest.mark.parametrize("v,w", [(70, 3), (64, 2), (100, 2), (33, 2)])  # ragged tail, exact, words short
+def test_packed_masks_set_exactly_the_disallowed_tokens_to_minus_inf(lib, v, w):
+    g = torch.Generator().manual_seed(v)
+    bits = torch.randint(-(2**31), 2**31 - 1, (5, w), dtype=torch.int32, generator=g)
+    bits[1] = 0  # nothing allowed
+    bits[2] = -1  # everything the words cover
+    bits[3, 0] = 1  # token 0 alone in its word
+    x = torch.randn(5, v + 3, generator=g)[:, :v]  # rows of a wider tensor
+    want = x.clone()
+    allowed = torch.zeros(5, v, dtype=torch.bool)
+    for t in range(5):
+        for tok in range(min(v, 32 * w)):
+            allowed[t, tok] = bool((int(bits[t, tok // 32]) >> (tok % 32)) & 1)
+    want[~allowed] = float("-inf")
+    assert torch.equal(unpack_bits(bits, v), allowed)
+    got = x.clone()
+    mask_rows_bits(got, bits)  # the C kernel
+    assert torch.equal(got, want)
+    fallback = x.double()
+    mask_rows_bits(fallback, bits)  # another dtype: torch
+    assert torch.equal(fallback, want.double())
 
 
 def test_attention_runs_on_the_tiles_where_the_matmul_does(lib):

@@ -86,3 +86,30 @@ def test_schema_size_compile_time_and_validity_are_bounded():
         byte_compiler().compile("json_schema", json.dumps({"type": "frobnicate"}))
     with pytest.raises(ValueError, match="0"):
         GrammarConfig(max_schema_bytes=0)
+
+
+def test_batched_packed_masks_equal_the_row_by_row_masks():
+    """fill_masks computes several requests' rows in one llguidance call; unpacked, each
+    request's rows are exactly `Grammar.allowed`'s (valid drafts, an invalid draft midway, EOS
+    after a complete value, no drafts), and every matcher is back where it was."""
+    from dspark_serve.ops.cpu_kernels import unpack_bits
+    from dspark_serve.verifier.grammar import fill_masks
+
+    c = byte_compiler()
+    obj = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    enum = json.dumps({"enum": ["red", "green"]})
+    jobs = [
+        (c.compile("json_schema", obj), list(b'{"a":12')),
+        (c.compile("json_schema", obj), list(b'{"b"') + [ord("x")] * 3),  # invalid from the 2nd byte
+        (c.compile("json_schema", enum), [*b'"red"', EOS, ord("x")]),  # EOS, then a byte after it
+        (c.compile("json_object", None), []),
+        (c.compile("json_schema", enum), list(b'"gr')),
+    ]
+    jobs[4][0].commit(list(b'"gr'))  # a matcher that has committed tokens already
+    jobs[4] = (jobs[4][0], list(b"een"))
+    filled = fill_masks(jobs, 257)
+    for (g, drafts), packed in zip(jobs, filled):
+        assert isinstance(packed, torch.Tensor) and packed.shape == (len(drafts) + 1, 9)
+        assert torch.equal(unpack_bits(packed, 257), g.allowed(drafts, 257)), bytes(drafts)
+    assert allowed_ids(unpack_bits(filled[2], 257)[5]) == {EOS}  # after "red": only the end
+    assert jobs[4][0].valid_prefix(list(b'een"')) == 4  # rolled back: still after '"gr'
