@@ -10,12 +10,12 @@ to the longest block, so the buffers hold sum(K_i + 1) rows of the vocabulary, n
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from dspark_serve.ops.cpu_kernels import argmax_rows
+from dspark_serve.ops.cpu_kernels import argmax_rows, mask_rows_bits
 from dspark_serve.ops.processors import GuardedConstraint, TokenContext, needs_processing, process_block
 from dspark_serve.ops.sampling import (
     SamplingTensors,
@@ -177,26 +177,33 @@ class ProcessedRows:
 
     logits: torch.Tensor
     faults: dict[int, str]
+    deferred: dict[int, Grammar] = field(default_factory=dict)
 
 
 def process_rows(
     logits: torch.Tensor,  # [T, V] float, T = sum(K_i + 1), requests in order
     requests: Sequence[VerifyRequest],
+    defer_greedy_grammars: bool = False,
 ) -> ProcessedRows:
     """Penalties, logit bias and grammar masks, position by position: request b's row k sees
     its tokens so far plus its drafts 0..k-1 (`process_block`). One request's failure (its
     grammar, its processors, a first row that allows no token or holds NaN) is that request's
-    fault alone: the others' rows are processed as usual."""
+    fault alone: the others' rows are processed as usual. defer_greedy_grammars: a greedy
+    request's llguidance grammar is left out and named in `deferred` (`grammar_argmax` applies
+    it where the argmax needs it)."""
     if not any(needs_processing(r.sampling, r.context) for r in requests):
         return ProcessedRows(logits, {})
     out = logits.float().clone()
     faults: dict[int, str] = {}
-    masks = grammar_masks(requests, logits.shape[-1])
+    deferred = _deferred(requests) if defer_greedy_grammars else {}
+    masks = grammar_masks(requests, logits.shape[-1], skip=deferred)
     start = 0
     for b, r in enumerate(requests):
         n = r.num_draft + 1
         if needs_processing(r.sampling, r.context):
             ctx = r.context if r.context is not None else TokenContext((), ())
+            if b in deferred:
+                ctx = TokenContext(ctx.prompt_ids, ctx.output_ids, None)
             try:
                 drafts = r.draft_tokens.reshape(-1).tolist()
                 rows = process_block(logits[start : start + n], r.sampling, ctx, drafts, masks.get(b))
@@ -208,10 +215,75 @@ def process_rows(
             else:
                 faults[b] = problem
         start += n
-    return ProcessedRows(out, faults)
+    return ProcessedRows(out, faults, {b: g for b, g in deferred.items() if b not in faults})
 
 
-def grammar_masks(requests: Sequence[VerifyRequest], vocab: int) -> dict[int, torch.Tensor]:
+def _deferred(requests: Sequence[VerifyRequest]) -> dict[int, Grammar]:
+    """Greedy requests whose constraint is a working llguidance grammar."""
+    out = {}
+    for b, r in enumerate(requests):
+        c = r.context.constraint if r.context is not None else None
+        grammar = c.inner if isinstance(c, GuardedConstraint) and c.error is None else None
+        if r.sampling.greedy and isinstance(grammar, Grammar):
+            out[b] = grammar
+    return out
+
+
+def grammar_argmax(
+    processed: ProcessedRows,
+    argmax: torch.Tensor,  # [T] int64: the argmax of processed.logits (deferred grammars unapplied)
+    requests: Sequence[VerifyRequest],
+) -> torch.Tensor:  # [T] int64
+    """The argmax each deferred grammar allows, computed only where greedy verification reads
+    it: walking a request's rows, a row's argmax the grammar allows is the masked argmax too (a
+    mask only removes tokens); where it forbids it, that row alone is masked. The walk stops at
+    the first row whose argmax differs from its draft (later rows are never read). A grammar
+    failing here fails its request alone (its guard records it)."""
+    if not processed.deferred:
+        return argmax
+    argmax = argmax.cpu().clone()  # read row by row: on the host
+    starts = _row_starts(requests)
+    for b, g in processed.deferred.items():
+        r, start = requests[b], starts[b]
+        drafts = r.draft_tokens.reshape(-1).tolist()
+        consumed = 0
+        try:
+            for k in range(len(drafts) + 1):
+                token = int(argmax[start + k])
+                if g.valid_prefix([token]) != 1:
+                    row = processed.logits[start + k : start + k + 1].clone()
+                    packed = fill_masks([(g, [])], row.shape[-1])[0]
+                    if isinstance(packed, Exception):
+                        raise packed
+                    mask_rows_bits(row, packed)
+                    if not bool(torch.isfinite(row).any()):
+                        raise RuntimeError("no token is allowed at the next position")
+                    token = int(argmax_rows(row)[0])
+                    argmax[start + k] = token
+                if k == len(drafts) or token != drafts[k] or drafts[k] in g.eos_ids:
+                    break
+                if not g.matcher.consume_token(drafts[k]):
+                    raise RuntimeError("grammar refused a draft it allowed")
+                consumed += 1
+        except Exception as exc:
+            processed.faults[b] = f"{type(exc).__name__}: {exc}"
+        finally:
+            if consumed:
+                g.matcher.rollback(consumed)
+    return argmax
+
+
+def _row_starts(requests: Sequence[VerifyRequest]) -> list[int]:
+    starts, at = [], 0
+    for r in requests:
+        starts.append(at)
+        at += r.num_draft + 1
+    return starts
+
+
+def grammar_masks(
+    requests: Sequence[VerifyRequest], vocab: int, skip: Collection[int] = ()
+) -> dict[int, torch.Tensor]:
     """The packed grammar masks of every request whose constraint is a working llguidance
     grammar, all computed in one batch (`fill_masks`): request index -> [K + 1, W] int32. A
     grammar that fails here is recorded by its guard (the request then fails alone); other
@@ -219,6 +291,8 @@ def grammar_masks(requests: Sequence[VerifyRequest], vocab: int) -> dict[int, to
     jobs: list[tuple[int, GuardedConstraint, Grammar, list[int]]] = []
     for b, r in enumerate(requests):
         c = r.context.constraint if r.context is not None else None
+        if b in skip:
+            continue
         if isinstance(c, GuardedConstraint) and c.error is None and isinstance(c.inner, Grammar):
             jobs.append((b, c, c.inner, r.draft_tokens.reshape(-1).tolist()))
     if not jobs:
@@ -257,8 +331,8 @@ def verify(
     if all(r.sampling.greedy for r in requests):
         # One-hot p: the verdict is the argmax of each processed row; no probabilities needed.
         counts = _draft_counts(logits, requests)
-        processed = process_rows(logits, requests)
-        argmax = argmax_rows(processed.logits)
+        processed = process_rows(logits, requests, defer_greedy_grammars=True)
+        argmax = grammar_argmax(processed, argmax_rows(processed.logits), requests)
         # greedy_verify walks host lists: the drafts stay on the host, the verdict comes back there
         verdict = greedy_verify(argmax, _flat_drafts(requests), torch.tensor(counts, dtype=torch.long))
         return replace(verdict, faults=processed.faults) if processed.faults else verdict

@@ -17,12 +17,15 @@ from tests.helpers import ByteTokenizer, runner_for, tiny_model
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def make_engine(model=None, metrics=None, drafter=None):
+def make_engine(model=None, metrics=None, drafter=None, draft_gate=True):
     return Engine(
         runner_for(model or tiny_model("llama"), num_blocks=256),
         ByteTokenizer(),
         SchedulerConfig(
-            max_num_seqs=8, max_num_batched_tokens=64, verify_policy="static:3" if drafter else "none"
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            verify_policy="static:3" if drafter else "none",
+            draft_gate=draft_gate,
         ),
         max_model_len=512,
         drafter=drafter,
@@ -213,8 +216,9 @@ def drafter_of(kind, model, tmp_path):
 
 COMMON_FAULTS = ["commit", "allowed", "shape", "dead_end", "stop_strings"]
 # where a drafter reads the grammar: n-gram lookup cuts its drafts to the valid prefix, DSpark
-# masks q with the mask after its drafted prefix
-DRAFTER_FAULTS = {"none": [], "ngram": ["valid_prefix"], "dspark": ["allowed_after"]}
+# cuts a greedy request's block there too and masks a sampled request's q with the mask after
+# its drafted prefix (the request that fails is sampled for that case)
+DRAFTER_FAULTS = {"none": [], "ngram": ["valid_prefix"], "dspark": ["valid_prefix", "allowed_after"]}
 
 
 @pytest.mark.parametrize(
@@ -227,9 +231,13 @@ def test_one_request_failing_inside_a_step_fails_alone_among_eight(drafter, faul
     the one ends with finish_reason "error" and a message, and every KV block comes back."""
     model = tiny_model("llama")
     ps = eight_prompts()
-    alone = run(make_engine(model, drafter=drafter_of(drafter, model, tmp_path / "a")), fresh(ps))
-    engine = make_engine(model, drafter=drafter_of(drafter, model, tmp_path / "b"))
-    evil = Request("evil", [7] * 12, GREEDY, 16, ignore_eos=True)
+    gate = fault != "allowed_after"  # the gate leaves this sampled request undrafted at this load
+    alone = run(
+        make_engine(model, drafter=drafter_of(drafter, model, tmp_path / "a"), draft_gate=gate), fresh(ps)
+    )
+    engine = make_engine(model, drafter=drafter_of(drafter, model, tmp_path / "b"), draft_gate=gate)
+    sampled = SamplingParams(temperature=1.0)  # unseeded: q sampled and masked (keyed drafts are greedy)
+    evil = Request("evil", [7] * 12, sampled if fault == "allowed_after" else GREEDY, 16, ignore_eos=True)
     if fault != "stop_strings":
         evil.constraint = FailingConstraint(fault)
 

@@ -150,3 +150,48 @@ def test_logits_rows_must_match_the_blocks():
     reqs = [VerifyRequest(GREEDY, None, torch.tensor([1, 2]))]
     with pytest.raises(ValueError, match=r"sum\(K_i \+ 1\) = 3"):
         build_verify_inputs(torch.randn(4, V), reqs)
+
+
+def test_greedy_rows_under_a_grammar_verify_as_with_every_row_masked():
+    """Greedy verification applies a grammar only where the argmax needs it (`grammar_argmax`):
+    the verdicts equal those of masking every row first, over logits that often prefer tokens
+    the grammar forbids (drafts valid, invalid, with EOS; grammars committed or not)."""
+    import json
+
+    from dspark_serve.ops.cpu_kernels import argmax_rows
+    from dspark_serve.ops.processors import GuardedConstraint, TokenContext
+    from dspark_serve.verifier.rejection import greedy_verify
+    from dspark_serve.verifier.verify import _draft_counts, _flat_drafts, process_rows
+    from tests.verifier.test_grammar import EOS, byte_compiler
+
+    c = byte_compiler()
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    g = torch.Generator().manual_seed(0)
+    greedy = SamplingParams(temperature=0.0)
+    texts = [b'{"n":1', b'{"n"', b"{", b'{"n":42}', b'{"x', b"", b'{"n":7}']
+    for trial in range(30):
+        reqs = []
+        for i in range(4):
+            grammar = c.compile("json_schema", schema)
+            committed = texts[(trial + i) % len(texts)][: (trial % 3)]
+            grammar.commit(list(committed))
+            k = (trial + i) % 5
+            drafts = list(texts[(trial * 3 + i) % len(texts)])[:k]
+            if trial % 7 == 0 and drafts:
+                drafts[-1] = EOS
+            ctx = TokenContext((), list(committed), GuardedConstraint(grammar))
+            reqs.append(VerifyRequest(greedy, None, torch.tensor(drafts, dtype=torch.long), context=ctx))
+        rows = sum(r.num_draft + 1 for r in reqs)
+        logits = torch.randn(rows, 257, generator=g)
+        favourite = torch.randint(0, 257, (rows,), generator=g)
+        logits[torch.arange(rows), favourite] += 8.0  # a clear argmax, often one the grammar forbids
+        got = verify(logits, reqs)
+        eager = process_rows(logits, reqs)  # every row masked
+        want = greedy_verify(
+            argmax_rows(eager.logits), _flat_drafts(reqs), torch.tensor(_draft_counts(logits, reqs))
+        )
+        assert torch.equal(got.num_accepted, want.num_accepted), trial
+        assert torch.equal(got.output_tokens, want.output_tokens), trial
+        assert not got.faults and not eager.faults
+        for r in reqs:  # every matcher is back where it was
+            assert r.context.constraint.error is None

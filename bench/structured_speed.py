@@ -1,0 +1,300 @@
+"""What structured output costs per user: the embedded default (DSpark drafter with prompt
+lookup, the load-aware policy) on the same prompts with and without a JSON schema, speculation
+on in both arms, at 1 and at 8 concurrent requests. Three named schemas; each prompt runs
+constrained first, then unconstrained with exactly as many tokens (ignore_eos), so both arms
+decode the same lengths. Per-user speed is a request's tokens after its first over the time
+from its first token to its last; the ratio is paired per request and round, and its median
+reported. Mask time: each batched fill of the verified rows (per row) and each drafter mask (one
+row), p50 and p99.
+
+    python -m bench.structured_speed --rounds 3 --out bench/results/structured-speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import machine  # noqa: E402
+
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "city": {"type": "string", "maxLength": 40},
+            "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 4},
+        },
+        "required": ["name", "age", "city", "hobbies"],
+        "additionalProperties": False,
+    },
+    "order": {
+        "type": "object",
+        "properties": {
+            "order_id": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{4}$"},
+            "items": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "product": {"type": "string", "maxLength": 30},
+                        "quantity": {"type": "integer"},
+                    },
+                    "required": ["product", "quantity"],
+                    "additionalProperties": False,
+                },
+                "minItems": 1,
+                "maxItems": 4,
+            },
+            "express": {"type": "boolean"},
+        },
+        "required": ["order_id", "items", "express"],
+        "additionalProperties": False,
+    },
+    "event": {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 60},
+            "day": {"enum": ["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]},
+            "start_hour": {"type": "integer", "minimum": 0, "maximum": 23},
+            "description": {"type": "string", "maxLength": 160},
+        },
+        "required": ["title", "day", "start_hour", "description"],
+        "additionalProperties": False,
+    },
+}
+PROMPTS: dict[str, list[str]] = {
+    "person": [
+        "Describe a fictional person as JSON with name, age, city and hobbies.",
+        "Give me a JSON profile of a chef who lives in Lyon.",
+        "Create a JSON record for a retired painter.",
+        "Write a JSON object about a young engineer living in Oslo.",
+        "JSON profile of a marathon runner, please.",
+        "Invent a librarian and describe them in JSON.",
+        "A JSON description of a jazz musician.",
+        "Produce a JSON person: a farmer from Kansas.",
+    ],
+    "order": [
+        "Create a JSON order for three notebooks and a pen.",
+        "Write a JSON order with two items for a bakery.",
+        "A JSON order for running shoes, express delivery.",
+        "Make a JSON purchase order for office chairs.",
+        "JSON order: four cups of coffee and a croissant.",
+        "Give me a JSON order for garden tools.",
+        "Write a JSON order of books for a school.",
+        "Create a JSON order for a laptop and a mouse.",
+    ],
+    "event": [
+        "Describe a birthday party as a JSON event.",
+        "Write a JSON event for a team meeting on Monday morning.",
+        "A JSON event for a concert in the park.",
+        "Create a JSON event for a cooking class.",
+        "JSON event: a charity run on Sunday.",
+        "Make a JSON event for a book club evening.",
+        "Give me a JSON event for a science fair.",
+        "Write a JSON event for a yoga session.",
+    ],
+}
+
+
+class MaskTimes:
+    """Wraps the mask paths to time them: the verifier's batched fill (seconds per row of each
+    call) and the drafter's per-position mask (seconds per call, one row)."""
+
+    def __init__(self) -> None:
+        import dspark_serve.verifier.verify as verify_mod
+        from dspark_serve.ops.processors import GuardedConstraint
+
+        self.verify_rows: list[float] = []
+        self.draft_rows: list[float] = []
+        fill = verify_mod.fill_masks
+
+        def timed_fill(jobs: Any, vocab: int) -> Any:
+            t0 = time.perf_counter()
+            out = fill(jobs, vocab)
+            rows = sum(len(d) + 1 for _, d in jobs)
+            self.verify_rows.append((time.perf_counter() - t0) / max(rows, 1))
+            return out
+
+        verify_mod.fill_masks = timed_fill
+        after = GuardedConstraint.allowed_after
+
+        def timed_after(guard: Any, drafts: Any, vocab: int) -> Any:
+            t0 = time.perf_counter()
+            out = after(guard, drafts, vocab)
+            self.draft_rows.append(time.perf_counter() - t0)
+            return out
+
+        GuardedConstraint.allowed_after = timed_after  # type: ignore[method-assign]
+
+    def summary(self) -> dict[str, Any]:
+        def q(xs: list[float], p: float) -> float | None:
+            return sorted(xs)[min(len(xs) - 1, int(p * len(xs)))] * 1e6 if xs else None
+
+        return {
+            "verify_us_per_row": {
+                "p50": q(self.verify_rows, 0.5),
+                "p99": q(self.verify_rows, 0.99),
+                "calls": len(self.verify_rows),
+            },
+            "draft_us_per_row": {
+                "p50": q(self.draft_rows, 0.5),
+                "p99": q(self.draft_rows, 0.99),
+                "calls": len(self.draft_rows),
+            },
+        }
+
+
+def run_wave(engine: Any, reqs: list[Any]) -> dict[str, float]:
+    """Runs requests together; each one's per-user speed (tokens after the first per second)."""
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_work():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.token_ids:
+                first.setdefault(o.request_id, now)
+                last[o.request_id] = now
+    speeds = {}
+    for r in reqs:
+        n = len(r.output_ids)
+        if n > 2 and last[r.request_id] > first[r.request_id]:
+            speeds[r.request_id] = (n - 1) / (last[r.request_id] - first[r.request_id])
+    return speeds
+
+
+def one_round(
+    llm: Any, schema: str, concurrency: int, rnd: int, ids: Callable[[], str]
+) -> list[dict[str, Any]]:
+    from dspark_serve.ops.sampling_params import SamplingParams
+    from dspark_serve.scheduler.request import Request
+
+    eng, tok = llm.engine, llm.tokenizer
+    prompts = PROMPTS[schema]
+    rows = []
+    for start in range(0, len(prompts), concurrency):
+        wave = prompts[start : start + concurrency]
+        toks = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            for p in wave
+        ]
+        greedy = SamplingParams(temperature=0.0)
+        con = [Request(ids(), list(t), greedy, 160) for t in toks]
+        for r in con:
+            r.constraint = eng.compile_grammar("json_schema", json.dumps(SCHEMAS[schema]))
+        c_speed = run_wave(eng, con)
+        free = [
+            Request(ids(), list(t), greedy, max(2, len(r.output_ids)), ignore_eos=True)
+            for t, r in zip(toks, con)
+        ]
+        f_speed = run_wave(eng, free)
+        for c, f in zip(con, free):
+            if c.request_id in c_speed and f.request_id in f_speed:
+                rows.append(
+                    {
+                        "schema": schema,
+                        "concurrency": concurrency,
+                        "round": rnd,
+                        "tokens": len(c.output_ids),
+                        "valid_json": _valid(c.output_ids, tok),
+                        "constrained_tps": c_speed[c.request_id],
+                        "unconstrained_tps": f_speed[f.request_id],
+                        "ratio": c_speed[c.request_id] / f_speed[f.request_id],
+                        "constrained_accepted_per_round": c.spec.accepted / max(c.spec.rounds, 1),
+                        "unconstrained_accepted_per_round": f.spec.accepted / max(f.spec.rounds, 1),
+                    }
+                )
+    return rows
+
+
+def _valid(ids: list[int], tok: Any) -> bool:
+    try:
+        json.loads(tok.decode(ids, skip_special_tokens=True))
+        return True
+    except ValueError:
+        return False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--schemas", default=",".join(SCHEMAS))
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import itertools
+
+    import torch
+
+    from dspark_serve.scheduler.llm import LLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = LLM(
+        drafter="dspark+ngram",
+        max_model_len=2048,
+        kv_cache_tokens=65536,
+        max_num_seqs=32,
+        max_num_batched_tokens=512,
+    )
+    counter = itertools.count()
+    ids = lambda: f"b{next(counter)}"
+    one_round(llm, "person", 1, -1, ids)  # warm-up: kernels, grammar caches
+    times = MaskTimes()
+    rows: list[dict[str, Any]] = []
+    levels = [int(c) for c in args.concurrency.split(",")]
+    for rnd in range(args.rounds):
+        for c in levels:
+            for schema in args.schemas.split(","):
+                new = one_round(llm, schema, c, rnd, ids)
+                rows += new
+                ratio = statistics.median(r["ratio"] for r in new)
+                print(f"round {rnd} c={c} {schema}: median ratio {ratio:.3f}", flush=True)
+    summary = {}
+    for c in levels:
+        for schema in [*args.schemas.split(","), "all"]:
+            sel = [r for r in rows if r["concurrency"] == c and (schema == "all" or r["schema"] == schema)]
+            summary[f"c{c}-{schema}"] = {
+                "median_ratio": statistics.median(r["ratio"] for r in sel),
+                "median_constrained_tps": statistics.median(r["constrained_tps"] for r in sel),
+                "median_unconstrained_tps": statistics.median(r["unconstrained_tps"] for r in sel),
+                "valid_json": sum(r["valid_json"] for r in sel) / len(sel),
+                "median_tokens": statistics.median(r["tokens"] for r in sel),
+                "constrained_accepted_per_round": statistics.mean(
+                    r["constrained_accepted_per_round"] for r in sel
+                ),
+                "unconstrained_accepted_per_round": statistics.mean(
+                    r["unconstrained_accepted_per_round"] for r in sel
+                ),
+            }
+    report = {
+        "machine": machine(),
+        "command": "python -m bench.structured_speed " + " ".join(sys.argv[1:]),
+        "summary": summary,
+        "masks": times.summary(),
+        "rows": rows,
+    }
+    print(json.dumps({"summary": summary, "masks": report["masks"]}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
