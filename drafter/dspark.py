@@ -30,7 +30,7 @@ from dspark_serve.drafter.dspark_model.fast import (
 from dspark_serve.drafter.dspark_model.fast import applies as fast_backbone_applies
 from dspark_serve.drafter.online_calibration import OnlineCalibrator
 from dspark_serve.ops.cpu_kernels import SmallGemmLinear, load_kernels
-from dspark_serve.ops.processors import TokenContext, needs_processing
+from dspark_serve.ops.processors import needs_processing
 
 
 @dataclass(frozen=True)
@@ -599,12 +599,8 @@ class DSparkDrafter:
         drafted = self._draft(hidden, batch, lengths)
         for j, (i, r) in enumerate(zip(live, batch)):
             k = lengths[j]
-            if r.sampling.greedy and r.constraint is not None and k:
-                # drafted without the grammar (see `_draft`): cut at the first token it forbids,
-                # exact as q is one-hot (that token could only be rejected)
-                k = r.constraint.valid_prefix(drafted.tokens[j, :k].tolist())
             probs = drafted.probs
-            conf = None if drafted.confidences is None else drafted.confidences[j][:k]
+            conf = None if drafted.confidences is None else drafted.confidences[j]
             out[i] = DraftProposal(
                 tokens=drafted.tokens[j, :k],
                 probs=None
@@ -616,11 +612,8 @@ class DSparkDrafter:
 
     def _draft(self, hidden: torch.Tensor, batch: list[DraftRequest], lengths: list[int]) -> _Drafted:
         """The block's tokens from its hidden states: in one C call (`GreedyTail`) for a few
-        all-greedy unprocessed rows, else the LM head and `sample_block`; with their confidences.
-        A greedy row drafts without its grammar (its block is cut where the grammar forbids a
-        token, in `propose`): masking each position costs a full vocabulary mask, checking the
-        block one validation; a sampled row's q is masked, as its verification needs."""
-        contexts = [_drafting_context(r) for r in batch]
+        all-greedy unprocessed rows, else the LM head and `sample_block`; with their confidences."""
+        contexts = [r.context() for r in batch]
         tail = None
         if self._tail is not None and all(
             r.sampling.greedy and not needs_processing(r.sampling, c) for r, c in zip(batch, contexts)
@@ -652,12 +645,6 @@ class DSparkDrafter:
     def free(self, request_id: str) -> None:
         self.contexts.free(request_id)
         self.confidence.last.pop(request_id, None)
-
-
-def _drafting_context(r: DraftRequest) -> TokenContext:
-    """What shapes a request's drafting: its penalties, bias and (sampled rows) grammar."""
-    ctx = r.context()
-    return TokenContext(ctx.prompt_ids, ctx.output_ids, None) if r.sampling.greedy else ctx
 
 
 @dataclass(frozen=True)

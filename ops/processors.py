@@ -176,9 +176,16 @@ def process_next(
     drafted: Sequence[int],  # the tokens drafted before this position
 ) -> torch.Tensor:  # [m, V] float32
     """The processing of the one position that follows `drafted` (a drafter's next token):
-    the same result as the last row of `process_block`, without computing the earlier rows."""
+    the same result as the last row of `process_block`, without computing the earlier rows.
+    A greedy row's grammar is applied only where it forbids the row's argmax: elsewhere the
+    masked argmax is that argmax (a mask only removes tokens), which is all a greedy drafter
+    reads, and checking one token costs far less than a vocabulary's mask."""
     history = TokenContext(ctx.prompt_ids, list(ctx.output_ids) + list(drafted), None)
     out = process_block(logits, sp, history, []) if sp.penalized else logits.float()
+    if ctx.constraint is not None and sp.greedy and out.shape[0] == 1:
+        top = int(out[0].argmax())
+        if ctx.constraint.valid_prefix([*drafted, top]) == len(drafted) + 1:
+            return out
     if ctx.constraint is not None:
         allowed = ctx.constraint.allowed_after(list(drafted), logits.shape[-1]).to(out.device)
         out = out.masked_fill(~allowed, float("-inf"))

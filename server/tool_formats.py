@@ -200,8 +200,8 @@ def forced_grammar(
             # json: one call as an object, several as an array of them
             top = many if fmt.list_calls else {"anyOf": [{"$ref": "#/$defs/call"}, many]}
             schema = {**top, "$defs": {**defs, "call": schema}}
-        return GrammarSpec("json_schema", json.dumps(_json_options(schema)), "tools")
-    call = f"%json {json.dumps(_json_options(schema))}"
+        return GrammarSpec("json_schema", json.dumps(schema), "tools")
+    call = f"%json {json.dumps(schema)}"
     if fmt.closer is not None:  # each call wrapped: hermes
         opener, closer = _marker(fmt.opener, marker_ids), _marker(fmt.closer, marker_ids)
         one = f'{opener} "\\n" {call} "\\n" {closer}'
@@ -211,11 +211,6 @@ def forced_grammar(
         start = f"call ({_lit(fmt.separator)} call)*" if parallel else "call"
         lark = f"start: {start}\ncall: {call}\n"
     return GrammarSpec("lark", "%llguidance {}\n" + lark, "tools")
-
-
-def _json_options(schema: dict[str, Any]) -> dict[str, Any]:
-    """Compact JSON inside the call (a model cannot loop on blanks between tokens)."""
-    return {**schema, "x-guidance": {"whitespace_flexible": False}}
 
 
 def _marker(text: str | None, marker_ids: Mapping[str, int]) -> str:

@@ -40,6 +40,9 @@ class GrammarConfig:
     compile_workers: processes that check schemas before the server builds them (0: build in
         the server's own process only, the time limit then checked after the build).
     cache_size: compiled grammars kept by schema text (a repeated schema is a cheap copy).
+    json_whitespace: the blanks allowed between two JSON tokens: "bounded" (a space, or a line
+        break and up to 20 spaces or tabs: the model writes its own layout, compact, spaced or
+        indented, and cannot loop on blanks) or "compact" (none).
     """
 
     max_schema_bytes: int = 32 * 1024
@@ -47,6 +50,7 @@ class GrammarConfig:
     probe_tokens: int = 8
     compile_workers: int = 2
     cache_size: int = 128
+    json_whitespace: str = "bounded"
 
     def __post_init__(self) -> None:
         if self.max_schema_bytes <= 0:
@@ -59,10 +63,20 @@ class GrammarConfig:
             raise ValueError(f"compile_workers must be in [0, 64], got {self.compile_workers!r}")
         if self.cache_size < 0:
             raise ValueError(f"cache_size must be >= 0, got {self.cache_size!r}")
+        if self.json_whitespace not in JSON_WHITESPACE:
+            raise ValueError(f"json_whitespace must be bounded or compact, got {self.json_whitespace!r}")
+
+    @property
+    def json_options(self) -> JsonCompileOptions:
+        """llguidance's JSON compile options for this layout."""
+        return {"whitespace_pattern": JSON_WHITESPACE[self.json_whitespace]}
 
 
-# Compact JSON (no optional whitespace): a model cannot loop on blanks between tokens.
-JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
+# The blanks allowed between two JSON tokens (`GrammarConfig.json_whitespace`). "bounded" lets a
+# model write its own layout: forcing compact JSON on a model that indents makes both its drafts
+# and its own first choice fail the grammar at every key, so every such row needs a full mask;
+# each gap is bounded (as llama.cpp's JSON grammars bound it), so no model loops on blanks.
+JSON_WHITESPACE = {"bounded": r"( |\n[ \t]{0,20})?", "compact": ""}
 ANY_OBJECT = '{"type": "object"}'
 
 
@@ -95,7 +109,7 @@ def prepare(text: str, config: GrammarConfig) -> str:
         for parsed in embedded_schemas(text):
             check_schema(parsed)
         try:
-            return str(llguidance.LLMatcher.grammar_from_lark(text))
+            return str(llguidance.LLMatcher.grammar_from_lark(with_json_options(text, config.json_options)))
         except (ValueError, TypeError, RecursionError) as exc:
             raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from exc
     try:
@@ -104,7 +118,7 @@ def prepare(text: str, config: GrammarConfig) -> str:
         raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
     check_schema(parsed)
     try:
-        return str(llguidance.LLMatcher.grammar_from_json_schema(parsed, overrides=JSON_OPTIONS))
+        return str(llguidance.LLMatcher.grammar_from_json_schema(parsed, overrides=config.json_options))
     except (ValueError, TypeError, RecursionError) as exc:
         raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from exc
 
@@ -120,6 +134,21 @@ def check_schema(parsed: Any) -> None:
 
 def embedded_schemas(lark: str) -> list[Any]:
     """The JSON schemas a Lark grammar embeds (`%json {...}`), decoded."""
+    return [value for _, _, value in _embedded(lark)]
+
+
+def with_json_options(lark: str, options: JsonCompileOptions) -> str:
+    """The Lark grammar with `options` as each embedded schema's llguidance options."""
+    parts, last = [], 0
+    for start, end, value in _embedded(lark):
+        if isinstance(value, dict):
+            parts += [lark[last:start], json.dumps({**value, "x-guidance": dict(options)})]
+            last = end
+    return "".join([*parts, lark[last:]])
+
+
+def _embedded(lark: str) -> list[tuple[int, int, Any]]:
+    """(start, end, decoded value) of each `%json {...}` schema in a Lark grammar."""
     out, decoder, at = [], json.JSONDecoder(), lark.find("%json")
     while at >= 0:
         start = lark.find("{", at)
@@ -127,7 +156,7 @@ def embedded_schemas(lark: str) -> list[Any]:
             value, end = decoder.raw_decode(lark, start)
         except (json.JSONDecodeError, RecursionError) as exc:
             raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
-        out.append(value)
+        out.append((start, end, value))
         at = lark.find("%json", end)
     return out
 

@@ -191,16 +191,22 @@ def process_rows(
     fault alone: the others' rows are processed as usual. defer_greedy_grammars: a greedy
     request's llguidance grammar is left out and named in `deferred` (`grammar_argmax` applies
     it where the argmax needs it)."""
-    if not any(needs_processing(r.sampling, r.context) for r in requests):
-        return ProcessedRows(logits, {})
+    deferred = _deferred(requests) if defer_greedy_grammars else {}
+    # a request with nothing but a deferred grammar keeps its rows as they are
+    todo = {
+        b
+        for b, r in enumerate(requests)
+        if needs_processing(r.sampling, r.context) and not _grammar_only(r, b, deferred)
+    }
+    if not todo:
+        return ProcessedRows(logits, {}, deferred)
     out = logits.float().clone()
     faults: dict[int, str] = {}
-    deferred = _deferred(requests) if defer_greedy_grammars else {}
     masks = grammar_masks(requests, logits.shape[-1], skip=deferred)
     start = 0
     for b, r in enumerate(requests):
         n = r.num_draft + 1
-        if needs_processing(r.sampling, r.context):
+        if b in todo:
             ctx = r.context if r.context is not None else TokenContext((), ())
             if b in deferred:
                 ctx = TokenContext(ctx.prompt_ids, ctx.output_ids, None)
@@ -216,6 +222,11 @@ def process_rows(
                 faults[b] = problem
         start += n
     return ProcessedRows(out, faults, {b: g for b, g in deferred.items() if b not in faults})
+
+
+def _grammar_only(r: VerifyRequest, b: int, deferred: Collection[int]) -> bool:
+    """The request's only processing is its grammar, and that is deferred."""
+    return b in deferred and not r.sampling.penalized
 
 
 def _deferred(requests: Sequence[VerifyRequest]) -> dict[int, Grammar]:

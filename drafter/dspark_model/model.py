@@ -231,6 +231,13 @@ class DSparkModel(nn.Module):
             def shape(i: int, row: torch.Tensor, drafted: list[int]) -> torch.Tensor:
                 ctx = contexts[i]
                 assert ctx is not None
+                sp = sampling[i]
+                if sp.greedy and not sp.penalized and ctx.constraint is not None:
+                    # a greedy row reads only its argmax: unchanged where the grammar allows it
+                    top = int(row.argmax())
+                    token = top if self.d2t is None else int(self.d2t[top])
+                    if ctx.constraint.valid_prefix([*drafted, token]) == len(drafted) + 1:
+                        return row
                 full = row if self.d2t is None else self.to_target_logits(row)
                 out = process_next(full.unsqueeze(0), sampling[i], ctx, drafted)[0]
                 if self.d2t is not None:

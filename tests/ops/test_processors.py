@@ -73,3 +73,52 @@ def test_out_of_range_parameters_are_refused_with_the_value(kwargs):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kwargs)
     assert repr(next(iter(kwargs.values()))).strip("()").split(",")[0] in str(e.value)
+
+
+def test_a_greedy_drafters_row_under_a_grammar_has_the_masked_argmax():
+    """process_next applies a greedy row's grammar only where it forbids the argmax: the argmax
+    is always the fully masked row's, and the mask is computed only where it was needed."""
+    import json
+
+    from tests.verifier.test_grammar import byte_compiler
+
+    c = byte_compiler()
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    g = torch.Generator().manual_seed(1)
+    greedy = SamplingParams(temperature=0.0)
+    masks = {"lazy": 0, "forbidden": 0}
+    for trial in range(40):
+        grammar = c.compile("json_schema", schema)
+        drafted = list(b'{"n":1')[: trial % 7]
+        row = torch.randn(1, 257, generator=g)
+        row[0, int(torch.randint(0, 257, (1,), generator=g))] += 6.0
+        counting = CountingConstraint(grammar)
+        got = process_next(row, greedy, TokenContext((), (), counting), drafted)
+        full = row.masked_fill(~grammar.allowed_after(drafted, 257), float("-inf"))
+        assert int(got.argmax()) == int(full.argmax()), trial
+        forbidden = not bool(grammar.allowed_after(drafted, 257)[int(row.argmax())])
+        masks["forbidden"] += forbidden
+        masks["lazy"] += counting.masks
+        assert counting.masks == int(forbidden)  # a mask only where the argmax was forbidden
+    assert 0 < masks["forbidden"] < 40  # both cases happened
+
+
+class CountingConstraint:
+    """A constraint that counts the vocabulary masks it was asked for."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.masks = inner, 0
+
+    def allowed(self, drafts, vocab_size):
+        self.masks += len(drafts) + 1
+        return self.inner.allowed(drafts, vocab_size)
+
+    def allowed_after(self, drafts, vocab_size):
+        self.masks += 1
+        return self.inner.allowed_after(drafts, vocab_size)
+
+    def valid_prefix(self, drafts):
+        return self.inner.valid_prefix(drafts)
+
+    def commit(self, tokens):
+        self.inner.commit(tokens)

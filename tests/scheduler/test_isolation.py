@@ -265,14 +265,16 @@ def test_a_real_grammar_that_explodes_inside_a_step_fails_alone():
     import llguidance
 
     from dspark_serve.verifier.grammar import Grammar
-    from dspark_serve.verifier.grammar_check import JSON_OPTIONS
+    from dspark_serve.verifier.grammar_check import GrammarConfig
     from tests.verifier.test_grammar_check import RECURSIVE, byte_lltokenizer
 
     model = tiny_model("llama")
     ps = eight_prompts()
     alone = run(make_engine(model, drafter=NgramDrafter(NgramConfig(block_size=3))), fresh(ps))
     engine = make_engine(model, drafter=NgramDrafter(NgramConfig(block_size=3)))
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(RECURSIVE, overrides=JSON_OPTIONS)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        RECURSIVE, overrides=GrammarConfig(json_whitespace="compact").json_options
+    )
     evil = Request("evil", [7] * 12, GREEDY, 16, ignore_eos=True)
     evil.constraint = Grammar(
         llguidance.LLMatcher(byte_lltokenizer(), grammar, log_level=0), 257, frozenset({256})

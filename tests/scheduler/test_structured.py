@@ -155,3 +155,27 @@ def test_the_grammars_end_ends_a_request_that_ignores_eos(tmp_path):
     unconstrained = Request("u", list(range(40, 50)), SamplingParams(temperature=0.0), 40, ignore_eos=True)
     run(engine, [unconstrained])
     assert unconstrained.finish_reason == "length"  # without a grammar, EOS is still ignored
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "ngram"])
+def test_seeded_constrained_requests_equal_plain_decoding_with_the_same_seed(tmp_path, drafter):
+    """Keyed sampling under a grammar: a seeded request's output is plain decoding's for that
+    seed whatever was drafted (each position's uniform keyed by seed and position)."""
+    model = tiny_model("qwen3", seed=1)
+    prompts = [list(range(33 + i, 40 + 2 * i)) for i in range(5)]
+    plain, spec = [], []
+    dr = dspark_drafter(model, tmp_path) if drafter == "dspark" else build_drafter("ngram", block_size=7)
+    for engine, out in ((engine_for(model), plain), (engine_for(model, dr, "static:7"), spec)):
+        reqs = [
+            Request(f"k{i}", p, SamplingParams(temperature=0.8, seed=100 + i), 80)
+            for i, p in enumerate(prompts)
+        ]
+        for r in reqs:
+            r.constraint = engine.compile_grammar("json_schema", json.dumps(SCHEMA))
+        run(engine, reqs)
+        out += reqs
+    for p, s in zip(plain, spec):
+        assert s.output_ids == p.output_ids and s.finish_reason == p.finish_reason == "stop"
+        jsonschema.validate(json.loads(bytes(s.output_ids)), SCHEMA)
+    assert sum(r.spec.drafted for r in spec) > 0
+    assert len({bytes(r.output_ids) for r in spec}) > 1  # sampled: the seeds give different replies

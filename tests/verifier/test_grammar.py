@@ -27,7 +27,10 @@ class _Bytes:
 
 
 def byte_compiler(config: GrammarConfig | None = None) -> GrammarCompiler:
-    return GrammarCompiler(LLTokenizer(TokenizerWrapper(_Bytes())), 257, config or GrammarConfig())
+    """A compiler over byte tokens; compact JSON unless `config` says otherwise (tiny random
+    models would otherwise spend their tokens on blanks; the default layout has its own test)."""
+    config = config or GrammarConfig(json_whitespace="compact")
+    return GrammarCompiler(LLTokenizer(TokenizerWrapper(_Bytes())), 257, config)
 
 
 SCHEMA = json.dumps(
@@ -65,6 +68,27 @@ def test_block_masks_follow_the_drafts_and_roll_back():
     assert allowed_ids(g.allowed_after([], 257)) == {ord("t"), ord("f")}
     g.commit(list(b"true}"))
     assert allowed_ids(g.allowed_after([], 257)) == {EOS} and g.accepting
+
+
+def test_the_default_layout_takes_the_models_own_blanks_and_bounds_them():
+    """json_whitespace "bounded" (the default): compact, spaced and indented JSON all validate;
+    a gap of more than a line break and 20 blanks does not, nor two line breaks in one gap."""
+    g = byte_compiler(GrammarConfig()).compile("json_schema", SCHEMA)
+    for text in [
+        '{"a":1,"b":true}',
+        '{"a": 1, "b": true}',
+        '{\n  "a": 1,\n  "b": true\n}',
+        '{\n\t"a":1,"b":false}',
+    ]:
+        assert g.valid_prefix(list(text.encode())) == len(text), text
+    wide = '{"a":1,\n' + " " * 21
+    assert g.valid_prefix(list(wide.encode())) == len(wide) - 1
+    assert g.valid_prefix(list(b'{"a":1,\n\n')) == 8
+    assert g.valid_prefix(list(b'{"a":1,  ')) == 8  # one space, not two
+    compact = byte_compiler().compile("json_schema", SCHEMA)
+    assert compact.valid_prefix(list(b'{"a": 1')) == 5
+    with pytest.raises(ValueError, match="'tabs'"):
+        GrammarConfig(json_whitespace="tabs")
 
 
 def test_json_object_allows_any_object_only():
