@@ -1,12 +1,13 @@
 """What structured output costs per user: the embedded default (DSpark drafter with prompt
 lookup, the load-aware policy) on the same prompts with and without a JSON schema, speculation
-on in both arms, at 1 and at 8 concurrent requests. Three named schemas; the unconstrained arm
-decodes exactly as many tokens as the constrained reply (ignore_eos), a wave's prompts are
-prefilled once before both arms (both find them in the prefix cache), and the arms' order
-alternates with the round. Per-user speed is a request's tokens after its first over the time
-from its first token to its last; the ratio is paired per request and round, and its median
-reported. Mask time: each batched fill of the verified rows (per row) and each drafter mask
-(one row), p50 and p99.
+on in both arms, at 1 and at 8 concurrent requests. Three named schemas; each arm ends where the
+model ends it (or at 160 tokens); a wave's prompts are prefilled once before both arms (both find
+them in the prefix cache), and the arms' order alternates with the round. Per-user speed is a
+request's tokens after its first over the time from its first token to its last; the ratio is
+paired per request and round, and its median reported, with the ratio of the arms' median step
+times (what the grammar costs a step, whatever the two arms' different texts do to acceptance).
+Mask time: each batched fill of the verified rows (per row) and each drafter mask (one row),
+p50 and p99.
 
     python -m bench.structured_speed --rounds 4 --out bench/results/structured-speed.json
 """
@@ -167,15 +168,21 @@ class MaskTimes:
         }
 
 
+STEPS: list[float] = []  # the last wave's step times
+
+
 def run_wave(engine: Any, reqs: list[Any]) -> dict[str, float]:
     """Runs requests together; each one's per-user speed (tokens after the first per second)."""
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     for r in reqs:
         engine.add_request(r)
+    STEPS.clear()
     while engine.has_work():
+        t0 = time.perf_counter()
         outs = engine.step()
         now = time.perf_counter()
+        STEPS.append(now - t0)
         for o in outs:
             if o.token_ids:
                 first.setdefault(o.request_id, now)
@@ -188,15 +195,14 @@ def run_wave(engine: Any, reqs: list[Any]) -> dict[str, float]:
     return speeds
 
 
-LENGTHS: dict[tuple[str, str], int] = {}  # (schema, prompt) -> the constrained reply's tokens
+MAX_TOKENS = 160
 
 
 def one_round(
     llm: Any, schema: str, concurrency: int, rnd: int, ids: Callable[[], str]
 ) -> list[dict[str, Any]]:
-    """Every prompt of `schema` in waves of `concurrency`, both arms; the arms' order alternates
-    with the round (the unconstrained arm's lengths are the constrained replies', which greedy
-    decoding makes the same every round; the first round learns them)."""
+    """Every prompt of `schema` in waves of `concurrency`, both arms, each ending where the model
+    ends it (or at MAX_TOKENS); the arms' order alternates with the round."""
     from dspark_serve.ops.sampling_params import SamplingParams
     from dspark_serve.scheduler.request import Request
 
@@ -215,20 +221,21 @@ def one_round(
         run_wave(eng, [Request(ids(), list(t), greedy, 1) for t in toks])  # both arms find the prompts cached
 
         def constrained() -> tuple[list[Any], dict[str, float]]:
-            reqs = [Request(ids(), list(t), greedy, 160) for t in toks]
+            reqs = [Request(ids(), list(t), greedy, MAX_TOKENS) for t in toks]
             for r in reqs:
                 r.constraint = eng.compile_grammar("json_schema", json.dumps(SCHEMAS[schema]))
             speeds = run_wave(eng, reqs)
-            for p, r in zip(wave, reqs):
-                LENGTHS[(schema, p)] = len(r.output_ids)
+            step_ms["constrained"] = statistics.median(STEPS) * 1e3
             return reqs, speeds
 
         def free() -> tuple[list[Any], dict[str, float]]:
-            lengths = [max(2, LENGTHS[(schema, p)]) for p in wave]
-            reqs = [Request(ids(), list(t), greedy, n, ignore_eos=True) for t, n in zip(toks, lengths)]
-            return reqs, run_wave(eng, reqs)
+            reqs = [Request(ids(), list(t), greedy, MAX_TOKENS) for t in toks]
+            speeds = run_wave(eng, reqs)
+            step_ms["unconstrained"] = statistics.median(STEPS) * 1e3
+            return reqs, speeds
 
-        if rnd % 2 == 0 or any((schema, p) not in LENGTHS for p in wave):
+        step_ms: dict[str, float] = {}
+        if rnd % 2 == 0:
             (con, c_speed), (fre, f_speed) = constrained(), free()
         else:
             (fre, f_speed), (con, c_speed) = free(), constrained()
@@ -240,10 +247,13 @@ def one_round(
                         "concurrency": concurrency,
                         "round": rnd,
                         "tokens": len(c.output_ids),
+                        "unconstrained_tokens": len(f.output_ids),
                         "valid_json": _valid(c.output_ids, tok),
                         "constrained_tps": c_speed[c.request_id],
                         "unconstrained_tps": f_speed[f.request_id],
                         "ratio": c_speed[c.request_id] / f_speed[f.request_id],
+                        "constrained_step_ms": step_ms["constrained"],
+                        "unconstrained_step_ms": step_ms["unconstrained"],
                         "constrained_accepted_per_round": c.spec.accepted / max(c.spec.rounds, 1),
                         "unconstrained_accepted_per_round": f.spec.accepted / max(f.spec.rounds, 1),
                     }
@@ -285,8 +295,8 @@ def main() -> None:
     )
     counter = itertools.count()
     ids = lambda: f"b{next(counter)}"
-    for schema in args.schemas.split(","):  # warm-up: kernels, grammar caches, the replies' lengths
-        one_round(llm, schema, 1, 0, ids)
+    for schema in args.schemas.split(","):  # warm-up: kernels, grammar caches
+        one_round(llm, schema, 8, 0, ids)
     times = MaskTimes()
     rows: list[dict[str, Any]] = []
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -307,6 +317,9 @@ def main() -> None:
                 "median_unconstrained_tps": statistics.median(r["unconstrained_tps"] for r in sel),
                 "valid_json": sum(r["valid_json"] for r in sel) / len(sel),
                 "median_tokens": statistics.median(r["tokens"] for r in sel),
+                "median_step_ms_ratio": statistics.median(
+                    r["constrained_step_ms"] / r["unconstrained_step_ms"] for r in sel
+                ),
                 "constrained_accepted_per_round": statistics.mean(
                     r["constrained_accepted_per_round"] for r in sel
                 ),

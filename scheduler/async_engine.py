@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,6 +241,7 @@ class AsyncEngine:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         template: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         tok = self._bundle().tokenizer
         ids = tok.apply_chat_template(
@@ -250,6 +251,7 @@ class AsyncEngine:
             add_generation_prompt=True,
             tokenize=True,
             return_dict=False,
+            **dict(template_kwargs or {}),
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]

@@ -192,9 +192,11 @@ class EngineClient(Protocol):
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         template: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The conversation through the chat template (`template`: a template's text in place of
-        the model's), with `tools` for templates that render them."""
+        the model's), with `tools` for templates that render them and `template_kwargs` as extra
+        template variables (`enable_thinking`, ...)."""
         ...
 
     def tokenize(self, text: str) -> list[int]: ...

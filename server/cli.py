@@ -19,6 +19,7 @@ from dspark_serve.drafter.config import NO_DRAFTER, DrafterConfig
 from dspark_serve.drafter.registry import drafter_names, drafter_spec
 from dspark_serve.scheduler.config import SchedulerConfig, policy_choices
 from dspark_serve.server.config import ServerConfig
+from dspark_serve.server.reasoning import REASONING_PARSER_NAMES
 from dspark_serve.server.tool_formats import PARSER_NAMES
 from dspark_serve.verifier.config import ModelConfig
 
@@ -72,6 +73,8 @@ def _choices_help(name: str) -> str:
         return "Choices: " + ", ".join(policy_choices()) + "."
     if name == "tool_call_parser":
         return "Choices: " + ", ".join(PARSER_NAMES) + "."
+    if name == "reasoning_parser":
+        return "Choices: " + ", ".join(REASONING_PARSER_NAMES) + "."
     return ""
 
 

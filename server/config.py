@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark_serve.server.reasoning import REASONING_PARSER_NAMES
 from dspark_serve.server.tool_formats import PARSER_NAMES, VENDORED_TEMPLATES
 
 
@@ -38,6 +39,9 @@ class ServerConfig:
     tool_call_parser: str = "auto"
     """How the model writes tool calls: json, hermes, llama3_json or mistral (vLLM's names);
     auto picks by the chat template and model family (json where the template renders no tools)."""
+    reasoning_parser: str = "auto"
+    """How the model marks its reasoning, returned as `reasoning_content`: qwen3 or deepseek_r1
+    (vLLM's names); auto picks by the model family, none leaves it in the content."""
     chat_template: str | None = None
     """A chat template in place of the model's: a Jinja file, or a shipped one by name (hermes,
     llama3_json, mistral)."""
@@ -68,6 +72,9 @@ class ServerConfig:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(PARSER_NAMES)}, got {self.tool_call_parser!r}"
             )
+        if self.reasoning_parser not in REASONING_PARSER_NAMES:
+            names = ", ".join(REASONING_PARSER_NAMES)
+            raise ValueError(f"reasoning_parser must be one of {names}, got {self.reasoning_parser!r}")
         if self.chat_template is not None and not (
             self.chat_template in VENDORED_TEMPLATES or Path(self.chat_template).is_file()
         ):

@@ -21,6 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from dspark_serve.scheduler.client import EngineClient, EngineError, GenerationParams, StreamDelta
 from dspark_serve.server.errors import ApiError
 from dspark_serve.server.params import choice_params
+from dspark_serve.server.reasoning import ReasoningFormat
 from dspark_serve.server.render import SSE_DONE, Kind, Reply, sse_error
 from dspark_serve.server.state import AppState
 from dspark_serve.server.tool_formats import ToolMode
@@ -41,6 +42,7 @@ class Generation:
     include_usage: bool
     provenance: bool
     tools: ToolMode | None = None
+    reasoning: ReasoningFormat | None = None
 
 
 async def respond(state: AppState, request: Request, gen: Generation) -> Response | dict[str, Any]:
@@ -61,6 +63,7 @@ async def respond(state: AppState, request: Request, gen: Generation) -> Respons
         include_usage=gen.include_usage,
         provenance=gen.provenance,
         tools=gen.tools,
+        reasoning=gen.reasoning,
     )
     if not gen.stream:
         return reply.whole(await streams.collect(firsts))

@@ -206,6 +206,12 @@ class _Sampling(BaseModel):
 GenerationRequest = _Sampling  # the fields every generation request has
 
 
+# what the server itself passes to the chat template: not for a request to override
+TEMPLATE_RESERVED = frozenset(
+    {"messages", "tools", "documents", "chat_template", "add_generation_prompt", "tokenize", "return_dict"}
+)
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
@@ -214,11 +220,16 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (vLLM's field), e.g. `{"enable_thinking": false}`."""
 
     @model_validator(mode="after")
     def _check_chat_rules(self) -> Self:
         if self.top_logprobs is not None and not self.logprobs:
             raise RuleError("top_logprobs", "top_logprobs needs logprobs: true")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_RESERVED)
+        if reserved:
+            raise RuleError("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)}")
         choice = self.tool_choice
         if not self.tools:
             if choice is not None and choice != "none":

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from dspark_serve.scheduler.client import StreamDelta
 from dspark_serve.server.errors import ApiError, error_body
+from dspark_serve.server.reasoning import ReasoningFormat, ReasoningParser, split_reply
 from dspark_serve.server.tool_formats import ToolMode
 from dspark_serve.server.tool_parser import (
     ArgumentsDelta,
@@ -142,6 +143,8 @@ class ChoiceProgress:
     """Characters sent (completions' `text_offset`)."""
     parser: ToolCallParser | None = None
     """Reads the reply's tool calls (tools in play)."""
+    reasoner: ReasoningParser | None = None
+    """Splits the reply's reasoning from its content (a reasoning model's chat)."""
 
 
 @dataclass(frozen=True)
@@ -159,11 +162,15 @@ class Reply:
     include_usage: bool
     provenance: bool
     tools: ToolMode | None
+    reasoning: ReasoningFormat | None = None
 
     def progress(self) -> ChoiceProgress:
         """A streamed choice's progress, with its tool-call parser when tools are in play."""
-        t = self.tools
-        return ChoiceProgress(parser=ToolCallParser(t.format, t.names, t.parallel) if t is not None else None)
+        t, r = self.tools, self.reasoning if self.kind == "chat" else None
+        return ChoiceProgress(
+            parser=ToolCallParser(t.format, t.names, t.parallel) if t is not None else None,
+            reasoner=ReasoningParser(r) if r is not None else None,
+        )
 
     def choice(
         self, i: int, text: str, finish: str | None, delta: bool, logprobs: dict[str, Any] | None = None
@@ -211,15 +218,22 @@ class Reply:
     def _whole_choice(
         self, i: int, text: str, finish: str | None, deltas: list[StreamDelta]
     ) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self.reasoning is not None and self.kind == "chat":
+            split = split_reply(self.reasoning, text)
+            text, extra["reasoning_content"] = split.content, split.reasoning or None
         t = self.tools
         if t is not None:
             reply = parse_reply(t.format, text, t.names, t.parallel)
             if reply.calls:
                 calls = [tool_call_json(c) for c in reply.calls]
-                message = {"role": "assistant", "content": reply.content, "tool_calls": calls}
+                message = {"role": "assistant", "content": reply.content, **extra, "tool_calls": calls}
                 finish = "tool_calls" if finish == "stop" else finish
                 return {"index": i, "message": message, "logprobs": None, "finish_reason": finish}
-        return self.choice(i, text, finish, False, self._logprobs(deltas, 0))
+        choice = self.choice(i, text, finish, False, self._logprobs(deltas, 0))
+        if extra:
+            choice["message"].update(extra)
+        return choice
 
     # -- streamed ----------------------------------------------------------------------------
 
@@ -254,25 +268,45 @@ class Reply:
         progress.completion_tokens = d.completion_tokens
         events = []
         tokens = token_records(d) if self.provenance else None
+        text = d.text
+        if progress.reasoner is not None:
+            split = progress.reasoner.feed(text)
+            text = split.content
+            if split.reasoning:
+                events.append(self._delta_chunk(i, {"reasoning_content": split.reasoning}, tokens))
+                tokens = None
         if progress.parser is not None:
-            deltas = tool_deltas(progress.parser.feed(d.text)) or ([{}] if tokens else [])
-            for k, delta in enumerate(deltas):
-                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
-                events.append(self.chunk([choice], tokens=tokens if k == 0 else None))
-        elif d.text or tokens or (self.logprobs and d.tokens):
+            deltas = tool_deltas(progress.parser.feed(text)) or ([{}] if tokens else [])
+            for delta in deltas:
+                events.append(self._delta_chunk(i, delta, tokens))
+                tokens = None
+        elif text or tokens or (self.logprobs and d.tokens):
             lp = self._logprobs([d], progress.offset)
             progress.offset += sum(len(t.text) for t in d.tokens)
-            events.append(self.chunk([self.choice(i, d.text, None, True, lp)], tokens=tokens))
+            events.append(self.chunk([self.choice(i, text, None, True, lp)], tokens=tokens))
         if d.finished:
             events += self._finish_events(i, d.finish_reason, progress)
         if d.error:  # cut by a drain: say so after the finish_reason
             events.append(sse_error(d.error, 503, None, "draining"))
         return events
 
+    def _delta_chunk(self, i: int, delta: dict[str, Any], tokens: list[dict[str, Any]] | None) -> str:
+        return self.chunk(
+            [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}], tokens=tokens
+        )
+
     def _finish_events(self, i: int, finish: str | None, progress: ChoiceProgress) -> list[str]:
         events = []
+        held = ""
+        if progress.reasoner is not None:
+            split = progress.reasoner.close()
+            held = split.content
+            if split.reasoning:
+                events.append(self._delta_chunk(i, {"reasoning_content": split.reasoning}, None))
+        if progress.parser is None and held:
+            events.append(self._delta_chunk(i, {"content": held}, None))
         if progress.parser is not None:
-            for delta in tool_deltas(progress.parser.close()):
+            for delta in tool_deltas(progress.parser.feed(held) + progress.parser.close()):
                 events.append(
                     self.chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
                 )

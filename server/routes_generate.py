@@ -78,7 +78,11 @@ async def chat(request: Request, state: State) -> Response | dict[str, Any]:
     messages = chat_messages(req, setup.tools, tools)
     try:  # off the event loop: a long conversation must not hold up other requests
         prompt_ids = await run_in_threadpool(
-            state.engine.tokenize_chat, messages, template_tools(tools), setup.template
+            state.engine.tokenize_chat,
+            messages,
+            template_tools(tools),
+            setup.template,
+            req.chat_template_kwargs,
         )
     except Exception as exc:  # templates reject odd role orders
         raise ApiError(400, f"messages could not be formatted: {exc}", "messages") from exc
@@ -91,6 +95,7 @@ async def chat(request: Request, state: State) -> Response | dict[str, Any]:
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         provenance=bool(req.dspark and req.dspark.provenance),
         tools=tools,
+        reasoning=setup.reasoning,
     )
     return await respond(state, request, gen)
 

@@ -45,10 +45,10 @@ class AppState:
 
     @cached_property
     def chat(self) -> ChatSetup:
-        """The chat template and tool format in use (read once the engine has loaded)."""
-        return chat_setup(
-            self.config.tool_call_parser, self.config.chat_template, self.engine.chat_template()
-        )
+        """The chat template, tool format and reasoning format in use (read once the engine has
+        loaded)."""
+        c = self.config
+        return chat_setup(c.tool_call_parser, c.chat_template, self.engine.chat_template(), c.reasoning_parser)
 
     @property
     def draining(self) -> bool:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dspark_serve.scheduler.client import ChatTemplate, GrammarSpec
+from dspark_serve.server.reasoning import REASONING_FORMATS, ReasoningFormat, reasoning_format
 from dspark_serve.server.tools import Function, call_schema
 
 IdStyle = Literal["openai", "mistral"]
@@ -121,7 +122,7 @@ def detect(template: str | None, model_type: str | None) -> ToolFormat:
     return JSON
 
 
-VENDORED_TEMPLATES = ("hermes", "llama3_json", "mistral")
+VENDORED_TEMPLATES = ("hermes", "llama3_json", "mistral", "qwen3")
 
 
 def vendored_template(name: str) -> str:
@@ -136,16 +137,21 @@ class ChatSetup:
     template: the chat template used in place of the model's own (None: the model's).
     tools: the tool format.
     marker_ids: the vocabulary's added tokens by text (a grammar names markers as tokens).
+    reasoning: how the model marks its reasoning (None: no split).
     """
 
     template: str | None
     tools: ToolFormat
     marker_ids: Mapping[str, int]
+    reasoning: ReasoningFormat | None = None
 
 
-def chat_setup(parser: str, template: str | None, model: ChatTemplate) -> ChatSetup:
-    """The setup for `--tool-call-parser parser` ("auto": detected from the template in use)
-    and `--chat-template template` (a shipped template's name or a file; None: the model's)."""
+def chat_setup(
+    parser: str, template: str | None, model: ChatTemplate, reasoning_parser: str = "none"
+) -> ChatSetup:
+    """The setup for `--tool-call-parser parser` ("auto": detected from the template in use),
+    `--chat-template template` (a shipped template's name or a file; None: the model's) and
+    `--reasoning-parser` ("auto": by the model family)."""
     text = None
     if template is not None:
         text = (
@@ -154,7 +160,11 @@ def chat_setup(parser: str, template: str | None, model: ChatTemplate) -> ChatSe
             else Path(template).read_text("utf-8")
         )
     fmt = detect(text or model.template, model.model_type) if parser == "auto" else TOOL_FORMATS[parser]
-    return ChatSetup(text, fmt, model.added_tokens)
+    in_use = text or model.template or ""
+    reasoning = reasoning_format(reasoning_parser, model.model_type)
+    if reasoning is None and reasoning_parser == "auto" and "<think>" in in_use and "</think>" in in_use:
+        reasoning = REASONING_FORMATS["qwen3"]  # a template that writes think blocks
+    return ChatSetup(text, fmt, model.added_tokens, reasoning)
 
 
 @dataclass(frozen=True)

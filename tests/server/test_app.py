@@ -44,7 +44,7 @@ class FakeEngine:
     def chat_template(self):
         return ChatTemplate(None, None, {})
 
-    def tokenize_chat(self, messages, tools=None, template=None):
+    def tokenize_chat(self, messages, tools=None, template=None, template_kwargs=None):
         return [1] * sum(len(m["content"]) for m in messages)
 
     def tokenize(self, text):

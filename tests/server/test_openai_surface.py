@@ -306,3 +306,58 @@ def test_tool_parameters_with_ref_and_defs_keep_their_meaning_in_a_forced_call()
     assert not takes('{"name":"place","arguments":{"at":"abcd"')  # place's point is an object
     assert not takes('{"name":"label","arguments":{"text":{')  # label's point is a string
     assert not takes('{"name":"place","arguments":{"at":{"x":1,"z"')
+
+
+THOUGHT = "<think>\nThe user greets me; 2 < 3.\n</think>\n\nHello there!"
+
+
+def test_reasoning_is_split_out_whole_and_streamed_at_every_cut():
+    """`reasoning_content` beside `content` (qwen3 format), the same whichever way the engine's
+    deltas cut the reply (a drafted block crossing the end tag, the tag in pieces)."""
+    for cut in range(1, len(THOUGHT)):
+        eng = ScriptEngine([THOUGHT[:cut], THOUGHT[cut:]])
+        c = client(eng, reasoning_parser="qwen3")
+        msg = chat(c).json()["choices"][0]["message"]
+        assert (
+            msg["reasoning_content"] == "\nThe user greets me; 2 < 3.\n" and msg["content"] == "Hello there!"
+        )
+        deltas = [ch["delta"] for x in sse(chat(c, stream=True)) for ch in x["choices"]]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == msg["reasoning_content"], cut
+        assert "".join(d.get("content") or "" for d in deltas) == "Hello there!", cut
+    plain = chat(client(ScriptEngine([THOUGHT]), reasoning_parser="none")).json()["choices"][0]["message"]
+    assert plain["content"] == THOUGHT and "reasoning_content" not in plain
+
+
+def test_reasoning_then_a_tool_call():
+    eng = ScriptEngine(
+        [
+            "<think>I need the weather.</think>\n",
+            '<tool_call>\n{"name": "get_weather", ',
+            '"arguments": {"a": 1}}\n</tool_call>',
+        ]
+    )
+    c = client(eng, reasoning_parser="qwen3", tool_call_parser="hermes")
+    msg = chat(c, tools=TOOLS).json()["choices"][0]["message"]
+    assert msg["reasoning_content"] == "I need the weather." and msg["content"] is None
+    assert msg["tool_calls"][0]["function"]["name"] == "get_weather"
+    deltas = [ch["delta"] for x in sse(chat(c, tools=TOOLS, stream=True)) for ch in x["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "I need the weather."
+    assert [t["function"]["name"] for d in deltas for t in d.get("tool_calls") or [] if "id" in t] == [
+        "get_weather"
+    ]
+
+
+def test_chat_template_kwargs_reach_the_template_and_reserved_names_are_refused():
+    eng = ScriptEngine()
+    seen = []
+    real = eng.tokenize_chat
+
+    def tokenize_chat(messages, tools=None, template=None, template_kwargs=None):
+        seen.append(template_kwargs)
+        return real(messages, tools, template, template_kwargs)
+
+    eng.tokenize_chat = tokenize_chat
+    c = client(eng)
+    assert chat(c, chat_template_kwargs={"enable_thinking": False}).status_code == 200
+    assert seen[-1] == {"enable_thinking": False}
+    assert_error(chat(c, chat_template_kwargs={"add_generation_prompt": False}), 400, "chat_template_kwargs")

@@ -63,7 +63,7 @@ def written(fmt, calls) -> str:
 
 def test_the_format_is_detected_from_the_template_then_the_family():
     for name in VENDORED_TEMPLATES:
-        assert detect(vendored_template(name), None) is TOOL_FORMATS[name]
+        assert detect(vendored_template(name), None) is TOOL_FORMATS[TEMPLATE_FORMAT.get(name, name)]
     assert detect("{{ messages }}", "qwen3") is JSON  # a template that renders no tools
     assert detect("{% if tools %}{{ tools }}{% endif %}", "qwen3") is HERMES
     assert detect("{% if tools %}{{ tools }}{% endif %}", "mistral") is MISTRAL
@@ -75,15 +75,18 @@ def test_the_format_is_detected_from_the_template_then_the_family():
     )
 
 
+TEMPLATE_FORMAT = {"qwen3": "hermes"}  # a shipped template named for its family, not its tool format
+
+
 @pytest.mark.parametrize("name", ["json", *VENDORED_TEMPLATES])
 def test_the_template_renders_tools_earlier_calls_and_results(tokenizer, name):
     setup = chat_setup(
-        name if name != "json" else "auto",
+        name if name in TOOL_FORMATS else "auto",
         None if name == "json" else name,
         ChatTemplate(tokenizer.chat_template, "llama", tokenizer.get_added_vocab()),
     )
     fmt = setup.tools
-    assert fmt.name == name
+    assert fmt.name == TEMPLATE_FORMAT.get(name, name)
     req = ChatCompletionRequest.model_validate(
         {
             "model": "m",
@@ -212,3 +215,26 @@ def test_a_server_on_a_hermes_template_streams_a_forced_call_through_the_officia
         ] == ["tool_calls"]
     finally:
         server.close()
+
+
+def test_the_qwen3_template_thinks_unless_told_not_to(tokenizer):
+    msgs = [{"role": "user", "content": "Hi"}]
+    template = vendored_template("qwen3")
+
+    def prompt(**kwargs) -> str:
+        ids = tokenizer.apply_chat_template(
+            msgs,
+            chat_template=template,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+            **kwargs,
+        )
+        return tokenizer.decode(ids)
+
+    assert prompt().endswith("<|im_start|>assistant\n")  # the reply opens its own think block
+    assert prompt(enable_thinking=False).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    model = ChatTemplate(None, "llama", {})
+    assert chat_setup("auto", "qwen3", model, "auto").reasoning is not None  # the template thinks
+    assert chat_setup("auto", "hermes", model, "auto").reasoning is None
+    assert chat_setup("auto", "qwen3", model, "none").reasoning is None
