@@ -48,7 +48,9 @@ class AppState:
         """The chat template, tool format and reasoning format in use (read once the engine has
         loaded)."""
         c = self.config
-        return chat_setup(c.tool_call_parser, c.chat_template, self.engine.chat_template(), c.reasoning_parser)
+        return chat_setup(
+            c.tool_call_parser, c.chat_template, self.engine.chat_template(), c.reasoning_parser
+        )
 
     @property
     def draining(self) -> bool:
