@@ -1,11 +1,15 @@
 """What structured output costs per user: the embedded default (DSpark drafter with prompt
 lookup, the load-aware policy) on the same prompts with and without a JSON schema, speculation
-on in both arms, at 1 and at 8 concurrent requests. Three named schemas; each arm ends where the
-model ends it (or at 160 tokens); a wave's prompts are prefilled once before both arms (both find
-them in the prefix cache), and the arms' order alternates with the round. Per-user speed is a
-request's tokens after its first over the time from its first token to its last; the ratio is
-paired per request and round, and its median reported, with the ratio of the arms' median step
-times (what the grammar costs a step, whatever the two arms' different texts do to acceptance).
+on in both arms, at 1 and at 8 concurrent requests. Three named schemas; the unconstrained arm
+decodes exactly as many tokens as the constrained reply (ignore_eos: left alone, this model
+writes 160 tokens of repetitive prose for these prompts, which prompt lookup drafts far more
+easily than JSON; length-matched, both arms compare the same stretch of the reply); a wave's
+prompts are prefilled once before both arms (both find them in the prefix cache), and the
+arms' order alternates with the round. Per-user speed is a
+request's tokens after its first over the time from its first token to its last; reported: the
+ratio of the arms' median per-user speeds over the pairs where both replies have 8 tokens or
+more (the median of per-pair ratios beside it), and the ratio of the arms' median step times
+(what the grammar costs a step, whatever the two arms' different texts do to acceptance).
 Mask time: each batched fill of the verified rows (per row) and each drafter mask (one row),
 p50 and p99.
 
@@ -196,13 +200,15 @@ def run_wave(engine: Any, reqs: list[Any]) -> dict[str, float]:
 
 
 MAX_TOKENS = 160
+LENGTHS: dict[tuple[str, str], int] = {}  # (schema, prompt) -> the constrained reply's tokens
 
 
 def one_round(
     llm: Any, schema: str, concurrency: int, rnd: int, ids: Callable[[], str]
 ) -> list[dict[str, Any]]:
-    """Every prompt of `schema` in waves of `concurrency`, both arms, each ending where the model
-    ends it (or at MAX_TOKENS); the arms' order alternates with the round."""
+    """Every prompt of `schema` in waves of `concurrency`, both arms; the arms' order alternates
+    with the round (the unconstrained arm's lengths are the constrained replies', which greedy
+    decoding makes the same every round; the warm-up learns them)."""
     from dspark_serve.ops.sampling_params import SamplingParams
     from dspark_serve.scheduler.request import Request
 
@@ -226,16 +232,19 @@ def one_round(
                 r.constraint = eng.compile_grammar("json_schema", json.dumps(SCHEMAS[schema]))
             speeds = run_wave(eng, reqs)
             step_ms["constrained"] = statistics.median(STEPS) * 1e3
+            for p, r in zip(wave, reqs):
+                LENGTHS[(schema, p)] = len(r.output_ids)
             return reqs, speeds
 
         def free() -> tuple[list[Any], dict[str, float]]:
-            reqs = [Request(ids(), list(t), greedy, MAX_TOKENS) for t in toks]
+            lengths = [max(2, LENGTHS[(schema, p)]) for p in wave]
+            reqs = [Request(ids(), list(t), greedy, n, ignore_eos=True) for t, n in zip(toks, lengths)]
             speeds = run_wave(eng, reqs)
             step_ms["unconstrained"] = statistics.median(STEPS) * 1e3
             return reqs, speeds
 
         step_ms: dict[str, float] = {}
-        if rnd % 2 == 0:
+        if rnd % 2 == 0 or any((schema, p) not in LENGTHS for p in wave):
             (con, c_speed), (fre, f_speed) = constrained(), free()
         else:
             (fre, f_speed), (con, c_speed) = free(), constrained()
@@ -259,6 +268,47 @@ def one_round(
                     }
                 )
     return rows
+
+
+MIN_TOKENS = 8  # a pair counts when both replies have this many tokens (speed over fewer is noise)
+
+
+def summarize(rows: list[dict[str, Any]], levels: list[int], schemas: list[str]) -> dict[str, Any]:
+    """Per concurrency and schema (and all schemas): the ratio of the arms' median per-user
+    speeds, the median of the paired ratios, the ratio of median step times, acceptance."""
+    summary = {}
+    for c in levels:
+        for schema in [*schemas, "all"]:
+            sel = [
+                r
+                for r in rows
+                if r["concurrency"] == c
+                and (schema == "all" or r["schema"] == schema)
+                and min(r["tokens"], r["unconstrained_tokens"]) >= MIN_TOKENS
+            ]
+            if not sel:
+                continue
+            con = statistics.median(r["constrained_tps"] for r in sel)
+            free = statistics.median(r["unconstrained_tps"] for r in sel)
+            summary[f"c{c}-{schema}"] = {
+                "pairs": len(sel),
+                "per_user_ratio": con / free,
+                "median_pair_ratio": statistics.median(r["ratio"] for r in sel),
+                "median_constrained_tps": con,
+                "median_unconstrained_tps": free,
+                "step_ms_ratio": statistics.median(r["constrained_step_ms"] for r in sel)
+                / statistics.median(r["unconstrained_step_ms"] for r in sel),
+                "valid_json": sum(r["valid_json"] for r in sel) / len(sel),
+                "median_tokens": statistics.median(r["tokens"] for r in sel),
+                "median_unconstrained_tokens": statistics.median(r["unconstrained_tokens"] for r in sel),
+                "constrained_accepted_per_round": statistics.mean(
+                    r["constrained_accepted_per_round"] for r in sel
+                ),
+                "unconstrained_accepted_per_round": statistics.mean(
+                    r["unconstrained_accepted_per_round"] for r in sel
+                ),
+            }
+    return summary
 
 
 def _valid(ids: list[int], tok: Any) -> bool:
@@ -307,26 +357,7 @@ def main() -> None:
                 rows += new
                 ratio = statistics.median(r["ratio"] for r in new)
                 print(f"round {rnd} c={c} {schema}: median ratio {ratio:.3f}", flush=True)
-    summary = {}
-    for c in levels:
-        for schema in [*args.schemas.split(","), "all"]:
-            sel = [r for r in rows if r["concurrency"] == c and (schema == "all" or r["schema"] == schema)]
-            summary[f"c{c}-{schema}"] = {
-                "median_ratio": statistics.median(r["ratio"] for r in sel),
-                "median_constrained_tps": statistics.median(r["constrained_tps"] for r in sel),
-                "median_unconstrained_tps": statistics.median(r["unconstrained_tps"] for r in sel),
-                "valid_json": sum(r["valid_json"] for r in sel) / len(sel),
-                "median_tokens": statistics.median(r["tokens"] for r in sel),
-                "median_step_ms_ratio": statistics.median(
-                    r["constrained_step_ms"] / r["unconstrained_step_ms"] for r in sel
-                ),
-                "constrained_accepted_per_round": statistics.mean(
-                    r["constrained_accepted_per_round"] for r in sel
-                ),
-                "unconstrained_accepted_per_round": statistics.mean(
-                    r["unconstrained_accepted_per_round"] for r in sel
-                ),
-            }
+    summary = summarize(rows, levels, args.schemas.split(","))
     report = {
         "machine": machine(),
         "command": "python -m bench.structured_speed " + " ".join(sys.argv[1:]),
