@@ -130,7 +130,8 @@ def sampled(model, prompt, sp, n, seed, drafter):
     return c2 / n, c3 / n
 
 
-@pytest.mark.parametrize("which", ["fixed-q", "dspark"])
+# the quick loop proves it once (dspark); the full suite with a fixed q too
+@pytest.mark.parametrize("which", [pytest.param("fixed-q", marks=pytest.mark.slow), "dspark"])
 def test_sampled_penalised_distribution_matches_plain_and_catches_a_broken_sampler(
     monkeypatch, tmp_path, which
 ):

@@ -249,9 +249,15 @@ def broken_rejection_sample(
     )
 
 
+# the quick loop proves it once (a full-vocabulary q); the full suite in every variant
 @pytest.mark.parametrize(
     "q,combined,cached",
-    [(FULL_Q, False, False), (TRUNCATED_Q, False, False), (FULL_Q, True, False), (FULL_Q, False, True)],
+    [
+        (FULL_Q, False, False),
+        pytest.param(TRUNCATED_Q, False, False, marks=pytest.mark.slow),
+        pytest.param(FULL_Q, True, False, marks=pytest.mark.slow),
+        pytest.param(FULL_Q, False, True, marks=pytest.mark.slow),
+    ],
     ids=["full-vocab", "truncated-vocab", "combined-drafters", "prefix-cache-hits"],
 )
 def test_sampled_distribution_matches_plain_and_catches_a_broken_sampler(monkeypatch, q, combined, cached):
