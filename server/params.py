@@ -21,6 +21,7 @@ from dspark_serve.server.protocol import (
     GenerationRequest,
     NamedToolChoice,
 )
+from dspark_serve.server.reasoning import after_reasoning
 from dspark_serve.server.tool_formats import ChatSetup, ToolFormat, ToolMode, forced_grammar
 from dspark_serve.server.tools import Function, decoded_arguments, render_calls, with_tools
 
@@ -118,8 +119,18 @@ def logprobs_of(req: ChatCompletionRequest | CompletionRequest) -> int | None:
     return req.logprobs
 
 
-def grammar_of(req: ChatCompletionRequest | CompletionRequest, tools: ToolMode | None) -> GrammarSpec | None:
-    """The constraint on the output: a forced tool call, or the response_format."""
+def grammar_of(
+    req: ChatCompletionRequest | CompletionRequest, tools: ToolMode | None, setup: ChatSetup | None = None
+) -> GrammarSpec | None:
+    """The constraint on the output: a forced tool call, or the response_format; after the
+    reasoning of a reasoning model."""
+    spec = _grammar_of(req, tools)
+    if spec is not None and setup is not None and setup.reasoning is not None:
+        return after_reasoning(spec, setup.reasoning, setup.marker_ids)
+    return spec
+
+
+def _grammar_of(req: ChatCompletionRequest | CompletionRequest, tools: ToolMode | None) -> GrammarSpec | None:
     if tools is not None and tools.grammar is not None:
         return tools.grammar
     rf = req.response_format
@@ -143,8 +154,10 @@ def generation_params(
     prompt_len: int,
     max_model_len: int,
     tools: ToolMode | None = None,
+    setup: ChatSetup | None = None,
 ) -> GenerationParams:
-    """The engine's parameters for `req`; the prompt and the completion must fit the context."""
+    """The engine's parameters for `req`; the prompt and the completion must fit the context. A
+    chat with a reasoning model (`setup.reasoning`) gets its grammar after the reasoning."""
     max_tokens = max_tokens_of(req)
     if max_tokens is None:
         max_tokens = max(1, max_model_len - prompt_len)
@@ -166,7 +179,7 @@ def generation_params(
         repetition_penalty=req.repetition_penalty,
         logit_bias=tuple(sorted((int(k), float(v)) for k, v in (req.logit_bias or {}).items())),
         logprobs=logprobs_of(req),
-        grammar=grammar_of(req, tools),
+        grammar=grammar_of(req, tools, setup),
     )
 
 

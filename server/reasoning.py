@@ -11,7 +11,12 @@ start of a tag is held back until the next piece shows what it is.
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from dspark_serve.scheduler.client import GrammarSpec
 
 
 @dataclass(frozen=True)
@@ -127,3 +132,31 @@ def _partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+ANY_OBJECT = {"type": "object"}
+LARK_HEADER = "%llguidance {}\n"
+
+
+def after_reasoning(spec: GrammarSpec, fmt: ReasoningFormat, marker_ids: Mapping[str, int]) -> GrammarSpec:
+    """The grammar that lets the reasoning run free and applies `spec` to what follows the end
+    tag (a reply that thinks first; Qwen3's may also answer at once). The tags must be tokens of
+    the vocabulary (as in the models that use them): the reasoning is then any text, which no
+    special token is part of, so only the end tag's token ends it. Where they are not, `spec`
+    applies from the reply's first token, as it did without reasoning."""
+    start, end = marker_ids.get(fmt.start), marker_ids.get(fmt.end)
+    if start is None or end is None:
+        return spec
+    if spec.kind == "lark":
+        assert spec.schema is not None
+        body = re.sub(r"^start:", "body:", spec.schema.removeprefix(LARK_HEADER), count=1, flags=re.M)
+    else:
+        schema = json.loads(spec.schema) if spec.schema is not None else ANY_OBJECT
+        body = f"body: %json {json.dumps(schema)}\n"
+    think = f"<[{start}]> /(?s:.*)/ <[{end}]> /[ \\t\\r\\n]{{0,8}}/"
+    if fmt.opens_in_prompt:
+        think = f"/(?s:.*)/ <[{end}]> /[ \\t\\r\\n]{{0,8}}/"
+        top = "start: think body"
+    else:
+        top = "start: think body | body"
+    return GrammarSpec("lark", f"{LARK_HEADER}{top}\nthink: {think}\n{body}", spec.param)

@@ -89,7 +89,7 @@ async def chat(request: Request, state: State) -> Response | dict[str, Any]:
     gen = Generation(
         kind="chat",
         prompt_ids=prompt_ids,
-        params=generation_params(req, len(prompt_ids), state.engine.max_model_len, tools),
+        params=generation_params(req, len(prompt_ids), state.engine.max_model_len, tools, setup),
         n=req.n,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),

@@ -238,3 +238,69 @@ def test_the_qwen3_template_thinks_unless_told_not_to(tokenizer):
     assert chat_setup("auto", "qwen3", model, "auto").reasoning is not None  # the template thinks
     assert chat_setup("auto", "hermes", model, "auto").reasoning is None
     assert chat_setup("auto", "qwen3", model, "none").reasoning is None
+
+
+@pytest.mark.slow
+def test_a_schema_applies_after_the_reasoning_ends_under_speculation():
+    """A tiny random model behind the embedded vocabulary plus `<think>` tokens, the shipped
+    qwen3 template (reasoning detected from it), prompt lookup drafting: with a response_format,
+    the grammar lets the reply think first and constrains what follows `</think>`. The logit
+    bias makes the model open a think block and, as soon as the grammar lets it, close it (a
+    random model would think forever): the content is then valid JSON, the reasoning split off,
+    streamed as whole."""
+    import torch
+
+    from dspark_serve.drafter.ngram import build_ngram
+    from dspark_serve.scheduler.builder import EngineBundle
+    from dspark_serve.scheduler.config import SchedulerConfig
+    from dspark_serve.scheduler.engine import Engine
+    from dspark_serve.server.config import ServerConfig
+    from dspark_serve.verifier.loader import DtypeChoice, load_target
+    from tests.helpers import runner_for, tiny_model
+    from tests.server.test_e2e import MODEL, LiveServer
+
+    tok = copy.deepcopy(load_target(None).tokenizer)
+    tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>"])
+    think, end = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
+
+    def build(metrics):
+        engine = Engine(
+            runner_for(tiny_model("llama", vocab=len(tok)), num_blocks=256, block_size=16),
+            tok,
+            SchedulerConfig(max_num_seqs=4, verify_policy="static:3"),
+            max_model_len=1024,
+            drafter=build_ngram(block_size=3),
+            metrics=metrics,
+        )
+        return EngineBundle(engine, tok, DtypeChoice(torch.float32, "test: tiny model"))
+
+    server = LiveServer(build=build, max_len=1024, server_config=ServerConfig(chat_template="qwen3"))
+    try:
+        c = server.client()
+        kw = dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Weather?"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}},
+            logit_bias={str(think): 60, str(end): 30},
+            temperature=0,
+            max_tokens=80,
+        )
+        whole = c.chat.completions.create(**kw, extra_body={"dspark": {"provenance": True}})
+        msg = whole.choices[0].message
+        assert whole.choices[0].finish_reason == "stop", msg
+        ids = [t["id"] for t in whole.model_extra["dspark"]["tokens"]]
+        assert ids[0] == think and end in ids  # it did think: the grammar let it, then took over
+        value = json.loads(msg.content)  # no think tags in the content: they went to the reasoning
+        assert value["city"] in ("Paris", "Rome") and value["days"] in (1, 2, 3)
+        assert "reasoning_content" in msg.model_extra and "<think>" not in msg.content
+        chunks = list(c.chat.completions.create(**kw, stream=True))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert json.loads(text) == value
+        reasoning = "".join(
+            (ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+            for ch in chunks
+            if ch.choices
+        )
+        assert reasoning == (msg.model_extra["reasoning_content"] or "")
+    finally:
+        server.close()
