@@ -45,14 +45,21 @@ class Generation:
     reasoning: ReasoningFormat | None = None
 
 
-async def respond(state: AppState, request: Request, gen: Generation) -> Response | dict[str, Any]:
-    """Runs `gen` and answers it: the whole body, or a stream of server-sent events. An engine
-    refusal at the start is an HTTP error (before any event)."""
-    rid = f"{'chatcmpl' if gen.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+async def respond(
+    state: AppState,
+    request: Request,
+    gen: Generation,
+    reply_type: type[Reply] = Reply,
+    id_prefix: str | None = None,
+) -> Response | dict[str, Any]:
+    """Runs `gen` and answers it with a `reply_type` (a chat or completion, or a Responses
+    reply): the whole body, or a stream of server-sent events. An engine refusal at the start is
+    an HTTP error (before any event)."""
+    rid = f"{id_prefix or ('chatcmpl' if gen.kind == 'chat' else 'cmpl')}-{uuid.uuid4().hex}"
     created = int(time.time())
     streams = ChoiceStreams(state.engine, request, rid, gen)
     firsts = await streams.first_deltas()
-    reply = Reply(
+    reply = reply_type(
         kind=gen.kind,
         id=rid,
         created=created,
@@ -87,15 +94,14 @@ async def sse_events(
     progress = [reply.progress() for _ in range(reply.n)]
     last = None
     try:
-        for event in reply.opening_events():
+        for event in reply.opening_events(progress):
             yield event
         async for i, d in deltas:
             last = d
             for event in reply.delta_events(i, d, progress[i]):
                 yield event
-        if reply.include_usage:
-            yield reply.usage_event(last, sum(p.completion_tokens for p in progress))
-        yield SSE_DONE
+        for event in reply.closing_events(progress, last):
+            yield event
     except EngineError as exc:
         count_error(exc.status)
         yield sse_error(str(exc), exc.status, exc.param, exc.code or str(exc.status))

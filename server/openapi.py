@@ -25,6 +25,7 @@ from dspark_serve.server.protocol import (
     CompletionRequest,
     ErrorResponse,
 )
+from dspark_serve.server.responses import ResponsesRequest
 from dspark_serve.server.state import AppState
 
 _NULL = {"type": "null"}
@@ -44,7 +45,7 @@ def install_openapi(app: FastAPI, state: AppState) -> None:
 def openapi_document(app: FastAPI, state: AppState) -> dict[str, Any]:
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     comps = doc.setdefault("components", {}).setdefault("schemas", {})
-    for model in (ChatCompletionRequest, CompletionRequest, ErrorResponse):
+    for model in (ChatCompletionRequest, CompletionRequest, ResponsesRequest, ErrorResponse):
         js = model.model_json_schema(ref_template="#/components/schemas/{model}")
         comps.update(js.pop("$defs", {}))
         comps[model.__name__] = js
@@ -52,6 +53,10 @@ def openapi_document(app: FastAPI, state: AppState) -> dict[str, Any]:
         narrow_request_schema(
             comps[name]["properties"], state.served_model_name, state.engine.max_model_len, state.vocab_size
         )
+    comps["ResponsesRequest"]["properties"]["model"] = {
+        "anyOf": [{"type": "string", "enum": [state.served_model_name]}, _NULL],
+        "default": None,
+    }
     for op in doc["paths"].get("/v1/models/{model_id}", {}).values():
         for prm in op.get("parameters", []):
             prm["schema"] = {"type": "string", "enum": [state.served_model_name]}

@@ -252,7 +252,7 @@ class Reply:
             p["dspark"] = {"tokens": tokens}
         return sse_event(p)
 
-    def opening_events(self) -> list[str]:
+    def opening_events(self, progress: list[ChoiceProgress]) -> list[str]:
         """A chat stream opens each choice with the assistant's role."""
         if self.kind != "chat":
             return []
@@ -315,6 +315,13 @@ class Reply:
         last = self.choice(i, "", finish, True)
         events.append(self.chunk([{**last, **({"delta": {}} if self.kind == "chat" else {})}]))
         return events
+
+    def closing_events(self, progress: list[ChoiceProgress], last: StreamDelta | None) -> list[str]:
+        """After every choice ended: the usage chunk (include_usage), then `[DONE]`."""
+        usage_chunk = (
+            [self.usage_event(last, sum(p.completion_tokens for p in progress))] if self.include_usage else []
+        )
+        return [*usage_chunk, SSE_DONE]
 
     def usage_event(self, last: StreamDelta | None, completion_tokens: int) -> str:
         """The stream's closing usage chunk (include_usage); the speculative-decoding summary

@@ -11,11 +11,11 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from dspark_serve.server.body import decode
-from dspark_serve.server.errors import ERROR_DOCS, ApiError
+from dspark_serve.server.errors import ERROR_DOCS, ApiError, validation_error
 from dspark_serve.server.generate import Generation, respond
 from dspark_serve.server.params import (
     chat_messages,
@@ -26,6 +26,7 @@ from dspark_serve.server.params import (
     tool_mode,
 )
 from dspark_serve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from dspark_serve.server.responses import ResponsesReply, ResponsesRequest, to_chat
 from dspark_serve.server.state import AppState, State
 
 RequestT = TypeVar("RequestT", bound=GenerationRequest)
@@ -73,6 +74,12 @@ async def read_request(state: AppState, request: Request, schema: type[RequestT]
 )
 async def chat(request: Request, state: State) -> Response | dict[str, Any]:
     req = await read_request(state, request, ChatCompletionRequest)
+    return await respond(state, request, await chat_generation(state, req))
+
+
+async def chat_generation(state: AppState, req: ChatCompletionRequest) -> Generation:
+    """A chat request as the engine runs it: the tool mode and grammar in the model's format,
+    the prompt through the chat template, the engine's parameters."""
     setup = state.chat
     tools = tool_mode(req, setup)
     messages = chat_messages(req, setup.tools, tools)
@@ -86,7 +93,7 @@ async def chat(request: Request, state: State) -> Response | dict[str, Any]:
         )
     except Exception as exc:  # templates reject odd role orders
         raise ApiError(400, f"messages could not be formatted: {exc}", "messages") from exc
-    gen = Generation(
+    return Generation(
         kind="chat",
         prompt_ids=prompt_ids,
         params=generation_params(req, len(prompt_ids), state.engine.max_model_len, tools, setup),
@@ -97,7 +104,29 @@ async def chat(request: Request, state: State) -> Response | dict[str, Any]:
         tools=tools,
         reasoning=setup.reasoning,
     )
-    return await respond(state, request, gen)
+
+
+@router.post(
+    "/v1/responses",
+    responses=GENERATE_RESPONSES,
+    openapi_extra=body_doc(ResponsesRequest),
+    response_model=None,
+)
+async def responses(request: Request, state: State) -> Response | dict[str, Any]:
+    """The Responses API, stateless: the request's input as a chat, answered as a response."""
+    if state.draining:
+        raise ApiError(503, "the server is draining (shutting down)", code="draining")
+    req = await run_in_threadpool(decode, await request.body(), ResponsesRequest, state.config.max_json_depth)
+    if req.model is not None and req.model != state.served_model_name:
+        raise ApiError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
+    if not state.engine.ready:
+        raise ApiError(503, "model is loading")
+    try:
+        chat_req = to_chat(req)
+    except ValidationError as exc:
+        raise validation_error(exc) from exc
+    gen = await chat_generation(state, chat_req)
+    return await respond(state, request, gen, ResponsesReply, "resp")
 
 
 @router.post(

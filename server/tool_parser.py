@@ -234,6 +234,8 @@ class ToolCallParser:
     # -- one call object ---------------------------------------------------------------------
 
     def _object(self) -> list[ToolEvent]:
+        """Scan the call object's characters: keys and values at depth 1 (the name, where the
+        arguments lie), nesting and strings below it."""
         o = self.obj
         assert o is not None
         events: list[ToolEvent] = []
@@ -242,31 +244,18 @@ class ToolCallParser:
             i, c = self.pos, buf[self.pos]
             self.pos += 1
             if o.in_string:
-                if o.escaped:
-                    o.escaped = False
-                elif c == "\\":
-                    o.escaped = True
-                elif c == '"':
-                    o.in_string = False
-                    if o.depth == 1 and o.expect == "key":
-                        o.key = _loads(buf[o.key_start : i + 1])
-                        o.expect = "colon"
-                    elif o.depth == 1 and o.value_key is not None:
-                        events += self._value_end(o, i + 1)
-                continue
-            if c == '"':
+                events += self._string_char(o, i, c)
+            elif c == '"':
                 o.in_string = True
                 if o.depth == 1 and o.expect == "key":
                     o.key_start = i
                 elif o.depth == 1 and o.expect == "value":
                     self._value_start(o, i)
-                continue
-            if c in "{[":
+            elif c in "{[":
                 if o.depth == 1 and o.expect == "value":
                     self._value_start(o, i)
                 o.depth += 1
-                continue
-            if c in "}]":
+            elif c in "}]":
                 if o.primitive:
                     events += self._value_end(o, i)
                 o.depth -= 1
@@ -274,20 +263,39 @@ class ToolCallParser:
                     events += self._value_end(o, i + 1)
                 if o.depth <= 0:
                     return events + self._object_end(o, i + 1)
-                continue
-            if o.depth == 1:
-                if c == ":" and o.expect == "colon":
-                    o.expect = "value"
-                elif c == "," or c in _BLANK:
-                    if o.primitive:
-                        events += self._value_end(o, i)
-                    if c == ",":
-                        o.expect = "key"
-                elif o.expect == "value" and not o.primitive:
-                    self._value_start(o, i)
-                    o.primitive = True
+            elif o.depth == 1:
+                events += self._top_level_char(o, i, c)
         if o.call is not None and o.args_start >= 0 and o.args_end < 0 and not o.args_string:
             events += self._send_arguments(self.pos)
+        return events
+
+    def _string_char(self, o: _Object, i: int, c: str) -> list[ToolEvent]:
+        if o.escaped:
+            o.escaped = False
+        elif c == "\\":
+            o.escaped = True
+        elif c == '"':
+            o.in_string = False
+            if o.depth == 1 and o.expect == "key":
+                o.key = _loads(self.buf[o.key_start : i + 1])
+                o.expect = "colon"
+            elif o.depth == 1 and o.value_key is not None:
+                return self._value_end(o, i + 1)
+        return []
+
+    def _top_level_char(self, o: _Object, i: int, c: str) -> list[ToolEvent]:
+        """A character between the object's keys and values (not in a string or a nested value)."""
+        events: list[ToolEvent] = []
+        if c == ":" and o.expect == "colon":
+            o.expect = "value"
+        elif c == "," or c in _BLANK:
+            if o.primitive:
+                events += self._value_end(o, i)
+            if c == ",":
+                o.expect = "key"
+        elif o.expect == "value" and not o.primitive:
+            self._value_start(o, i)
+            o.primitive = True
         return events
 
     def _value_start(self, o: _Object, i: int) -> None:

@@ -254,6 +254,46 @@ def test_a_tool_conversation_call_result_answer(spec):
     assert second.usage.prompt_tokens > alone + first.usage.completion_tokens + 5
 
 
+def test_the_responses_api_on_the_embedded_model(spec):
+    """The official client's `responses.create`, whole and streamed, and a function tool round
+    trip (a forced call, its output, the answer), on the embedded model under speculation."""
+    c = spec.client()
+    r = c.responses.create(model=MODEL, input="Say hello.", max_output_tokens=20, temperature=0)
+    assert r.status in ("completed", "incomplete") and r.output_text and r.usage.output_tokens > 0
+    events = list(
+        c.responses.create(model=MODEL, input="Say hello.", max_output_tokens=20, temperature=0, stream=True)
+    )
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    tool = {"type": "function", **WEATHER["function"]}
+    first = c.responses.create(
+        model=MODEL,
+        input="Weather in Paris?",
+        tools=[tool],
+        tool_choice="required",
+        temperature=0,
+        max_output_tokens=60,
+    )
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    second = c.responses.create(
+        model=MODEL,
+        tools=[tool],
+        temperature=0,
+        max_output_tokens=30,
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 degrees."},
+        ],
+    )
+    assert second.output and second.usage.input_tokens > first.usage.input_tokens
+
+
 def test_n_three_returns_three_choices_and_usage_counts_all(spec):
     r = spec.client().chat.completions.create(
         model=MODEL, messages=MSG, max_tokens=16, temperature=1.0, seed=3, n=3, logprobs=True
