@@ -29,7 +29,7 @@ from dspark_serve.server.protocol import ChatCompletionRequest, CompletionReques
 from dspark_serve.server.responses import ResponsesReply, ResponsesRequest, to_chat
 from dspark_serve.server.state import AppState, State
 
-RequestT = TypeVar("RequestT", bound=GenerationRequest)
+RequestT = TypeVar("RequestT", bound=GenerationRequest | ResponsesRequest)
 
 router = APIRouter()
 
@@ -62,7 +62,8 @@ async def read_request(state: AppState, request: Request, schema: type[RequestT]
         raise ApiError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
     if not state.engine.ready:
         raise ApiError(503, "model is loading")
-    check_logit_bias(req, state.vocab_size)
+    if isinstance(req, GenerationRequest):
+        check_logit_bias(req, state.vocab_size)
     return req
 
 
@@ -114,13 +115,7 @@ async def chat_generation(state: AppState, req: ChatCompletionRequest) -> Genera
 )
 async def responses(request: Request, state: State) -> Response | dict[str, Any]:
     """The Responses API, stateless: the request's input as a chat, answered as a response."""
-    if state.draining:
-        raise ApiError(503, "the server is draining (shutting down)", code="draining")
-    req = await run_in_threadpool(decode, await request.body(), ResponsesRequest, state.config.max_json_depth)
-    if req.model is not None and req.model != state.served_model_name:
-        raise ApiError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
-    if not state.engine.ready:
-        raise ApiError(503, "model is loading")
+    req = await read_request(state, request, ResponsesRequest)
     try:
         chat_req = to_chat(req)
     except ValidationError as exc:

@@ -100,7 +100,32 @@ class LiveServer:
         return False
 
 
-@pytest.fixture(scope="module")
+def tiny_server(
+    tokenizer, model, drafter, chat_template: str, policy: str = "static:3", **sched
+) -> LiveServer:
+    """A LiveServer on a tiny model behind `tokenizer` (float32), with `drafter` and a shipped
+    chat template."""
+    import torch
+
+    from dspark_serve.scheduler.builder import EngineBundle
+    from dspark_serve.scheduler.engine import Engine
+    from dspark_serve.verifier.loader import DtypeChoice
+    from tests.helpers import runner_for
+
+    def build(metrics):
+        engine = Engine(
+            runner_for(model, num_blocks=256, block_size=16),
+            tokenizer,
+            SchedulerConfig(max_num_seqs=4, verify_policy=policy, **sched),
+            max_model_len=1024,
+            drafter=drafter,
+            metrics=metrics,
+        )
+        return EngineBundle(engine, tokenizer, DtypeChoice(torch.float32, "test: tiny model"))
+
+    return LiveServer(build=build, max_len=1024, server_config=ServerConfig(chat_template=chat_template))
+
+
 def live():
     s = LiveServer()
     yield s

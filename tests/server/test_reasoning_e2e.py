@@ -83,13 +83,8 @@ class OracleDrafter:
 def server(request):
     """The end tag `</think>` as one added token (greedy requests), or left to the vocabulary:
     several tokens, which the detokenizer releases in pieces (seeded sampled requests)."""
-    from dspark_serve.scheduler.builder import EngineBundle
-    from dspark_serve.scheduler.config import SchedulerConfig
-    from dspark_serve.scheduler.engine import Engine
-    from dspark_serve.server.config import ServerConfig
-    from dspark_serve.verifier.loader import DtypeChoice, load_target
-    from tests.helpers import runner_for
-    from tests.server.test_e2e import LiveServer
+    from dspark_serve.verifier.loader import load_target
+    from tests.server.test_e2e import tiny_server
 
     tok = copy.deepcopy(load_target(None).tokenizer)
     tok.add_tokens(["<think>", "</think>"] if request.param == "one token" else ["<think>"])
@@ -105,18 +100,7 @@ def server(request):
     anchor = tok.encode("\n", add_special_tokens=False)[-1]  # the generation prompt's last token
     model = bigram_model(len(tok), [anchor, *script])
 
-    def build(metrics):
-        engine = Engine(
-            runner_for(model, num_blocks=256, block_size=16),
-            tok,
-            SchedulerConfig(max_num_seqs=4, verify_policy="static:7", draft_gate=False),
-            max_model_len=1024,
-            drafter=OracleDrafter(script, tok),
-            metrics=metrics,
-        )
-        return EngineBundle(engine, tok, DtypeChoice(torch.float32, "test: a bigram model"))
-
-    s = LiveServer(build=build, max_len=1024, server_config=ServerConfig(chat_template="qwen3"))
+    s = tiny_server(tok, model, OracleDrafter(script, tok), "qwen3", policy="static:7", draft_gate=False)
     sampling = {"temperature": 0} if request.param == "one token" else {"temperature": 0.8, "seed": 11}
     yield s, sampling
     s.close()

@@ -167,29 +167,14 @@ def test_a_server_on_a_hermes_template_streams_a_forced_call_through_the_officia
     the shipped hermes template (the format detected from it), prompt lookup drafting: a named
     tool_choice forces a call the grammar writes in the hermes format; it streams as the call's
     name, then its arguments, and equals the whole reply's call."""
-    import torch
 
     from dspark_serve.drafter.ngram import build_ngram
-    from dspark_serve.scheduler.builder import EngineBundle
-    from dspark_serve.scheduler.config import SchedulerConfig
-    from dspark_serve.scheduler.engine import Engine
-    from dspark_serve.server.config import ServerConfig
-    from dspark_serve.verifier.loader import DtypeChoice
-    from tests.helpers import runner_for, tiny_model
-    from tests.server.test_e2e import MODEL, LiveServer
+    from tests.helpers import tiny_model
+    from tests.server.test_e2e import MODEL, tiny_server
 
-    def build(metrics):
-        engine = Engine(
-            runner_for(tiny_model("llama", vocab=len(tokenizer)), num_blocks=256, block_size=16),
-            tokenizer,
-            SchedulerConfig(max_num_seqs=4, verify_policy="static:3"),
-            max_model_len=1024,
-            drafter=build_ngram(block_size=3),
-            metrics=metrics,
-        )
-        return EngineBundle(engine, tokenizer, DtypeChoice(torch.float32, "test: tiny model"))
-
-    server = LiveServer(build=build, max_len=1024, server_config=ServerConfig(chat_template="hermes"))
+    server = tiny_server(
+        tokenizer, tiny_model("llama", vocab=len(tokenizer)), build_ngram(block_size=3), "hermes"
+    )
     try:
         c = server.client()
         kw = dict(
@@ -248,33 +233,17 @@ def test_a_schema_applies_after_the_reasoning_ends_under_speculation():
     bias makes the model open a think block and, as soon as the grammar lets it, close it (a
     random model would think forever): the content is then valid JSON, the reasoning split off,
     streamed as whole."""
-    import torch
 
     from dspark_serve.drafter.ngram import build_ngram
-    from dspark_serve.scheduler.builder import EngineBundle
-    from dspark_serve.scheduler.config import SchedulerConfig
-    from dspark_serve.scheduler.engine import Engine
-    from dspark_serve.server.config import ServerConfig
-    from dspark_serve.verifier.loader import DtypeChoice, load_target
-    from tests.helpers import runner_for, tiny_model
-    from tests.server.test_e2e import MODEL, LiveServer
+    from dspark_serve.verifier.loader import load_target
+    from tests.helpers import tiny_model
+    from tests.server.test_e2e import MODEL, tiny_server
 
     tok = copy.deepcopy(load_target(None).tokenizer)
     tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>"])
     think, end = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
 
-    def build(metrics):
-        engine = Engine(
-            runner_for(tiny_model("llama", vocab=len(tok)), num_blocks=256, block_size=16),
-            tok,
-            SchedulerConfig(max_num_seqs=4, verify_policy="static:3"),
-            max_model_len=1024,
-            drafter=build_ngram(block_size=3),
-            metrics=metrics,
-        )
-        return EngineBundle(engine, tok, DtypeChoice(torch.float32, "test: tiny model"))
-
-    server = LiveServer(build=build, max_len=1024, server_config=ServerConfig(chat_template="qwen3"))
+    server = tiny_server(tok, tiny_model("llama", vocab=len(tok)), build_ngram(block_size=3), "qwen3")
     try:
         c = server.client()
         kw = dict(
