@@ -126,6 +126,7 @@ def tiny_server(
     return LiveServer(build=build, max_len=1024, server_config=ServerConfig(chat_template=chat_template))
 
 
+@pytest.fixture(scope="module")
 def live():
     s = LiveServer()
     yield s
