@@ -11,12 +11,12 @@ start of a tag is held back until the next piece shows what it is.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dspark_serve.scheduler.client import GrammarSpec
+from dspark_serve.verifier.grammar_check import LARK_PREFIX, schema_text
 
 
 @dataclass(frozen=True)
@@ -114,10 +114,6 @@ class ReasoningParser:
             return Split(reasoning=held)
         return Split(content=held)
 
-    @property
-    def in_reasoning(self) -> bool:
-        return self.state == "reasoning" or (self.state == "start" and bool(self.held.strip()))
-
 
 def split_reply(fmt: ReasoningFormat, text: str) -> Split:
     """A whole reply's reasoning and content."""
@@ -134,10 +130,6 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-ANY_OBJECT = {"type": "object"}
-LARK_HEADER = "%llguidance {}\n"
-
-
 def after_reasoning(spec: GrammarSpec, fmt: ReasoningFormat, marker_ids: Mapping[str, int]) -> GrammarSpec:
     """The grammar that lets the reasoning run free and applies `spec` to what follows the end
     tag (a reply that thinks first; Qwen3's may also answer at once). The tags must be tokens of
@@ -147,16 +139,15 @@ def after_reasoning(spec: GrammarSpec, fmt: ReasoningFormat, marker_ids: Mapping
     start, end = marker_ids.get(fmt.start), marker_ids.get(fmt.end)
     if start is None or end is None:
         return spec
+    text = schema_text(spec.kind, spec.schema)
     if spec.kind == "lark":
-        assert spec.schema is not None
-        body = re.sub(r"^start:", "body:", spec.schema.removeprefix(LARK_HEADER), count=1, flags=re.M)
+        body = re.sub(r"^start:", "body:", text.removeprefix(LARK_PREFIX), count=1, flags=re.M)
     else:
-        schema = json.loads(spec.schema) if spec.schema is not None else ANY_OBJECT
-        body = f"body: %json {json.dumps(schema)}\n"
+        body = f"body: %json {text}\n"
     think = f"<[{start}]> /(?s:.*)/ <[{end}]> /[ \\t\\r\\n]{{0,8}}/"
     if fmt.opens_in_prompt:
         think = f"/(?s:.*)/ <[{end}]> /[ \\t\\r\\n]{{0,8}}/"
         top = "start: think body"
     else:
         top = "start: think body | body"
-    return GrammarSpec("lark", f"{LARK_HEADER}{top}\nthink: {think}\n{body}", spec.param)
+    return GrammarSpec("lark", f"{LARK_PREFIX}{top}\nthink: {think}\n{body}", spec.param)

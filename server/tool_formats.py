@@ -30,6 +30,7 @@ from typing import Any, Literal
 from dspark_serve.scheduler.client import ChatTemplate, GrammarSpec
 from dspark_serve.server.reasoning import REASONING_FORMATS, ReasoningFormat, reasoning_format
 from dspark_serve.server.tools import Function, call_schema
+from dspark_serve.verifier.grammar_check import LARK_PREFIX
 
 IdStyle = Literal["openai", "mistral"]
 
@@ -220,7 +221,7 @@ def forced_grammar(
     else:  # bare, separated: llama3_json
         start = f"call ({_lit(fmt.separator)} call)*" if parallel else "call"
         lark = f"start: {start}\ncall: {call}\n"
-    return GrammarSpec("lark", "%llguidance {}\n" + lark, "tools")
+    return GrammarSpec("lark", LARK_PREFIX + lark, "tools")
 
 
 def _marker(text: str | None, marker_ids: Mapping[str, int]) -> str:

@@ -19,8 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("server", "scheduler", "drafter", "verifier", "ops", "training", "configs")
 
-# A number not glued to a name or another number ("v2x", "fp16x", and the tail of a longer number are not
-# starts), then the unit.
+# A number not glued to a name or another number (a digit inside a name such as "v2" or "fp16", or
+# the tail of a longer number, does not start one), then the unit.
 NUMBER = r"(?<![\w.])\d[\d,]*(?:\.\d+)?"
 FIGURE_PATTERNS = {
     "ratio": re.compile(NUMBER + r"x\b"),

@@ -81,6 +81,7 @@ ANY_OBJECT = '{"type": "object"}'
 
 
 LARK_HEADER = "%llguidance"
+LARK_PREFIX = LARK_HEADER + " {}\n"  # what a Lark grammar of this server starts with
 
 
 def schema_text(kind: str, schema: str | None) -> str:

@@ -231,12 +231,17 @@ def _grammar_only(r: VerifyRequest, b: int, deferred: Collection[int]) -> bool:
 
 def _deferred(requests: Sequence[VerifyRequest]) -> dict[int, Grammar]:
     """Greedy requests whose constraint is a working llguidance grammar."""
+    return {b: g for b, (_, g) in _grammars(requests).items() if requests[b].sampling.greedy}
+
+
+def _grammars(requests: Sequence[VerifyRequest]) -> dict[int, tuple[GuardedConstraint, Grammar]]:
+    """Request index -> its guard and the working llguidance grammar inside it (requests whose
+    constraint is none, failed, or not llguidance's are left out)."""
     out = {}
     for b, r in enumerate(requests):
         c = r.context.constraint if r.context is not None else None
-        grammar = c.inner if isinstance(c, GuardedConstraint) and c.error is None else None
-        if r.sampling.greedy and isinstance(grammar, Grammar):
-            out[b] = grammar
+        if isinstance(c, GuardedConstraint) and c.error is None and isinstance(c.inner, Grammar):
+            out[b] = (c, c.inner)
     return out
 
 
@@ -299,13 +304,11 @@ def grammar_masks(
     grammar, all computed in one batch (`fill_masks`): request index -> [K + 1, W] int32. A
     grammar that fails here is recorded by its guard (the request then fails alone); other
     constraints answer row by row in `process_block`."""
-    jobs: list[tuple[int, GuardedConstraint, Grammar, list[int]]] = []
-    for b, r in enumerate(requests):
-        c = r.context.constraint if r.context is not None else None
-        if b in skip:
-            continue
-        if isinstance(c, GuardedConstraint) and c.error is None and isinstance(c.inner, Grammar):
-            jobs.append((b, c, c.inner, r.draft_tokens.reshape(-1).tolist()))
+    jobs = [
+        (b, guard, g, requests[b].draft_tokens.reshape(-1).tolist())
+        for b, (guard, g) in _grammars(requests).items()
+        if b not in skip
+    ]
     if not jobs:
         return {}
     try:
