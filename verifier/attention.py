@@ -1,5 +1,7 @@
 """Attention of the fast forward over the paged KV cache.
 
+"triton" (CUDA; `ops/triton_attention.py`): every segment of the step in one kernel launch a
+layer, reading the cache in place through the block tables, nothing gathered or padded.
 "paged" (CPUs, the C kernel of ops/cpu_kernels.py): every segment, decode, verify and prefill
 chunk alike, reads its keys and values where they lie in the cache, walking its block table;
 nothing is gathered. "sdpa"/"matmul" (CUDA, or without a compiler) read the cache by whole
@@ -15,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from dspark_serve.ops import triton_attention
 from dspark_serve.ops.cpu_kernels import PagedAttention
 from dspark_serve.verifier.fast_plan import FastPlan
 from dspark_serve.verifier.kv_cache import KVCache
@@ -42,6 +45,11 @@ class CacheAttention:
             kc.index_copy_(1, plan.slots, k.transpose(0, 1))
             vc.index_copy_(1, plan.slots, v.transpose(0, 1))
         T = q.shape[0]
+        if plan.varlen is not None:
+            out = q.new_empty(q.shape)
+            bs = self.kv.block_size
+            triton_attention.paged_attention(q, kc, vc, out, plan.varlen, bs, self.scaling)
+            return out.reshape(T, -1)
         if plan.p_segments is not None:
             assert self.paged is not None
             out = q.new_empty(q.shape)
@@ -84,14 +92,8 @@ class CacheAttention:
             ks, vs = ks[:, :, : plan.g_keys], vs[:, :, : plan.g_keys]
         if self.kind == "matmul":
             return matmul_attention(qs, ks, vs, plan.g_mask, self.scaling)
-        return F.scaled_dot_product_attention(
-            qs.transpose(1, 2),
-            ks.transpose(0, 1),
-            vs.transpose(0, 1),
-            attn_mask=plan.g_mask,
-            scale=self.scaling,
-            enable_gqa=self.num_heads != Hkv,
-        ).transpose(1, 2)  # [G, Q, H, D]
+        o = sdpa(qs.transpose(1, 2), ks.transpose(0, 1), vs.transpose(0, 1), plan.g_mask, self.scaling)
+        return o.transpose(1, 2)  # [G, Q, H, D]
 
     def _big(
         self,
@@ -106,7 +108,6 @@ class CacheAttention:
         """Each long segment (a prefill chunk) on its own, written into `out`."""
         bs = self.kv.block_size
         Hkv, D = kc.shape[0], kc.shape[2]
-        gqa = self.num_heads != Hkv
         for r0, n, _st, blocks, mask in plan.big:
             qs = q[r0 : r0 + n].transpose(0, 1)[None]
             if blocks is None:  # a sequence's first chunk: its own new keys only
@@ -116,17 +117,38 @@ class CacheAttention:
                 else:  # already written (rope_store): read them back from their slots
                     ks = kc[:, plan.slots[r0 : r0 + n]][None]
                     vs = vc[:, plan.slots[r0 : r0 + n]][None]
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, is_causal=True, scale=self.scaling, enable_gqa=gqa
-                )
+                o = sdpa(qs, ks, vs, None, self.scaling, causal=True)
             else:
                 assert mask is not None
                 ks = kc.view(Hkv, -1, bs, D).index_select(1, blocks).view(Hkv, -1, D)[None]
                 vs = vc.view(Hkv, -1, bs, D).index_select(1, blocks).view(Hkv, -1, D)[None]
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, attn_mask=mask[None, None], scale=self.scaling, enable_gqa=gqa
-                )
+                o = sdpa(qs, ks, vs, mask[None, None], self.scaling)
             out[r0 : r0 + n] = o[0].transpose(0, 1)
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool = False,
+) -> torch.Tensor:
+    """torch's SDPA with grouped-query attention: q [B, H, Q, D], k/v [B, Hkv, C, D] -> [B, H, Q, D].
+
+    With a mask, K/V are expanded to every query head here rather than passed with
+    `enable_gqa=True`: CUDA's flash and memory-efficient kernels take no GQA with a mask, so
+    torch would fall back to its math kernel (float32 GEMMs, a kernel per op) for every verify
+    and chunked-prefill step. The expansion is a copy of the gathered blocks, the same values in
+    the same order: the result is the math of `enable_gqa`."""
+    H, Hkv = q.shape[1], k.shape[1]
+    if H != Hkv and mask is not None:
+        B, _, C, D = k.shape
+        k = k[:, :, None].expand(B, Hkv, H // Hkv, C, D).reshape(B, H, C, D)
+        v = v[:, :, None].expand(B, Hkv, H // Hkv, C, D).reshape(B, H, C, D)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=H != k.shape[1]
+    )
 
 
 def matmul_attention(

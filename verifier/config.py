@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ATTENTION_KINDS = ("auto", "sdpa", "matmul", "paged")
+ATTENTION_KINDS = ("auto", "sdpa", "matmul", "paged", "triton")
 LINEAR_KINDS = ("auto", "torch", "mkldnn", "gemm")
 
 
@@ -47,7 +47,9 @@ class ModelConfig:
     compiler, that reads the paged KV cache in place for every segment, decode, verify and
     prefill chunk alike; float32/bfloat16 on CPU), sdpa (torch's scaled_dot_product_attention),
     matmul (two batched matmuls and a float32 softmax; on CPUs torch's bf16 SDPA kernel is
-    several times slower for such short queries), or auto (paged on a CPU where it builds; else
+    several times slower for such short queries), triton (CUDA, the `gpu` extra: one Triton
+    kernel a layer for every segment, reading the cache in place; off by default until a GPU
+    suite run shows greedy equality with it), or auto (paged on a CPU where it builds; else
     matmul for bf16/fp16 on CPU and sdpa elsewhere). With sdpa and matmul, segments longer than
     32 tokens (prefill chunks) use sdpa over their gathered blocks."""
     retain_freed_mib: int = 1024

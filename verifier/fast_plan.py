@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark_serve.ops.triton_attention import VarlenSegments
 from dspark_serve.verifier.fast_weights import RopeTable
 from dspark_serve.verifier.forward import SMALL_SEGMENT, RowLayout, Segment
 
@@ -45,6 +46,8 @@ class FastPlan:
     # (row0, n, start, blocks [nb] | None, mask | None) per segment longer than SMALL_SEGMENT
     # (attention "sdpa" and "matmul": gathered blocks, then SDPA)
     big: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
+    # attention "triton": every segment in one launch, reading its block table in place
+    varlen: VarlenSegments | None = None
     logit_rows: torch.Tensor | None = None
     logits_offsets: list[int] = field(default_factory=list)
     token_offsets: list[int] = field(default_factory=list)
@@ -84,6 +87,8 @@ class FastPlanner:
         self.device = rope.parts.device
 
     def __call__(self, segments: Sequence[Segment]) -> FastPlan:
+        if self.attention == "triton":
+            return self._varlen(segments)
         sh = _Shape.of(segments, self.bs)
         lens_t = torch.tensor(sh.lens)
         seg_of = torch.repeat_interleave(torch.arange(len(segments)), lens_t)
@@ -104,6 +109,37 @@ class FastPlanner:
         plan.token_offsets, plan.logits_offsets = layout.token_offsets, layout.logits_offsets
         if layout.logit_rows:
             plan.logit_rows = torch.tensor(layout.logit_rows, device=dev)
+        return plan
+
+    def _varlen(self, segments: Sequence[Segment]) -> FastPlan:
+        """The plan of attention "triton", built without reading the device: every index the
+        layers read (token ids, positions, cache slots, the segments' rows, starts and block
+        tables, the logit rows) is laid out on the host and goes to the device in one copy, from
+        pinned memory and without waiting on a CUDA device (torch's pinned-memory cache keeps the
+        buffer until the copy has run)."""
+        bs = self.bs
+        lens = [len(s.token_ids) for s in segments]
+        starts = [s.start_pos for s in segments]
+        T, S = sum(lens), len(segments)
+        nb = max(-(-(a + n) // bs) for a, n in zip(starts, lens))
+        pos = [a + i for a, n in zip(starts, lens) for i in range(n)]
+        slots = [s.blocks[p // bs] * bs + p % bs for s in segments for p in range(s.start_pos, s.end_pos)]
+        table = [b for s in segments for b in (*s.blocks[:nb], *[0] * (nb - len(s.blocks[:nb])))]
+        layout = RowLayout.of(segments)
+        ids = [t for s in segments for t in s.token_ids]
+        cu = list(itertools.accumulate(lens, initial=0))
+        fields = (ids, pos, slots, cu, starts, table, layout.logit_rows)
+        host = torch.tensor(list(itertools.chain.from_iterable(fields)), dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(self.device, non_blocking=True)
+        ids_t, pos_t, slots_t, cu_t, starts_t, table_t, logit_t = torch.split(flat, [len(f) for f in fields])
+        cos, sin = self.rope.rows(pos_t, max(a + n for a, n in zip(starts, lens)))
+        plan = FastPlan(ids=ids_t, slots=slots_t, cos=cos[:, None, :], sin=sin[:, None, :])
+        plan.varlen = VarlenSegments(cu_t, starts_t, table_t.view(S, nb), T, max(lens))
+        plan.token_offsets, plan.logits_offsets = layout.token_offsets, layout.logits_offsets
+        if layout.logit_rows:
+            plan.logit_rows = logit_t
         return plan
 
     @staticmethod

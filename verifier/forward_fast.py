@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from dspark_serve.ops import cpu_kernels
+from dspark_serve.ops import cpu_kernels, triton_attention
 from dspark_serve.ops import linear as ops_linear
 from dspark_serve.ops.cpu_kernels import FusedElementwise, PagedAttention, RopeStore, TargetLayers
 from dspark_serve.verifier.attention import CacheAttention
@@ -33,6 +33,16 @@ def resolve_attention(
     bf16/fp16 on CPU and sdpa elsewhere. "paged" asked for where it cannot run is an error."""
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+    if attention == "triton":
+        on_cuda = parts.device.type == "cuda" and not triton_attention.interpreted()
+        on_interpreter = parts.device.type == "cpu" and triton_attention.interpreted()
+        if not (triton_attention.available() and (on_cuda or on_interpreter)):
+            raise ValueError(
+                f"attention 'triton' needs Triton (the gpu extra) and a CUDA device, got "
+                f"{parts.device} ({'Triton found' if triton_attention.available() else 'no Triton'}"
+                f"{', interpreter on' if triton_attention.interpreted() else ''})"
+            )
+        return attention, None
     pow2 = block_size & (block_size - 1) == 0  # the kernel walks blocks by shifts
     fits = parts.head_dim <= 256  # its per-row buffers
     if (

@@ -18,6 +18,7 @@ from dspark_serve.verifier.config import ModelConfig
 from dspark_serve.verifier.model_runner import ModelRunner
 from tests.helpers import ByteTokenizer, hf_greedy, tiny_model
 from tests.kv_tables import Tables
+from tests.triton_interpreter import needs_triton
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -48,10 +49,15 @@ def needs_paged_kernel():
         pytest.skip("the paged attention kernel needs a C compiler")
 
 
-@pytest.mark.parametrize("linear,attention", [("torch", "sdpa"), ("auto", "sdpa"), ("auto", "auto")])
+@pytest.mark.parametrize(
+    "linear,attention", [("torch", "sdpa"), ("auto", "sdpa"), ("auto", "auto"), ("torch", "triton")]
+)
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_fast_forward_greedy_equals_reference_and_generate(kind, linear, attention):
-    """attention auto is the paged C kernel where a compiler is found (as on a user's CPU)."""
+    """attention auto is the paged C kernel where a compiler is found (as on a user's CPU);
+    triton runs the CUDA path's kernel under Triton's interpreter."""
+    if attention == "triton":
+        needs_triton()
     model = tiny_model(kind)
     g = torch.Generator().manual_seed(3)
     # no token 0: hf_greedy passes pad_token_id=0, and generate would mask it out of the prompt
@@ -104,7 +110,7 @@ def dense_attention(q, keys, values, start, scale):
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["shuffled-pool", "ordered-pool"])
-@pytest.mark.parametrize("attention", ["sdpa", "matmul", "paged"])
+@pytest.mark.parametrize("attention", ["sdpa", "matmul", "paged", "triton"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, attention, ordered):
     """Shuffled pool: block tables are not contiguous (every segment gathers its blocks).
@@ -113,6 +119,8 @@ def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, a
     every segment in place, whatever its layout and length (prefill chunks in pieces)."""
     if attention == "paged":
         needs_paged_kernel()
+    if attention == "triton":
+        needs_triton()
     rng = random.Random(block_size)
     torch.manual_seed(block_size)
     model = tiny_model("llama")
@@ -138,6 +146,8 @@ def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, a
         q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
         plan = runner.forward_impl.plan(segs)
         in_place += plan.g_first >= 0
+        if attention == "triton":  # every segment in one launch
+            assert not plan.big and plan.g_count == 0 and plan.varlen is not None
         if attention == "paged":  # prefill chunks (33-50 tokens, at 0 or mid-sequence) too
             assert not plan.big and plan.p_segments is not None
             assert int(plan.p_segments[1].sum()) == sum(len(s.token_ids) for s in segs)
@@ -164,7 +174,7 @@ def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, a
             Tables.of(runner).blocks.free(victim)
             hist[victim] = (torch.empty(0, Hkv, D), torch.empty(0, Hkv, D))
     tables = [Tables.of(runner).blocks.table(r).blocks for r in hist if Tables.of(runner).blocks.has(r)]
-    if ordered and attention != "paged":
+    if ordered and attention not in ("paged", "triton"):
         assert in_place > 0
     else:
         assert any(any(b - a != 1 for a, b in zip(t, t[1:])) for t in tables if len(t) > 1)
@@ -262,6 +272,15 @@ def test_attention_auto_picks_the_paged_kernel_on_cpu_and_falls_back_without_it(
         ModelRunner(tiny_model("llama"), 64, 4, attention="flash")
     with pytest.raises(ValueError, match="'flash'"):
         ModelConfig(attention="flash")
+
+
+def test_triton_attention_is_refused_where_it_cannot_run(monkeypatch):
+    """Never chosen by auto; asked for on a CPU without Triton's interpreter, an error that says
+    what it needs (no silent fallback to another kernel)."""
+    assert ModelRunner(tiny_model("llama"), 64, 4).forward_impl.attention != "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="triton' needs Triton .* and a CUDA device, got cpu"):
+        ModelRunner(tiny_model("llama"), 64, 4, attention="triton")
 
 
 def test_matmul_attention_greedy_matches_sdpa_in_bf16_closely():

@@ -1,0 +1,148 @@
+"""Attention over the paged KV cache as one Triton kernel family, for the target and the drafter.
+
+One launch serves any mix of segments: prefill chunks, one-token decodes and multi-token
+verification blocks, each with its own query count and context length. A segment's queries sit
+at the end of its context (query i of a segment starting at position `start` is at position
+start + i, and sees keys [0, start + i]: causal inside the new block, everything before it). The
+kernel reads keys and values where they lie in the cache, walking each segment's block table; it
+gathers nothing and pads no segment to the longest.
+
+Layouts (those of `verifier/kv_cache.py`): q and out [T, H, D] (the step's new tokens, flat,
+segments in order); one layer's cache [Hkv, slots, D], the slot of position p of a segment
+`table[s, p // block_size] * block_size + p % block_size`. Grouped-query attention: query head h
+reads kv head h // (H // Hkv); one program takes the query tokens of a tile times the heads that
+share a kv head, so a kv tile is loaded once for all of them.
+
+The grid is fixed by numbers the host knows without reading the device (tokens T and segments
+S): T // BLOCK_Q + S tiles, since segment s's tiles start at cu_q[s] // BLOCK_Q + s, and each
+program finds its segment by a binary search over cu_q. So a CUDA graph captured for a bucket
+of (T, S) replays for any query lengths within it; tiles past a segment's queries (and segments
+with no queries, which pad a bucket) return at once.
+
+Triton is optional (the `gpu` extra) and imported on first use. On a CPU the kernels run only
+under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported), which is how the
+tests prove them; nothing serves through the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class VarlenSegments:
+    """Where a step's segments lie, on the device the kernel runs on.
+
+    cu_q: int32 [S + 1], the first row of each segment in the flat batch, then T.
+    starts: int32 [S], the position of each segment's first query (its cached context length).
+    table: int32 [S, max_blocks], each segment's block table (entries past its context unused).
+    num_tokens, max_query_len: T and the longest segment, known on the host (they fix the grid
+    and the tile shape; reading them from the device would synchronise).
+    """
+
+    cu_q: torch.Tensor
+    starts: torch.Tensor
+    table: torch.Tensor
+    num_tokens: int
+    max_query_len: int
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.starts.shape[0])
+
+
+def available() -> bool:
+    """Whether Triton imports, and can run here: a CUDA device, or its interpreter on a CPU."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or interpreted()
+
+
+def interpreted() -> bool:
+    """Triton's interpreter is on (TRITON_INTERPRET=1): kernels run as numpy on the CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_Q): rows of a program (query tokens x the heads of one kv head, a power of
+    two, at least 16 for the tensor cores) and the query tokens they hold. Decode and verify
+    steps take the smallest tile that holds a segment's block; prefill chunks a tall one, so a kv
+    tile read serves many queries."""
+    need = max(16, triton_next_pow2(group))
+    rows = need if max_query_len * group <= need else max(64, need)
+    return rows, rows // group
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _kernel() -> Any:
+    """The jitted kernel, built on first use (importing triton is slow and optional)."""
+    from dspark_serve.ops import triton_kernels
+
+    return triton_kernels.paged_attention_kernel
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    segments: VarlenSegments,
+    block_size: int,
+    scale: float,
+    block_n: int = 32,
+) -> torch.Tensor:
+    """q [T, H, D], k_cache/v_cache [Hkv, slots, D] (one layer, the new tokens' K/V already
+    written), out [T, H, D] -> out, every row attended over its segment's cache.
+
+    float32 inputs multiply in IEEE float32 (no TF32), so float32 results match a float32
+    reference; fp16/bf16 multiply in their own precision and accumulate in float32."""
+    T, H, D = q.shape
+    Hkv = k_cache.shape[0]
+    if H % Hkv:
+        raise ValueError(f"query heads {H} must be a multiple of kv heads {Hkv}")
+    if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError("q, the caches and out need a contiguous head dimension")
+    S = segments.num_segments
+    if T == 0 or S == 0:
+        return out
+    group = H // Hkv
+    block_m, block_q = tile_shape(group, segments.max_query_len)
+    grid = (T // block_q + S, Hkv)
+    _kernel()[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        segments.cu_q,
+        segments.starts,
+        segments.table,
+        scale,
+        S,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        segments.table.stride(0),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        HEAD_DIM=D,
+        HEAD_DIM_P=triton_next_pow2(max(D, 16)),
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out

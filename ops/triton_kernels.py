@@ -1,0 +1,148 @@
+"""Triton kernels (device code, in Triton's language; imported only when a kernel is first
+launched, by `ops/triton_attention.py`, which documents them and their layouts)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _segment_of(cu_q_ptr, tile, num_segments, BLOCK_Q: tl.constexpr):
+    """The segment of a tile: the last s whose first tile, cu_q[s] // BLOCK_Q + s, is <= tile
+    (a binary search; every segment has at least one tile, so first tiles strictly increase)."""
+    lo = tile * 0
+    hi = lo + num_segments
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(first <= tile, mid, lo)
+        hi = tl.where(first <= tile, hi, mid)
+    return lo
+
+
+@triton.jit
+def _attend(
+    q,
+    pos,
+    kv_len,
+    k_head,
+    v_head,
+    table_row,
+    stride_ks,
+    stride_vs,
+    scale,
+    d,
+    dmask,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Online softmax of q [BLOCK_M, D] (rows at positions `pos`) over keys [0, kv_len) of one
+    kv head, read BLOCK_N at a time through the block table -> [BLOCK_M, D] float32."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+    for j in range(tl.cdiv(kv_len, BLOCK_N)):
+        n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < kv_len
+        blk = tl.load(table_row + n // BLOCK_SIZE, mask=nmask, other=0)
+        slot = blk.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
+        k = tl.load(
+            k_head + slot[None, :] * stride_ks + d[:, None], mask=nmask[None, :] & dmask[:, None], other=0.0
+        )  # [D, BLOCK_N]
+        s = tl.dot(q, k, input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N], float32
+        s = tl.where((n[None, :] <= pos[:, None]) & nmask[None, :], s, float("-inf"))
+        # every row sees key 0 (positions are >= 0), so after the first tile m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_head + slot[:, None] * stride_vs + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0
+        )  # [BLOCK_N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc / l_i[:, None]
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    cu_q_ptr,
+    starts_ptr,
+    table_ptr,
+    scale,
+    num_segments,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kh,
+    stride_ks,
+    stride_vh,
+    stride_vs,
+    stride_table,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    # the segment of this tile: the last s whose first tile cu_q[s] // BLOCK_Q + s <= tile
+    seg = _segment_of(cu_q_ptr, tile, num_segments, BLOCK_Q)
+    seg_row0 = tl.load(cu_q_ptr + seg)
+    seg_end = tl.load(cu_q_ptr + seg + 1)
+    row0 = seg_row0 + (tile - (seg_row0 // BLOCK_Q + seg)) * BLOCK_Q
+    if row0 >= seg_end:  # past this segment's queries (or a segment with none)
+        return
+    start = tl.load(starts_ptr + seg)
+
+    m = tl.arange(0, BLOCK_M)
+    qi = m // GROUP  # query token of the row within the tile
+    row = row0 + qi
+    valid = (qi < BLOCK_Q) & (row < seg_end)
+    head = kvh * GROUP + m % GROUP
+    pos = start + (row - seg_row0)  # each row's position in its sequence
+    d = tl.arange(0, HEAD_DIM_P)
+    dmask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=valid[:, None] & dmask[None, :],
+        other=0.0,
+    )  # [BLOCK_M, D]
+
+    # keys this tile needs: up to its last valid query's position
+    last_row = tl.minimum(row0 + BLOCK_Q, seg_end) - 1
+    kv_len = start + (last_row - seg_row0) + 1
+    out = _attend(
+        q,
+        pos,
+        kv_len,
+        k_ptr + kvh * stride_kh,
+        v_ptr + kvh * stride_vh,
+        table_ptr + seg * stride_table,
+        stride_ks,
+        stride_vs,
+        scale,
+        d,
+        dmask,
+        BLOCK_SIZE,
+        BLOCK_M,
+        HEAD_DIM_P,
+        BLOCK_N,
+        PRECISION,
+    )
+    tl.store(
+        o_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=valid[:, None] & dmask[None, :],
+    )

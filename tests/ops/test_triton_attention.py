@@ -1,0 +1,133 @@
+"""The Triton paged-attention kernel against a float64 dense reference, on random layouts.
+
+Without a GPU the kernel runs under Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1). The interpreter computes bf16 `tl.dot` wrongly, so the kernel is checked in
+fp16 and in float32 (IEEE products, so float32 parity is claimed at float32 tolerance)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dspark_serve.ops import triton_attention as ta
+from tests.triton_interpreter import needs_triton
+
+needs_triton()
+
+DEVICE = "cuda" if torch.cuda.is_available() and not ta.interpreted() else "cpu"
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3}
+
+
+def dense(q, keys, values, start, scale):
+    """q [n, H, D] at positions start.., keys/values [start + n, Hkv, D] -> [n, H, D], float64."""
+    n, H, _ = q.shape
+    rep = H // keys.shape[1]
+    k = keys.double().repeat_interleave(rep, dim=1)
+    v = values.double().repeat_interleave(rep, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    qpos = torch.arange(start, start + n)[:, None]
+    s = s.masked_fill(torch.arange(k.shape[0])[None, :] > qpos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+def random_step(rng, dtype, H, Hkv, D, block_size, qlens):
+    """A step of segments with query counts `qlens` at random context lengths, each on blocks
+    scattered over a pool full of garbage -> (q, k_cache, v_cache, segments, per-segment keys)."""
+    starts = [
+        rng.choice([0, 1, block_size - 1, block_size, block_size + 1, 3 * block_size + 2, 45]) for _ in qlens
+    ]
+    nblk = [-(-(s + n) // block_size) for s, n in zip(starts, qlens)]
+    pool = list(range(sum(nblk) + 5))
+    rng.shuffle(pool)
+    tables, at = [], 0
+    for nb in nblk:
+        tables.append(pool[at : at + nb])
+        at += nb
+    width = max(max(nblk), 1)
+    slots = len(pool) * block_size
+    kc = torch.randn(Hkv, slots, D, dtype=dtype)  # garbage where no segment has keys
+    vc = torch.randn(Hkv, slots, D, dtype=dtype)
+    keys = []
+    for s, n, table in zip(starts, qlens, tables):
+        ctx = s + n
+        pos = torch.arange(ctx)
+        slot = torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+        keys.append((kc[:, slot].transpose(0, 1), vc[:, slot].transpose(0, 1)))
+    T = sum(qlens)
+    q = torch.randn(T, H, D, dtype=dtype)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(
+        len(qlens), width
+    )
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    segs = ta.VarlenSegments(
+        cu_q=cu.to(DEVICE),
+        starts=torch.tensor(starts, dtype=torch.int32).to(DEVICE),
+        table=table.to(DEVICE),
+        num_tokens=T,
+        max_query_len=max(qlens),
+    )
+    return q, kc, vc, segs, starts, keys
+
+
+LAYOUTS = [
+    # (H, Hkv, D, block size, query counts): decode, verify, prefill chunks, mixed, empty segments
+    (4, 4, 16, 16, [1, 1, 1]),
+    (8, 2, 32, 16, [8, 1, 3, 8]),
+    (6, 2, 24, 4, [0, 5, 1, 0, 2]),  # a group of 3, head dim not a power of two, empty queries
+    (8, 1, 16, 1, [17, 1]),  # one kv head; one-slot blocks
+    (4, 2, 64, 8, [40, 2, 7]),  # a prefill chunk beside verify blocks (the tall tile)
+    (2, 2, 16, 32, [1]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("layout", range(len(LAYOUTS)))
+def test_kernel_matches_dense_reference(layout, dtype):
+    H, Hkv, D, bs, qlens = LAYOUTS[layout]
+    rng = random.Random(layout)
+    torch.manual_seed(layout)
+    q, kc, vc, segs, starts, keys = random_step(rng, dtype, H, Hkv, D, bs, qlens)
+    scale = D**-0.5
+    out = torch.full_like(q, float("nan")).to(DEVICE)
+    ta.paged_attention(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), out, segs, bs, scale)
+    out = out.cpu()
+    row = 0
+    for n, st, (k, v) in zip(qlens, starts, keys):
+        if n:
+            want = dense(q[row : row + n], k, v, st, scale)
+            torch.testing.assert_close(out[row : row + n].double(), want, rtol=0, atol=TOLERANCE[dtype])
+        row += n
+
+
+def test_rows_outside_the_step_are_untouched():
+    """The kernel writes exactly the step's rows: a padded out buffer keeps its sentinel."""
+    rng = random.Random(9)
+    q, kc, vc, segs, _, _ = random_step(rng, torch.float32, 4, 2, 16, 4, [3, 1])
+    out = torch.full((8, 4, 16), 7.0)
+    ta.paged_attention(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), out.to(DEVICE)[:4], segs, 4, 0.25)
+    assert torch.equal(out[4:], torch.full((4, 4, 16), 7.0))
+
+
+def test_a_broken_mask_is_caught():
+    """The reference check can fail: a step whose positions are shifted by one (every query
+    sees one key too many) does not match."""
+    rng = random.Random(3)
+    q, kc, vc, segs, starts, keys = random_step(rng, torch.float32, 4, 2, 16, 4, [4])
+    shifted = ta.VarlenSegments(segs.cu_q, segs.starts + 1, segs.table, segs.num_tokens, segs.max_query_len)
+    out = torch.empty_like(q).to(DEVICE)
+    ta.paged_attention(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), out, shifted, 4, 0.25)
+    want = dense(q, *keys[0], starts[0], 0.25)
+    assert not torch.allclose(out.cpu().double(), want, atol=1e-3)
+
+
+def test_tile_shapes():
+    assert ta.tile_shape(4, 1) == (16, 4)  # decode: 4 heads of one kv head, 4 tokens a tile
+    assert ta.tile_shape(4, 4) == (16, 4)  # a verify block fits the small tile
+    assert ta.tile_shape(4, 8) == (64, 16)  # longer: the tall tile
+    assert ta.tile_shape(3, 1) == (16, 5)  # a group of 3: 5 tokens, the 16th row unused
+    assert ta.tile_shape(32, 1) == (32, 1)
+    with pytest.raises(ValueError, match="multiple"):
+        q = torch.zeros(1, 3, 16)
+        ta.paged_attention(q, torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), q, None, 4, 1.0)  # type: ignore[arg-type]
