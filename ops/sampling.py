@@ -156,19 +156,15 @@ def sample_from_uniforms(
     """
     dtype = torch.float32 if probs.device.type == "mps" else torch.float64
     cdf = torch.cumsum(probs, dim=-1, dtype=dtype)  # [N, V]
-    x = u.to(device=probs.device, dtype=dtype) * cdf[:, -1]
+    total = cdf[:, -1]
+    # x < total, even where u * total rounds up to it: then the first token whose cdf exceeds x
+    # (searchsorted, right) has mass (its cdf rose past x), and the last token with mass (cdf ==
+    # total) bounds it. No row needs a second look, so nothing here waits on the device.
+    x = torch.minimum(
+        u.to(device=probs.device, dtype=dtype) * total, torch.nextafter(total, torch.zeros_like(total))
+    )
     idx = torch.searchsorted(cdf, x.unsqueeze(1), right=True).squeeze(1)
-    # Guard against rounding past the end: fall back to the last token with mass. Only a row
-    # whose draw is past the end or on a token without mass can be past its last token with
-    # mass, so only those rows look for it (a pass over every row's vocabulary would cost a
-    # large share of the draw).
-    vocab = probs.shape[1]
-    odd = (idx >= vocab) | (probs.gather(1, idx.clamp(max=vocab - 1).unsqueeze(1)).squeeze(1) <= 0)
-    if bool(odd.any()):
-        rows = odd.nonzero(as_tuple=True)[0]
-        last_nonzero = (probs[rows] > 0).long().cumsum(dim=-1).argmax(dim=-1)
-        idx[rows] = torch.minimum(idx[rows], last_nonzero)
-    return idx
+    return idx.clamp_(max=probs.shape[1] - 1)  # a row with no mass at all (never sampled)
 
 
 _MASK64 = (1 << 64) - 1

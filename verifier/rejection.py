@@ -53,12 +53,10 @@ class RejectionResult:
 
     def _host(self) -> tuple[list[int], list[int], list[int], list[int]]:
         if self._lists is None:
-            self._lists = (
-                self.output_tokens.tolist(),
-                self.num_accepted.tolist(),
-                self.num_output.tolist(),
-                self.offsets.tolist(),
+            out, acc, num, off = read_to_host(
+                self.output_tokens, self.num_accepted, self.num_output, self.offsets
             )
+            self._lists = (out, acc, num, off)
         return self._lists
 
     def tokens(self, b: int) -> list[int]:
@@ -71,13 +69,35 @@ class RejectionResult:
         return self._host()[1][b]
 
     def cpu(self) -> RejectionResult:
-        return RejectionResult(
-            self.output_tokens.cpu(),
-            self.num_accepted.cpu(),
-            self.num_output.cpu(),
-            self.offsets.cpu(),
-            self.faults,
-        )
+        """The verdict on the host, read from the device in one copy."""
+        if self.output_tokens.device.type == "cpu":
+            return self
+        host = RejectionResult.of_lists(*self._host())
+        host.faults = self.faults
+        return host
+
+    @classmethod
+    def of_lists(
+        cls, output: list[int], accepted: list[int], num_output: list[int], offsets: list[int]
+    ) -> RejectionResult:
+        """A verdict already on the host (its lists kept: the engine reads those)."""
+        t = [torch.tensor(x, dtype=torch.long) for x in (output, accepted, num_output, offsets)]
+        result = cls(t[0], t[1], t[2], t[3])
+        result._lists = (output, accepted, num_output, offsets)
+        return result
+
+
+def read_to_host(*tensors: torch.Tensor) -> list[list[int]]:
+    """1-D integer tensors as host lists, in one device-to-host copy: the read that waits for
+    the device. A step makes it once, for its verdict (accepted lengths and tokens)."""
+    if len(tensors) == 1:
+        return [tensors[0].tolist()]
+    flat = torch.cat([t.reshape(-1).to(torch.long) for t in tensors]).tolist()
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at : at + t.numel()])
+        at += t.numel()
+    return out
 
 
 def rejection_sample(
@@ -132,9 +152,11 @@ def rejection_sample(
     p_tok = target_probs[vrow, tokens].float()  # [D]
     accept = u[vrow] * q.of_tokens(req, p_tok) < p_tok  # [D]
     # Length of each request's accepted prefix: its first rejected position, or num_draft.
+    # (an accepted draft offers num_draft, which changes nothing: no boolean selection, so the
+    # host never waits on the device for the count of rejected drafts)
     num_accepted = nd.clone()  # [B]
     if d > 0:
-        num_accepted.scatter_reduce_(0, req[~accept], pos[~accept], reduce="amin")
+        num_accepted.scatter_reduce_(0, req, torch.where(accept, nd[req], pos), reduce="amin")
 
     # Recovered and bonus tokens both sit at row starts + num_accepted: sample from the residual
     # where the request was rejected there, from p itself where it ran out of drafts.
@@ -144,8 +166,8 @@ def rejection_sample(
 
     output = torch.full((t,), -1, dtype=torch.long, device=device)
     kept = pos < num_accepted[req]  # [D]
-    output[vrow[kept]] = tokens[kept]
-    output[final_rows] = final_tokens
+    output.index_copy_(0, vrow, torch.where(kept, tokens, -1))
+    output[final_rows] = final_tokens  # after: a final row is a draft row that was not kept
     return RejectionResult(
         output_tokens=output, num_accepted=num_accepted, num_output=num_accepted + 1, offsets=offsets
     )
@@ -208,7 +230,7 @@ class _DraftQ:
         ~no mass), p itself where every draft was accepted (p_final [B, V]: the rows at
         final_rows [B]; rejected [B] bool)."""
         d = len(self.tokens)
-        if d == 0 or not bool(rejected.any()):
+        if d == 0:
             return p_final
         b = len(final_rows)
         drow = (final_rows - torch.arange(b, device=p_final.device)).clamp(max=d - 1)  # [B] draft row
@@ -240,7 +262,8 @@ def greedy_verify(
             f"target_argmax must be [T] and num_draft [B], got {tuple(target_argmax.shape)} "
             f"and {tuple(num_draft.shape)}"
         )
-    argmax, drafts, counts = target_argmax.tolist(), draft_tokens.tolist(), num_draft.tolist()
+    (argmax,) = read_to_host(target_argmax)  # the verdict's one read from the device
+    drafts, counts = draft_tokens.tolist(), num_draft.tolist()
     b, d = len(counts), sum(counts)
     if len(argmax) != d + b or tuple(draft_tokens.shape) != (d,):
         raise ValueError(
@@ -258,13 +281,7 @@ def greedy_verify(
         accepted.append(a)
         row, first = row + k + 1, first + k
         offsets.append(row)
-    num_accepted = torch.tensor(accepted, dtype=torch.long)
-    return RejectionResult(
-        output_tokens=torch.tensor(output, dtype=torch.long),
-        num_accepted=num_accepted,
-        num_output=num_accepted + 1,
-        offsets=torch.tensor(offsets, dtype=torch.long),
-    )
+    return RejectionResult.of_lists(output, accepted, [a + 1 for a in accepted], offsets)
 
 
 def _uniforms(
