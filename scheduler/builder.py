@@ -95,6 +95,8 @@ def build_runner(
         quantize=model_cfg.quantize,
         attention=model_cfg.attention,
         gemm_rows=model_cfg.gemm_rows,
+        cuda_graphs=model_cfg.cuda_graphs,
+        max_model_len=model_cfg.max_model_len,
     )
     log.info("target forward: %s", runner.describe())
     kv = runner.kv

@@ -113,33 +113,17 @@ class FastPlanner:
 
     def _varlen(self, segments: Sequence[Segment]) -> FastPlan:
         """The plan of attention "triton", built without reading the device: every index the
-        layers read (token ids, positions, cache slots, the segments' rows, starts and block
-        tables, the logit rows) is laid out on the host and goes to the device in one copy, from
-        pinned memory and without waiting on a CUDA device (torch's pinned-memory cache keeps the
-        buffer until the copy has run)."""
-        bs = self.bs
-        lens = [len(s.token_ids) for s in segments]
-        starts = [s.start_pos for s in segments]
-        T, S = sum(lens), len(segments)
-        nb = max(-(-(a + n) // bs) for a, n in zip(starts, lens))
-        pos = [a + i for a, n in zip(starts, lens) for i in range(n)]
-        slots = [s.blocks[p // bs] * bs + p % bs for s in segments for p in range(s.start_pos, s.end_pos)]
-        table = [b for s in segments for b in (*s.blocks[:nb], *[0] * (nb - len(s.blocks[:nb])))]
-        layout = RowLayout.of(segments)
-        ids = [t for s in segments for t in s.token_ids]
-        cu = list(itertools.accumulate(lens, initial=0))
-        fields = (ids, pos, slots, cu, starts, table, layout.logit_rows)
-        host = torch.tensor(list(itertools.chain.from_iterable(fields)), dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        flat = host.to(self.device, non_blocking=True)
-        ids_t, pos_t, slots_t, cu_t, starts_t, table_t, logit_t = torch.split(flat, [len(f) for f in fields])
-        cos, sin = self.rope.rows(pos_t, max(a + n for a, n in zip(starts, lens)))
-        plan = FastPlan(ids=ids_t, slots=slots_t, cos=cos[:, None, :], sin=sin[:, None, :])
-        plan.varlen = VarlenSegments(cu_t, starts_t, table_t.view(S, nb), T, max(lens))
-        plan.token_offsets, plan.logits_offsets = layout.token_offsets, layout.logits_offsets
-        if layout.logit_rows:
-            plan.logit_rows = logit_t
+        layers read goes to the device in one copy (`VarlenLayout`)."""
+        lay = VarlenLayout.of(segments, self.bs)
+        flat = lay.to_device(self.device)
+        ids, pos, slots, cu, starts, table, logit_rows = lay.views(flat)
+        cos, sin = self.rope.rows(pos, lay.max_end)
+        plan = FastPlan(ids=ids, slots=slots, cos=cos[:, None, :], sin=sin[:, None, :])
+        plan.varlen = VarlenSegments(cu, starts, table, lay.tokens, lay.max_query_len)
+        rows = RowLayout.of(segments)
+        plan.token_offsets, plan.logits_offsets = rows.token_offsets, rows.logits_offsets
+        if rows.logit_rows:
+            plan.logit_rows = logit_rows
         return plan
 
     @staticmethod
@@ -204,3 +188,71 @@ class FastPlanner:
             causal = torch.arange(sh.nblks[i] * self.bs)[None, :] <= torch.arange(st, st + n)[:, None]
             blocks = sh.table[i, : sh.nblks[i]].to(self.device)
             plan.big.append((sh.row0[i], n, st, blocks, causal.to(self.device)))
+
+
+@dataclass
+class VarlenLayout:
+    """A step's indices for attention "triton", laid out on the host as one int64 buffer: token
+    ids, positions, cache slots [tokens]; the segments' first rows [segments + 1], start
+    positions [segments] and block tables [segments, width]; the logit rows.
+
+    Padded (a CUDA graph's bucket of `tokens` and `segments`): padding tokens are id 0 at
+    position 0, their K/V written to `scratch_slot` (a cache slot no request owns) and in no
+    segment; padding segments have no queries."""
+
+    host: list[int]
+    tokens: int
+    segments: int
+    width: int
+    num_logits: int
+    max_query_len: int
+    max_end: int
+
+    @classmethod
+    def of(
+        cls,
+        segments: Sequence[Segment],
+        bs: int,
+        tokens: int = 0,
+        num_segments: int = 0,
+        width: int = 0,
+        scratch_slot: int = 0,
+    ) -> VarlenLayout:
+        lens = [len(s.token_ids) for s in segments]
+        real, S = sum(lens), len(segments)
+        T, S_pad = max(tokens, real), max(num_segments, S)
+        W = width or max(-(-s.end_pos // bs) for s in segments)
+        pad = T - real
+        ids = [t for s in segments for t in s.token_ids] + [0] * pad
+        pos = [p for s in segments for p in range(s.start_pos, s.end_pos)] + [0] * pad
+        slots = [s.blocks[p // bs] * bs + p % bs for s in segments for p in range(s.start_pos, s.end_pos)]
+        slots += [scratch_slot] * pad
+        cu = list(itertools.accumulate(lens, initial=0)) + [real] * (S_pad - S)
+        starts = [s.start_pos for s in segments] + [0] * (S_pad - S)
+        table = [b for s in segments for b in (*s.blocks[:W], *[0] * (W - len(s.blocks[:W])))]
+        table += [0] * (W * (S_pad - S))
+        logit_rows = RowLayout.of(segments).logit_rows
+        host = list(itertools.chain(ids, pos, slots, cu, starts, table, logit_rows))
+        return cls(host, T, S_pad, W, len(logit_rows), max(lens), max(s.end_pos for s in segments))
+
+    @property
+    def sizes(self) -> list[int]:
+        T, S = self.tokens, self.segments
+        return [T, T, T, S + 1, S, S * self.width, self.num_logits]
+
+    def to_device(self, device: torch.device, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The buffer on `device` (into `into`, a static buffer, when given), copied from pinned
+        memory without waiting on a CUDA device (torch's pinned-memory cache keeps the host
+        buffer until the copy has run)."""
+        host = torch.tensor(self.host, dtype=torch.long)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        if into is not None:  # a static buffer of exactly the layout's length
+            return into.copy_(host, non_blocking=True)
+        return host.to(device, non_blocking=True)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """ids, positions, slots, first rows, starts, block table [segments, width], logit rows."""
+        parts = list(torch.split(flat, self.sizes))
+        parts[5] = parts[5].view(self.segments, self.width)
+        return parts

@@ -137,12 +137,12 @@ class FastForward:
             return self._output(x, hidden, plan)
         if self.fused is not None and self.rope_store is not None:
             return self._output(*self._layers_fused(h, plan, tap_layers), plan)
-        return self._output(*self._layers(h, plan, tap_layers), plan)
+        return self._output(*self.decoder(h, plan, tap_layers), plan)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + torch.roll(x, self.parts.head_dim // 2, dims=-1) * sin
 
-    def _layers(
+    def decoder(
         self, h: torch.Tensor, plan: FastPlan, tap_layers: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder layers on torch's kernels -> the final-normed hidden states and the taps."""

@@ -23,9 +23,14 @@ class KVCache:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        scratch_block: bool = False,
     ) -> None:
+        """scratch_block: one more block, never handed to a request, whose first slot takes the
+        K/V of the padding tokens of a CUDA graph's bucket (`scratch_slot`)."""
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        self.scratch_slot: int | None = num_blocks * block_size if scratch_block else None
+        slots = (num_blocks + int(scratch_block)) * block_size
+        shape = (num_layers, num_kv_heads, slots, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from dspark_serve.ops.cpu_kernels import kernels_key
+from dspark_serve.verifier.cuda_graphs import CudaCapture, EagerReplay, GraphedForward
 from dspark_serve.verifier.forward import Forward, ForwardOutput, ModelParts, Segment
 from dspark_serve.verifier.forward_fast import FastForward
 from dspark_serve.verifier.forward_reference import ReferenceForward
@@ -41,13 +42,17 @@ class ModelRunner:
         quantize: str = "none",
         attention: str = "auto",
         gemm_rows: int = 0,
+        cuda_graphs: bool = False,
+        max_model_len: int = 2048,
     ) -> None:
         """impl: a forward of FORWARDS: "fast" (fused weights, vectorised planning, block-granular
         KV reads) or "reference" (the original per-module forward). linear: how the fast path
         multiplies (`ops.linear.make_linear`). quantize: "none" or "int8" (weight-only, per output
         channel; changes the target's numerics). attention: how the fast path attends (auto,
         sdpa, matmul or paged; see ModelConfig.attention). gemm_rows: the most rows a bf16 product
-        takes through the C gemm kernel (0: by the CPU; see ModelConfig.gemm_rows)."""
+        takes through the C gemm kernel (0: by the CPU; see ModelConfig.gemm_rows). cuda_graphs:
+        decode and verify steps replay CUDA graphs (`verifier/cuda_graphs.py`; the fast forward
+        with attention "triton"), sized for sequences of up to max_model_len."""
         if impl not in FORWARDS:
             raise ValueError(f"impl must be one of {sorted(FORWARDS)}, got {impl!r}")
         if quantize not in ("none", "int8"):
@@ -61,9 +66,16 @@ class ModelRunner:
         self.embed = P.embed
         self.device, self.dtype = P.device, P.dtype
         self.num_layers, self.hidden_size, self.vocab_size = P.num_layers, P.hidden_size, P.vocab_size
-        self.kv = KVCache(P.num_layers, P.num_kv_heads, P.head_dim, num_blocks, block_size, P.device, P.dtype)
+        if cuda_graphs and impl != "fast":
+            raise ValueError(f"cuda_graphs needs impl='fast', got {impl!r}")
+        geometry = (P.num_layers, P.num_kv_heads, P.head_dim, num_blocks, block_size, P.device, P.dtype)
+        self.kv = KVCache(*geometry, scratch_block=cuda_graphs)
         self.block_size = block_size
         self.forward_impl: Forward = FORWARDS[impl](P, self.kv, linear, quantize, attention, gemm_rows)
+        if cuda_graphs:
+            assert isinstance(self.forward_impl, FastForward)
+            capture = CudaCapture() if P.device.type == "cuda" else EagerReplay()
+            self.forward_impl = GraphedForward(self.forward_impl, max_model_len, capture)
 
     def describe(self) -> str:
         """One line for logs and benchmarks: which forward runs and how it multiplies."""

@@ -57,20 +57,23 @@ def test_the_catcher_catches_each_read_of_device_data():
         assert _reads(c, lambda: dev.tolist()) == []
 
 
-CASES = {
-    "plain greedy": (None, "none", SamplingParams(temperature=0.0)),
-    "n-gram greedy": ("ngram", "static:3", SamplingParams(temperature=0.0)),
-    "n-gram sampled": ("ngram", "auto", SamplingParams(temperature=0.8, top_p=0.9, seed=5)),
-    "plain sampled": (None, "none", SamplingParams(temperature=1.0, top_k=20)),
+CASES = {  # drafter, policy, sampling, CUDA graphs
+    "plain greedy": (None, "none", SamplingParams(temperature=0.0), False),
+    "n-gram greedy": ("ngram", "static:3", SamplingParams(temperature=0.0), False),
+    "n-gram sampled": ("ngram", "auto", SamplingParams(temperature=0.8, top_p=0.9, seed=5), False),
+    "plain sampled": (None, "none", SamplingParams(temperature=1.0, top_k=20), False),
+    "n-gram greedy, graphs": ("ngram", "static:3", SamplingParams(temperature=0.0), True),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_cuda_path_step_reads_the_device_once(case, monkeypatch):
     needs_triton()
-    drafter_name, policy, sampling = CASES[case]
+    drafter_name, policy, sampling, graphs = CASES[case]
     model = tiny_model("qwen3")
-    runner = ModelRunner(model, 128, 4, attention="triton", linear="torch")
+    runner = ModelRunner(
+        model, 128, 4, attention="triton", linear="torch", cuda_graphs=graphs, max_model_len=256
+    )
     drafter = NgramDrafter(NgramConfig()) if drafter_name else None
     engine = Engine(
         runner,
@@ -83,7 +86,8 @@ def test_a_cuda_path_step_reads_the_device_once(case, monkeypatch):
     c.taint(model.parameters())
     c.taint(model.buffers())
     c.taint([runner.kv.k, runner.kv.v])
-    rope = runner.forward_impl.rope  # type: ignore[attr-defined]
+    fast = runner.forward_impl.fast if graphs else runner.forward_impl  # type: ignore[attr-defined]
+    rope = fast.rope
     c.taint([t for t in (rope.cos, rope.sin) if t is not None])
     verdicts = 0
     read = rejection.read_to_host
@@ -116,6 +120,8 @@ def test_a_cuda_path_step_reads_the_device_once(case, monkeypatch):
         f"{r.what} at {r.where}" for r in c.reads
     )
     assert verdicts >= 10  # every decode step read its verdict, once
+    if graphs:
+        assert runner.forward_impl.replays > 0  # type: ignore[attr-defined]
     if sampling.greedy:  # and the step computed the right thing
         for r, p in zip(reqs, prompts):
             assert r.output_ids == hf_greedy(model, p, 10)
