@@ -187,9 +187,110 @@ def check_paged_kv_rollback(device: torch.device, dtype: torch.dtype = torch.flo
     )
 
 
+@dataclass(frozen=True)
+class ForwardMode:
+    """How the target's fast forward runs on the device: its attention and CUDA graphs."""
+
+    attention: str
+    cuda_graphs: bool
+
+    @property
+    def name(self) -> str:
+        return self.attention + ("+graphs" if self.cuda_graphs else "")
+
+
+MODES = (ForwardMode("sdpa", False), ForwardMode("triton", False), ForwardMode("triton", True))
+"""Eager torch attention, then the Triton kernel, then the Triton kernel under CUDA graphs."""
+
+
+def mode_runner(
+    model, mode: ForwardMode, num_blocks: int, block_size: int, max_model_len: int
+) -> ModelRunner:
+    return ModelRunner(
+        model,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        attention=mode.attention,
+        cuda_graphs=mode.cuda_graphs,
+        max_model_len=max_model_len,
+    )
+
+
+def check_forward_modes(device: torch.device, n: int = 20) -> CheckResult:
+    """Each forward mode, alone and under speculative decoding (replay drafter, static:4), gives
+    transformers' greedy tokens on a tiny float32 Qwen3 (the Triton kernel multiplies in IEEE
+    float32 there), with chunked prefill, requests joining running decodes and every KV block
+    back at the end; in bfloat16 its tokens are compared with eager SDPA's (agreement reported,
+    not required: kernels may round differently). `details["passed_modes"]` lists the modes a
+    later stage may use; a mode that cannot run here (no Triton, no CUDA) is reported so."""
+    from dspark_serve.ops import triton_attention
+
+    model = tiny_model("qwen3").to(device)
+    prompts = {f"r{i}": list(range(30 + i, 30 + i + m)) for i, m in enumerate((4, 19, 33, 8, 2))}
+    hf = {k: hf_greedy(model, p, n) for k, p in prompts.items()}
+    refs = {tuple(p): hf[k] for k, p in prompts.items()}
+    bf16 = tiny_model("qwen3").to(device=device, dtype=torch.bfloat16)
+    bf16_ref: dict[str, list[int]] | None = None
+    modes: dict[str, dict] = {}
+    for mode in MODES:
+        if mode.attention == "triton" and not triton_attention.available():
+            modes[mode.name] = {"passed": False, "unavailable": "no Triton (or no CUDA and no interpreter)"}
+            continue
+        entry: dict = {}
+        try:
+            for policy in ("none", "static:4"):
+                drafter = (
+                    ReplayDrafter(refs, vocab_size=257, block_size=4, accept_rate=0.7)
+                    if policy != "none"
+                    else None
+                )
+                engine = Engine(
+                    mode_runner(model, mode, 256, 4, 512),
+                    ByteTokenizer(),
+                    SchedulerConfig(verify_policy=policy, max_num_batched_tokens=40),
+                    max_model_len=512,
+                    drafter=drafter,
+                )
+                reqs = [Request(k, p, GREEDY, max_tokens=n, ignore_eos=True) for k, p in prompts.items()]
+                drain(engine, reqs)
+                entry[policy] = {
+                    "equal_to_hf": all(r.output_ids == hf[r.request_id] for r in reqs),
+                    "kv_freed": engine.blocks.num_free_blocks == engine.blocks.num_blocks,
+                }
+                replays = getattr(engine.runner.forward_impl, "replays", None)
+                if replays is not None:
+                    entry[policy]["graph_replays"] = replays
+            engine = Engine(
+                mode_runner(bf16, mode, 256, 4, 512), ByteTokenizer(), SchedulerConfig(), max_model_len=512
+            )
+            reqs = [Request(k, p, GREEDY, max_tokens=n, ignore_eos=True) for k, p in prompts.items()]
+            drain(engine, reqs)
+            out = {r.request_id: r.output_ids for r in reqs}
+            bf16_ref = bf16_ref or out
+            if mode.attention == "triton" and triton_attention.interpreted():
+                entry["bf16_tokens_agreeing_with_sdpa"] = "not compared: the interpreter's bf16 dot is wrong"
+            else:
+                same = sum(a == b for k in out for a, b in zip(out[k], bf16_ref[k]))
+                entry["bf16_tokens_agreeing_with_sdpa"] = same / sum(len(v) for v in out.values())
+            runs = [entry[p] for p in ("none", "static:4")]
+            entry["passed"] = all(r["equal_to_hf"] and r["kv_freed"] for r in runs) and (
+                not mode.cuda_graphs or all(r.get("graph_replays", 0) > 0 for r in runs)
+            )
+        except Exception as exc:  # this mode fails; the others are still checked
+            entry.update(passed=False, error=f"{type(exc).__name__}: {exc}")
+        modes[mode.name] = entry
+    passed_modes = [m for m in MODES if modes[m.name].get("passed")]
+    return CheckResult(
+        "forward_modes",
+        bool(passed_modes) and passed_modes[0] == MODES[0],
+        {"modes": modes, "passed_modes": [m.name for m in passed_modes], "tokens_per_request": n},
+    )
+
+
 def run_all(device: torch.device) -> list[CheckResult]:
     return [
         check_greedy_equality(device),
         check_rejection_statistics(device),
         check_paged_kv_rollback(device),
+        check_forward_modes(device),
     ]

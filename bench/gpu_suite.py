@@ -1,24 +1,29 @@
 """The CUDA path, measured: one self-contained run for a short session on one GPU.
 
-  python bench/gpu_suite.py --out bench/results/gpu            # on the GPU machine (<= 280 s)
-  python bench/gpu_suite.py --out /tmp/gpu-suite --tiny         # CPU, tiny shapes (a CI test)
+  python bench/gpu_suite.py --out bench/results/gpu --commit SHA  # on the GPU machine (<= 360 s)
+  python bench/gpu_suite.py --out /tmp/gpu-suite --tiny            # CPU, tiny shapes (a CI test)
 
-Needs only torch, transformers and safetensors (matplotlib for the two plots, if present);
-no network, no installed package: it drives the engine directly, never the HTTP stack.
-Stages, in priority order, each guarded (a failure is recorded and the next stage runs), with
-the JSON rewritten after every stage and every sweep point, so a run cut short still reports:
+Needs only torch, transformers and safetensors (Triton for the Triton modes, matplotlib for the
+plots, if present); no network, no installed package: it drives the engine directly, never the
+HTTP stack. Stages, in priority order, each guarded (a failure is recorded and the next stage
+runs), with the JSON (naming the commit measured) rewritten after every stage and sweep point,
+so a run cut short still reports:
 
-  1. checks   greedy equality of speculative and plain decoding, rejection-sampling statistics,
-              paged-KV rollback, on the device (bench/device_checks.py)
-  2. build    Qwen3-shaped targets with random weights (0.6B-like and 4B-like, bf16), built on
-              the meta device and filled in place, and a DSpark drafter of the matching shape
-  3. profile  the cost table (steps/s vs batch tokens, scheduler/profile.py) per target
-  4. sweep    per-user and aggregate tokens/s at each concurrency for plain decoding, static:7
-              and the dspark policy, with the replay drafter (bench/replay.py) at a set
-              per-position acceptance; the realised acceptance is reported
-  5. timings  the DSpark drafter's forward per step, the engine's per-step time outside the
-              target forward, HF generate on the same model, one decode step under torch.profiler
-  6. plots    cost_table.png (device vs CPU tables) and sweep.png, next to gpu_suite.json
+  1. checks       the forward modes (eager SDPA, the Triton attention, Triton under CUDA graphs)
+                  each greedy-equal to transformers alone and under speculation, which picks the
+                  modes the later stages use (a mode that fails or cannot capture falls back to
+                  the one before it, and the JSON says so); greedy equality of speculative and
+                  plain decoding, rejection-sampling statistics, paged-KV rollback
+                  (bench/device_checks.py)
+  2. decode X     for each shape in priority order (4B-like, 8B-like, 0.6B-like; random bf16
+                  weights made on the device): plain decoding and static:7 with the replay
+                  drafter at one request, in every mode, after warming every graph bucket, the
+                  modes interleaved over 3 rounds (medians); the share of the memory-bandwidth
+                  roofline, greedy equality, host syncs and launches per step on CUDA
+  3. long prompt  the same on the first shape with a long prompt
+  4. build, profile, sweep, timings, plots: the cost table, the load sweep (plain, static:7,
+                  dspark at each concurrency), the drafter's and the engine's timings, one step
+                  under torch.profiler, and the two PNGs, on the fastest mode that passed
 
 A global time budget (--budget-s) cuts later stages and sweep points short instead of running over.
 """
@@ -46,6 +51,7 @@ import torch  # noqa: E402
 
 import bench.replay  # noqa: E402, F401  (registers the "replay" drafter)
 from bench.common import machine, median, run_engine_closed_loop  # noqa: E402
+from bench.device_checks import MODES, ForwardMode, mode_runner  # noqa: E402
 from bench.models import SHAPES, CharTokenizer, TargetShape, random_dspark, random_qwen3  # noqa: E402
 from dspark_serve.drafter.base import AcceptedContext, DraftRequest  # noqa: E402
 from dspark_serve.drafter.registry import build_drafter  # noqa: E402
@@ -84,6 +90,13 @@ class SuiteConfig:
     budget_s: wall-clock budget of the whole run; later work is skipped to stay inside it.
     reserve_s: seconds the sweep leaves for the timing stage.
     cpu_table: a JSON file holding a CPU cost table to plot next to the device one, or None.
+    decode_shapes: the shapes of the decode stage, in priority order (each built, measured at
+        one request in every forward mode the checks passed, and freed).
+    decode_tokens / long_prompt_len: tokens generated per decode-stage request; the prompt of
+        the long-prompt stage (on the first decode shape).
+    rounds: interleaved rounds per decode-stage figure (its median is reported).
+    hbm_tb_s: the device's memory bandwidth for the roofline share (0 = by its name).
+    commit: the commit measured (written into the JSON).
     threads: torch CPU threads (0 = torch's default); tiny mode uses 1, which on a shared CPU
         avoids oversubscription that slows tiny ops by orders of magnitude.
     seed: prompts, weights and the replay corruption.
@@ -111,6 +124,12 @@ class SuiteConfig:
     cpu_table: str | None = None
     threads: int = 0
     seed: int = 0
+    decode_shapes: tuple[str, ...] = ("qwen3-4b-like", "qwen3-8b-like", "qwen3-0.6b-like")
+    decode_tokens: int = 96
+    long_prompt_len: int = 4096
+    rounds: int = 3
+    hbm_tb_s: float = 0.0
+    commit: str = "unknown"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):
@@ -122,7 +141,13 @@ class SuiteConfig:
             raise ValueError(f"concurrency must be positive ints, got {self.concurrency!r}")
         if not (0.0 <= self.accept_rate <= 1.0):
             raise ValueError(f"accept_rate must be in [0, 1], got {self.accept_rate!r}")
+        unknown = [s for s in self.decode_shapes if s not in SHAPES]
+        if unknown:
+            raise ValueError(f"decode_shapes must be among {sorted(SHAPES)}, got {self.decode_shapes!r}")
         for name in (
+            "rounds",
+            "decode_tokens",
+            "long_prompt_len",
             "block_size",
             "prompt_len",
             "max_tokens",
@@ -160,6 +185,7 @@ class SuiteConfig:
             dtype="bfloat16",
             shapes=("qwen3-0.6b-like", "qwen3-4b-like"),
             concurrency=(1, 8, 32, 128, 256),
+            budget_s=360.0,
         )
         base.update(kw)
         return cls(**base)
@@ -182,9 +208,12 @@ class SuiteConfig:
             drafter_batches=(1, 4),
             overhead_concurrency=(1, 4),
             timing_steps=12,
-            budget_s=120.0,
+            budget_s=150.0,
             reserve_s=5.0,
             threads=1,
+            decode_shapes=("tiny-a",),
+            decode_tokens=12,
+            long_prompt_len=40,
         )
         base.update(kw)
         return cls(**base)
@@ -219,6 +248,7 @@ class Suite:
         self.dev = torch.device(cfg.device)
         self.t0 = time.monotonic()
         self.models: list[Model] = []
+        self.modes: list[ForwardMode] = [MODES[0]]  # until the checks pass more
         self.report: dict = {
             "suite": "gpu_suite",
             "tiny": cfg.device == "cpu" and cfg.shapes[0].startswith("tiny"),
@@ -228,6 +258,7 @@ class Suite:
             "torch": torch.__version__,
             "transformers": _version("transformers"),
             "python": sys.version.split()[0],
+            "commit": cfg.commit,
             "config": _jsonable({**dataclasses.asdict(cfg), "cpu_table": _rel(cfg.cpu_table)}),
             "started_unix": time.time(),
             "elapsed_s": 0.0,
@@ -281,18 +312,28 @@ class Suite:
     # -- 1. correctness on the device -------------------------------------------------------
     def checks(self, res: dict) -> bool:
         from bench.device_checks import (
+            check_forward_modes,
             check_greedy_equality,
             check_paged_kv_rollback,
             check_rejection_statistics,
         )
 
         ok = True
-        for fn in (check_greedy_equality, check_rejection_statistics, check_paged_kv_rollback):
+        for fn in (
+            check_forward_modes,
+            check_greedy_equality,
+            check_rejection_statistics,
+            check_paged_kv_rollback,
+        ):
             t0 = time.monotonic()
             try:
                 r = fn(self.dev)
                 res[r.name] = {"passed": r.passed, "seconds": round(time.monotonic() - t0, 2), **r.details}
                 ok = ok and r.passed
+                if r.name == "forward_modes":  # later stages use the modes that kept greedy equality
+                    self.modes = [m for m in MODES if m.name in r.details["passed_modes"]] or [MODES[0]]
+                    res["modes_used"] = [m.name for m in self.modes]
+                    print(f"  forward modes used: {res['modes_used']}", flush=True)
             except Exception as exc:
                 res[fn.__name__.removeprefix("check_")] = {
                     "passed": False,
@@ -304,6 +345,167 @@ class Suite:
         if self.dev.type == "cuda":
             torch.cuda.empty_cache()
         return ok
+
+    # -- decoding at one request, per forward mode -------------------------------------------
+    def hbm_tb_s(self) -> float | None:
+        """The device's memory bandwidth (TB/s): the config's, else by the device's name."""
+        if self.cfg.hbm_tb_s:
+            return self.cfg.hbm_tb_s
+        name = self.report["device"]
+        for part, tb_s in (
+            ("H200", 4.8),
+            ("H100 NVL", 3.9),
+            ("H100 PCIe", 2.0),
+            ("H100", 3.35),
+            ("A100", 2.0),
+        ):
+            if part in name:
+                return tb_s
+        return None
+
+    def decode(self, res: dict, shape: TargetShape, long: bool = False) -> bool:
+        """Plain decoding and static:<block> (replay drafter, acceptance `accept_rate`) at one
+        request on `shape`, in every forward mode the checks passed: each engine warmed (every
+        graph bucket the runs use captured), then `rounds` rounds, the modes and policies
+        interleaved within each; medians, the share of the memory-bandwidth roofline, greedy
+        equality across policies and modes, and on CUDA the host syncs and launches per step."""
+        c = self.cfg
+        prompt_len = c.long_prompt_len if long else c.prompt_len
+        target = random_qwen3(shape, self.dev, c.torch_dtype, seed=c.seed)
+        max_len = prompt_len + c.decode_tokens + c.block_size + 2
+        blocks = -(-2 * max_len // c.kv_block_size) + 2
+        prompts = self.prompts(shape, 1, salt=7, length=prompt_len)
+        policies = ("none", f"static:{c.block_size}")
+        engines = {}
+        res.update(shape=shape.name, prompt_len=prompt_len, tokens=c.decode_tokens, rounds=c.rounds)
+        for mode in self.modes:
+            replay = build_drafter(
+                "replay",
+                references={},
+                vocab_size=shape.vocab_size,
+                block_size=c.block_size,
+                accept_rate=c.accept_rate,
+                seed=c.seed,
+            )
+            sched = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=c.max_num_batched_tokens)
+            runner = mode_runner(target, mode, blocks, c.kv_block_size, max_len)
+            eng = Engine(runner, CharTokenizer(), sched, max_model_len=max_len, drafter=replay)
+            t0 = time.monotonic()
+            for p in policies:  # warm-up: compilation, graph capture, allocators
+                eng.set_policy(p)
+                done: list[Request] = []
+                run_engine_closed_loop(
+                    eng, prompts, 1, c.decode_tokens, 0.0, f"w{p}", ignore_eos=True, finished=done
+                )
+                if p == "none":
+                    replay.references.update({tuple(r.prompt_ids): r.output_ids for r in done})
+            engines[mode.name] = (eng, replay)
+            res.setdefault("warmup_s", {})[mode.name] = round(time.monotonic() - t0, 2)
+        tps: dict[str, list[float]] = {}
+        outs: dict[str, list[int]] = {}
+        rates: dict[str, list[float]] = {}
+        for rnd in range(c.rounds):
+            for mname, (eng, replay) in engines.items():
+                for p in policies:
+                    eng.set_policy(p)
+                    replay.reset_stats()
+                    done = []
+                    point = run_engine_closed_loop(
+                        eng, prompts, 1, c.decode_tokens, 0.0, f"r{rnd}{p}", ignore_eos=True, finished=done
+                    )
+                    stats = replay.reset_stats()
+                    key = f"{mname} {p}"
+                    tps.setdefault(key, []).append(point.per_user_tps)
+                    if stats.rate is not None:
+                        rates.setdefault(key, []).append(stats.rate)
+                    outs[key] = done[0].output_ids
+            self.save()
+        weights = shape.num_params - (
+            0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
+        )
+        elt = torch.tensor([], dtype=c.torch_dtype).element_size()
+        context = prompt_len + c.decode_tokens / 2
+        kv = context * shape.num_hidden_layers * 2 * shape.num_key_value_heads * shape.head_dim * elt
+        bytes_per_token = weights * elt + kv
+        hbm = self.hbm_tb_s()
+        rows = {}
+        sdpa_plain = outs.get(f"{self.modes[0].name} none")
+        for mname in engines:
+            plain = statistics.median(tps[f"{mname} none"])
+            static = statistics.median(tps[f"{mname} {policies[1]}"])
+            rows[mname] = {
+                "plain_tok_s": plain,
+                "plain_rounds": tps[f"{mname} none"],
+                "static_tok_s": static,
+                "static_rounds": tps[f"{mname} {policies[1]}"],
+                "static_over_plain": static / plain,
+                "realised_accept_rate": statistics.median(rates[f"{mname} {policies[1]}"])
+                if rates.get(f"{mname} {policies[1]}")
+                else None,
+                "roofline_share": plain * bytes_per_token / (hbm * 1e12) if hbm else None,
+                "static_equals_plain": outs[f"{mname} {policies[1]}"] == outs[f"{mname} none"],
+                "plain_agrees_with_first_mode": sum(
+                    a == b for a, b in zip(outs[f"{mname} none"], sdpa_plain or [])
+                )
+                / max(len(outs[f"{mname} none"]), 1),
+            }
+            if self.dev.type == "cuda":
+                rows[mname].update(self.step_counts(engines[mname][0], prompts[0]))
+        res.update(modes=rows, bytes_per_token=bytes_per_token, hbm_tb_s=hbm)
+        for mname, r in rows.items():
+            share = f"{100 * r['roofline_share']:.0f}%" if r["roofline_share"] else "?"
+            print(
+                f"  {shape.name} {mname:14s} plain {r['plain_tok_s']:7.1f} tok/s ({share} of roofline), "
+                f"static:{c.block_size} {r['static_tok_s']:7.1f} ({r['static_over_plain']:.2f}x)",
+                flush=True,
+            )
+        del engines, target
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
+        return all(r["static_equals_plain"] for r in rows.values())
+
+    def step_counts(self, eng: Engine, prompt: list[int], steps: int = 8) -> dict:
+        """Host synchronisations (torch.cuda.set_sync_debug_mode) and kernel launches (the
+        profiler's launch calls, a graph replay counting one) per plain decode step."""
+        import warnings
+
+        from torch.profiler import ProfilerActivity, profile
+
+        eng.set_policy("none")
+        r = Request("counted", prompt, SamplingParams(temperature=0.0), 2 * steps + 4, ignore_eos=True)
+        eng.add_request(r)
+        while r.status is not Status.DECODE:
+            eng.step()
+        eng.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    eng.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        launch_calls = (
+            "cudaLaunchKernel",
+            "cuLaunchKernel",
+            "cuLaunchKernelEx",
+            "cudaLaunchKernelExC",
+            "cudaGraphLaunch",
+        )
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                eng.step()
+        events = prof.key_averages()
+        launches = sum(e.count for e in events if e.key in launch_calls)
+        kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        while eng.has_work():
+            eng.step()
+        return {
+            "host_syncs_per_step": syncs / steps,
+            "launch_calls_per_step": launches / steps,
+            "gpu_kernels_per_step": kernels / steps,
+        }
 
     # -- 2. targets and drafters ------------------------------------------------------------
     def kv_tokens(self) -> int:
@@ -325,7 +527,11 @@ class Suite:
             t_target = time.monotonic() - t0
             dspark = random_dspark(target, shape, block_size=c.block_size, seed=c.seed)
             blocks = -(-self.kv_tokens() // c.kv_block_size)
-            runner = ModelRunner(target, num_blocks=blocks, block_size=c.kv_block_size)
+            # the fastest mode that kept greedy equality; on a CPU Triton only interprets (slowly)
+            mode = self.modes[-1] if self.dev.type == "cuda" else MODES[0]
+            runner = mode_runner(
+                target, mode, blocks, c.kv_block_size, c.prompt_len + c.max_tokens + 2 * c.block_size + 8
+            )
             _sync(self.dev)
             self.models.append(Model(shape, target, runner, dspark))
             info = {
@@ -341,6 +547,7 @@ class Suite:
                 "total_build_s": round(time.monotonic() - t0, 2),
                 "kv_cache_tokens": blocks * c.kv_block_size,
                 "dtype": c.dtype,
+                "forward_mode": mode.name,
             }
             if self.dev.type == "cuda":
                 info["cuda_allocated_gib"] = _gib(torch.cuda.memory_allocated(self.dev))
@@ -366,9 +573,10 @@ class Suite:
         return all(m.table is not None for m in self.models[:1])
 
     # -- 4. the load sweep -----------------------------------------------------------------
-    def prompts(self, shape: TargetShape, n: int, salt: int) -> list[list[int]]:
+    def prompts(self, shape: TargetShape, n: int, salt: int, length: int = 0) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.cfg.seed * 1000 + salt)
-        return torch.randint(0, shape.vocab_size - 1, (n, self.cfg.prompt_len), generator=g).tolist()
+        size = (n, length or self.cfg.prompt_len)
+        return torch.randint(0, shape.vocab_size - 1, size, generator=g).tolist()
 
     def engine(self, m: Model, drafter, max_tokens: int | None = None) -> Engine:
         c = self.cfg
@@ -773,6 +981,10 @@ class Suite:
     def run(self) -> dict:
         self.save()
         self.stage("checks", self.checks, min_s=10)
+        for name in self.cfg.decode_shapes:
+            self.stage(f"decode {name}", lambda res, n=name: self.decode(res, SHAPES[n]), min_s=30)
+        first = SHAPES[self.cfg.decode_shapes[0]]
+        self.stage(f"long prompt {first.name}", lambda res: self.decode(res, first, long=True), min_s=30)
         self.stage("build", self.build, min_s=20)
         self.stage("profile", self.profile, needs=("build",), min_s=10)
         self.stage("sweep", self.sweep, needs=("profile",), min_s=10)
@@ -785,6 +997,18 @@ class Suite:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+def _git_head() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def _cpu_model() -> str | None:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -1055,8 +1279,16 @@ def main(argv=None) -> int:
         default=str(DEFAULT_CPU_TABLE),
         help="JSON with a CPU cost table to plot next to the device one ('' = none)",
     )
+    ap.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD, if a checkout)")
+    ap.add_argument("--decode-shapes", default=None, help="comma-separated shapes of the decode stages")
     args = ap.parse_args(argv)
-    kw: dict = {"accept_rate": args.accept_rate, "cpu_table": args.cpu_table or None}
+    kw: dict = {
+        "accept_rate": args.accept_rate,
+        "cpu_table": args.cpu_table or None,
+        "commit": args.commit or _git_head(),
+    }
+    if args.decode_shapes:
+        kw["decode_shapes"] = tuple(s.strip() for s in args.decode_shapes.split(",") if s.strip())
     if args.budget_s is not None:
         kw["budget_s"] = args.budget_s
     if args.shapes:

@@ -162,10 +162,12 @@ def _taps(layers: int, n: int = 5) -> tuple[int, ...]:
 # block-7 recipe: 5 Qwen3 layers, 5 taps, a rank-256 vanilla Markov head, a confidence head.
 QWEN3_0_6B = TargetShape("qwen3-0.6b-like", 1024, 28, 16, 8, 128, 3072, 151936, True, 5, _taps(28), 256)
 QWEN3_4B = TargetShape("qwen3-4b-like", 2560, 36, 32, 8, 128, 9728, 151936, True, 5, _taps(36), 256)
+# Qwen3-8B's config.json: untied embeddings, the shape DeepSpec's published block-7 drafter serves.
+QWEN3_8B = TargetShape("qwen3-8b-like", 4096, 36, 32, 8, 128, 12288, 151936, False, 5, _taps(36), 256)
 # CPU stand-ins with the same structure, small enough for a test.
 TINY_A = TargetShape("tiny-a", 64, 2, 4, 2, 16, 128, 512, True, 1, (0, 1), 8)
 TINY_B = TargetShape("tiny-b", 96, 3, 4, 2, 24, 192, 512, False, 1, (0, 2), 8)
-SHAPES = {s.name: s for s in (QWEN3_0_6B, QWEN3_4B, TINY_A, TINY_B)}
+SHAPES = {s.name: s for s in (QWEN3_0_6B, QWEN3_4B, QWEN3_8B, TINY_A, TINY_B)}
 
 
 def random_qwen3(

@@ -87,7 +87,29 @@ def _kernel() -> Any:
     """The jitted kernel, built on first use (importing triton is slow and optional)."""
     from dspark_serve.ops import triton_kernels
 
+    if interpreted():
+        fix_interpreter_scalar_index()
     return triton_kernels.paged_attention_kernel
+
+
+def fix_interpreter_scalar_index() -> None:
+    """Triton's interpreter under NumPy 2.4 and later: it holds a scalar loaded from memory as a
+    one-element array and turns a scalar into a Python int (a loop bound) with `int(array)`,
+    which NumPy 2.4 refuses for arrays that are not 0-dimensional. Here that one conversion reads
+    the element instead; nothing else of the interpreter changes, and compiled kernels never
+    come here."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_scalar_index_fixed", False):
+        return
+
+    def patch(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch._scalar_index_fixed = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch
 
 
 def paged_attention(

@@ -69,10 +69,21 @@ def test_runs_from_a_plain_checkout_without_the_server_stack(tiny_run):
 def test_every_stage_ran_and_the_device_checks_passed(tiny_run):
     _, out, report = tiny_run
     stages = report["stages"]
-    assert list(stages) == ["checks", "build", "profile", "sweep", "timings", "plots"]
+    assert list(stages) == [
+        "checks",
+        "decode tiny-a",
+        "long prompt tiny-a",
+        "build",
+        "profile",
+        "sweep",
+        "timings",
+        "plots",
+    ]
     assert all(stages[s]["status"] == "ok" for s in stages), {s: stages[s].get("error") for s in stages}
+    assert report["commit"] and report["commit"] == report["config"]["commit"]
     checks = stages["checks"]["result"]
-    assert {k: v["passed"] for k, v in checks.items()} == {
+    assert {k: v["passed"] for k, v in checks.items() if isinstance(v, dict)} == {
+        "forward_modes": True,
         "greedy_equality": True,
         "rejection_statistics": True,
         "paged_kv_rollback": True,
@@ -87,6 +98,25 @@ def test_every_stage_ran_and_the_device_checks_passed(tiny_run):
     else:
         assert pngs == ["cost_table.png", "sweep.png"]
         assert all((out / p).stat().st_size < 500_000 for p in pngs)
+
+
+def test_the_forward_modes_are_checked_then_measured_interleaved(tiny_run):
+    """Every mode that can run here (the Triton ones under the interpreter, where the tests run)
+    keeps greedy equality, and the decode stages measure each of them, rounds interleaved."""
+    _, _, report = tiny_run
+    modes = report["stages"]["checks"]["result"]["forward_modes"]
+    expected = ["sdpa", "triton", "triton+graphs"] if importlib.util.find_spec("triton") else ["sdpa"]
+    assert modes["passed_modes"] == expected
+    if "triton+graphs" in expected:
+        assert modes["modes"]["triton+graphs"]["static:4"]["graph_replays"] > 0
+    for stage in ("decode tiny-a", "long prompt tiny-a"):
+        res = report["stages"][stage]["result"]
+        assert list(res["modes"]) == expected and res["rounds"] == 3
+        for row in res["modes"].values():
+            assert len(row["plain_rounds"]) == 3 and row["plain_tok_s"] > 0
+            assert row["static_equals_plain"] and row["plain_agrees_with_first_mode"] == 1.0
+            assert row["static_over_plain"] > 1.0 and abs(row["realised_accept_rate"] - 0.8) < 0.2
+    assert report["stages"]["long prompt tiny-a"]["result"]["prompt_len"] == 40
 
 
 def test_models_and_cost_tables_are_sane(tiny_run):
