@@ -111,7 +111,7 @@ def paged_attention_kernel(
     row = row0 + qi
     valid = (qi < BLOCK_Q) & (row < seg_end)
     head = kvh * GROUP + m % GROUP
-    pos = start + (row - seg_row0)  # each row's position in its sequence
+    pos = (start + (row - seg_row0)).to(tl.int32)  # each row's position in its sequence
     d = tl.arange(0, HEAD_DIM_P)
     dmask = d < HEAD_DIM
     q = tl.load(
@@ -122,7 +122,7 @@ def paged_attention_kernel(
 
     # keys this tile needs: up to its last valid query's position
     last_row = tl.minimum(row0 + BLOCK_Q, seg_end) - 1
-    kv_len = start + (last_row - seg_row0) + 1
+    kv_len = (start + (last_row - seg_row0) + 1).to(tl.int32)
     out = _attend(
         q,
         pos,
