@@ -168,3 +168,77 @@ def paged_attention(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
+
+
+class TritonElementwise:
+    """The fast forward's fused elementwise steps as Triton kernels (CUDA; the interpreter in
+    tests), with the interface of the CPU's C kernels (`ops.cpu_kernels.FusedElementwise` and
+    `RopeStore`), so one layer loop drives either: the residual add fused with the RMSNorm
+    after it, SwiGLU's silu(g) * u, and rotary with the K/V write to the paged cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        if head_dim & (head_dim - 1) or head_dim < 2:
+            raise ValueError(f"the Triton rotary kernel needs a power-of-two head_dim, got {head_dim!r}")
+        self.H, self.Hkv, self.D = num_heads, num_kv_heads, head_dim
+
+    def add_rmsnorm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """h [T, d] += delta (in place, rounded as torch's add rounds); -> RMSNorm(h) * w."""
+        T, d = h.shape
+        if h.stride(1) != 1 or (delta is not None and delta.stride(1) != 1):
+            raise ValueError("add_rmsnorm needs rows with contiguous elements")
+        out = torch.empty_like(h)
+        if T:
+            _kernels().add_rmsnorm_kernel[(T,)](
+                h, h if delta is None else delta, w, out, d, eps, h.stride(0),
+                0 if delta is None else delta.stride(0), out.stride(0),
+                HAS_DELTA=delta is not None, BLOCK=triton_next_pow2(d),
+            )  # fmt: skip
+        return out
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """gu [T, 2n] (gate | up) -> silu(gate) * up [T, n]."""
+        T, n2 = gu.shape
+        if gu.stride(1) != 1 or n2 % 2:
+            raise ValueError(f"silu_mul needs a [T, 2n] input with contiguous rows, got {tuple(gu.shape)}")
+        out = gu.new_empty(T, n2 // 2)
+        block = min(1024, triton_next_pow2(n2 // 2))
+        if T:
+            grid = (T, -(-(n2 // 2) // block))
+            _kernels().silu_mul_kernel[grid](gu, out, n2 // 2, gu.stride(0), out.stride(0), BLOCK=block)
+        return out
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> None:
+        """rope_store: q [T, H, D] rotated in place; rotated k [T, Hkv, D] and v written to the
+        caches [Hkv, slots, D] at `slots` [T]; cos / sin [T, D] contiguous (sign folded in sin)."""
+        T = q.shape[0]
+        for t in (q, k, v, k_cache, v_cache):
+            if t.stride(-1) != 1:
+                raise ValueError(f"rope_store needs each head's elements contiguous, got {t.stride()}")
+        if not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("rope_store needs contiguous cos and sin")
+        if T:
+            _kernels().rope_store_kernel[(T, self.H + self.Hkv)](
+                q, k, v, cos, sin, slots, k_cache, v_cache, self.H,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                k_cache.stride(0), k_cache.stride(1), HEAD_DIM=self.D,
+            )  # fmt: skip
+
+
+def _kernels() -> Any:
+    from dspark_serve.ops import triton_kernels
+
+    if interpreted():
+        fix_interpreter_scalar_index()
+    return triton_kernels

@@ -146,3 +146,90 @@ def paged_attention_kernel(
         out.to(o_ptr.dtype.element_ty),
         mask=valid[:, None] & dmask[None, :],
     )
+
+
+@triton.jit
+def add_rmsnorm_kernel(
+    h_ptr,
+    delta_ptr,
+    w_ptr,
+    out_ptr,
+    d,
+    eps,
+    stride_h,
+    stride_delta,
+    stride_out,
+    HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One row: h += delta (stored rounded to h's dtype, as torch's add rounds), then
+    out = RMSNorm(h) * w, statistics in float32, one rounding."""
+    t = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    cmask = c < d
+    h = tl.load(h_ptr + t * stride_h + c, mask=cmask, other=0.0)
+    if HAS_DELTA:
+        delta = tl.load(delta_ptr + t * stride_delta + c, mask=cmask, other=0.0)
+        h = (h.to(tl.float32) + delta.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + t * stride_h + c, h, mask=cmask)
+    x = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / d + eps)
+    w = tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_out + c, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def silu_mul_kernel(gu_ptr, out_ptr, n, stride_gu, stride_out, BLOCK: tl.constexpr):
+    """silu(gate) * up of one row's columns [j * BLOCK, (j + 1) * BLOCK); gu = gate | up."""
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cmask = c < n
+    g = tl.load(gu_ptr + t * stride_gu + c, mask=cmask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * stride_gu + n + c, mask=cmask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + t * stride_out + c, y.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def rope_store_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    slots_ptr,
+    kc_ptr,
+    vc_ptr,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ch,
+    stride_cs,
+    HEAD_DIM: tl.constexpr,
+):
+    """One head of one token: rotary on q (in place), or on k with k and v written to the
+    token's cache slot. x * cos + roll(x, D / 2) * sin, rotate_half's sign folded into sin."""
+    t = tl.program_id(0)
+    hh = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    r = (d + HEAD_DIM // 2) % HEAD_DIM
+    cos = tl.load(cos_ptr + t * HEAD_DIM + d).to(tl.float32)
+    sin = tl.load(sin_ptr + t * HEAD_DIM + d).to(tl.float32)
+    if hh < num_heads:
+        row = q_ptr + t * stride_qt + hh * stride_qh
+        x = tl.load(row + d).to(tl.float32)
+        xr = tl.load(row + r).to(tl.float32)
+        tl.store(row + d, (x * cos + xr * sin).to(q_ptr.dtype.element_ty))
+    else:
+        kh = hh - num_heads
+        row = k_ptr + t * stride_kt + kh * stride_kh
+        x = tl.load(row + d).to(tl.float32)
+        xr = tl.load(row + r).to(tl.float32)
+        slot = tl.load(slots_ptr + t)
+        at = kh * stride_ch + slot * stride_cs + d
+        tl.store(kc_ptr + at, (x * cos + xr * sin).to(kc_ptr.dtype.element_ty))
+        tl.store(vc_ptr + at, tl.load(v_ptr + t * stride_vt + kh * stride_vh + d))

@@ -206,7 +206,7 @@ class GraphedForward:
             plan.varlen = VarlenSegments(cu, starts, table.view(S, W), T, max_q)
             plan.logit_rows = logit_rows
             h = fast.parts.embed(ids)
-            x, hidden = fast.decoder(h, plan, key.taps)
+            x, hidden = fast.layers(h, plan, key.taps)
             return fast.weights.lm_head(x), hidden
 
         return _Graph(staging, self.capture(step))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from dspark_serve.ops import cpu_kernels, triton_attention
 from dspark_serve.ops import linear as ops_linear
 from dspark_serve.ops.cpu_kernels import FusedElementwise, PagedAttention, RopeStore, TargetLayers
+from dspark_serve.ops.triton_attention import TritonElementwise
 from dspark_serve.verifier.attention import CacheAttention
 from dspark_serve.verifier.config import ATTENTION_KINDS, LINEAR_KINDS
 from dspark_serve.verifier.fast_plan import FastPlan, FastPlanner
@@ -88,12 +89,15 @@ class FastForward:
         self.attend = CacheAttention(self.attention, kv, parts.num_heads, parts.scaling, paged)
         # With the paged kernel (bf16 or float32): rotary and the K/V write fused too, and the
         # residual adds with their norms and SwiGLU (csrc/elementwise.c).
-        self.rope_store: RopeStore | None = None
-        self.fused: FusedElementwise | None = None
+        self.rope_store: RopeStore | TritonElementwise | None = None
+        self.fused: FusedElementwise | TritonElementwise | None = None
         lib = cpu_kernels.load_kernels() if paged is not None else None
         if lib is not None and parts.dtype in (torch.bfloat16, torch.float32) and parts.head_dim <= 256:
             self.rope_store = RopeStore(lib, parts.num_heads, parts.num_kv_heads, parts.head_dim)
             self.fused = FusedElementwise(lib)
+        D = parts.head_dim
+        if self.attention == "triton" and D & (D - 1) == 0:  # the same steps as Triton kernels
+            self.fused = self.rope_store = TritonElementwise(parts.num_heads, parts.num_kv_heads, D)
         self.weights = FastWeights(parts, linear, quantize, gemm_rows)
         self.rope = RopeTable(parts)
         self.plan = FastPlanner(self.attention, kv.block_size, self.rope, parts.dtype)
@@ -115,7 +119,9 @@ class FastForward:
 
     def uses_c_kernels(self) -> bool:
         return (
-            self.paged_attention is not None or self.weights.linear_kind == "gemm" or self.fused is not None
+            self.paged_attention is not None
+            or self.weights.linear_kind == "gemm"
+            or isinstance(self.fused, FusedElementwise)
         )
 
     @torch.inference_mode()
@@ -135,14 +141,21 @@ class FastForward:
             args = (self.kv.k, self.kv.v, cos, sin, plan.slots, plan.p_segments, self.parts.scaling)
             x, hidden = drv(h.contiguous(), *args, tap_layers)
             return self._output(x, hidden, plan)
+        return self._output(*self.layers(h, plan, tap_layers), plan)
+
+    def layers(
+        self, h: torch.Tensor, plan: FastPlan, tap_layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder layers, fused where the kernels are (C on a CPU, Triton on CUDA), on
+        torch's kernels otherwise -> the final-normed hidden states and the taps."""
         if self.fused is not None and self.rope_store is not None:
-            return self._output(*self._layers_fused(h, plan, tap_layers), plan)
-        return self._output(*self.decoder(h, plan, tap_layers), plan)
+            return self._layers_fused(h, plan, tap_layers)
+        return self._layers_torch(h, plan, tap_layers)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + torch.roll(x, self.parts.head_dim // 2, dims=-1) * sin
 
-    def decoder(
+    def _layers_torch(
         self, h: torch.Tensor, plan: FastPlan, tap_layers: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder layers on torch's kernels -> the final-normed hidden states and the taps."""
@@ -173,7 +186,7 @@ class FastForward:
     def _layers_fused(
         self, h: torch.Tensor, plan: FastPlan, tap_layers: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decoder layers on a CPU with the C kernels (bf16 or float32): each residual add is
+        """The decoder layers on fused kernels (C on a CPU, bf16 or float32; Triton): each residual add is
         fused with the norm after it (h is updated in place, so taps take copies), rotary with the K/V
         write, SwiGLU into one call. -> the final-normed hidden states [T, d] and the tap states
         [T, len(tap_layers) * d] (None without tap layers), each copied once into its columns

@@ -131,3 +131,67 @@ def test_tile_shapes():
     with pytest.raises(ValueError, match="multiple"):
         q = torch.zeros(1, 3, 16)
         ta.paged_attention(q, torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), q, None, 4, 1.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fused_elementwise_kernels_match_torch(dtype):
+    """add + RMSNorm, SiLU-mul and rotary with the K/V write against torch's ops (float64)."""
+    torch.manual_seed(4)
+    tol = TOLERANCE[dtype] * 5
+    E = ta.TritonElementwise(num_heads=4, num_kv_heads=2, head_dim=16)
+    T, d = 5, 48
+    h, delta, w = (
+        torch.randn(T, d, dtype=dtype),
+        torch.randn(T, d, dtype=dtype),
+        torch.rand(d, dtype=dtype) + 0.5,
+    )
+    h0 = h.clone()
+    hd, out = h.to(DEVICE), None
+    out = E.add_rmsnorm(hd, delta.to(DEVICE), w.to(DEVICE), 1e-6).cpu()
+    s = (h0.double() + delta.double()).to(dtype).double()  # the add rounds to the dtype, as torch's
+    want = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    torch.testing.assert_close(hd.cpu(), s.to(dtype))  # h updated in place
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=tol * 10)
+    first = E.add_rmsnorm(h0.to(DEVICE), None, w.to(DEVICE), 1e-6).cpu()  # no residual: the norm
+    x = h0.double()
+    torch.testing.assert_close(
+        first.double(),
+        x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double(),
+        rtol=0,
+        atol=tol * 10,
+    )
+
+    gu = torch.randn(T, 2 * 40, dtype=dtype)
+    g, u = gu.double().chunk(2, dim=-1)
+    torch.testing.assert_close(
+        E.silu_mul(gu.to(DEVICE)).cpu().double(), torch.nn.functional.silu(g) * u, rtol=0, atol=tol * 10
+    )
+
+    q, k, v = (
+        torch.randn(T, 4, 16, dtype=dtype),
+        torch.randn(T, 2, 16, dtype=dtype),
+        torch.randn(T, 2, 16, dtype=dtype),
+    )
+    ang = torch.rand(T, 8, dtype=torch.float64) * 6
+    cos = torch.cat([ang.cos(), ang.cos()], -1)
+    sin = torch.cat([-ang.sin(), ang.sin()], -1)  # rotate_half's sign folded in
+    kc, vc = torch.zeros(2, 12, 16, dtype=dtype), torch.zeros(2, 12, 16, dtype=dtype)
+    slots = torch.tensor([7, 0, 11, 3, 5])
+    qd, kcd, vcd = q.clone().to(DEVICE), kc.clone().to(DEVICE), vc.clone().to(DEVICE)
+    E(
+        qd,
+        k.to(DEVICE),
+        v.to(DEVICE),
+        cos.to(dtype).to(DEVICE),
+        sin.to(dtype).to(DEVICE),
+        slots.to(DEVICE),
+        kcd,
+        vcd,
+    )
+    c, s_ = cos.to(dtype).double()[:, None], sin.to(dtype).double()[:, None]
+    rot = lambda x: x.double() * c + torch.roll(x.double(), 8, dims=-1) * s_
+    torch.testing.assert_close(qd.cpu().double(), rot(q), rtol=0, atol=tol * 10)
+    torch.testing.assert_close(kcd.cpu()[:, slots].transpose(0, 1).double(), rot(k), rtol=0, atol=tol * 10)
+    assert torch.equal(vcd.cpu()[:, slots].transpose(0, 1), v)
+    untouched = [i for i in range(12) if i not in slots.tolist()]
+    assert not kcd.cpu()[:, untouched].any() and not vcd.cpu()[:, untouched].any()
