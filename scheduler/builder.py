@@ -13,13 +13,16 @@ import torch
 
 from dspark_serve.drafter.base import Drafter
 from dspark_serve.drafter.config import NO_DRAFTER, DrafterConfig
+from dspark_serve.drafter.dspark_model.config import DSparkConfig
 from dspark_serve.drafter.registry import build_drafter, drafter_spec
 from dspark_serve.ops.platform import default_cache_dir
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine, HiddenCapture
+from dspark_serve.scheduler.memory_plan import MemoryPlan, TargetGeometry, parameter_bytes, plan_memory
 from dspark_serve.scheduler.metrics_sink import EngineMetricsSink
 from dspark_serve.scheduler.policy import CostTable, DSparkPolicy, parse_policy
 from dspark_serve.verifier.config import ModelConfig
+from dspark_serve.verifier.cuda_graphs import TOKEN_BUCKETS
 from dspark_serve.verifier.host_memory import retain_freed_memory
 from dspark_serve.verifier.loader import (
     DtypeChoice,
@@ -46,16 +49,65 @@ class EngineBundle:
     dtype: DtypeChoice
 
 
-def kv_cache_tokens(cfg: ModelConfig, hf_config: Any, device: torch.device, dtype: torch.dtype) -> int:
+def kv_cache_tokens(cfg: ModelConfig, hf_config: Any, dtype: torch.dtype) -> int:
+    """KV tokens on a CPU: the configured count, or kv_cache_memory_fraction of the RAM."""
     if cfg.kv_cache_tokens:
         return cfg.kv_cache_tokens
     per_token = ModelRunner.kv_bytes_per_token(hf_config, dtype)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = free * cfg.kv_cache_memory_fraction
-    else:
-        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * cfg.kv_cache_memory_fraction
+    budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * cfg.kv_cache_memory_fraction
     return max(int(budget // per_token), cfg.max_model_len)
+
+
+@dataclass(frozen=True)
+class DrafterFootprint:
+    modules: tuple[torch.nn.Module, ...]
+    tap_width: int
+    context_per_token: int
+
+
+def drafter_footprint(drafter: Drafter | None, hidden_size: int) -> DrafterFootprint:
+    """What a drafter adds to device memory: its weights' modules, the tap rows the prefix cache
+    keeps per KV slot, and its context K/V bytes per position (DSpark/DFlash models)."""
+    if drafter is None:
+        return DrafterFootprint((), 0, 0)
+    model = getattr(drafter, "model", None)
+    modules = (model,) if isinstance(model, torch.nn.Module) else ()
+    taps = len(getattr(drafter, "tap_layers", ()) or ())
+    cfg = getattr(model, "config", None)
+    per_position = 0
+    if isinstance(cfg, DSparkConfig) and isinstance(model, torch.nn.Module):
+        elt = next(model.parameters()).element_size()
+        per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elt
+    return DrafterFootprint(modules, taps * hidden_size, per_position)
+
+
+def device_memory_plan(
+    model_cfg: ModelConfig,
+    sched_cfg: SchedulerConfig,
+    target: Any,
+    drafter: Drafter | None,
+    dtype: torch.dtype,
+    device_bytes: int,
+    max_model_len: int,
+) -> MemoryPlan:
+    """The accelerator's memory plan (`scheduler/memory_plan.py`) for this target and drafter."""
+    geometry = TargetGeometry.of(target.model.config)
+    foot = drafter_footprint(drafter, geometry.hidden_size)
+    block = drafter.block_size if drafter is not None else 0
+    return plan_memory(
+        device_bytes=device_bytes,
+        utilization=model_cfg.gpu_memory_utilization,
+        weights=parameter_bytes((target.model, *foot.modules)),
+        target=geometry,
+        elt=torch.tensor([], dtype=dtype).element_size(),
+        max_model_len=max_model_len,
+        max_num_seqs=sched_cfg.max_num_seqs,
+        max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+        max_logit_rows=sched_cfg.max_num_seqs * (2 + 2 * block),  # a block and a branch each
+        tap_width=foot.tap_width if sched_cfg.enable_prefix_caching else 0,
+        drafter_context_per_token=foot.context_per_token,
+        graph_tokens=max(TOKEN_BUCKETS) if model_cfg.cuda_graphs else 0,
+    )
 
 
 def build_drafter_for(
@@ -82,10 +134,11 @@ def build_drafter_for(
 
 
 def build_runner(
-    model_cfg: ModelConfig, target: Any, device: torch.device, dtype: torch.dtype
+    model_cfg: ModelConfig, target: Any, device: torch.device, dtype: torch.dtype, tokens: int = 0
 ) -> ModelRunner:
-    """The target's runner with a KV cache sized by the config (`kv_cache_tokens`)."""
-    tokens = kv_cache_tokens(model_cfg, target.model.config, device, dtype)
+    """The target's runner with a KV cache of `tokens` slots (0: sized by the config on a CPU,
+    `kv_cache_tokens`)."""
+    tokens = tokens or kv_cache_tokens(model_cfg, target.model.config, dtype)
     runner = ModelRunner(
         target.model,
         num_blocks=max(1, tokens // model_cfg.kv_block_size),
@@ -151,9 +204,16 @@ def build_engine(
     target = load_target(model_cfg.model, device, dtype, cache_dir)
     model_len = getattr(target.model.config, "max_position_embeddings", model_cfg.max_model_len)
     max_len = min(model_cfg.max_model_len, model_len)
-    runner = build_runner(model_cfg, target, device, dtype)
     stage("loading the drafter")
     drafter = build_drafter_for(drafter_cfg, target, device, dtype, model_cfg.model is None)
+    tokens = model_cfg.kv_cache_tokens
+    if device.type == "cuda" and not tokens:  # the KV cache gets what the plan leaves
+        plan = device_memory_plan(
+            model_cfg, sched_cfg, target, drafter, dtype, torch.cuda.mem_get_info(device)[1], max_len
+        )
+        log.info("memory plan:\n%s", plan.table())
+        tokens = plan.kv_tokens
+    runner = build_runner(model_cfg, target, device, dtype, tokens)
     # after the weights and the KV cache: those keep their own mappings
     if device.type == "cpu" and retain_freed_memory(model_cfg.retain_freed_mib):
         log.info("freed host blocks of up to %d MiB are kept for the next step", model_cfg.retain_freed_mib)

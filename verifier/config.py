@@ -24,7 +24,11 @@ class ModelConfig:
     kv_cache_tokens: int = 0
     """Token slots in the paged KV cache; 0 = derive from kv_cache_memory_fraction."""
     kv_cache_memory_fraction: float = 0.1
-    """With kv_cache_tokens 0: fraction of free accelerator memory (CPU: of total RAM) for KV."""
+    """CPU, with kv_cache_tokens 0: the fraction of the RAM the KV cache takes."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA: the fraction of the device's memory the engine plans to use (weights, activations,
+    CUDA graphs, the drafter's pools, and the KV cache and tap rows in what remains; logged as a
+    table at start-up, `scheduler/memory_plan.py`)."""
     kv_block_size: int = 16
     """Token slots per KV block."""
     cache_dir: str | None = None
@@ -80,6 +84,8 @@ class ModelConfig:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction!r}"
             )
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.forward not in ("fast", "reference"):
             raise ValueError(f"forward must be fast or reference, got {self.forward!r}")
         if self.linear not in LINEAR_KINDS:

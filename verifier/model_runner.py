@@ -66,6 +66,11 @@ class ModelRunner:
         self.embed = P.embed
         self.device, self.dtype = P.device, P.dtype
         self.num_layers, self.hidden_size, self.vocab_size = P.num_layers, P.hidden_size, P.vocab_size
+        if quantize != "none" and next(model.parameters()).device.type == "cuda":
+            raise ValueError(
+                f"quantize {quantize!r} is for CPUs: on CUDA its weights would be dequantised on "
+                f"every call; serve the model in bfloat16 there"
+            )
         if cuda_graphs and impl != "fast":
             raise ValueError(f"cuda_graphs needs impl='fast', got {impl!r}")
         geometry = (P.num_layers, P.num_kv_heads, P.head_dim, num_blocks, block_size, P.device, P.dtype)
