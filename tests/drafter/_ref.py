@@ -74,8 +74,9 @@ def deepspec_config(t=TINY, head_type="vanilla", confidence=True, with_markov=Tr
     return cfg
 
 
-def deepspec_weights(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights under DeepSpec's state-dict names (no embed_tokens / lm_head)."""
+def deepspec_weights(cfg: dict, seed: int = 0, meta: bool = False) -> dict[str, torch.Tensor]:
+    """Random weights under DeepSpec's state-dict names (no embed_tokens / lm_head); meta: shapes
+    only, on the meta device (published sizes at no cost)."""
     g = torch.Generator().manual_seed(seed)
     d, h, hkv, dh = (
         cfg["hidden_size"],
@@ -86,11 +87,13 @@ def deepspec_weights(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     inter, vocab, m = cfg["intermediate_size"], cfg["vocab_size"], len(cfg["target_layer_ids"])
 
     def rnd(*shape, scale=None):
+        if meta:
+            return torch.empty(*shape, device="meta")
         scale = scale if scale is not None else 1.0 / math.sqrt(shape[-1])
         return torch.randn(*shape, generator=g) * scale
 
     def norm_w(n):
-        return 1.0 + 0.1 * torch.randn(n, generator=g)
+        return torch.empty(n, device="meta") if meta else 1.0 + 0.1 * torch.randn(n, generator=g)
 
     w = {"fc.weight": rnd(d, m * d), "hidden_norm.weight": norm_w(d), "norm.weight": norm_w(d)}
     for i in range(cfg["num_hidden_layers"]):

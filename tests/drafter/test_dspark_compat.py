@@ -301,3 +301,53 @@ def test_save_load_roundtrip_and_calibration(tmp_path):
         json.dump({"temperatures": [1.0, -1.0]}, f)
     with pytest.raises(ValueError, match="-1.0"):
         load_dspark(path, embed, head)
+
+
+PUBLISHED = {  # DeepSpec's config/dspark files for Qwen3-8B and Qwen3-14B, and the targets' shapes
+    "qwen3-8b": dict(hidden=4096, layers=5, heads=32, kv_heads=8, head_dim=128, inter=12288, vocab=151936,
+                     block=7, taps=[1, 9, 17, 25, 33], target_layers=36, mask=151669, rank=256,
+                     theta=1000000.0, eps=1e-6),
+    "qwen3-14b": dict(hidden=5120, layers=5, heads=40, kv_heads=8, head_dim=128, inter=17408, vocab=151936,
+                      block=7, taps=[1, 10, 19, 28, 37], target_layers=40, mask=151669, rank=256,
+                      theta=1000000.0, eps=1e-6),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_the_loader_takes_deepspec_names_at_the_published_shapes(name, tmp_path, monkeypatch):
+    """DeepSpec's parameter names (some under a training framework's prefix) at the published
+    drafters' sizes, on the meta device: every weight lands, shared embedding and LM head
+    included, with the Markov head and the confidence head reading it."""
+    import dspark_serve.drafter.dspark_model.checkpoint as ckpt
+
+    t = PUBLISHED[name]
+    cfg = deepspec_config(t)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    weights = deepspec_weights(cfg, meta=True)
+    stored = {("model." if i % 2 else "") + k: v for i, (k, v) in enumerate(sorted(weights.items()))}
+
+    def read(path, expected, skip):  # the safetensors read: what the files would hold
+        return {ckpt._normalize_key(k, expected): v for k, v in stored.items()}
+
+    monkeypatch.setattr(ckpt, "_read_state_dict", read)
+    with torch.device("meta"):
+        embed = nn.Embedding(t["vocab"], t["hidden"], dtype=torch.bfloat16)
+        head = nn.Linear(t["hidden"], t["vocab"], bias=False, dtype=torch.bfloat16)
+    model = load_dspark(str(tmp_path), embed, head, device="meta", dtype=torch.bfloat16)
+    c = model.config
+    assert (c.block_size, c.num_hidden_layers, c.markov_rank, c.mask_token_id) == (7, 5, 256, 151669)
+    assert c.target_layer_ids == tuple(t["taps"]) and c.confidence_head_with_markov
+    state = model.state_dict()
+    for k, v in weights.items():
+        assert tuple(state[k].shape) == tuple(v.shape), k
+    assert model.embed_tokens is embed and model.lm_head is head
+    assert state["fc.weight"].shape == (t["hidden"], 5 * t["hidden"])
+    drafter_params = sum(v.numel() for v in weights.values())
+    assert drafter_params > 0.9e9  # five target-sized layers: about a billion parameters (8B)
+    missing = dict(stored)
+    missing.pop(next(k for k in stored if k.endswith("layers.4.mlp.down_proj.weight")))
+    monkeypatch.setattr(
+        ckpt, "_read_state_dict", lambda *a: {ckpt._normalize_key(k, a[1]): v for k, v in missing.items()}
+    )
+    with pytest.raises(ValueError, match="missing weights .*layers.4.mlp.down_proj.weight"):
+        load_dspark(str(tmp_path), embed, head, device="meta", dtype=torch.bfloat16)
