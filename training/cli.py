@@ -614,6 +614,87 @@ def _add_evaluate_args(v: argparse.ArgumentParser) -> None:
     v.add_argument("--no-ngram", action="store_true")
 
 
+def cmd_train_online(a: argparse.Namespace) -> None:
+    import torch
+
+    from dspark_serve.drafter.dspark_model import DSparkConfig
+    from dspark_serve.training.online import OnlineConfig, read_samples, run_online, tiny_setup
+    from dspark_serve.training.train import TrainConfig
+
+    _set_threads(a.threads)
+    if a.tiny:
+        model, train, held = tiny_setup(a.seed)
+        taps, layers, mask = (0, 2, 3), 1, 5
+    else:
+        model = _load_target(a).model
+        train, held = read_samples(a.data or Path(a.out) / "data", a.holdout_every)
+        taps, layers, mask = a.taps, a.layers, a.mask_token_id
+    model.requires_grad_(False)
+    cfg = DSparkConfig.for_target(
+        model.config,
+        num_draft_layers=layers,
+        block_size=a.block_size,
+        target_layer_ids=taps,
+        mask_token_id=mask,
+        markov_rank=a.markov_rank,
+        markov_head_type=a.markov_head_type,
+        enable_confidence_head=True,
+        confidence_head_with_markov=a.markov_rank > 0,
+        num_anchors=a.num_anchors,
+    )
+    bf16 = torch.device(a.device).type == "cuda"
+    run = OnlineConfig(
+        TrainConfig(
+            steps=a.steps,
+            batch_seqs=a.batch_seqs,
+            num_anchors=a.num_anchors,
+            lr=a.lr,
+            checkpoint_every=a.checkpoint_every,
+            bf16=bf16,
+            seed=a.seed,
+        ),
+        minutes=a.minutes,
+        calibration_seqs=a.calibration_seqs,
+        max_file_mib=a.max_file_mib,
+    )
+    work = Path(a.work or Path(a.out) / "online")
+    print(f"train-online: {len(train)} training / {len(held)} held-out sequences on {a.device}")
+    report = run_online(
+        model.to(a.device),
+        cfg,
+        run,
+        _loss_config(a),
+        train,
+        held,
+        work,
+        a.dest or work / "export",
+        lambda step, st: (
+            print(f"step {step}: " + ", ".join(f"{n} tau {v['tau']:.3f}" for n, v in st.items()))
+            if step % 25 == 0
+            else None
+        ),
+    )
+    print(f"train-online: {report.steps_done}/{report.steps_total} steps, exports {report.exports}")
+
+
+def _add_train_online_args(o: argparse.ArgumentParser) -> None:
+    _add_model_args(o)
+    _add_train_loss_args(o)
+    o.add_argument("--tiny", action="store_true", help="a tiny random target and data on the CPU (CI)")
+    o.add_argument("--data", default=None, help="gen-data's token shards (default <out>/data)")
+    o.add_argument("--work", default=None, help="checkpoint and log folder (default <out>/online)")
+    o.add_argument("--dest", default=None, help="the exports' folder (default <work>/export)")
+    o.add_argument("--steps", type=int, default=3000)
+    o.add_argument("--batch-seqs", type=int, default=32)
+    o.add_argument("--num-anchors", type=int, default=64)
+    o.add_argument("--lr", type=float, default=6e-4)
+    o.add_argument("--checkpoint-every", type=int, default=100)
+    o.add_argument("--minutes", type=float, default=6.5, help="wall time of the command, export included")
+    o.add_argument("--holdout-every", type=int, default=10)
+    o.add_argument("--calibration-seqs", type=int, default=32)
+    o.add_argument("--max-file-mib", type=float, default=16.0, help="split exported weights above this")
+
+
 @dataclass(frozen=True)
 class _Subcommand:
     """One stage of the pipeline on the command line: its name, help line, the arguments it
@@ -647,6 +728,12 @@ SUBCOMMANDS = (
     ),
     _Subcommand(
         "evaluate", "acceptance length + calibration on the dev sets", _add_evaluate_args, cmd_evaluate
+    ),
+    _Subcommand(
+        "train-online",
+        "one accelerator: DSpark and its DFlash twin from token ids, the target run on the fly",
+        _add_train_online_args,
+        cmd_train_online,
     ),
 )
 

@@ -58,8 +58,8 @@ class ModelConfig:
     32 tokens (prefill chunks) use sdpa over their gathered blocks."""
     cuda_graphs: bool = False
     """Replay decode and verify steps as CUDA graphs, one per bucket of (tokens, requests),
-    captured on first use within 60 s (needs attention triton on CUDA; off by default until a GPU
-    suite run shows greedy equality with it)."""
+    captured on first use within 60 s (attention triton on CUDA, which auto then means; off by
+    default until a GPU suite run shows greedy equality with it)."""
     retain_freed_mib: int = 1024
     """CPU: freed host blocks of up to this many MiB stay with the process for the next step
     (glibc's malloc: its mmap and trim thresholds fixed there) instead of going back to the OS
@@ -98,8 +98,8 @@ class ModelConfig:
             raise ValueError(
                 f"retain_freed_mib must be >= 0 (0 = the allocator's defaults), got {self.retain_freed_mib!r}"
             )
-        if self.cuda_graphs and self.attention != "triton":
-            raise ValueError(f"cuda_graphs needs attention 'triton', got {self.attention!r}")
+        if self.cuda_graphs and self.attention not in ("auto", "triton"):
+            raise ValueError(f"cuda_graphs needs attention 'triton' (or auto), got {self.attention!r}")
         if self.quantize not in ("none", "int8"):
             raise ValueError(f"quantize must be none or int8, got {self.quantize!r}")
         if self.quantize != "none" and self.forward != "fast":

@@ -73,6 +73,8 @@ class ModelRunner:
             )
         if cuda_graphs and impl != "fast":
             raise ValueError(f"cuda_graphs needs impl='fast', got {impl!r}")
+        if cuda_graphs and attention == "auto":  # graphs replay the Triton attention
+            attention = "triton"
         geometry = (P.num_layers, P.num_kv_heads, P.head_dim, num_blocks, block_size, P.device, P.dtype)
         self.kv = KVCache(*geometry, scratch_block=cuda_graphs)
         self.block_size = block_size

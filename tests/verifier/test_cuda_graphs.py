@@ -101,13 +101,14 @@ def test_buckets_and_refusals():
     assert [bucket_of(n) for n in (1, 3, 4, 5, 300, 512)] == [1, 4, 4, 8, 512, 512]
     assert bucket_of(513) is None
     assert BucketKey(8, 4, False, ()) != BucketKey(8, 4, True, ())
-    with pytest.raises(ValueError, match="cuda_graphs needs attention 'triton', got 'auto'"):
-        ModelConfig(cuda_graphs=True)
+    assert ModelConfig(cuda_graphs=True).attention == "auto"  # which then means triton
+    with pytest.raises(ValueError, match=r"cuda_graphs needs attention 'triton' \(or auto\), got 'sdpa'"):
+        ModelConfig(cuda_graphs=True, attention="sdpa")
     with pytest.raises(ValueError, match="cuda_graphs needs impl='fast'"):
         ModelRunner(tiny_model("llama"), 16, 4, impl="reference", cuda_graphs=True)
     needs_triton()
     with pytest.raises(ValueError, match="CUDA graphs need attention 'triton', got 'sdpa'"):
         ModelRunner(tiny_model("llama"), 16, 4, attention="sdpa", cuda_graphs=True)
-    runner = ModelRunner(tiny_model("llama"), 16, 4, attention="triton", cuda_graphs=True)
+    runner = ModelRunner(tiny_model("llama"), 16, 4, cuda_graphs=True)  # auto attention: triton
     assert runner.kv.scratch_slot == 16 * 4 and runner.kv.k.shape[2] == 17 * 4
     assert "CUDA graphs" in runner.describe()
