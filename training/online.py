@@ -255,8 +255,8 @@ def split_weights(dest: Path, max_mib: float) -> None:
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(dest / fname))
         weight_map.update({k: fname for k in shard})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}}
-    index["weight_map"] = weight_map
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     single.unlink()
 
