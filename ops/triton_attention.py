@@ -140,33 +140,13 @@ def paged_attention(
     block_m, block_q = tile_shape(group, segments.max_query_len)
     grid = (T // block_q + S, Hkv)
     _kernel()[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        segments.cu_q,
-        segments.starts,
-        segments.table,
-        scale,
-        S,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        segments.table.stride(0),
-        BLOCK_SIZE=block_size,
-        GROUP=group,
-        HEAD_DIM=D,
-        HEAD_DIM_P=triton_next_pow2(max(D, 16)),
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        BLOCK_N=block_n,
+        q, k_cache, v_cache, out, segments.cu_q, segments.starts, segments.table, scale, S,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), segments.table.stride(0),
+        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=D, HEAD_DIM_P=triton_next_pow2(max(D, 16)),
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )
+    )  # fmt: skip
     return out
 
 

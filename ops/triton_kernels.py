@@ -68,33 +68,11 @@ def _attend(
 
 @triton.jit
 def paged_attention_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    o_ptr,
-    cu_q_ptr,
-    starts_ptr,
-    table_ptr,
-    scale,
-    num_segments,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_kh,
-    stride_ks,
-    stride_vh,
-    stride_vs,
-    stride_table,
-    BLOCK_SIZE: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, starts_ptr, table_ptr, scale, num_segments,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_ks, stride_vh, stride_vs, stride_table,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     # the segment of this tile: the last s whose first tile cu_q[s] // BLOCK_Q + s <= tile

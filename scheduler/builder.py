@@ -90,11 +90,12 @@ def device_memory_plan(
     device_bytes: int,
     max_model_len: int,
 ) -> MemoryPlan:
-    """The accelerator's memory plan (`scheduler/memory_plan.py`) for this target and drafter."""
+    """The accelerator's memory plan (`scheduler/memory_plan.py`) for this target and drafter,
+    logged as a table."""
     geometry = TargetGeometry.of(target.model.config)
     foot = drafter_footprint(drafter, geometry.hidden_size)
     block = drafter.block_size if drafter is not None else 0
-    return plan_memory(
+    plan = plan_memory(
         device_bytes=device_bytes,
         utilization=model_cfg.gpu_memory_utilization,
         weights=parameter_bytes((target.model, *foot.modules)),
@@ -108,6 +109,8 @@ def device_memory_plan(
         drafter_context_per_token=foot.context_per_token,
         graph_tokens=max(TOKEN_BUCKETS) if model_cfg.cuda_graphs else 0,
     )
+    log.info("memory plan:\n%s", plan.table())
+    return plan
 
 
 def build_drafter_for(
@@ -208,11 +211,8 @@ def build_engine(
     drafter = build_drafter_for(drafter_cfg, target, device, dtype, model_cfg.model is None)
     tokens = model_cfg.kv_cache_tokens
     if device.type == "cuda" and not tokens:  # the KV cache gets what the plan leaves
-        plan = device_memory_plan(
-            model_cfg, sched_cfg, target, drafter, dtype, torch.cuda.mem_get_info(device)[1], max_len
-        )
-        log.info("memory plan:\n%s", plan.table())
-        tokens = plan.kv_tokens
+        total = torch.cuda.mem_get_info(device)[1]
+        tokens = device_memory_plan(model_cfg, sched_cfg, target, drafter, dtype, total, max_len).kv_tokens
     runner = build_runner(model_cfg, target, device, dtype, tokens)
     # after the weights and the KV cache: those keep their own mappings
     if device.type == "cpu" and retain_freed_memory(model_cfg.retain_freed_mib):

@@ -614,14 +614,11 @@ def _add_evaluate_args(v: argparse.ArgumentParser) -> None:
     v.add_argument("--no-ngram", action="store_true")
 
 
-def cmd_train_online(a: argparse.Namespace) -> None:
-    import torch
-
+def _online_setup(a: argparse.Namespace):
+    """The target, the samples and the drafter's config (and d2t map) of a train-online run."""
     from dspark_serve.drafter.dspark_model import DSparkConfig
-    from dspark_serve.training.online import OnlineConfig, read_samples, run_online, tiny_setup
-    from dspark_serve.training.train import TrainConfig
+    from dspark_serve.training.online import read_samples, sample_vocabulary, tiny_setup
 
-    _set_threads(a.threads)
     if a.tiny:
         model, train, held = tiny_setup(a.seed)
         taps, layers, mask = (0, 2, 3), 1, 5
@@ -642,38 +639,45 @@ def cmd_train_online(a: argparse.Namespace) -> None:
         confidence_head_with_markov=a.markov_rank > 0,
         num_anchors=a.num_anchors,
     )
-    bf16 = torch.device(a.device).type == "cuda"
-    run = OnlineConfig(
-        TrainConfig(
-            steps=a.steps,
-            batch_seqs=a.batch_seqs,
-            num_anchors=a.num_anchors,
-            lr=a.lr,
-            checkpoint_every=a.checkpoint_every,
-            bf16=bf16,
-            seed=a.seed,
-        ),
-        minutes=a.minutes,
-        calibration_seqs=a.calibration_seqs,
-        max_file_mib=a.max_file_mib,
+    d2t = None
+    if a.draft_vocab:
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        always = [eos] if isinstance(eos, int) else list(eos or [])
+        d2t = sample_vocabulary(train, a.draft_vocab, always)
+        cfg = cfg.replace(draft_vocab_size=int(d2t.numel()))
+    return model, train, held, cfg, d2t
+
+
+def cmd_train_online(a: argparse.Namespace) -> None:
+    import torch
+
+    from dspark_serve.training.online import OnlineConfig, run_online
+    from dspark_serve.training.train import TrainConfig
+
+    _set_threads(a.threads)
+    model, train, held, cfg, d2t = _online_setup(a)
+    train_cfg = TrainConfig(
+        steps=a.steps,
+        batch_seqs=a.batch_seqs,
+        num_anchors=a.num_anchors,
+        lr=a.lr,
+        checkpoint_every=a.checkpoint_every,
+        bf16=torch.device(a.device).type == "cuda",
+        seed=a.seed,
     )
+    run = OnlineConfig(train_cfg, a.minutes, calibration_seqs=a.calibration_seqs, max_file_mib=a.max_file_mib)
     work = Path(a.work or Path(a.out) / "online")
     print(f"train-online: {len(train)} training / {len(held)} held-out sequences on {a.device}")
-    report = run_online(
-        model.to(a.device),
-        cfg,
-        run,
-        _loss_config(a),
-        train,
-        held,
-        work,
-        a.dest or work / "export",
-        lambda step, st: (
-            print(f"step {step}: " + ", ".join(f"{n} tau {v['tau']:.3f}" for n, v in st.items()))
-            if step % 25 == 0
-            else None
-        ),
-    )
+
+    def progress(step: int, stats: dict) -> None:
+        if step % 25 == 0:
+            print(
+                f"step {step}: " + ", ".join(f"{n} tau {v['tau']:.3f}" for n, v in stats.items()), flush=True
+            )
+
+    dest = a.dest or work / "export"
+    loss = _loss_config(a)
+    report = run_online(model.to(a.device), cfg, run, loss, train, held, work, dest, progress, d2t=d2t)
     print(f"train-online: {report.steps_done}/{report.steps_total} steps, exports {report.exports}")
 
 
@@ -693,6 +697,7 @@ def _add_train_online_args(o: argparse.ArgumentParser) -> None:
     o.add_argument("--holdout-every", type=int, default=10)
     o.add_argument("--calibration-seqs", type=int, default=32)
     o.add_argument("--max-file-mib", type=float, default=16.0, help="split exported weights above this")
+    o.add_argument("--draft-vocab", type=int, default=0, help="keep the N ids responses use most (0 = all)")
 
 
 @dataclass(frozen=True)

@@ -90,10 +90,13 @@ def twin_config(cfg: DSparkConfig) -> DSparkConfig:
     return cfg.replace(markov_rank=0, confidence_head_with_markov=False)
 
 
-def build_pair(cfg: DSparkConfig, target: Any, init_from_target: bool) -> dict[str, DSparkModel]:
-    """The DSpark drafter and its DFlash twin, every weight of the same name and shape equal."""
-    dspark = build_draft_model(cfg, target, init_from_target)
-    dflash = build_draft_model(twin_config(cfg), target, init_from_target)
+def build_pair(
+    cfg: DSparkConfig, target: Any, init_from_target: bool, d2t: torch.Tensor | None = None
+) -> dict[str, DSparkModel]:
+    """The DSpark drafter and its DFlash twin, every weight of the same name and shape equal
+    (d2t: the kept ids of a truncated draft vocabulary, cfg.draft_vocab_size of them)."""
+    dspark = build_draft_model(cfg, target, init_from_target, d2t)
+    dflash = build_draft_model(twin_config(cfg), target, init_from_target, d2t)
     own = dflash.state_dict()
     shared = {k: v for k, v in dspark.state_dict().items() if k in own and own[k].shape == v.shape}
     dflash.load_state_dict(shared, strict=False)
@@ -135,13 +138,16 @@ class OnlineRun:
         train: Sequence[Sample],
         held_out: Sequence[Sample],
         work: Path,
+        d2t: torch.Tensor | None = None,
     ) -> None:
         usable = [s for s in train if len(s.token_ids) - len(s.prompt_ids) >= 2]
         if not usable:
             raise ValueError("no training sequence with a response of at least two tokens")
         self.target, self.cfg, self.run, self.loss = target, cfg, run, loss
         self.train, self.held_out, self.work = usable, list(held_out), work
-        self.models = build_pair(cfg, target, run.train.init_from_target)
+        self.models = build_pair(cfg, target, run.train.init_from_target, d2t)
+        # a truncated draft vocabulary scores against the target's whole head
+        self.head = target.get_output_embeddings() if cfg.truncated else None
         dev = next(target.parameters()).device
         for m in self.models.values():
             m.to(dev)
@@ -196,7 +202,7 @@ class OnlineRun:
             model.train()
             for g in self.opts[n].param_groups:
                 g["lr"] = lr
-            out = forward_loss(model, batch, self.loss, t.bf16)
+            out = forward_loss(model, batch, self.loss, t.bf16, self.head)
             self.opts[n].zero_grad(set_to_none=True)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable_parameters(model), t.max_grad_norm)
@@ -216,7 +222,9 @@ class OnlineRun:
             model.eval()
             if not seqs:
                 continue
-            s = collect_confidences(model, seqs, self.run.train.num_anchors, bf16=self.run.train.bf16)
+            s = collect_confidences(
+                model, seqs, self.run.train.num_anchors, bf16=self.run.train.bf16, target_head=self.head
+            )
             temps[n] = fit_sts(s.logits, s.prefix_labels, s.mask)
             model.calibration = Calibration(tuple(temps[n]))
         return temps
@@ -271,6 +279,7 @@ def run_online(
     work: str | os.PathLike,
     out: str | os.PathLike,
     progress: Callable[[int, dict[str, dict[str, float]]], None] | None = None,
+    d2t: torch.Tensor | None = None,
 ) -> OnlineReport:
     """Train until run.train.steps or the time budget's reserve, checkpoint, calibrate, export;
     `report.json` in `out` says where it stands (a later call resumes from the checkpoint)."""
@@ -278,7 +287,7 @@ def run_online(
     work_dir, out_dir = Path(work), Path(out)
     work_dir.mkdir(parents=True, exist_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = OnlineRun(target, cfg, run, loss, train, held_out, work_dir)
+    state = OnlineRun(target, cfg, run, loss, train, held_out, work_dir, d2t)
     report = OnlineReport(steps_total=run.train.steps, device=str(next(target.parameters()).device))
     stop_at = 60 * (run.minutes - run.reserve_minutes)
     step_s = 0.0
@@ -345,3 +354,14 @@ def tiny_setup(seed: int = 0) -> tuple[Any, list[Sample], list[Sample]]:
         return Sample(prompt, (period * 8)[:20])
 
     return target, [sample(i) for i in range(48)], [sample(i) for i in range(48, 56)]
+
+
+def sample_vocabulary(samples: Sequence[Sample], size: int, always: Sequence[int] = ()) -> torch.Tensor:
+    """`draft_vocabulary` of token-id samples: the `size` ids their responses use most."""
+    from dspark_serve.training.train import draft_vocabulary
+
+    seqs = [
+        CachedSequence(torch.tensor(s.token_ids), len(s.prompt_ids), torch.empty(0), torch.empty(0))
+        for s in samples
+    ]
+    return draft_vocabulary(seqs, size, always)

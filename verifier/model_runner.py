@@ -29,6 +29,22 @@ FORWARDS: dict[str, Callable[[ModelParts, KVCache, str, str, str, int], Forward]
 }
 
 
+def _check_options(model: torch.nn.Module, impl: str, quantize: str, cuda_graphs: bool) -> None:
+    if impl not in FORWARDS:
+        raise ValueError(f"impl must be one of {sorted(FORWARDS)}, got {impl!r}")
+    if quantize not in ("none", "int8"):
+        raise ValueError(f"quantize must be none or int8, got {quantize!r}")
+    if quantize != "none" and impl != "fast":
+        raise ValueError(f"quantize {quantize!r} needs impl='fast', got {impl!r}")
+    if quantize != "none" and next(model.parameters()).device.type == "cuda":
+        raise ValueError(
+            f"quantize {quantize!r} is for CPUs: on CUDA its weights would be dequantised on "
+            f"every call; serve the model in bfloat16 there"
+        )
+    if cuda_graphs and impl != "fast":
+        raise ValueError(f"cuda_graphs needs impl='fast', got {impl!r}")
+
+
 class ModelRunner:
     """Runs a HF causal LM (Llama/Qwen2/Qwen3) over a paged KV cache whose memory it holds."""
 
@@ -53,12 +69,7 @@ class ModelRunner:
         takes through the C gemm kernel (0: by the CPU; see ModelConfig.gemm_rows). cuda_graphs:
         decode and verify steps replay CUDA graphs (`verifier/cuda_graphs.py`; the fast forward
         with attention "triton"), sized for sequences of up to max_model_len."""
-        if impl not in FORWARDS:
-            raise ValueError(f"impl must be one of {sorted(FORWARDS)}, got {impl!r}")
-        if quantize not in ("none", "int8"):
-            raise ValueError(f"quantize must be none or int8, got {quantize!r}")
-        if quantize != "none" and impl != "fast":
-            raise ValueError(f"quantize {quantize!r} needs impl='fast', got {impl!r}")
+        _check_options(model, impl, quantize, cuda_graphs)
         self.impl = impl
         self.model = model
         self.parts = P = ModelParts.of(model)
@@ -66,13 +77,6 @@ class ModelRunner:
         self.embed = P.embed
         self.device, self.dtype = P.device, P.dtype
         self.num_layers, self.hidden_size, self.vocab_size = P.num_layers, P.hidden_size, P.vocab_size
-        if quantize != "none" and next(model.parameters()).device.type == "cuda":
-            raise ValueError(
-                f"quantize {quantize!r} is for CPUs: on CUDA its weights would be dequantised on "
-                f"every call; serve the model in bfloat16 there"
-            )
-        if cuda_graphs and impl != "fast":
-            raise ValueError(f"cuda_graphs needs impl='fast', got {impl!r}")
         if cuda_graphs and attention == "auto":  # graphs replay the Triton attention
             attention = "triton"
         geometry = (P.num_layers, P.num_kv_heads, P.head_dim, num_blocks, block_size, P.device, P.dtype)

@@ -279,3 +279,20 @@ def test_a_failing_sweep_point_is_recorded_and_the_sweep_goes_on(tmp_path, monke
         (4, "dspark"),
     ]
     assert all(r["kv_free_after"] for r in res["rows"])  # the failed point's KV was released
+
+
+def test_staged_parts_join_back_and_a_bad_part_is_caught(tmp_path):
+    from bench.gpu_stage import join, split
+
+    big = tmp_path / "model.gguf"
+    big.write_bytes(bytes(range(256)) * 9000)  # 2.3 MB
+    parts = split([big], tmp_path / "stage", part_mib=1.0)
+    assert len(parts) == 3 and all(p.stat().st_size <= 2**20 for p in parts)
+    (joined,) = join(tmp_path / "stage", tmp_path / "dest")
+    assert joined.read_bytes() == big.read_bytes()
+    parts[1].write_bytes(parts[1].read_bytes()[:-1] + b"x")
+    with pytest.raises(ValueError, match="does not match its SHA-256"):
+        join(tmp_path / "stage", tmp_path / "dest")
+    parts[2].unlink()
+    with pytest.raises(ValueError, match="parts not staged yet"):
+        join(tmp_path / "stage", tmp_path / "dest")

@@ -20,6 +20,11 @@ TINY = [
 ]  # fmt: skip
 
 
+def _shared():
+    target, _, _ = tiny_setup(0)
+    return target.model.embed_tokens, target.lm_head
+
+
 def log_steps(work) -> list[int]:
     return [json.loads(line)["step"] for line in (work / "log.jsonl").read_text().splitlines()]
 
@@ -33,6 +38,12 @@ def test_the_tiny_run_trains_both_resumes_and_exports_what_the_loader_reads(tmp_
     assert report["steps_done"] == 10 and report["finished"]
     # a later window resumes from the checkpoint: the log goes on from step 11
     assert main([*TINY, "--out", str(out), "--steps", "24", "--max-file-mib", "0.05"]) == 0
+    # (a truncated draft vocabulary: the ids the responses use)
+    assert main([*TINY, "--out", str(tmp_path / "vocab"), "--steps", "4", "--draft-vocab", "40"]) == 0
+    trunc = load_dspark(str(tmp_path / "vocab" / "online" / "export" / "dspark"), *_shared())
+    assert (
+        trunc.config.draft_vocab_size == 40 and trunc.d2t is not None and trunc.lm_head.weight.shape[0] == 40
+    )
     assert log_steps(work) == list(range(1, 25))
     report = json.loads((work / "export" / "report.json").read_text())
     assert report["steps_done"] == 24 and set(report["exports"]) == {"dspark", "dflash"}
