@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))  # runnable from a plain checkout, whatever is ins
 import bench  # noqa: E402, F401  (dspark_serve.* from this checkout)
 from bench.gpu_stage import join  # noqa: E402
 
-DATA = ROOT / "data" / "generated" / "smollm2-135m-long" / "data"
+DATA = sorted((ROOT / "data" / "generated").glob("*/data"))  # every pass gen-data wrote
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage", type=Path, default=None, help="the staged parts (bench/gpu_stage.py split)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--minutes", type=float, default=6.5)
-    ap.add_argument("--data", type=Path, default=DATA, help="token shards")
+    ap.add_argument("--data", type=Path, nargs="+", default=DATA, help="folders of token shards")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("extra", nargs="*", help="more train-online arguments (after --)")
     a = ap.parse_args(argv)
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         wheels = [str(f) for f in files if f.suffix == ".whl"]
         sys.path[:0] = wheels  # pure-Python wheels import from the zip
         model = next(str(f) for f in files if f.suffix == ".gguf")
-        args += ["--model", model, "--data", str(a.data), "--layers", "5", "--markov-rank", "256"]
+        args += ["--model", model, "--data", *map(str, a.data)]
     return train_main(args + a.extra)
 
 

@@ -624,7 +624,7 @@ def _online_setup(a: argparse.Namespace):
         taps, layers, mask = (0, 2, 3), 1, 5
     else:
         model = _load_target(a).model
-        train, held = read_samples(a.data or Path(a.out) / "data", a.holdout_every)
+        train, held = read_samples(a.data or [Path(a.out) / "data"], a.holdout_every)
         taps, layers, mask = a.taps, a.layers, a.mask_token_id
     model.requires_grad_(False)
     cfg = DSparkConfig.for_target(
@@ -685,7 +685,7 @@ def _add_train_online_args(o: argparse.ArgumentParser) -> None:
     _add_model_args(o)
     _add_train_loss_args(o)
     o.add_argument("--tiny", action="store_true", help="a tiny random target and data on the CPU (CI)")
-    o.add_argument("--data", default=None, help="gen-data's token shards (default <out>/data)")
+    o.add_argument("--data", nargs="+", default=None, help="folders of token shards (default <out>/data)")
     o.add_argument("--work", default=None, help="checkpoint and log folder (default <out>/online)")
     o.add_argument("--dest", default=None, help="the exports' folder (default <work>/export)")
     o.add_argument("--steps", type=int, default=3000)

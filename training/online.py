@@ -317,15 +317,18 @@ def run_online(
     return report
 
 
-def read_samples(data_dir: str | os.PathLike, holdout_every: int) -> tuple[list[Sample], list[Sample]]:
-    """gen-data's token shards -> (training samples, held-out samples)."""
+def read_samples(
+    data_dirs: Sequence[str | os.PathLike], holdout_every: int
+) -> tuple[list[Sample], list[Sample]]:
+    """gen-data's token shards of every folder -> (training samples, held-out samples)."""
     from dspark_serve.training.data import is_holdout, read_token_shard, shard_index, shard_paths
 
     train: list[Sample] = []
     held: list[Sample] = []
-    for path in shard_paths(data_dir):
-        samples, _ = read_token_shard(path)
-        (held if is_holdout(shard_index(path), holdout_every) else train).extend(samples)
+    for folder in data_dirs:
+        for path in shard_paths(folder):
+            samples, _ = read_token_shard(path)
+            (held if is_holdout(shard_index(path), holdout_every) else train).extend(samples)
     return train, held
 
 
