@@ -52,6 +52,8 @@ class RayServeConfig:
         / removes a replica.
     look_back_period_s: the window the autoscaler averages the ongoing requests over.
     num_cpus: CPUs Ray reserves for each replica.
+    num_gpus: GPUs Ray reserves for each replica (0: none; 1 places each replica on a GPU of its
+        own, which `--device auto` then uses; a fraction shares one between replicas).
     health_check_period_s / health_check_timeout_s: how often Ray asks a replica whether its
         engine is alive, and how long an answer may take.
     address: Ray cluster to join ("auto" = the one running on this machine, "local" = always a
@@ -68,6 +70,7 @@ class RayServeConfig:
     downscale_delay_s: float = 600.0
     look_back_period_s: float = 30.0
     num_cpus: float = 1.0
+    num_gpus: float = 0.0
     health_check_period_s: float = 5.0
     health_check_timeout_s: float = 30.0
     address: str | None = None
@@ -84,6 +87,8 @@ class RayServeConfig:
             raise ValueError(f"max_replicas must be >= 1, got {hi!r}")
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"min_replicas {lo!r} exceeds max_replicas {hi!r}")
+        if not (math.isfinite(self.num_gpus) and self.num_gpus >= 0):
+            raise ValueError(f"num_gpus must be >= 0, got {self.num_gpus!r}")
         for name in ("upscale_delay_s", "downscale_delay_s"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -106,7 +111,8 @@ class RayServeConfig:
     def deployment_options(self, shutdown_timeout: float) -> dict[str, Any]:
         """Keyword arguments of `serve.deployment(...).options(...)`."""
         opts: dict[str, Any] = {
-            "ray_actor_options": {"num_cpus": self.num_cpus},
+            "ray_actor_options": {"num_cpus": self.num_cpus}
+            | ({"num_gpus": self.num_gpus} if self.num_gpus else {}),
             "health_check_period_s": self.health_check_period_s,
             "health_check_timeout_s": self.health_check_timeout_s,
             # Ray force-kills a stopping replica after this; the engine's own drain ends its
