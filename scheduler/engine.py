@@ -232,6 +232,10 @@ class Engine:
         made = sum(len(o.token_ids) for o in outputs if o.request_id in decoding)
         n = len(batch.decodes)
         self.speculation.record_step(proposal, n, bool(batch.prefills), made, took, v.forward_seconds)
+        c = self.speculation.correction
+        if n and not batch.prefills and c.last_measured:
+            rows = n + sum(proposal.lengths)
+            self.metrics.record_cost(c.last_predicted, c.last_measured, c.factor(rows, n))
 
     def _schedule(self) -> tuple[ScheduledBatch, list[RequestOutput]]:
         """The step's batch (preempted requests' drafter state freed), less the requests whose

@@ -181,6 +181,13 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
                "Verified drafts behind the live ECE, by draft position.", labels=("position",)),
     MetricSpec("cost", "dspark:cost_table_steps_per_second", Gauge,
                "Profiled target steps per second at a batch of B tokens.", labels=("batch_tokens",)),
+    MetricSpec("fwd_predicted", "dspark:forward_seconds_predicted", Gauge,
+               "The profiled cost table's time for the last decode step's forward.", unmeasured=True),
+    MetricSpec("fwd_measured", "dspark:forward_seconds_measured", Gauge,
+               "The last decode step's forward time as measured.", unmeasured=True),
+    MetricSpec("cost_correction", "dspark:cost_table_correction", Gauge,
+               "Measured over profiled forward time where the last decode step fell, as the "
+               "verification policy applies it (1: the profile holds).", unmeasured=True),
 )
 # fmt: on
 
@@ -263,6 +270,9 @@ class EngineMetrics:
     conf_bias: Gauge
     conf_samples: Gauge
     cost: Gauge
+    fwd_predicted: Gauge
+    fwd_measured: Gauge
+    cost_correction: Gauge
 
     def __init__(self, registry: CollectorRegistry, model_name: str, max_block: int = 16) -> None:
         self.labels = {MODEL_LABEL: model_name}
@@ -308,6 +318,11 @@ class EngineMetrics:
         if ls:
             self.budget_mean.labels(**self.labels).set(sum(ls) / len(ls))
         self.expected.labels(**self.labels).inc(decision.expected_tokens)
+
+    def record_cost(self, predicted: float, measured: float, correction: float) -> None:
+        self.fwd_predicted.labels(**self.labels).set(predicted)
+        self.fwd_measured.labels(**self.labels).set(measured)
+        self.cost_correction.labels(**self.labels).set(correction)
 
     def record_round(self, drafted: int, accepted: int) -> None:
         lab = self.labels

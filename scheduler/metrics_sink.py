@@ -46,6 +46,9 @@ class EngineMetricsSink(Protocol):
     def record_policy(
         self, decision: PolicyDecision, load: LoadState | None = None, overhead: float | None = None
     ) -> None: ...
+    # the profiled and the measured time of the last decode step's forward, and the correction
+    # the policy applies there (scheduler/correction.py)
+    def record_cost(self, predicted: float, measured: float, correction: float) -> None: ...
     def record_round(self, drafted: int, accepted: int) -> None: ...
     # a branch (a second draft block from the same anchor) was verified; kept: its run was the
     # longer one and replaced the first block's
@@ -71,6 +74,9 @@ class NullMetrics:
     def record_policy(
         self, decision: PolicyDecision, load: LoadState | None = None, overhead: float | None = None
     ) -> None:
+        pass
+
+    def record_cost(self, predicted: float, measured: float, correction: float) -> None:
         pass
 
     def record_round(self, drafted: int, accepted: int) -> None:

@@ -81,6 +81,9 @@ class CostTable:
     grid_requests: tuple[int, ...] | None = None
     grid_tokens: tuple[int, ...] | None = None
     grid_steps_per_second: tuple[tuple[float, ...], ...] | None = None
+    # measured over profiled forward time where a forward falls (`scheduler/correction.py`):
+    # the table as the engine sees it now; never saved with it
+    correction: Callable[[float, int | None], float] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.overhead_seconds) and self.overhead_seconds >= 0):
@@ -135,7 +138,13 @@ class CostTable:
         return (1.0 - w) * at(i - 1) + w * at(i)
 
     def sps(self, b: float, requests: int | None = None) -> float:
-        """Steps per second of a forward of b tokens (from `requests` requests, when known)."""
+        """Steps per second of a forward of b tokens (from `requests` requests, when known), as
+        profiled, and corrected by what the engine measures where it has a correction."""
+        profiled = self.profiled_sps(b, requests)
+        return profiled if self.correction is None else profiled / self.correction(b, requests)
+
+    def profiled_sps(self, b: float, requests: int | None = None) -> float:
+        """`sps` as the profile measured it (no online correction)."""
         if requests is not None and requests >= 1 and self.grid_requests is not None:
             return 1.0 / self._grid_seconds(b, requests)
         decode = _interp(

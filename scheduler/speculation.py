@@ -18,6 +18,7 @@ import torch
 from dspark_serve.drafter.base import AcceptedContext, Drafter, DraftProposal, DraftRequest
 from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.correction import CostCorrection
 from dspark_serve.scheduler.gate import DraftGate, GateConfig
 from dspark_serve.scheduler.load import LoadState
 from dspark_serve.scheduler.overhead import StepOverhead
@@ -98,6 +99,7 @@ class Speculation:
         self.max_model_len = max_model_len
         self.cost_table = cost_table
         self.overhead = StepOverhead()
+        self.correction = CostCorrection()  # the table as measured while serving
         self.priced_overhead: float | None = None  # what the last step's lengths were priced with
         self._drafted_last = False
         self._gate: DraftGate | None = None
@@ -267,7 +269,7 @@ class Speculation:
             share, extra = divmod(max(room, 0), len(caps))
             caps = [min(c, share + (i < extra)) for i, c in enumerate(caps)]
         inp = PolicyInput(confidences=[p.confidences for p in proposals], max_lengths=caps)
-        table = self.cost_table or DEFAULT_COST
+        table = replace(self.cost_table or DEFAULT_COST, correction=self.correction.factor)
         overhead = self.overhead.seconds(len(decodes)) if self.cfg.price_overhead else None
         if overhead:
             table = replace(table, overhead_seconds=overhead)
@@ -332,8 +334,11 @@ class Speculation:
         (drafting steps that follow a drafting step: the first after plain ones also absorbs
         the context they kept)."""
         pure = num_decodes > 0 and not has_prefills
+        rows = num_decodes + sum(proposal.lengths)
+        if pure:  # what the profile predicted for this forward, against what it took
+            predicted = 1.0 / (self.cost_table or DEFAULT_COST).profiled_sps(rows, num_decodes)
+            self.correction.record(rows, num_decodes, predicted, forward_seconds)
         if self.gate is not None and pure:
-            rows = num_decodes + sum(proposal.lengths)
             self.gate.record(num_decodes, proposal.drafting, decode_tokens, seconds, rows)
         if pure and proposal.drafting and self._drafted_last:
             self.overhead.record(num_decodes, seconds, forward_seconds)

@@ -58,6 +58,33 @@ class Verification:
     forward_seconds: float = 0.0
 
 
+class ForwardClock:
+    """Times the target forward: the wall clock on a CPU; on CUDA, events recorded around the
+    forward's launches and read once the step's verdict has come back (it waits for the forward
+    anyway), so timing adds no synchronisation of its own."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.t0 = time.perf_counter()
+        self.t1 = self.t0
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            self.end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            self.start.record()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            self.end.synchronize()  # already complete after a verdict; else the step's one wait
+            return float(self.start.elapsed_time(self.end)) / 1e3
+        return self.t1 - self.t0
+
+
 def token_context(r: Request) -> TokenContext | None:
     """What r's penalties, logit bias and grammar read (None when it has none)."""
     ctx = TokenContext(r.prompt_ids, r.output_ids, r.constraint)
@@ -80,13 +107,13 @@ class VerifyStep:
         self._decodes(batch, proposal, segments, checks)
         self._prefills(batch, segments, checks)
         branches = self._fork_branches(batch, proposal, segments, checks)
-        t0 = time.perf_counter()
+        clock = ForwardClock(self.runner.device)
         fwd = self.runner.forward(segments, tap_layers)
-        took = time.perf_counter() - t0
+        clock.stop()
+        result = verify(fwd.logits, checks) if checks else None
+        took = clock.seconds()  # after the verdict's read: the forward has run by then
         self.metrics.record_forward(sum(len(s.token_ids) for s in segments), took)
-        if not checks:
-            return Verification(fwd, None, forward_seconds=took)
-        return Verification(fwd, verify(fwd.logits, checks), branches, forward_seconds=took)
+        return Verification(fwd, result, branches if checks else {}, forward_seconds=took)
 
     def _segment(self, request_id: str, tokens: list[int], start: int, logits_from: int) -> Segment:
         """Reserve the tokens' KV slots, then the segment over the request's block table."""
