@@ -2,6 +2,8 @@
 
 They live in `bench.models`, which the benchmarks (run outside the tests) share."""
 
+import torch
+
 from bench.models import ByteTokenizer, hf_greedy, runner_for, tiny_model  # noqa: F401
 
 
@@ -24,3 +26,15 @@ class FakeDrafterBase:
 
     def free(self, rid):
         pass
+
+
+def dense_attention(q, keys, values, start, scale):
+    """q [n, H, D] at positions start.., keys/values [start + n, Hkv, D]: causal, float64."""
+    n, H, D = q.shape
+    rep = H // keys.shape[1]
+    k = keys.double().repeat_interleave(rep, dim=1)
+    v = values.double().repeat_interleave(rep, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    qpos = torch.arange(start, start + n)[:, None]
+    s = s.masked_fill(torch.arange(k.shape[0])[None, :] > qpos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, -1)

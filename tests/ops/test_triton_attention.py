@@ -12,24 +12,13 @@ import pytest
 import torch
 
 from dspark_serve.ops import triton_attention as ta
+from tests.helpers import dense_attention
 from tests.triton_interpreter import needs_triton
 
 needs_triton()
 
 DEVICE = "cuda" if torch.cuda.is_available() and not ta.interpreted() else "cpu"
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3}
-
-
-def dense(q, keys, values, start, scale):
-    """q [n, H, D] at positions start.., keys/values [start + n, Hkv, D] -> [n, H, D], float64."""
-    n, H, _ = q.shape
-    rep = H // keys.shape[1]
-    k = keys.double().repeat_interleave(rep, dim=1)
-    v = values.double().repeat_interleave(rep, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    qpos = torch.arange(start, start + n)[:, None]
-    s = s.masked_fill(torch.arange(k.shape[0])[None, :] > qpos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
 def random_step(rng, dtype, H, Hkv, D, block_size, qlens):
@@ -96,8 +85,9 @@ def test_kernel_matches_dense_reference(layout, dtype):
     row = 0
     for n, st, (k, v) in zip(qlens, starts, keys):
         if n:
-            want = dense(q[row : row + n], k, v, st, scale)
-            torch.testing.assert_close(out[row : row + n].double(), want, rtol=0, atol=TOLERANCE[dtype])
+            want = dense_attention(q[row : row + n], k, v, st, scale)
+            got = out[row : row + n].reshape(n, -1).double()
+            torch.testing.assert_close(got, want, rtol=0, atol=TOLERANCE[dtype])
         row += n
 
 
@@ -118,8 +108,8 @@ def test_a_broken_mask_is_caught():
     shifted = ta.VarlenSegments(segs.cu_q, segs.starts + 1, segs.table, segs.num_tokens, segs.max_query_len)
     out = torch.empty_like(q).to(DEVICE)
     ta.paged_attention(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), out, shifted, 4, 0.25)
-    want = dense(q, *keys[0], starts[0], 0.25)
-    assert not torch.allclose(out.cpu().double(), want, atol=1e-3)
+    want = dense_attention(q, *keys[0], starts[0], 0.25)
+    assert not torch.allclose(out.cpu().reshape(len(q), -1).double(), want, atol=1e-3)
 
 
 def test_tile_shapes():

@@ -16,7 +16,7 @@ from dspark_serve.scheduler.request import Request
 from dspark_serve.verifier.attention import matmul_attention
 from dspark_serve.verifier.config import ModelConfig
 from dspark_serve.verifier.model_runner import ModelRunner
-from tests.helpers import ByteTokenizer, hf_greedy, tiny_model
+from tests.helpers import ByteTokenizer, dense_attention, hf_greedy, tiny_model
 from tests.kv_tables import Tables
 from tests.triton_interpreter import needs_triton
 
@@ -95,18 +95,6 @@ def test_fast_logits_close_to_reference_with_taps():
         assert a.logits_offsets == b.logits_offsets and a.token_offsets == b.token_offsets
         torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-5, atol=1e-5)
-
-
-def dense_attention(q, keys, values, start, scale):
-    """q [n, H, D] at positions start.., keys/values [start + n, Hkv, D]: causal, float64."""
-    n, H, D = q.shape
-    rep = H // keys.shape[1]
-    k = keys.double().repeat_interleave(rep, dim=1)
-    v = values.double().repeat_interleave(rep, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    qpos = torch.arange(start, start + n)[:, None]
-    s = s.masked_fill(torch.arange(k.shape[0])[None, :] > qpos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, -1)
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["shuffled-pool", "ordered-pool"])
