@@ -89,6 +89,7 @@ def _request(request_id: str, prompt_ids: list[int], params: GenerationParams) -
             stop=params.stop,
             ignore_eos=params.ignore_eos,
             logprobs=params.logprobs,
+            priority=params.priority,
         )
     except (ValueError, TypeError, RuntimeError) as exc:
         msg = str(exc)

@@ -40,6 +40,8 @@ class GenerationParams:
     """None: no logprobs; k >= 0: each token's logprob and its k most likely alternatives."""
     grammar: GrammarSpec | None = None
     """Constrain the output (structured output, required tool calls), or None."""
+    priority: int = 0
+    """Lower is served first where the engine schedules by priority (vLLM's meaning)."""
 
 
 @dataclass(frozen=True)

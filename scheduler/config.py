@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dspark_serve.scheduler.policy import policy_names, policy_usages
@@ -12,6 +13,9 @@ AUTO_POLICY = "auto"
 def policy_choices() -> list[str]:
     """Every valid `verify_policy` spec: auto and each registered policy (with its argument)."""
     return [AUTO_POLICY, *policy_usages()]
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,14 @@ class SchedulerConfig:
     explore_every: int = 8
     """For drafters whose confidences are learned online (n-gram): every n-th decode step of a
     request verifies at least one draft, so a pessimistic estimate can recover."""
+    scheduling_policy: str = "fcfs"
+    """fcfs: requests are admitted in arrival order and the newest is preempted first; priority
+    (vLLM's name and meaning): by the request's `priority`, lower first, ties in arrival order,
+    the lowest preempted first, and a request's expected accepted tokens weigh more in the
+    verification budget the better its priority is than its peers'."""
+    priority_aging_s: float = 10.0
+    """With the priority policy: a waiting request's priority improves by one for every this many
+    seconds it waits, so no request starves."""
 
     def policy_spec(self, drafting: bool) -> str:
         """The policy verify_policy names: auto is dspark when a drafter is on, else none."""
@@ -77,6 +89,12 @@ class SchedulerConfig:
             raise ValueError(f"branch_rows must be >= 0, got {self.branch_rows!r}")
         if self.explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {self.explore_every!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
+            )
+        if not (self.priority_aging_s > 0 and math.isfinite(self.priority_aging_s)):
+            raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s!r}")
         for flag in ("enable_prefix_caching", "price_overhead"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")

@@ -15,6 +15,7 @@ from prometheus_client.metrics_core import Metric
 
 from dspark_serve.scheduler.load import LoadState
 from dspark_serve.scheduler.metrics_sink import EngineMetricsSink, EngineSnapshot, NullMetrics  # noqa: F401
+from dspark_serve.scheduler.nvml import NvmlCollector
 
 if TYPE_CHECKING:
     from dspark_serve.drafter.online_calibration import OnlineCalibrator
@@ -283,6 +284,9 @@ class EngineMetrics:
             if spec.vllm is not None:
                 self.aliases.alias(metric, spec.vllm)
         registry.register(self.aliases)
+        nvml = NvmlCollector.create(model_name)  # GPU utilisation and memory, where NVML answers
+        if nvml is not None:
+            registry.register(nvml)
         for spec in ENGINE_METRICS:
             self._export_zero(spec)
         self._last_prefix = (0, 0, 0)

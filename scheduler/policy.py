@@ -211,11 +211,15 @@ class PolicyInput:
         capped by remaining max_tokens and context room).
     fallback_confidence: c_k assumed for requests without confidences (e.g. the drafter's
         running acceptance rate); it must not depend on this step's drafts.
+    weights: per request, how much one of its expected accepted tokens counts in the budget
+        choice (scheduling by priority: the best priority in the step 1, each level worse half);
+        None = all 1. Fixed before drafting, so the lengths stay causal.
     """
 
     confidences: Sequence[Confidences]
     max_lengths: Sequence[int]
     fallback_confidence: float = 0.5
+    weights: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         if len(self.confidences) != len(self.max_lengths):
@@ -227,6 +231,10 @@ class PolicyInput:
             raise ValueError(f"max_lengths must be >= 0, got {bad!r}")
         if not (0.0 <= self.fallback_confidence <= 1.0):
             raise ValueError(f"fallback_confidence must be in [0, 1], got {self.fallback_confidence!r}")
+        if self.weights is not None and (
+            len(self.weights) != len(self.max_lengths) or any(not w > 0 for w in self.weights)
+        ):
+            raise ValueError(f"weights must be one positive number per request, got {self.weights!r}")
 
     def survival_curves(self) -> list[list[float]]:
         """a_{r,j} = prod_{i<=j} c_{r,i} for j = 1..max_lengths[r], per request."""
@@ -366,12 +374,14 @@ class DSparkPolicy:
         r_count = len(curves)
         if r_count == 0:
             return PolicyDecision(lengths=[], expected_tokens=0.0)
-        # Ties: lower position first, so every request is admitted as a prefix.
+        w = list(inp.weights) if inp.weights is not None else [1.0] * r_count
+        # Admitted by weighted survival w_r * a_{r,j} (w_r fixed before drafting: still a
+        # prefix per request, still causal). Ties: lower position first.
         order = sorted(
-            (-a, j, r) for r, curve in enumerate(curves) for j, a in enumerate(curve, start=1) if a > 0
+            (-w[r] * a, j, r) for r, curve in enumerate(curves) for j, a in enumerate(curve, start=1) if a > 0
         )
         batch = r_count + load.prefill_tokens
-        tau = float(r_count)
+        tau = float(sum(w))
         # R decoding requests; drafts and prefill tokens are priced as extra tokens on top.
         best_theta, best_n = tau * table.step_rate(batch, r_count), 0
         for n, (neg_a, _, _) in enumerate(order, start=1):

@@ -49,6 +49,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     logprobs: int | None = None  # None: none; k: each token's logprob and its top k alternatives
     constraint: TokenConstraint | None = None  # grammar state; advanced as tokens are committed
+    priority: int = 0  # lower is served first (scheduling_policy "priority"; ignored by fcfs)
 
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)

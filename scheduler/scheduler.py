@@ -8,10 +8,16 @@ resume later by recomputing its prompt and the tokens it already generated (its 
 unchanged). A waiting request is admitted when the rest of its prompt fits the free blocks
 after its cached prefix (prefix caching: those blocks are shared, not recomputed). Prompts
 prefill in chunks under the per-step token budget, next to the running decodes.
+
+With scheduling_policy "priority" (vLLM's), "oldest" and "most recent" read "best priority" and
+"worst priority": the running requests are served in (priority, arrival) order, the last of
+them is preempted first, and the waiting request admitted next has the lowest priority, aged by
+its wait so nothing starves.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +71,19 @@ class Scheduler:
         self.num_preemptions = 0
 
     @property
+    def by_priority(self) -> bool:
+        return self.cfg.scheduling_policy == "priority"
+
+    def next_waiting(self) -> Request:
+        """The request admitted next: the queue's head (fcfs: arrival order, preempted requests
+        first), or by priority: the lowest priority less one for every `priority_aging_s`
+        seconds since arrival (nothing starves), ties by arrival."""
+        if not self.by_priority:
+            return self.waiting[0]
+        now, aging = time.monotonic(), self.cfg.priority_aging_s
+        return min(self.waiting, key=lambda r: (r.priority - (now - r.arrival_time) / aging, r.arrival_time))
+
+    @property
     def reserved_blocks(self) -> int:
         """KV blocks requests hold now (cached blocks nobody holds count as free)."""
         return self.blocks.num_blocks - self.blocks.num_free_blocks
@@ -104,6 +123,8 @@ class Scheduler:
         `lookahead(r)`: the most drafts decode `r` may verify this step (its KV is ensured)."""
         bm = self.blocks
         batch = ScheduledBatch()
+        if self.by_priority:  # the best served first, the worst the one preempted (the last)
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         pending = 0  # blocks this step's appends will take from the pool
         debt = 0  # blocks the scheduled prompts still need after this step's chunks
         n_dec = sum(1 for r in self.running if r.status is Status.DECODE)
@@ -151,7 +172,7 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int, pending: int, debt: int) -> None:
         bm = self.blocks
         while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
-            r = self.waiting[0]
+            r = self.next_waiting()
             ids = r.prefill_ids
             hit = bm.match_prefix(ids, len(ids) - 1)  # the last token is computed for logits
             # The rest of its prompt must fit what is free, after what the running prompts
@@ -159,7 +180,7 @@ class Scheduler:
             need = bm.blocks_needed(len(ids)) - len(hit) + bm.free_blocks_taken_by(hit)
             if need > bm.num_free_blocks - pending - debt:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(r)
             cached = bm.allocate_prefix(r.request_id, ids, len(ids) - 1)
             r.num_computed = cached
             r.status = Status.PREFILL

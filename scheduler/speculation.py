@@ -268,7 +268,9 @@ class Speculation:
         if sum(caps) > room:
             share, extra = divmod(max(room, 0), len(caps))
             caps = [min(c, share + (i < extra)) for i, c in enumerate(caps)]
-        inp = PolicyInput(confidences=[p.confidences for p in proposals], max_lengths=caps)
+        inp = PolicyInput(
+            confidences=[p.confidences for p in proposals], max_lengths=caps, weights=self._weights(decodes)
+        )
         table = replace(self.cost_table or DEFAULT_COST, correction=self.correction.factor)
         overhead = self.overhead.seconds(len(decodes)) if self.cfg.price_overhead else None
         if overhead:
@@ -286,6 +288,14 @@ class Speculation:
                 if caps[i] > 0 and r.spec.steps % self.cfg.explore_every == 0:
                     lengths[i] = max(lengths[i], 1)
         return lengths, decision
+
+    def _weights(self, decodes: list[Request]) -> list[float] | None:
+        """Scheduling by priority: each request's weight in the budget choice, 1 for the best
+        priority in the step and half for each level worse (at most 8 levels down)."""
+        if self.cfg.scheduling_policy != "priority" or not decodes:
+            return None
+        best = min(r.priority for r in decodes)
+        return [0.5 ** min(r.priority - best, 8) for r in decodes]
 
     # -- after verification ----------------------------------------------------------------------
     def settle(

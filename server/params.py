@@ -180,6 +180,7 @@ def generation_params(
         logit_bias=tuple(sorted((int(k), float(v)) for k, v in (req.logit_bias or {}).items())),
         logprobs=logprobs_of(req),
         grammar=grammar_of(req, tools, setup),
+        priority=req.priority,
     )
 
 

@@ -184,6 +184,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[TokenIdKey, Bias] | None = None
     response_format: ResponseFormat | None = None
     ignore_eos: bool = False
+    priority: Int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     user: str | None = None
     dspark: DsparkOptions | None = None
 

@@ -242,3 +242,42 @@ def test_each_row_of_the_table_is_a_typed_attribute():
     hints = {n: t for n, t in EngineMetrics.__annotations__.items()}
     assert {s.attr: s.kind.__name__ for s in ENGINE_METRICS} == hints
     assert len({s.name for s in ENGINE_METRICS}) == len(ENGINE_METRICS)
+
+
+def test_gpu_load_is_exported_where_nvml_answers(monkeypatch):
+    """A fake pynvml with two GPUs: utilisation and memory per GPU at scrape time; where NVML
+    does not answer (no module here, or an init that fails) nothing is registered."""
+    import sys
+    import types
+
+    class Rates:
+        def __init__(self, gpu):
+            self.gpu = gpu
+
+    class Mem:
+        def __init__(self, used):
+            self.used = used
+
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetUtilizationRates=lambda h: Rates([37, 91][h]),
+        nvmlDeviceGetMemoryInfo=lambda h: Mem([2**30, 3 * 2**30][h]),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", types.ModuleType("pynvml"))
+    for k, v in vars(fake).items():
+        setattr(sys.modules["pynvml"], k, v)
+    reg = CollectorRegistry()
+    EngineMetrics(reg, "tiny")
+    got = samples(reg)
+    assert got[("dspark:gpu_utilization_perc", (("gpu", "1"), ("model_name", "tiny")))] == 91
+    assert got[("dspark:gpu_memory_used_bytes", (("gpu", "0"), ("model_name", "tiny")))] == 2**30
+
+    def fail():
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    sys.modules["pynvml"].nvmlInit = fail
+    reg = CollectorRegistry()
+    EngineMetrics(reg, "tiny")
+    assert not any(name.startswith("dspark:gpu_") for name, _ in samples(reg))
