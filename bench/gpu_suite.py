@@ -97,6 +97,11 @@ class SuiteConfig:
     rounds: interleaved rounds per decode-stage figure (its median is reported).
     hbm_tb_s: the device's memory bandwidth for the roofline share (0 = by its name).
     commit: the commit measured (written into the JSON).
+    drafter_in_loop: every speculative step also runs the shape's DSpark drafter's forward on as
+        many requests (its tokens unused, replayed ones verified), so its cost is in the figures.
+    replay_rates / replay_noise / replay_scale: the sweep's replay drafter draws each request's
+        acceptance from replay_rates (empty: accept_rate for all) and reports confidences with
+        this logit noise and scale (bench/replay.py).
     threads: torch CPU threads (0 = torch's default); tiny mode uses 1, which on a shared CPU
         avoids oversubscription that slows tiny ops by orders of magnitude.
     seed: prompts, weights and the replay corruption.
@@ -130,6 +135,10 @@ class SuiteConfig:
     rounds: int = 3
     hbm_tb_s: float = 0.0
     commit: str = "unknown"
+    drafter_in_loop: bool = True
+    replay_rates: tuple[float, ...] = ()
+    replay_noise: float = 0.0
+    replay_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):
@@ -186,6 +195,9 @@ class SuiteConfig:
             shapes=("qwen3-0.6b-like", "qwen3-4b-like"),
             concurrency=(1, 8, 32, 128, 256),
             budget_s=360.0,
+            replay_rates=(0.5, 0.8, 0.95),
+            replay_noise=0.5,
+            replay_scale=0.7,
         )
         base.update(kw)
         return cls(**base)
@@ -378,6 +390,8 @@ class Suite:
         policies = ("none", f"static:{c.block_size}")
         engines = {}
         res.update(shape=shape.name, prompt_len=prompt_len, tokens=c.decode_tokens, rounds=c.rounds)
+        load = self.drafter_load(target, shape)
+        res["drafter_in_loop"] = load is not None
         for mode in self.modes:
             replay = build_drafter(
                 "replay",
@@ -386,6 +400,7 @@ class Suite:
                 block_size=c.block_size,
                 accept_rate=c.accept_rate,
                 seed=c.seed,
+                load=load,
             )
             sched = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=c.max_num_batched_tokens)
             runner = mode_runner(target, mode, blocks, c.kv_block_size, max_len)
@@ -463,6 +478,27 @@ class Suite:
         if self.dev.type == "cuda":
             torch.cuda.empty_cache()
         return all(r["static_equals_plain"] for r in rows.values())
+
+    def drafter_load(self, target, shape: TargetShape, dspark=None, requests: int = 1):
+        """With drafter_in_loop: a callable that runs the shape's DSpark drafter's proposal for n
+        (at most `requests`) requests whose contexts it holds, else None."""
+        c = self.cfg
+        if not c.drafter_in_loop:
+            return None
+        dr = dspark or random_dspark(target, shape, block_size=c.block_size, seed=c.seed)
+        width = len(dr.tap_layers) * shape.hidden_size
+        prompts = self.prompts(shape, requests, salt=700)
+        ids = [f"loop{i}" for i in range(requests)]
+        ctx = [
+            AcceptedContext(rid, p, 0, torch.randn(len(p), width, device=self.dev, dtype=c.torch_dtype))
+            for rid, p in zip(ids, prompts)
+        ]
+        dr.observe(ctx)
+        greedy = SamplingParams(temperature=0.0)
+        views = [
+            DraftRequest(rid, p + [p[-1]], len(p), greedy, None, c.block_size) for rid, p in zip(ids, prompts)
+        ]
+        return lambda n: dr.propose(views[: max(1, min(n, len(views)))])
 
     def step_counts(self, eng: Engine, prompt: list[int], steps: int = 8) -> dict:
         """Host synchronisations (torch.cuda.set_sync_debug_mode) and kernel launches (the
@@ -598,6 +634,7 @@ class Suite:
     def sweep(self, res: dict) -> bool:
         c = self.cfg
         res.update(rows=[], cut=[], policies=list(c.policies), accept_rate=c.accept_rate)
+        res.update(replay_rates=list(c.replay_rates), drafter_in_loop=c.drafter_in_loop)
         complete = True
         for mi, m in enumerate(self.models):
             if m.table is None:
@@ -610,6 +647,10 @@ class Suite:
                 block_size=c.block_size,
                 accept_rate=c.accept_rate,
                 seed=c.seed,
+                rates=c.replay_rates,
+                confidence_noise=c.replay_noise,
+                confidence_scale=c.replay_scale,
+                load=self.drafter_load(m.target, m.shape, m.dspark, max(c.concurrency)),
             )
             eng = self.engine(m, replay)
             warm = self.prompts(m.shape, 2, salt=99)

@@ -5,11 +5,19 @@ confidence = accept_rate at every position. Under greedy verification a replayed
 accepted exactly when it was not corrupted, so the realised per-position acceptance is the
 configured rate and the confidences are calibrated: the load-aware policy sees the truth.
 
+Closer to a real drafter (`rates`, `confidence_noise`, `confidence_scale`): each request draws
+its own acceptance from `rates` when it is first seen, and reports confidences that are noisy
+(Gaussian noise on the logit) and miscalibrated (the logit scaled), so choosing lengths per
+request is exercised. `load(n)`, when given, runs at every proposal of n requests: the suite puts
+a real drafter's forward there, so its cost is in every speculative figure.
+
 Registered as drafter "replay" (`build_drafter("replay", references=..., vocab_size=...)`).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -57,7 +65,18 @@ class ReplayDrafter:
         block_size: int = 7,
         accept_rate: float = 0.8,
         seed: int = 0,
+        rates: Sequence[float] = (),
+        confidence_noise: float = 0.0,
+        confidence_scale: float = 1.0,
+        load: Callable[[int], object] | None = None,
     ) -> None:
+        if any(not 0.0 < r < 1.0 for r in rates) or confidence_noise < 0 or confidence_scale <= 0:
+            raise ValueError(
+                f"rates must lie in (0, 1), confidence_noise >= 0 and confidence_scale > 0, got "
+                f"{rates!r}, {confidence_noise!r}, {confidence_scale!r}"
+            )
+        self.rates, self.noise, self.scale, self.load = tuple(rates), confidence_noise, confidence_scale, load
+        self._rate: dict[str, float] = {}
         if not (0.0 <= accept_rate <= 1.0):
             raise ValueError(f"accept_rate must be in [0, 1], got {accept_rate!r}")
         if block_size <= 0:
@@ -87,15 +106,37 @@ class ReplayDrafter:
                     self.stats.diverged.add(r.request_id)
                 self._checked[r.request_id] = done
             truths.append(ref[done : done + min(self.block_size, r.max_draft)])
+        if self.load is not None:
+            self.load(len(requests))
         # One draw for the whole batch: the drafter's own cost stays small next to the step.
-        keep = (torch.rand(sum(map(len, truths)), generator=self.rng) < self.accept_rate).tolist()
-        conf = torch.full((self.block_size,), self.accept_rate)
+        u = torch.rand(sum(map(len, truths)), generator=self.rng).tolist()
         out, i = [], 0
-        for truth in truths:
-            toks = [t if k else (t + 1) % self.vocab_size for t, k in zip(truth, keep[i : i + len(truth)])]
+        for r, truth in zip(requests, truths):
+            rate = self.rate_of(r.request_id)
+            toks = [
+                t if x < rate else (t + 1) % self.vocab_size for t, x in zip(truth, u[i : i + len(truth)])
+            ]
             i += len(truth)
-            out.append(DraftProposal(torch.tensor(toks, dtype=torch.long), None, conf[: len(toks)]))
+            out.append(
+                DraftProposal(torch.tensor(toks, dtype=torch.long), None, self._confidences(rate, len(toks)))
+            )
         return out
+
+    def rate_of(self, request_id: str) -> float:
+        """The request's acceptance: drawn from `rates` when first seen, else accept_rate."""
+        if not self.rates:
+            return self.accept_rate
+        if request_id not in self._rate:
+            pick = int(torch.randint(len(self.rates), (1,), generator=self.rng))
+            self._rate[request_id] = self.rates[pick]
+        return self._rate[request_id]
+
+    def _confidences(self, rate: float, n: int) -> torch.Tensor:
+        if self.noise == 0 and self.scale == 1.0:
+            return torch.full((n,), rate)
+        logit = math.log(rate / (1.0 - rate)) * self.scale
+        z = logit + self.noise * torch.randn(n, generator=self.rng)
+        return torch.sigmoid(z).clamp(0.01, 0.99)
 
     def observe(self, contexts: list[AcceptedContext]) -> None:
         for c in contexts:  # the engine must feed every kept token once, in order
@@ -119,6 +160,7 @@ class ReplayDrafter:
     def free(self, request_id: str) -> None:
         self._observed.pop(request_id, None)
         self._checked.pop(request_id, None)
+        self._rate.pop(request_id, None)
 
 
 @register_drafter("replay")
@@ -128,6 +170,12 @@ def build_replay(
     block_size: int = 7,
     accept_rate: float = 0.8,
     seed: int = 0,
+    rates: Sequence[float] = (),
+    confidence_noise: float = 0.0,
+    confidence_scale: float = 1.0,
+    load: Callable[[int], object] | None = None,
 ) -> ReplayDrafter:
     """The replay drafter (see the module docstring)."""
-    return ReplayDrafter(references, vocab_size, block_size, accept_rate, seed)
+    return ReplayDrafter(
+        references, vocab_size, block_size, accept_rate, seed, rates, confidence_noise, confidence_scale, load
+    )

@@ -209,10 +209,12 @@ class TritonElementwise:
         if not (cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError("rope_store needs contiguous cos and sin")
         if T:
-            _kernels().rope_store_kernel[(T, self.H + self.Hkv)](
-                q, k, v, cos, sin, slots, k_cache, v_cache, self.H,
+            _kernels().rope_store_kernel[(T,)](
+                q, k, v, cos, sin, slots, k_cache, v_cache,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                k_cache.stride(0), k_cache.stride(1), HEAD_DIM=self.D,
+                k_cache.stride(0), k_cache.stride(1),
+                NUM_HEADS=self.H, NUM_KV_HEADS=self.Hkv, HEADS_P=triton_next_pow2(self.H),
+                KV_HEADS_P=triton_next_pow2(self.Hkv), HEAD_DIM=self.D,
             )  # fmt: skip
 
 

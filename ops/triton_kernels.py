@@ -170,44 +170,29 @@ def silu_mul_kernel(gu_ptr, out_ptr, n, stride_gu, stride_out, BLOCK: tl.constex
 
 @triton.jit
 def rope_store_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    cos_ptr,
-    sin_ptr,
-    slots_ptr,
-    kc_ptr,
-    vc_ptr,
-    num_heads,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ch,
-    stride_cs,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, kc_ptr, vc_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ch, stride_cs,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_P: tl.constexpr, KV_HEADS_P: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-):
-    """One head of one token: rotary on q (in place), or on k with k and v written to the
+):  # fmt: skip
+    """One token, all its heads: rotary on q (in place), and on k with k and v written to the
     token's cache slot. x * cos + roll(x, D / 2) * sin, rotate_half's sign folded into sin."""
     t = tl.program_id(0)
-    hh = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
     r = (d + HEAD_DIM // 2) % HEAD_DIM
-    cos = tl.load(cos_ptr + t * HEAD_DIM + d).to(tl.float32)
-    sin = tl.load(sin_ptr + t * HEAD_DIM + d).to(tl.float32)
-    if hh < num_heads:
-        row = q_ptr + t * stride_qt + hh * stride_qh
-        x = tl.load(row + d).to(tl.float32)
-        xr = tl.load(row + r).to(tl.float32)
-        tl.store(row + d, (x * cos + xr * sin).to(q_ptr.dtype.element_ty))
-    else:
-        kh = hh - num_heads
-        row = k_ptr + t * stride_kt + kh * stride_kh
-        x = tl.load(row + d).to(tl.float32)
-        xr = tl.load(row + r).to(tl.float32)
-        slot = tl.load(slots_ptr + t)
-        at = kh * stride_ch + slot * stride_cs + d
-        tl.store(kc_ptr + at, (x * cos + xr * sin).to(kc_ptr.dtype.element_ty))
-        tl.store(vc_ptr + at, tl.load(v_ptr + t * stride_vt + kh * stride_vh + d))
+    cos = tl.load(cos_ptr + t * HEAD_DIM + d).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + t * HEAD_DIM + d).to(tl.float32)[None, :]
+    h = tl.arange(0, HEADS_P)[:, None]
+    hm = h < NUM_HEADS
+    row = q_ptr + t * stride_qt + h * stride_qh
+    x = tl.load(row + d[None, :], mask=hm, other=0.0).to(tl.float32)
+    xr = tl.load(row + r[None, :], mask=hm, other=0.0).to(tl.float32)
+    tl.store(row + d[None, :], (x * cos + xr * sin).to(q_ptr.dtype.element_ty), mask=hm)
+    kh = tl.arange(0, KV_HEADS_P)[:, None]
+    km = kh < NUM_KV_HEADS
+    row = k_ptr + t * stride_kt + kh * stride_kh
+    x = tl.load(row + d[None, :], mask=km, other=0.0).to(tl.float32)
+    xr = tl.load(row + r[None, :], mask=km, other=0.0).to(tl.float32)
+    at = kh * stride_ch + tl.load(slots_ptr + t) * stride_cs + d[None, :]
+    tl.store(kc_ptr + at, (x * cos + xr * sin).to(kc_ptr.dtype.element_ty), mask=km)
+    tl.store(vc_ptr + at, tl.load(v_ptr + t * stride_vt + kh * stride_vh + d[None, :], mask=km), mask=km)

@@ -76,3 +76,33 @@ def test_bad_arguments_are_rejected(kw, match):
     args.update(kw)
     with pytest.raises(ValueError, match=match):
         ReplayDrafter(**args)
+
+
+def test_per_request_rates_noisy_confidences_and_the_drafter_in_the_loop():
+    """Each request keeps the rate it drew from `rates` (its kept share follows it); its
+    confidences scatter around a miscalibrated centre; `load` runs once a proposal."""
+    calls = []
+    dr = ReplayDrafter(
+        {tuple(PROMPT): REF}, vocab_size=100, rates=(0.5, 0.95), confidence_noise=0.5,
+        confidence_scale=0.5, seed=3, load=calls.append,
+    )  # fmt: skip
+    rids = [f"r{i}" for i in range(12)]
+    kept = {r: 0 for r in rids}
+    confs = {r: [] for r in rids}
+    for _ in range(150):
+        for rid, p in zip(rids, dr.propose([view(rid, REF[:1]) for rid in rids])):
+            kept[rid] += int((p.tokens == torch.tensor(REF[1:8])).sum())
+            confs[rid] += p.confidences.tolist()
+    assert calls == [12] * 150
+    drawn = {rid: dr.rate_of(rid) for rid in rids}
+    assert set(drawn.values()) == {0.5, 0.95}
+    for rid in rids:
+        assert abs(kept[rid] / (150 * 7) - drawn[rid]) < 0.06
+        c = torch.tensor(confs[rid])
+        assert c.std() > 0.02  # noisy
+        centre = torch.sigmoid(torch.logit(torch.tensor(drawn[rid])) * 0.5)
+        assert abs(float(c.median()) - float(centre)) < 0.08  # miscalibrated towards 0.5
+    dr.free("r0")
+    assert "r0" not in dr._rate
+    with pytest.raises(ValueError, match="rates"):
+        ReplayDrafter({}, vocab_size=10, rates=(1.0,))
