@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -97,6 +98,8 @@ class SuiteConfig:
     rounds: interleaved rounds per decode-stage figure (its median is reported).
     hbm_tb_s: the device's memory bandwidth for the roofline share (0 = by its name).
     commit: the commit measured (written into the JSON).
+    check_tokens: tokens per request in the forward-mode checks (tiny mode: fewer, since the
+        Triton modes run under the interpreter on a CPU).
     drafter_in_loop: every speculative step also runs the shape's DSpark drafter's forward on as
         many requests (its tokens unused, replayed ones verified), so its cost is in the figures.
     replay_rates / replay_noise / replay_scale: the sweep's replay drafter draws each request's
@@ -136,6 +139,7 @@ class SuiteConfig:
     hbm_tb_s: float = 0.0
     commit: str = "unknown"
     drafter_in_loop: bool = True
+    check_tokens: int = 20
     replay_rates: tuple[float, ...] = ()
     replay_noise: float = 0.0
     replay_scale: float = 1.0
@@ -224,8 +228,9 @@ class SuiteConfig:
             reserve_s=5.0,
             threads=1,
             decode_shapes=("tiny-a",),
-            decode_tokens=12,
-            long_prompt_len=40,
+            decode_tokens=8,
+            long_prompt_len=24,
+            check_tokens=8,
         )
         base.update(kw)
         return cls(**base)
@@ -332,7 +337,7 @@ class Suite:
 
         ok = True
         for fn in (
-            check_forward_modes,
+            functools.partial(check_forward_modes, n=self.cfg.check_tokens, num_prompts=4),
             check_greedy_equality,
             check_rejection_statistics,
             check_paged_kv_rollback,
@@ -347,7 +352,7 @@ class Suite:
                     res["modes_used"] = [m.name for m in self.modes]
                     print(f"  forward modes used: {res['modes_used']}", flush=True)
             except Exception as exc:
-                res[fn.__name__.removeprefix("check_")] = {
+                res[getattr(fn, "func", fn).__name__.removeprefix("check_")] = {
                     "passed": False,
                     "error": f"{type(exc).__name__}: {exc}",
                     "traceback": traceback.format_exc()[-3000:],

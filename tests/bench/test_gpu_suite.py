@@ -116,7 +116,7 @@ def test_the_forward_modes_are_checked_then_measured_interleaved(tiny_run):
             assert len(row["plain_rounds"]) == 3 and row["plain_tok_s"] > 0
             assert row["static_equals_plain"] and row["plain_agrees_with_first_mode"] == 1.0
             assert row["static_over_plain"] > 1.0 and abs(row["realised_accept_rate"] - 0.8) < 0.2
-    assert report["stages"]["long prompt tiny-a"]["result"]["prompt_len"] == 40
+    assert report["stages"]["long prompt tiny-a"]["result"]["prompt_len"] == 24
 
 
 def test_models_and_cost_tables_are_sane(tiny_run):
