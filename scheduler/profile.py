@@ -54,6 +54,23 @@ GRID_REQUESTS = (1, 2, 4, 8, 16, 32)
 GRID_TOKENS = (1, 2, 4, 8)
 # Requests a decode-shaped profile forward spreads its tokens over (at most).
 PROFILE_REQUESTS = 32
+# On an accelerator the grid goes on to the largest batch the KV cache admits (up to this), so
+# the table is measured, not extrapolated, where a GPU serves: a step of 256 requests costs
+# far less than 8 steps of 32 there.
+MAX_PROFILE_REQUESTS = 256
+
+
+def profile_requests(runner: ModelRunner, context_lens: tuple[int, ...] = CONTEXT_LENS) -> int:
+    """Requests the profile spreads its forwards over: PROFILE_REQUESTS on a CPU; on CUDA the
+    largest power of two up to MAX_PROFILE_REQUESTS whose contexts and grid tokens fit the KV
+    cache (at least PROFILE_REQUESTS)."""
+    if runner.device.type != "cuda":
+        return PROFILE_REQUESTS
+    usable = runner.kv.num_blocks * runner.kv.block_size
+    n = PROFILE_REQUESTS
+    while 2 * n <= MAX_PROFILE_REQUESTS and 2 * n * (max(context_lens) + max(GRID_TOKENS) + 1) <= usable:
+        n *= 2
+    return n
 
 
 def _sync(device: torch.device) -> None:
@@ -103,15 +120,17 @@ def measured_contexts(
     context_lens: tuple[int, ...] = CONTEXT_LENS,
     batch_sizes: tuple[int, ...] = BATCH_SIZES,
     block_sizes: tuple[int, ...] = BLOCK_SIZES,
+    nreq: int = PROFILE_REQUESTS,
 ) -> tuple[list[int], list[int]]:
     """The context lengths `measure` times decode-shaped and block-shaped forwards at, with this
-    runner's KV pool: a pool too small for 32 requests of a context shrinks it (to 1 at worst,
-    a table that prices every step as if its context were empty)."""
+    runner's KV pool: a pool too small for `nreq` requests of a context shrinks it (to 1 at
+    worst, a table that prices every step as if its context were empty)."""
     usable = runner.kv.num_blocks * runner.kv.block_size
-    nreq = PROFILE_REQUESTS
+    # tokens a request may carry on top of its context (beyond 32 requests: the most a decode
+    # or grid shape gives one request, not the whole batch)
+    extra = max(batch_sizes) if nreq <= PROFILE_REQUESTS else max(-(-max(batch_sizes) // nreq), *GRID_TOKENS)
     decode = [
-        ctx if nreq * (ctx + max(batch_sizes)) <= usable else max(1, usable // nreq - max(batch_sizes))
-        for ctx in context_lens
+        ctx if nreq * (ctx + extra) <= usable else max(1, usable // nreq - extra) for ctx in context_lens
     ]
     block = [min(ctx, max(1, usable - max(block_sizes))) for ctx in context_lens]
     return decode, block
@@ -123,8 +142,9 @@ def measure(
     context_lens: tuple[int, ...] = CONTEXT_LENS,
     repeats: int = 4,
     block_sizes: tuple[int, ...] = BLOCK_SIZES,
-    grid_requests: tuple[int, ...] = GRID_REQUESTS,
+    grid_requests: tuple[int, ...] | None = None,
     grid_tokens: tuple[int, ...] = GRID_TOKENS,
+    nreq: int | None = None,
 ) -> dict[str, Any]:
     """Time decode-shaped forwards of B tokens spread over up to 32 requests of a given context
     length, grid-shaped ones (R of those requests carrying t tokens each) and block-shaped ones
@@ -133,13 +153,16 @@ def measure(
     "grid_tokens", "grid_steps_per_second", "by_context", "block_by_context"}."""
     # the engine is not built yet (or is idle): a scratch allocator over the whole cache
     blocks = BlockManager(runner.kv.num_blocks, runner.kv.block_size)
-    decode_ctxs, block_ctxs = measured_contexts(runner, context_lens, batch_sizes, block_sizes)
-    requests = tuple(R for R in grid_requests if R <= PROFILE_REQUESTS)
+    nreq = nreq or profile_requests(runner, context_lens)
+    if grid_requests is None:  # powers of two up to the requests measured
+        grid_requests = tuple(1 << i for i in range(nreq.bit_length()) if 1 << i <= nreq)
+    decode_ctxs, block_ctxs = measured_contexts(runner, context_lens, batch_sizes, block_sizes, nreq)
+    requests = tuple(R for R in grid_requests if R <= nreq)
     grid = [(R, t) for R in requests for t in grid_tokens]
     by_ctx: dict[int, list[float]] = {}
     grid_by_ctx: dict[int, list[float]] = {}
     for ctx in decode_ctxs:
-        timed = _time_decodes(runner, blocks, ctx, batch_sizes, grid, repeats)
+        timed = _time_decodes(runner, blocks, ctx, batch_sizes, grid, repeats, nreq)
         by_ctx[ctx] = timed[: len(batch_sizes)]
         grid_by_ctx[ctx] = timed[len(batch_sizes) :]
     by_ctx_block = {ctx: _time_blocks(runner, blocks, ctx, block_sizes, repeats) for ctx in block_ctxs}
@@ -161,10 +184,11 @@ def _time_decodes(
     batch_sizes: tuple[int, ...],
     grid: list[tuple[int, int]],
     repeats: int,
+    nreq: int = PROFILE_REQUESTS,
 ) -> list[float]:
-    """Steps per second at context `ctx` of each decode shape (B tokens over up to
-    PROFILE_REQUESTS requests), then of each grid shape (R requests carrying t tokens each)."""
-    ids = [f"__profile{i}" for i in range(PROFILE_REQUESTS)]
+    """Steps per second at context `ctx` of each decode shape (B tokens over up to `nreq`
+    requests), then of each grid shape (R requests carrying t tokens each)."""
+    ids = [f"__profile{i}" for i in range(nreq)]
     for rid in ids:
         blocks.append(rid, ctx)
     shapes: list[Shape] = [functools.partial(_decode_shape, blocks, ids, ctx, B) for B in batch_sizes]
@@ -298,7 +322,11 @@ def load_or_profile(
         # The forward's kernels change the costs: a table measured with others is not reused.
         # and so do the contexts it can be measured at: a runner with a small KV pool (a test's)
         # must not hand its table to a server's
-        signature = f"{model_name}|{runner.cost_signature()}|contexts {measured_contexts(runner)}"
+        nreq = profile_requests(runner)
+        contexts = measured_contexts(runner, nreq=nreq)
+        signature = f"{model_name}|{runner.cost_signature()}|contexts {contexts}" + (
+            f"|requests {nreq}" if nreq != PROFILE_REQUESTS else ""
+        )
         key = cache_key(signature, runner.config, runner.device, runner.dtype)
         path = Path(cache_dir) / "cost-tables" / f"{model_name}-{runner.device.type}-{key}.json"
         raw = None if reprofile else read_cached(path)

@@ -237,3 +237,27 @@ def test_a_table_measured_with_a_small_kv_pool_is_not_reused_by_a_larger_one(tmp
     assert profile.load_or_profile(small, "tiny", tmp_path)[2].startswith("measured")
     assert profile.load_or_profile(large, "tiny", tmp_path)[2].startswith("measured") and len(calls) == 2
     assert profile.load_or_profile(large, "tiny", tmp_path)[2].startswith("cached") and len(calls) == 2
+
+
+def test_the_grid_goes_to_the_largest_batch_the_kv_cache_admits_on_an_accelerator():
+    """On CUDA the profile measures up to 256 requests where the KV cache holds them (a CPU keeps
+    32); measured at 64 requests here (forced), a 64-request step is priced from the grid, not
+    scaled up from 32."""
+    from types import SimpleNamespace
+
+    def fake(device: str, slots: int):
+        return SimpleNamespace(
+            device=torch.device(device), kv=SimpleNamespace(num_blocks=slots // 16, block_size=16)
+        )
+
+    assert profile.profile_requests(fake("cpu", 10**7)) == 32
+    assert profile.profile_requests(fake("cuda", 10**7)) == 256
+    assert profile.profile_requests(fake("cuda", 100 * (512 + 9))) == 64  # 128 would not fit
+    assert profile.profile_requests(fake("cuda", 1000)) == 32  # never below the CPU's
+    runner = runner_for(tiny_model("llama"), num_blocks=1024, block_size=16)
+    raw = profile.measure(runner, batch_sizes=(1, 4, 16, 64), context_lens=(16,), repeats=1, nreq=64)
+    table = CostTable.from_dict(raw)
+    assert table.grid_requests == (1, 2, 4, 8, 16, 32, 64)
+    grid = table.grid_steps_per_second or ()
+    assert math.isclose(table.sps(64, requests=64), grid[-1][0])  # a grid point
+    assert math.isclose(table.sps(128, requests=64), grid[-1][1])  # 64 requests x 2 tokens
