@@ -21,9 +21,12 @@ so a run cut short still reports:
                   modes interleaved over 3 rounds (medians); the share of the memory-bandwidth
                   roofline, greedy equality, host syncs and launches per step on CUDA
   3. long prompt  the same on the first shape with a long prompt
-  4. build, profile, sweep, timings, plots: the cost table, the load sweep (plain, static:7,
-                  dspark at each concurrency), the drafter's and the engine's timings, one step
-                  under torch.profiler, and the two PNGs, on the fastest mode that passed
+  4. build, profile, sweep, competing load, timings, plots: the cost table, the load sweep
+                  (plain, static:7, dspark at each concurrency; the replay drafter with
+                  per-request acceptance and noisy confidences, the DSpark drafter's forward in
+                  the loop), the budget while another process loads the device, the drafter's
+                  and the engine's timings, one step under torch.profiler, and the two PNGs, on
+                  the fastest mode that passed
 
 A global time budget (--budget-s) cuts later stages and sweep points short instead of running over.
 """
@@ -100,6 +103,8 @@ class SuiteConfig:
     commit: the commit measured (written into the JSON).
     check_tokens: tokens per request in the forward-mode checks (tiny mode: fewer, since the
         Triton modes run under the interpreter on a CPU).
+    contention_s / contention_concurrency: the competing-load stage's phase length (before,
+        during and after another process loads the device) and its requests in flight.
     drafter_in_loop: every speculative step also runs the shape's DSpark drafter's forward on as
         many requests (its tokens unused, replayed ones verified), so its cost is in the figures.
     replay_rates / replay_noise / replay_scale: the sweep's replay drafter draws each request's
@@ -140,6 +145,8 @@ class SuiteConfig:
     commit: str = "unknown"
     drafter_in_loop: bool = True
     check_tokens: int = 20
+    contention_s: float = 10.0
+    contention_concurrency: int = 8
     replay_rates: tuple[float, ...] = ()
     replay_noise: float = 0.0
     replay_scale: float = 1.0
@@ -231,6 +238,8 @@ class SuiteConfig:
             decode_tokens=8,
             long_prompt_len=24,
             check_tokens=8,
+            contention_s=3.0,
+            contention_concurrency=4,
         )
         base.update(kw)
         return cls(**base)
@@ -747,6 +756,85 @@ class Suite:
         res["complete"] = complete and not res.get("errors")
         return bool(res["rows"]) and not res.get("errors")
 
+    # -- the budget under a competing load ------------------------------------------------------
+    def contention(self, res: dict) -> bool:
+        """The dspark policy serving `contention_concurrency` requests (replay drafter) for three
+        phases of `contention_s` seconds: alone, beside another process that loads the same
+        device (big matmuls, about half of it), alone again. Per phase: mean verification budget,
+        per-user tokens/s and the cost correction; and how long after the load starts and stops
+        the budget (its moving mean over 10 steps) first moves by a fifth of its level."""
+        import subprocess
+
+        c, m = self.cfg, self.models[0]
+        replay = build_drafter(
+            "replay", references={}, vocab_size=m.shape.vocab_size, block_size=c.block_size,
+            accept_rate=c.accept_rate, seed=c.seed,
+        )  # fmt: skip
+        eng = self.engine(m, replay)
+        prompts = self.prompts(m.shape, c.contention_concurrency, salt=4242)
+        done: list[Request] = []  # a plain pass: the continuations the replay drafter replays
+        eng.set_policy("none")
+        run_engine_closed_loop(
+            eng, prompts, len(prompts), c.max_tokens, 0.0, "ref", ignore_eos=True, finished=done
+        )
+        replay.references.update({tuple(r.prompt_ids): r.output_ids for r in done})
+        eng.set_policy("dspark")
+        served = 0
+
+        def top_up() -> None:  # keep contention_concurrency requests in flight
+            nonlocal served
+            while len(eng.requests) < len(prompts):
+                p = prompts[served % len(prompts)]
+                eng.add_request(
+                    Request(
+                        f"load{served}", p, SamplingParams(temperature=0.0), c.max_tokens, ignore_eos=True
+                    )
+                )
+                served += 1
+
+        n = 4096 if self.dev.type == "cuda" else 384
+        code = (
+            "import torch,sys\n"
+            f"d=torch.device({str(self.dev)!r}); torch.set_num_threads(1)\n"
+            f"a=torch.randn({n},{n},device=d); b=torch.randn({n},{n},device=d)\n"
+            "while True:\n    a=(a@b).tanh_()\n"
+        )
+        steps: list[tuple[float, float, int, float]] = []  # (time, mean budget, tokens, correction)
+        t0 = time.monotonic()
+        rival = None
+        try:
+            while time.monotonic() - t0 < 3 * c.contention_s:
+                t = time.monotonic() - t0
+                if rival is None and c.contention_s <= t < 2 * c.contention_s:
+                    rival = subprocess.Popen([sys.executable, "-c", code])
+                if rival is not None and t >= 2 * c.contention_s and rival.poll() is None:
+                    rival.kill()
+                top_up()
+                outs = eng.step()
+                budgets = [r.last_budget for r in eng.running if r.last_budget is not None]
+                made = sum(len(o.token_ids) for o in outs)
+                corr = eng.speculation.correction.factor(c.contention_concurrency, c.contention_concurrency)
+                steps.append((time.monotonic() - t0, sum(budgets) / max(len(budgets), 1), made, corr))
+        finally:
+            if rival is not None and rival.poll() is None:
+                rival.kill()
+            for rid in list(eng.requests):
+                eng.abort(rid)
+        phases = []
+        for k in range(3):
+            lo, hi = k * c.contention_s, (k + 1) * c.contention_s
+            mine = [s for s in steps if lo <= s[0] < hi]
+            span = (mine[-1][0] - mine[0][0]) if len(mine) > 1 else float("nan")
+            phases.append({
+                "steps": len(mine),
+                "mean_budget": statistics.mean(s[1] for s in mine) if mine else None,
+                "tokens_per_s": sum(s[2] for s in mine[1:]) / span if len(mine) > 1 else None,
+                "correction": mine[-1][3] if mine else None,
+            })  # fmt: skip
+        res.update(phases=phases, concurrency=c.contention_concurrency, phase_s=c.contention_s)
+        res["budget_moved_after_s"] = [_moved_after(steps, k * c.contention_s) for k in (1, 2)]
+        return all(p["steps"] for p in phases)
+
     # -- 5. timings -------------------------------------------------------------------------
     def timings(self, res: dict) -> bool:
         m = self.models[0]
@@ -1034,6 +1122,7 @@ class Suite:
         self.stage("build", self.build, min_s=20)
         self.stage("profile", self.profile, needs=("build",), min_s=10)
         self.stage("sweep", self.sweep, needs=("profile",), min_s=10)
+        self.stage("competing load", self.contention, needs=("profile",), min_s=3 * self.cfg.contention_s + 5)
         self.stage("timings", self.timings, needs=("build",), min_s=3)
         self.stage("plots", self.plots, min_s=0)
         self.report["summary"] = summarize(self.report)
@@ -1043,6 +1132,21 @@ class Suite:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+def _moved_after(steps: list[tuple[float, float, int, float]], at: float, window: int = 10) -> float | None:
+    """Seconds after `at` until the moving mean budget (over `window` steps) first differs by a
+    fifth from its level just before `at`; None if it never does."""
+    before = [s[1] for s in steps if s[0] < at][-window:]
+    if not before:
+        return None
+    level = statistics.mean(before)
+    after = [s for s in steps if s[0] >= at]
+    for i in range(window, len(after) + 1):
+        mean = statistics.mean(s[1] for s in after[i - window : i])
+        if abs(mean - level) > 0.2 * max(level, 0.5):
+            return after[i - 1][0] - at
+    return None
+
+
 def _git_head() -> str:
     import subprocess
 

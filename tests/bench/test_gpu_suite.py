@@ -76,6 +76,7 @@ def test_every_stage_ran_and_the_device_checks_passed(tiny_run):
         "build",
         "profile",
         "sweep",
+        "competing load",
         "timings",
         "plots",
     ]
@@ -117,6 +118,8 @@ def test_the_forward_modes_are_checked_then_measured_interleaved(tiny_run):
             assert row["static_equals_plain"] and row["plain_agrees_with_first_mode"] == 1.0
             assert row["static_over_plain"] > 1.0 and abs(row["realised_accept_rate"] - 0.8) < 0.2
     assert report["stages"]["long prompt tiny-a"]["result"]["prompt_len"] == 24
+    load = report["stages"]["competing load"]["result"]
+    assert [p["steps"] > 0 and p["mean_budget"] > 0 for p in load["phases"]] == [True] * 3
 
 
 def test_models_and_cost_tables_are_sane(tiny_run):
