@@ -105,6 +105,8 @@ class SuiteConfig:
         Triton modes run under the interpreter on a CPU).
     contention_s / contention_concurrency: the competing-load stage's phase length (before,
         during and after another process loads the device) and its requests in flight.
+    decode_modes: the forward modes the decode stages measure, of those the checks passed
+        (empty: all of them).
     drafter_in_loop: every speculative step also runs the shape's DSpark drafter's forward on as
         many requests (its tokens unused, replayed ones verified), so its cost is in the figures.
     replay_rates / replay_noise / replay_scale: the sweep's replay drafter draws each request's
@@ -147,6 +149,7 @@ class SuiteConfig:
     check_tokens: int = 20
     contention_s: float = 10.0
     contention_concurrency: int = 8
+    decode_modes: tuple[str, ...] = ()
     replay_rates: tuple[float, ...] = ()
     replay_noise: float = 0.0
     replay_scale: float = 1.0
@@ -238,8 +241,9 @@ class SuiteConfig:
             decode_tokens=8,
             long_prompt_len=24,
             check_tokens=8,
-            contention_s=3.0,
+            contention_s=1.5,
             contention_concurrency=4,
+            decode_modes=("sdpa", "triton+graphs"),
         )
         base.update(kw)
         return cls(**base)
@@ -404,9 +408,10 @@ class Suite:
         policies = ("none", f"static:{c.block_size}")
         engines = {}
         res.update(shape=shape.name, prompt_len=prompt_len, tokens=c.decode_tokens, rounds=c.rounds)
+        modes = [m for m in self.modes if not c.decode_modes or m.name in c.decode_modes]
         load = self.drafter_load(target, shape)
         res["drafter_in_loop"] = load is not None
-        for mode in self.modes:
+        for mode in modes:
             replay = build_drafter(
                 "replay",
                 references={},
@@ -458,7 +463,7 @@ class Suite:
         bytes_per_token = weights * elt + kv
         hbm = self.hbm_tb_s()
         rows = {}
-        sdpa_plain = outs.get(f"{self.modes[0].name} none")
+        sdpa_plain = outs.get(f"{modes[0].name} none")
         for mname in engines:
             plain = statistics.median(tps[f"{mname} none"])
             static = statistics.median(tps[f"{mname} {policies[1]}"])

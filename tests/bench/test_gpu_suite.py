@@ -110,9 +110,10 @@ def test_the_forward_modes_are_checked_then_measured_interleaved(tiny_run):
     assert modes["passed_modes"] == expected
     if "triton+graphs" in expected:
         assert modes["modes"]["triton+graphs"]["static:4"]["graph_replays"] > 0
+    measured = [m for m in expected if m in ("sdpa", "triton+graphs")]  # tiny mode's decode_modes
     for stage in ("decode tiny-a", "long prompt tiny-a"):
         res = report["stages"][stage]["result"]
-        assert list(res["modes"]) == expected and res["rounds"] == 3
+        assert list(res["modes"]) == measured and res["rounds"] == 3
         for row in res["modes"].values():
             assert len(row["plain_rounds"]) == 3 and row["plain_tok_s"] > 0
             assert row["static_equals_plain"] and row["plain_agrees_with_first_mode"] == 1.0
