@@ -57,6 +57,7 @@ def tiny_run(tmp_path_factory):
     return proc.stdout, out, json.loads((out / JSON_NAME).read_text())
 
 
+@pytest.mark.slow  # the tiny suite run (about 35 s)
 def test_runs_from_a_plain_checkout_without_the_server_stack(tiny_run):
     stdout, _, report = tiny_run
     engine_file = next(l.split(" ", 1)[1] for l in stdout.splitlines() if l.startswith("ENGINE_FILE"))
@@ -66,6 +67,7 @@ def test_runs_from_a_plain_checkout_without_the_server_stack(tiny_run):
     assert str(ROOT) not in json.dumps(report)
 
 
+@pytest.mark.slow  # the tiny suite run (about 35 s)
 def test_every_stage_ran_and_the_device_checks_passed(tiny_run):
     _, out, report = tiny_run
     stages = report["stages"]
@@ -101,6 +103,7 @@ def test_every_stage_ran_and_the_device_checks_passed(tiny_run):
         assert all((out / p).stat().st_size < 500_000 for p in pngs)
 
 
+@pytest.mark.slow  # the tiny suite run (about 35 s)
 def test_the_forward_modes_are_checked_then_measured_interleaved(tiny_run):
     """Every mode that can run here (the Triton ones under the interpreter, where the tests run)
     keeps greedy equality, and the decode stages measure each of them, rounds interleaved."""
@@ -123,6 +126,7 @@ def test_the_forward_modes_are_checked_then_measured_interleaved(tiny_run):
     assert [p["steps"] > 0 and p["mean_budget"] > 0 for p in load["phases"]] == [True] * 3
 
 
+@pytest.mark.slow  # the tiny suite run (about 35 s)
 def test_models_and_cost_tables_are_sane(tiny_run):
     _, _, report = tiny_run
     models = report["stages"]["build"]["result"]["models"]
@@ -135,6 +139,7 @@ def test_models_and_cost_tables_are_sane(tiny_run):
         assert all(b <= a for a, b in zip(sps, sps[1:]))  # made non-increasing
 
 
+@pytest.mark.slow  # the tiny suite run (about 35 s)
 def test_sweep_is_lossless_and_realises_the_configured_acceptance(tiny_run):
     _, _, report = tiny_run
     res = report["stages"]["sweep"]["result"]
@@ -156,6 +161,7 @@ def test_sweep_is_lossless_and_realises_the_configured_acceptance(tiny_run):
     assert tried > 300 and abs(accepted / tried - 0.8) < 0.08, (accepted, tried)
 
 
+@pytest.mark.slow  # the tiny suite run (about 35 s)
 def test_timings_split_the_step(tiny_run):
     _, _, report = tiny_run
     t = report["stages"]["timings"]["result"]

@@ -66,7 +66,12 @@ CASES = {  # drafter, policy, sampling, CUDA graphs
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+QUICK = ("n-gram sampled", "n-gram greedy, graphs")  # the others run in the full suite
+
+
+@pytest.mark.parametrize(
+    "case", [c if c in QUICK else pytest.param(c, marks=pytest.mark.slow) for c in sorted(CASES)]
+)
 def test_a_cuda_path_step_reads_the_device_once(case, monkeypatch):
     needs_triton()
     drafter_name, policy, sampling, graphs = CASES[case]

@@ -53,7 +53,7 @@ def run(model, drafter=None, policy="none", budget=60.0, **runner_kw):
     return graphed
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_graphed_decode_is_greedy_equal_across_buckets(kind):
     needs_triton()
     graphed = run(tiny_model(kind))
@@ -72,6 +72,7 @@ def test_graphed_verify_blocks_are_greedy_equal():
     assert graphed.replays >= 5
 
 
+@pytest.mark.slow  # interpreted engine runs; the full suite
 def test_capture_budget_and_failures_fall_back_to_eager(caplog):
     needs_triton()
     graphed = run(tiny_model("llama"), budget=0.0)

@@ -53,7 +53,9 @@ FORWARD_CASES = [
     (kind, linear, attention)
     for kind in ("llama", "qwen2", "qwen3")
     for linear, attention in (("torch", "sdpa"), ("auto", "sdpa"), ("auto", "auto"))
-] + [("llama", "torch", "triton"), ("qwen3", "torch", "triton")]  # (qwen2 adds only biases)
+] + [pytest.param(kind, "torch", "triton", marks=pytest.mark.slow) for kind in ("llama", "qwen3")]
+# (interpreted: the full suite; the quick loop's CUDA-path engine checks are test_host_syncs' and
+# test_cuda_graphs'; qwen2 adds only biases)
 
 
 @pytest.mark.parametrize("kind,linear,attention", FORWARD_CASES)
@@ -103,7 +105,10 @@ def test_fast_logits_close_to_reference_with_taps():
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["shuffled-pool", "ordered-pool"])
-@pytest.mark.parametrize("attention", ["sdpa", "matmul", "paged", "triton"])
+# (triton interpreted: the full suite; the quick loop checks the kernel in tests/ops)
+@pytest.mark.parametrize(
+    "attention", ["sdpa", "matmul", "paged", pytest.param("triton", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_paged_attention_matches_dense_reference_on_random_layouts(block_size, attention, ordered):
     """Shuffled pool: block tables are not contiguous (every segment gathers its blocks).
