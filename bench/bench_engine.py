@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.common import DATA, load_prompts, machine, median, run_engine_closed_loop  # noqa: E402
+from bench.common import DATA, load_prompts, machine, median, report_args, run_engine_closed_loop  # noqa: E402
 from dspark_serve.training.plots import save_png  # noqa: E402
 
 
@@ -435,9 +434,8 @@ def main() -> None:
         args.concurrency = {"baseline": [1, 4, 16], "plain": [1, 16]}.get(args.mode, [1, 2, 4, 8, 16, 32])
     t0 = time.time()
     result = {"baseline": baseline, "sweep": sweep, "plain": plain, "merge": merge}[args.mode](args)
-    rel = lambda v: os.path.relpath(v, ROOT) if isinstance(v, Path) else str(v)
     result.setdefault("machine", machine())  # merge mode keeps the measuring runs' machine
-    result.update(args={k: rel(v) for k, v in vars(args).items()}, seconds=time.time() - t0)
+    result.update(args=report_args(args), seconds=time.time() - t0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))  # first: a failing plot keeps the figures
     if args.mode == "sweep":

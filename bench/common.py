@@ -19,6 +19,14 @@ from dspark_serve.training.data import PROMPTS_DIR, dev_sets, read_prompts
 DATA = PROMPTS_DIR  # the vendored prompt sets (the benchmarks' default --data)
 
 DOMAINS = ("gsm8k", "math500", "humaneval", "livecodebench", "mt-bench", "arena-hard")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def report_args(args) -> dict[str, str]:
+    """A script's arguments as its result JSON records them: paths relative to the checkout (a
+    result names no folder of the machine that measured it)."""
+    rel = lambda v: os.path.relpath(v, ROOT) if isinstance(v, Path) else str(v)
+    return {k: rel(v) for k, v in vars(args).items()}
 
 
 def load_prompts(data_dir: Path, n: int, domains=DOMAINS, offset: int = 0) -> list[tuple[str, str]]:

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import DATA, load_prompts, machine  # noqa: E402
+from bench.common import DATA, load_prompts, machine, report_args  # noqa: E402
 
 
 def burst(engine, prompts: list[list[int]], max_tokens: int, label: str) -> dict[str, dict[str, float]]:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     report = {
         "machine": machine(),
-        "args": {k: str(v) for k, v in vars(a).items()},
+        "args": report_args(a),
         "medians": medians,
         "rounds": rows,
     }

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import DATA, load_prompts, machine, running_server  # noqa: E402
+from bench.common import DATA, load_prompts, machine, report_args, running_server  # noqa: E402
 
 ARMS = {"split": ["--reasoning-parser", "deepseek_r1"], "plain": ["--reasoning-parser", "none"]}
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [s / p for s, p in zip(flat["split"], flat["plain"])]  # the same prompt, back to back
     report = {
         "machine": machine(),
-        "args": {k: str(v) for k, v in vars(a).items()},
+        "args": report_args(a),
         "split_arm_streamed": checks["split"],
         "plain_arm_streamed": checks["plain"],
         "median_per_user_tps": {arm: statistics.median(v) for arm, v in flat.items()},

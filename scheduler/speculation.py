@@ -97,9 +97,9 @@ class Speculation:
         self.drafter = drafter
         self.cfg = cfg
         self.max_model_len = max_model_len
+        self.correction = CostCorrection()  # the table as measured while serving
         self.cost_table = cost_table
         self.overhead = StepOverhead()
-        self.correction = CostCorrection()  # the table as measured while serving
         self.priced_overhead: float | None = None  # what the last step's lengths were priced with
         self._drafted_last = False
         self._gate: DraftGate | None = None
@@ -107,6 +107,18 @@ class Speculation:
         if policy == "auto":
             policy = "dspark" if drafter is not None else "none"
         self.use_policy(policy)
+
+    @property
+    def cost_table(self) -> CostTable | None:
+        """The profiled table (None: none was measured)."""
+        return self._cost_table
+
+    @cost_table.setter
+    def cost_table(self, table: CostTable | None) -> None:
+        self._cost_table = table
+        # what the policy prices with: the profile (or a default), corrected as measured; built
+        # once here, not every step
+        self.priced_table = replace(table or DEFAULT_COST, correction=self.correction.factor)
 
     def use_policy(self, spec: str) -> None:
         self.policy: Policy = parse_policy(spec)
@@ -271,7 +283,7 @@ class Speculation:
         inp = PolicyInput(
             confidences=[p.confidences for p in proposals], max_lengths=caps, weights=self._weights(decodes)
         )
-        table = replace(self.cost_table or DEFAULT_COST, correction=self.correction.factor)
+        table = self.priced_table
         overhead = self.overhead.seconds(len(decodes)) if self.cfg.price_overhead else None
         if overhead:
             table = replace(table, overhead_seconds=overhead)

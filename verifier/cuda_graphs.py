@@ -29,7 +29,7 @@ import torch
 
 from dspark_serve.ops.triton_attention import VarlenSegments
 from dspark_serve.verifier.fast_plan import FastPlan, VarlenLayout
-from dspark_serve.verifier.forward import ForwardOutput, RowLayout, Segment
+from dspark_serve.verifier.forward import ForwardOutput, Segment
 from dspark_serve.verifier.forward_fast import FastForward
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class GraphedForward:
         logits, hidden = graph.replay()
         self.replays += 1
         T = sum(len(s.token_ids) for s in segments)
-        rows = RowLayout.of(segments)
+        rows = lay.rows
         slots = graph.staging[2 * key.tokens : 2 * key.tokens + T].clone()
         # copies: the graph's outputs are overwritten by the next replay
         taps = None if hidden is None else hidden[:T].clone()

@@ -120,7 +120,7 @@ class FastPlanner:
         cos, sin = self.rope.rows(pos, lay.max_end)
         plan = FastPlan(ids=ids, slots=slots, cos=cos[:, None, :], sin=sin[:, None, :])
         plan.varlen = VarlenSegments(cu, starts, table, lay.tokens, lay.max_query_len)
-        rows = RowLayout.of(segments)
+        rows = lay.rows
         plan.token_offsets, plan.logits_offsets = rows.token_offsets, rows.logits_offsets
         if rows.logit_rows:
             plan.logit_rows = logit_rows
@@ -204,7 +204,7 @@ class VarlenLayout:
     tokens: int
     segments: int
     width: int
-    num_logits: int
+    rows: RowLayout
     max_query_len: int
     max_end: int
 
@@ -231,14 +231,14 @@ class VarlenLayout:
         starts = [s.start_pos for s in segments] + [0] * (S_pad - S)
         table = [b for s in segments for b in (*s.blocks[:W], *[0] * (W - len(s.blocks[:W])))]
         table += [0] * (W * (S_pad - S))
-        logit_rows = RowLayout.of(segments).logit_rows
-        host = list(itertools.chain(ids, pos, slots, cu, starts, table, logit_rows))
-        return cls(host, T, S_pad, W, len(logit_rows), max(lens), max(s.end_pos for s in segments))
+        rows = RowLayout.of(segments)
+        host = list(itertools.chain(ids, pos, slots, cu, starts, table, rows.logit_rows))
+        return cls(host, T, S_pad, W, rows, max(lens), max(s.end_pos for s in segments))
 
     @property
     def sizes(self) -> list[int]:
         T, S = self.tokens, self.segments
-        return [T, T, T, S + 1, S, S * self.width, self.num_logits]
+        return [T, T, T, S + 1, S, S * self.width, len(self.rows.logit_rows)]
 
     def to_device(self, device: torch.device, into: torch.Tensor | None = None) -> torch.Tensor:
         """The buffer on `device` (into `into`, a static buffer, when given), copied from pinned

@@ -47,7 +47,7 @@ def test_regions_are_learned_apart_and_outliers_clipped():
     assert c.factor(30, 5) == pytest.approx(3.0, rel=0.02)  # the same region
     assert c.factor(64, 4) == pytest.approx(3.0, rel=0.02)  # unmeasured: the nearest region's
     c.record(4, 4, 0.01, 10.0)  # a pause of the process
-    assert c.factor(4, 4) < 1.35  # counted as at most 4x, weighted 0.2
+    assert c.factor(4, 4) < 1.35  # counted as at most `clip` times the estimate, weighted by alpha
     with pytest.raises(ValueError, match="alpha"):
         CostCorrection(alpha=0.0)
 
