@@ -40,7 +40,9 @@ class CharTokenizer:
         return "".join(chr(0x21 + i % 94) for i in ids)
 
 
-def tiny_model(kind: str = "llama", vocab: int = 257, seed: int = 0, layers: int = 2, dtype=torch.float32):
+def tiny_model(
+    kind: str = "llama", vocab: int = 257, seed: int = 0, layers: int = 2, dtype=torch.float32, head_dim: int = 16
+):
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -53,12 +55,12 @@ def tiny_model(kind: str = "llama", vocab: int = 257, seed: int = 0, layers: int
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab,
-        hidden_size=64,
+        hidden_size=max(64, 2 * head_dim),
         intermediate_size=128,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=512,
         eos_token_id=256 if vocab > 256 else None,
         bos_token_id=None,

@@ -65,6 +65,8 @@ CFLAGS = (
     "-fassociative-math",
     "-ffp-contract=fast",
 )
+# Flags of small_gemm_ex and paged_attention_ex (csrc/kernels.h).
+GEMM_INVARIANT, GEMM_F32_OUT, ATTN_INVARIANT = 1, 2, 1
 # The dtype code every kernel takes (its `dtype` argument).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -114,6 +116,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     # kv_token_stride, kv_head_stride, causal, H, Hkv, D, scale
     fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, i32, i32, i64, i64, i32]
     fn.argtypes += [i32, i32, i32, ctypes.c_float]
+    lib.paged_attention_ex.restype = i32
+    lib.paged_attention_ex.argtypes = fn.argtypes + [i32]  # ... scale, flags (ATTN_INVARIANT)
     lib.paged_attention_f32_row_invariant.restype = i32
     lib.paged_attention_f32_row_invariant.argtypes = []
     lib.rope_store.restype = None
@@ -160,6 +164,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.small_gemm_pack.argtypes = [ptr, ptr, i32, i32]  # W, packed, N, K
     lib.small_gemm.restype = None
     lib.small_gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32, i32]  # x, stride, packed, bias, y, M, N, K
+    lib.small_gemm_ex.restype = None
+    lib.small_gemm_ex.argtypes = lib.small_gemm.argtypes + [i32]  # ... K, flags (GEMM_*)
     lib.small_gemm_f32_pack.restype = None
     lib.small_gemm_f32_pack.argtypes = lib.small_gemm_pack.argtypes
     lib.small_gemm_f32.restype = None
@@ -178,10 +184,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.target_layers.restype = i32
     # layers, L, bf16, k_caches, v_caches, num_slots, h, x, first_norm, first_eps, cos, sin, slots,
     # G, row0, n, start, table, max_blocks, block_shift, T, d, H, Hkv, D, I, scale, tap_col, taps,
-    # ntaps
+    # ntaps, invariant
     lib.target_layers.argtypes = [ptr, i32, i32, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ptr, ptr]
     lib.target_layers.argtypes += [ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, i32]
-    lib.target_layers.argtypes += [ctypes.c_float, ptr, ptr, i32]
+    lib.target_layers.argtypes += [ctypes.c_float, ptr, ptr, i32, i32]
 
 
 @functools.cache
@@ -304,7 +310,9 @@ class PagedAttention:
     k_cache / v_cache: the target's head-major pool [Hkv, num_slots, D] (`layout="head-major"`)
     or a slot-major pool [num_slots, Hkv, D] flattened over its leading dimensions
     (`layout="slot-major"`, the drafter's [requests, positions, Hkv, D]). Writes out rows
-    row0[g] .. row0[g] + n[g] - 1 of every segment g; other rows are left as they are."""
+    row0[g] .. row0[g] + n[g] - 1 of every segment g; other rows are left as they are.
+    invariant: every query row computed alone, in one order of sums (`ATTN_INVARIANT`), so a
+    row's output is the same bits whatever segments, rows and lengths share the call."""
 
     def __init__(
         self,
@@ -314,6 +322,7 @@ class PagedAttention:
         head_dim: int,
         block_size: int,
         layout: str = "head-major",
+        invariant: bool = False,
     ):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads!r} is not a multiple of num_kv_heads {num_kv_heads!r}")
@@ -323,7 +332,8 @@ class PagedAttention:
             raise ValueError(f"layout must be head-major or slot-major, got {layout!r}")
         if not (0 < head_dim <= 256):  # the kernel's per-row buffers
             raise ValueError(f"paged attention needs head_dim <= 256, got {head_dim!r}")
-        self.fn = lib.paged_attention
+        self.fn = lib.paged_attention_ex
+        self.flags = ATTN_INVARIANT if invariant else 0
         self.block_shift = block_size.bit_length() - 1
         self.H, self.Hkv, self.D, self.layout = num_heads, num_kv_heads, head_dim, layout
 
@@ -378,6 +388,7 @@ class PagedAttention:
             self.Hkv,
             self.D,
             scale,
+            self.flags,
         )
         if rc != 0:
             raise MemoryError("paged_attention could not allocate its work buffers")
@@ -534,7 +545,12 @@ class SmallGemmLinear:
     """A bfloat16 or float32 linear layer through `small_gemm` (`small_gemm_f32`) for up to
     `max_rows` rows (decode and short verify steps), and through `fallback` (oneDNN's prepacked
     kernel, or torch's linear where oneDNN cannot run bf16) for more. The weight is packed once,
-    into its own buffer."""
+    into its own buffer.
+
+    invariant: every row count through the kernel in its batch-invariant order (bf16:
+    `GEMM_INVARIANT`; float32 always is), the fallback never: a row's outputs are the same bits
+    whatever else shares the call. float_out: bf16 weights give float32 outputs, unrounded (the
+    LM head of a batch-invariant forward: float32 logits)."""
 
     kind = "gemm"
 
@@ -545,6 +561,8 @@ class SmallGemmLinear:
         b: torch.Tensor | None,
         fallback: Callable[[torch.Tensor], torch.Tensor],
         max_rows: int,
+        invariant: bool = False,
+        float_out: bool = False,
     ) -> None:
         bf16 = w.dtype == torch.bfloat16
         odd_bf16 = bf16 and w.dim() == 2 and w.shape[1] % 2 == 1
@@ -560,17 +578,29 @@ class SmallGemmLinear:
         self.dtype = w.dtype
         self.packed = pack_small_gemm(lib, w)
         self.bias = None if b is None else b.to(w.dtype).contiguous()
-        self.fn = lib.small_gemm if bf16 else lib.small_gemm_f32
-        self.fallback, self.max_rows = fallback, max_rows
+        self.invariant = invariant
+        self.out_dtype = torch.float32 if float_out else w.dtype
+        if bf16:
+            flags = (GEMM_INVARIANT if invariant else 0) | (GEMM_F32_OUT if float_out else 0)
+            ex = lib.small_gemm_ex
+            self.fn: Callable[..., None] = lambda *a: ex(*a, flags)
+        else:
+            self.fn = lib.small_gemm_f32
+        self.fallback, self.max_rows = fallback, (1 << 30) if invariant else max_rows
         # a small limit means the fallback wins early (oneDNN on AMX tiles): a small bucket
         self.bucket = FALLBACK_ROW_BUCKET if max_rows >= FALLBACK_ROW_BUCKET else 16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         M = x.shape[0]
+        if self.invariant and x.dim() == 2 and x.dtype == self.dtype and x.stride(-1) != 1:
+            x = x.contiguous()  # the kernel, never the fallback's other order of sums
         if x.dtype != self.dtype or x.stride(-1) != 1 or x.dim() != 2:
+            if self.invariant:
+                got = f"{x.dtype} {tuple(x.shape)}"
+                raise ValueError(f"a batch-invariant linear takes [rows, {self.K}] {self.dtype}, got {got}")
             return self.fallback(x)
         if M <= self.max_rows:
-            y = x.new_empty(M, self.N)
+            y = x.new_empty(M, self.N, dtype=self.out_dtype)
             self._gemm(x, y)
             return y
         # The fallback sees a multiple of the bucket, the kernel the rest: oneDNN compiles and
@@ -579,8 +609,8 @@ class SmallGemmLinear:
         # held more memory after every burst of traffic; bucketed, it sees a few dozen.
         bulk = M - M % self.bucket
         if bulk == M:
-            return self.fallback(x)
-        y = x.new_empty(M, self.N)
+            return self.fallback(x).to(self.out_dtype)
+        y = x.new_empty(M, self.N, dtype=self.out_dtype)
         if bulk:
             y[:bulk] = self.fallback(x[:bulk])
         self._gemm(x[bulk:], y[bulk:])
@@ -803,9 +833,12 @@ class TargetLayers(_LayersInC):
         num_kv_heads: int,
         head_dim: int,
         block_size: int,
+        invariant: bool = False,
     ) -> None:
+        """invariant: the products and the attention in their batch-invariant orders."""
         linears = [lin for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
         dtype = linears[0].dtype
+        self.invariant = invariant
         norms = [n for w in layers for n in (w.post_norm, w.next_norm)] + [first_norm]
         if dtype not in (torch.float32, torch.bfloat16) or any(lin.dtype != dtype for lin in linears):
             raise ValueError(f"target_layers needs float32 or bf16 products of one dtype, got {dtype}")
@@ -890,6 +923,7 @@ class TargetLayers(_LayersInC):
             (ctypes.c_int32 * (L + 1))(*cols),
             None if taps is None else taps.data_ptr(),
             len(tap_layers),
+            int(self.invariant),
         )
         if rc != 0:
             raise MemoryError("target_layers could not allocate its work buffers")

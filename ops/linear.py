@@ -115,19 +115,35 @@ def mkldnn_linear_works(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def make_linear(
-    w: torch.Tensor, b: torch.Tensor | None, kind: str, quantize: str, gemm_rows: int = 0
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    kind: str,
+    quantize: str,
+    gemm_rows: int = 0,
+    invariant: bool = False,
+    float_out: bool = False,
 ) -> Linear:
     """kind: auto (gemm for float32 and bf16 on a CPU where the C kernels build, else mkldnn
     where it works: float32/bf16 on CPU; else torch), torch, mkldnn, or gemm (the C kernel: bf16
     for up to `gemm_rows` rows (0: `default_gemm_rows` for this CPU and build), oneDNN above, or
     torch's linear where oneDNN cannot run bf16, as on a CPU without AVX512; float32 for every
-    row count; CPU only)."""
+    row count; CPU only). invariant: the C kernel for every row count in its batch-invariant
+    order (a ValueError where it cannot run); float_out: with it, float32 outputs from bf16
+    weights (`SmallGemmLinear`)."""
+    if invariant and (quantize != "none" or kind not in ("auto", "gemm")):
+        raise ValueError(
+            f"a batch-invariant linear needs linear 'auto' or 'gemm' without quantization, got "
+            f"linear {kind!r}, quantize {quantize!r}"
+        )
     if quantize == "int8":
         return _Int8Linear(w, b)
     bf16 = w.dtype == torch.bfloat16
     gemm_shape = w.device.type == "cpu" and ((bf16 and w.shape[1] % 2 == 0) or w.dtype == torch.float32)
     if kind in ("auto", "gemm") and gemm_shape:
         lib = cpu_kernels.load_kernels()
+        if lib is not None and invariant:
+            fallback = _TorchLinear(w, b)
+            return SmallGemmLinear(lib, w, b, fallback, 1 << 30, invariant=True, float_out=float_out)
         if lib is not None:
             if not bf16:
                 # float32 runs every row count through the kernel: it beat oneDNN's float32
@@ -139,7 +155,7 @@ def make_linear(
             onednn = mkldnn_linear_works(w.dtype, w.device)
             above: Linear = _MkldnnLinear(w, b) if onednn else _TorchLinear(w, b)
             return SmallGemmLinear(lib, w, b, above, gemm_rows or _gemm_rows_here())
-    if kind == "gemm":
+    if kind == "gemm" or invariant:
         raise ValueError(
             f"linear 'gemm' needs float32 weights, or bfloat16 ones with an even input size, on a CPU "
             f"with a C compiler, got {w.dtype} {tuple(w.shape)} on {w.device}"

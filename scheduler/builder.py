@@ -153,6 +153,7 @@ def build_runner(
         gemm_rows=model_cfg.gemm_rows,
         cuda_graphs=model_cfg.cuda_graphs,
         max_model_len=model_cfg.max_model_len,
+        batch_invariant=model_cfg.batch_invariant,
     )
     log.info("target forward: %s", runner.describe())
     kv = runner.kv

@@ -60,6 +60,15 @@ class ModelConfig:
     """Replay decode and verify steps as CUDA graphs, one per bucket of (tokens, requests),
     captured on first use within 60 s (attention triton on CUDA, which auto then means; off by
     default until a GPU suite run shows greedy equality with it)."""
+    batch_invariant: bool = False
+    """A row's logits the same bits whatever shares its forward: how many requests, which, and
+    how many tokens each (decode, a verified block, a prefill chunk, a recompute after
+    preemption or a prefix-cache hit). Every product runs the C gemm kernel in one order of
+    sums for every row count (no switching between it, AMX tiles and oneDNN by batch size),
+    every query row attends alone in one order, and the LM head gives float32 logits, so
+    greedy (and seeded) output is the same with and without speculation and batching in bf16
+    too. CPU (the C kernels; float32 on CPUs with AVX2 and FMA is batch-invariant anyway); it
+    costs speed on steps of many rows (bench/batch_invariance.py)."""
     retain_freed_mib: int = 1024
     """CPU: freed host blocks of up to this many MiB stay with the process for the next step
     (glibc's malloc: its mmap and trim thresholds fixed there) instead of going back to the OS
@@ -104,5 +113,17 @@ class ModelConfig:
             raise ValueError(f"quantize must be none or int8, got {self.quantize!r}")
         if self.quantize != "none" and self.forward != "fast":
             raise ValueError(f"quantize {self.quantize!r} needs forward 'fast', got {self.forward!r}")
+        if self.batch_invariant and (
+            self.forward != "fast"
+            or self.quantize != "none"
+            or self.linear not in ("auto", "gemm")
+            or self.attention not in ("auto", "paged")
+            or self.cuda_graphs
+        ):
+            raise ValueError(
+                "batch_invariant needs forward 'fast', linear auto or gemm, attention auto or paged, no "
+                f"quantization and no CUDA graphs, got forward {self.forward!r}, linear {self.linear!r}, "
+                f"attention {self.attention!r}, quantize {self.quantize!r}, cuda_graphs {self.cuda_graphs!r}"
+            )
         if self.kv_block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"kv_block_size must be a power of two <= 256, got {self.kv_block_size!r}")

@@ -62,26 +62,36 @@ def _fuse(
 class FastWeights:
     """The decoder layers' fused weights and products, the LM head and the final norm."""
 
-    def __init__(self, parts: ModelParts, linear: str, quantize: str, gemm_rows: int = 0) -> None:
+    def __init__(
+        self, parts: ModelParts, linear: str, quantize: str, gemm_rows: int = 0, invariant: bool = False
+    ) -> None:
+        """invariant: every product batch-invariant (`make_linear`), the LM head's logits float32."""
         self.layers: list[FastLayer] = []
         kinds: set[str] = set()
+
+        def lin(w: torch.Tensor, b: torch.Tensor | None) -> Linear:
+            return make_linear(w, b, linear, quantize, gemm_rows, invariant)
+
         for layer in parts.layers:
             wqkv, bqkv, wgu = _fuse(layer, parts, quantize)
             a, m = layer.self_attn, layer.mlp
             fl = FastLayer(
                 in_norm=FastRMSNorm.of(layer.input_layernorm),
                 post_norm=FastRMSNorm.of(layer.post_attention_layernorm),
-                qkv=make_linear(wqkv, bqkv, linear, quantize, gemm_rows),
-                o=make_linear(a.o_proj.weight, a.o_proj.bias, linear, quantize, gemm_rows),
-                gate_up=make_linear(wgu, None, linear, quantize, gemm_rows),
-                down=make_linear(m.down_proj.weight, m.down_proj.bias, linear, quantize, gemm_rows),
+                qkv=lin(wqkv, bqkv),
+                o=lin(a.o_proj.weight, a.o_proj.bias),
+                gate_up=lin(wgu, None),
+                down=lin(m.down_proj.weight, m.down_proj.bias),
                 q_norm=FastRMSNorm.of(a.q_norm) if parts.has_qk_norm else None,
                 k_norm=FastRMSNorm.of(a.k_norm) if parts.has_qk_norm else None,
             )
             kinds.add(fl.qkv.kind)
             self.layers.append(fl)
         # The LM head stays as is (tied to the embedding the drafter shares); prepacking helps it too.
-        self.lm_head = make_linear(parts.lm_head.weight, parts.lm_head.bias, linear, "none", gemm_rows)
+        head = parts.lm_head
+        self.lm_head = make_linear(
+            head.weight, head.bias, linear, "none", gemm_rows, invariant, float_out=invariant
+        )
         self.norm = FastRMSNorm.of(parts.norm)
         self.linear_kind = "/".join(sorted(kinds))
         # bf16 products of more rows than this leave the C kernel for oneDNN (None: no such limit)
@@ -91,7 +101,9 @@ class FastWeights:
     def products(self) -> list[Linear]:
         return [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
 
-    def target_driver(self, parts: ModelParts, block_size: int) -> TargetLayers | None:
+    def target_driver(
+        self, parts: ModelParts, block_size: int, invariant: bool = False
+    ) -> TargetLayers | None:
         """The decoder layers in one C call where every product is the packed gemm and the layer
         has no q/k head norms (the caller checks the attention and elementwise kernels)."""
         lib = cpu_kernels.load_kernels()
@@ -114,7 +126,7 @@ class FastWeights:
         first = (layers[0].in_norm.w, layers[0].in_norm.eps)
         geometry = (parts.num_heads, parts.num_kv_heads, parts.head_dim, block_size)
         try:
-            return TargetLayers(lib, weights, first, *geometry)
+            return TargetLayers(lib, weights, first, *geometry, invariant=invariant)
         except ValueError:  # a layout it does not take (a bias on gate_up, norms of another dtype)
             return None
 

@@ -28,10 +28,13 @@ from dspark_serve.verifier.kv_cache import KVCache
 
 
 def resolve_attention(
-    attention: str, parts: ModelParts, block_size: int
+    attention: str, parts: ModelParts, block_size: int, invariant: bool = False
 ) -> tuple[str, PagedAttention | None]:
     """auto: the paged C kernel on a CPU (float32/bfloat16) where it builds; else matmul for
-    bf16/fp16 on CPU and sdpa elsewhere. "paged" asked for where it cannot run is an error."""
+    bf16/fp16 on CPU and sdpa elsewhere. "paged" asked for where it cannot run is an error.
+    invariant: the paged kernel in its batch-invariant order, which must then run."""
+    if invariant and attention == "auto":
+        attention = "paged"
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
     if attention == "triton":
@@ -55,11 +58,12 @@ def resolve_attention(
         lib = cpu_kernels.load_kernels()
         if lib is not None:
             return "paged", PagedAttention(
-                lib, parts.num_heads, parts.num_kv_heads, parts.head_dim, block_size
+                lib, parts.num_heads, parts.num_kv_heads, parts.head_dim, block_size, invariant=invariant
             )
     if attention == "paged":
         raise ValueError(
-            f"attention 'paged' needs the fast forward with float32/bfloat16 on a CPU, a "
+            f"attention 'paged'{' (batch-invariant)' if invariant else ''} needs the fast forward "
+            f"with float32/bfloat16 on a CPU, a "
             f"power-of-two block size, head_dim <= 256 and a C compiler; got "
             f"{parts.dtype} on {parts.device}, block size {block_size}, head_dim "
             f"{parts.head_dim} ({cpu_kernels.find_compiler() or 'no compiler'})"
@@ -79,13 +83,15 @@ class FastForward:
         quantize: str = "none",
         attention: str = "auto",
         gemm_rows: int = 0,
+        batch_invariant: bool = False,
     ) -> None:
         if linear not in LINEAR_KINDS:
             raise ValueError(f"linear must be one of {LINEAR_KINDS}, got {linear!r}")
         if linear == "mkldnn" and not ops_linear.mkldnn_linear_works(parts.dtype, parts.device):
             raise ValueError("linear 'mkldnn' needs float32/bfloat16 weights on a CPU with oneDNN")
         self.parts, self.kv, self.quantize = parts, kv, quantize
-        self.attention, paged = resolve_attention(attention, parts, kv.block_size)
+        self.batch_invariant = batch_invariant
+        self.attention, paged = resolve_attention(attention, parts, kv.block_size, batch_invariant)
         self.attend = CacheAttention(self.attention, kv, parts.num_heads, parts.scaling, paged)
         # With the paged kernel (bf16 or float32): rotary and the K/V write fused too, and the
         # residual adds with their norms and SwiGLU (csrc/elementwise.c).
@@ -98,12 +104,12 @@ class FastForward:
         D = parts.head_dim
         if self.attention == "triton" and D & (D - 1) == 0:  # the same steps as Triton kernels
             self.fused = self.rope_store = TritonElementwise(parts.num_heads, parts.num_kv_heads, D)
-        self.weights = FastWeights(parts, linear, quantize, gemm_rows)
+        self.weights = FastWeights(parts, linear, quantize, gemm_rows, batch_invariant)
         self.rope = RopeTable(parts)
         self.plan = FastPlanner(self.attention, kv.block_size, self.rope, parts.dtype)
         self.target_driver: TargetLayers | None = None
         if self.fused is not None and self.rope_store is not None and paged is not None:
-            self.target_driver = self.weights.target_driver(parts, kv.block_size)
+            self.target_driver = self.weights.target_driver(parts, kv.block_size, batch_invariant)
 
     @property
     def paged_attention(self) -> PagedAttention | None:
@@ -115,7 +121,8 @@ class FastForward:
         q = "" if self.quantize == "none" else f", weights {self.quantize}"
         fused = ", fused elementwise" if self.fused is not None else ""
         rows = "" if w.gemm_max_rows is None else f" up to {w.gemm_max_rows} rows, oneDNN above"
-        return f"fast (linear {w.linear_kind}{rows}, attention {self.attention}{fused}{q})"
+        inv = ", batch-invariant" if self.batch_invariant else ""
+        return f"fast (linear {w.linear_kind}{rows}, attention {self.attention}{fused}{q}{inv})"
 
     def uses_c_kernels(self) -> bool:
         return (
@@ -228,7 +235,8 @@ class FastForward:
             # decode: every row; index_select, not h[rows] (torch's CPU advanced indexing is slow)
             rows = h if plan.logit_rows.numel() == h.shape[0] else h.index_select(0, plan.logit_rows)
             # in the model's dtype: a greedy step needs only each row's argmax, and widening
-            # every verify row to float32 would cost a pass over [rows, V] for nothing
+            # every verify row to float32 would cost a pass over [rows, V] for nothing; a
+            # batch-invariant forward's LM head sums into float32 logits (fewer near-ties)
             logits = self.weights.lm_head(rows)
         else:
             logits = h.new_zeros(0, self.parts.vocab_size)

@@ -22,16 +22,21 @@ from dspark_serve.verifier.kv_cache import KVCache
 
 __all__ = ["ForwardOutput", "ModelRunner", "Segment"]
 
-# forward name -> how it is built from (parts, kv cache, linear, quantize, attention, gemm_rows)
-FORWARDS: dict[str, Callable[[ModelParts, KVCache, str, str, str, int], Forward]] = {
+# forward name -> how it is built from (parts, kv cache, linear, quantize, attention, gemm_rows,
+# batch_invariant)
+FORWARDS: dict[str, Callable[[ModelParts, KVCache, str, str, str, int, bool], Forward]] = {
     "fast": FastForward,
     "reference": lambda parts, kv, *_: ReferenceForward(parts, kv),
 }
 
 
-def _check_options(model: torch.nn.Module, impl: str, quantize: str, cuda_graphs: bool) -> None:
+def _check_options(
+    model: torch.nn.Module, impl: str, quantize: str, cuda_graphs: bool, batch_invariant: bool
+) -> None:
     if impl not in FORWARDS:
         raise ValueError(f"impl must be one of {sorted(FORWARDS)}, got {impl!r}")
+    if batch_invariant and impl != "fast":
+        raise ValueError(f"batch_invariant needs impl='fast', got {impl!r}")
     if quantize not in ("none", "int8"):
         raise ValueError(f"quantize must be none or int8, got {quantize!r}")
     if quantize != "none" and impl != "fast":
@@ -60,6 +65,7 @@ class ModelRunner:
         gemm_rows: int = 0,
         cuda_graphs: bool = False,
         max_model_len: int = 2048,
+        batch_invariant: bool = False,
     ) -> None:
         """impl: a forward of FORWARDS: "fast" (fused weights, vectorised planning, block-granular
         KV reads) or "reference" (the original per-module forward). linear: how the fast path
@@ -68,8 +74,9 @@ class ModelRunner:
         sdpa, matmul or paged; see ModelConfig.attention). gemm_rows: the most rows a bf16 product
         takes through the C gemm kernel (0: by the CPU; see ModelConfig.gemm_rows). cuda_graphs:
         decode and verify steps replay CUDA graphs (`verifier/cuda_graphs.py`; the fast forward
-        with attention "triton"), sized for sequences of up to max_model_len."""
-        _check_options(model, impl, quantize, cuda_graphs)
+        with attention "triton"), sized for sequences of up to max_model_len. batch_invariant: a
+        row's logits do not depend on what shares its forward (see ModelConfig.batch_invariant)."""
+        _check_options(model, impl, quantize, cuda_graphs, batch_invariant)
         self.impl = impl
         self.model = model
         self.parts = P = ModelParts.of(model)
@@ -82,7 +89,10 @@ class ModelRunner:
         geometry = (P.num_layers, P.num_kv_heads, P.head_dim, num_blocks, block_size, P.device, P.dtype)
         self.kv = KVCache(*geometry, scratch_block=cuda_graphs)
         self.block_size = block_size
-        self.forward_impl: Forward = FORWARDS[impl](P, self.kv, linear, quantize, attention, gemm_rows)
+        forward = FORWARDS[impl]
+        self.forward_impl: Forward = forward(
+            P, self.kv, linear, quantize, attention, gemm_rows, batch_invariant
+        )
         if cuda_graphs:
             assert isinstance(self.forward_impl, FastForward)
             capture = CudaCapture() if P.device.type == "cuda" else EagerReplay()

@@ -4,6 +4,11 @@
 #define DSPARK_CSRC_KERNELS_H
 #include <stdint.h>
 
+/* small_gemm_ex flags */
+#define GEMM_INVARIANT 1 /* one order of sums per row whatever the row count */
+#define GEMM_F32_OUT 2   /* float32 outputs, unrounded */
+void small_gemm_ex(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, void *y,
+                   int M, int N, int K, int flags);
 void small_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
                 uint16_t *y, int M, int N, int K);
 void small_gemm_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y,
@@ -23,6 +28,13 @@ void rope_store(void *q, int64_t q_stride, int64_t q_hstride, const void *k, int
 int markov_greedy_walk(const void *base, int base_dtype, const int64_t *anchor, const void *w1,
                        const void *w2, int dtype, const int64_t *d2t, int B, int K, int V, int r,
                        int64_t *tokens, int64_t *prevs);
+/* paged_attention_ex flags */
+#define ATTN_INVARIANT 1 /* every query row computed alone in one order (bf16: attend_item_bf16) */
+int paged_attention_ex(const void *q, int64_t q_stride, int64_t q_hstride, const void *k_cache,
+                       const void *v_cache, void *out, int dtype, int G, const int32_t *row0, const int32_t *n,
+                       const int32_t *start, const int32_t *block_table, int max_blocks, int block_shift,
+                       int64_t kv_token_stride, int64_t kv_head_stride, int causal, int H, int Hkv, int D,
+                       float scale, int flags);
 int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const void *k_cache,
                     const void *v_cache, void *out, int dtype, int G, const int32_t *row0,
                     const int32_t *n, const int32_t *start, const int32_t *block_table, int max_blocks,

@@ -71,6 +71,10 @@ static inline void softmax_row(float *sr, int len) {
     for (int j = 0; j < len; j++) sr[j] *= inv;
 }
 
+/* softmax_row with its sums in an order set by len alone (not by the row's alignment, or by how
+ * a compiler splits a loop): for batch-invariant attention; defined below */
+static inline void softmax_row_fixed(float *sr, int len);
+
 /* The item's query rows (heads h0.., tokens r0..), widened and scaled, to qf [nh * nq][D] */
 static inline __attribute__((always_inline)) void load_queries(
     const void *q, int64_t q_stride, int64_t q_hstride, int dtype, int D, float scale, int r0,
@@ -91,7 +95,8 @@ static inline __attribute__((always_inline)) void attend_item(
     int64_t kv_stride, void *out,
     int dtype, int H, int D, float scale, int causal, int r0, int nq, int s0,
     const int32_t *blocks, int block_shift, int h0, int nh, int64_t max_keys, float *scores,
-    float *qf, float *acc, float *row) {
+    float *qf, float *acc, float *row, int fixed) {
+    const int64_t sst = max_keys + 16; /* a score row, room for softmax_row_fixed's last 8 */
     int block_size = 1 << block_shift;
     int nkeys = s0 + nq;
     load_queries(q, q_stride, q_hstride, dtype, D, scale, r0, nq, h0, nh, qf);
@@ -108,11 +113,15 @@ static inline __attribute__((always_inline)) void attend_item(
                 float s = 0.0f;
 #pragma omp simd reduction(+ : s)
                 for (int d = 0; d < D; d++) s += qi[d] * row[d];
-                scores[((size_t)hi * nq + i) * max_keys + j] = s;
+                scores[((size_t)hi * nq + i) * sst + j] = s;
             }
     }
     for (int r = 0; r < nh * nq; r++) {
-        softmax_row(scores + (size_t)r * max_keys, causal ? s0 + r % nq + 1 : nkeys);
+        int len = causal ? s0 + r % nq + 1 : nkeys;
+        if (fixed)
+            softmax_row_fixed(scores + (size_t)r * sst, len);
+        else
+            softmax_row(scores + (size_t)r * sst, len);
         memset(acc + (size_t)r * D, 0, sizeof(float) * (size_t)D);
     }
     for (int j = 0; j < nkeys; j++) {
@@ -122,7 +131,7 @@ static inline __attribute__((always_inline)) void attend_item(
         for (int hi = 0; hi < nh; hi++)
             for (int i = first; i < nq; i++) {
                 size_t r = (size_t)hi * nq + i;
-                float p = scores[r * max_keys + j];
+                float p = scores[r * sst + j];
                 float *ar = acc + r * D;
                 for (int d = 0; d < D; d++) ar[d] += p * row[d];
             }
@@ -144,7 +153,8 @@ static inline __attribute__((always_inline)) void attend_item_tiled(
     int64_t kv_stride, void *out,
     int dtype, int H, int D, float scale, int causal, int r0, int nq, int s0,
     const int32_t *blocks, int block_shift, int h0, int nh, int64_t max_keys, float *scores,
-    float *qf, float *acc, float *tile) {
+    float *qf, float *acc, float *tile, int fixed) {
+    (void)fixed; /* never run batch-invariant: its order of sums depends on the item's rows */
     int block_size = 1 << block_shift;
     int nkeys = s0 + nq;
     int rows = nh * nq;
@@ -240,6 +250,71 @@ static inline void tile_slots(const int32_t *blocks, int block_shift, int j0, in
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp_nonpos's maths on 8 lanes, each multiply-add explicit (the same bits whatever the lane) */
+static inline __m256 exp_nonpos8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* softmax_row in 8-lane steps from key 0, the last step's lanes past len zeroed (sr has room up
+ * to len rounded up to 8): every sum in one order set by len alone, not by the buffer's
+ * alignment or by how a compiler peels a loop. */
+static inline void softmax_row8(float *sr, int len) {
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    int full = len & ~7;
+    for (int j = 0; j < full; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sr + j));
+    __m256 tail_mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(len - full), iota));
+    if (full < len)
+        m8 = _mm256_max_ps(m8, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(sr + full), tail_mask));
+    float mv[8], m;
+    _mm256_storeu_ps(mv, m8);
+    m = mv[0];
+    for (int t = 1; t < 8; t++) m = mv[t] > m ? mv[t] : m;
+    __m256 vm = _mm256_set1_ps(m), s8 = _mm256_setzero_ps();
+    for (int j = 0; j < len; j += 8) {
+        __m256 e = exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vm));
+        if (j == full) e = _mm256_and_ps(e, tail_mask);
+        _mm256_storeu_ps(sr + j, e);
+        s8 = _mm256_add_ps(s8, e);
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    __m256 inv = _mm256_set1_ps(1.0f / _mm_cvtss_f32(h));
+    for (int j = 0; j < len; j += 8) _mm256_storeu_ps(sr + j, _mm256_mul_ps(_mm256_loadu_ps(sr + j), inv));
+}
+
+#endif
+
+static inline void softmax_row_fixed(float *sr, int len) {
+#if defined(__AVX2__) && defined(__FMA__)
+    softmax_row8(sr, len);
+#else
+    float m = sr[0]; /* one element at a time: volatile keeps the compiler from reordering sums */
+    for (int j = 1; j < len; j++) m = sr[j] > m ? sr[j] : m;
+    volatile float sum = 0.0f;
+    for (int j = 0; j < len; j++) {
+        sr[j] = exp_nonpos(sr[j] - m);
+        sum = sum + sr[j];
+    }
+    float inv = 1.0f / sum;
+    for (int j = 0; j < len; j++) sr[j] *= inv;
+#endif
+}
+
 #ifdef __AVX512BF16__
 /* o[t] = sum of the 16 lanes of v[t], t < 16: a transpose-and-add tree (45 instructions for all
  * 16, instead of a horizontal sum per vector) */
@@ -272,7 +347,8 @@ static inline __m512 widen16(const uint16_t *p) {
 static inline __attribute__((always_inline)) void attend_item_bf16(
     const void *q, int64_t q_stride, int64_t q_hstride, const void *kh, const void *vh,
     int64_t kv_stride, void *out, int H, int D, float scale, int causal, int r0, int nq, int s0,
-    const int32_t *blocks, int block_shift, int h0, int nh, int64_t max_keys, float *scores) {
+    const int32_t *blocks, int block_shift, int h0, int nh, int64_t max_keys, float *scores,
+    int fixed_softmax) {
     const int block_size = 1 << block_shift;
     const int nkeys = s0 + nq, rows = nh * nq, C = D / 32; /* zmm of bf16 per row */
     const uint16_t *kb = (const uint16_t *)kh, *vb = (const uint16_t *)vh;
@@ -308,7 +384,12 @@ static inline __attribute__((always_inline)) void attend_item_bf16(
     for (int r = 0; r < rows; r++) {
         float *sr = scores + (size_t)r * stride16;
         int len = causal ? s0 + r % nq + 1 : nkeys;
-        softmax_row(sr, len);
+#if defined(__AVX2__) && defined(__FMA__)
+        if (fixed_softmax) /* sums in an order set by len alone, not by the row's alignment */
+            softmax_row8(sr, len);
+        else
+#endif
+            softmax_row(sr, len);
         for (int j = len; j < nkeys; j++) sr[j] = 0.0f; /* keys the row may not see weigh 0 */
     }
     /* RB rows' accumulators (RB * D / 16 zmm) stay in registers across the keys */
@@ -660,52 +741,6 @@ static inline __m256 sum8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 
-/* exp_nonpos's maths on 8 lanes, each multiply-add explicit (the same bits whatever the lane) */
-static inline __m256 exp_nonpos8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-/* softmax_row in 8-lane steps from key 0, the last step's lanes past len zeroed (sr has room up
- * to len rounded up to 8): every sum in one order set by len alone, not by the buffer's
- * alignment or by how a compiler peels a loop. */
-static inline void softmax_row8(float *sr, int len) {
-    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 m8 = _mm256_set1_ps(-INFINITY);
-    int full = len & ~7;
-    for (int j = 0; j < full; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sr + j));
-    __m256 tail_mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(len - full), iota));
-    if (full < len)
-        m8 = _mm256_max_ps(m8, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(sr + full), tail_mask));
-    float mv[8], m;
-    _mm256_storeu_ps(mv, m8);
-    m = mv[0];
-    for (int t = 1; t < 8; t++) m = mv[t] > m ? mv[t] : m;
-    __m256 vm = _mm256_set1_ps(m), s8 = _mm256_setzero_ps();
-    for (int j = 0; j < len; j += 8) {
-        __m256 e = exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vm));
-        if (j == full) e = _mm256_and_ps(e, tail_mask);
-        _mm256_storeu_ps(sr + j, e);
-        s8 = _mm256_add_ps(s8, e);
-    }
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    __m256 inv = _mm256_set1_ps(1.0f / _mm_cvtss_f32(h));
-    for (int j = 0; j < len; j += 8) _mm256_storeu_ps(sr + j, _mm256_mul_ps(_mm256_loadu_ps(sr + j), inv));
-}
-
 /* The work item in float32 on a CPU with AVX2 and FMA (D a multiple of 8, at most 256): the
  * scores of a query row against 8 keys are 8 dot products over D in register accumulators (four
  * keys in flight), summed by one sum8 tree and scaled; the softmax as everywhere; each output row
@@ -774,10 +809,10 @@ static void attend(const void *q, int64_t q_stride, int64_t q_hstride, const voi
                    int64_t kv_stride, void *out, int dtype, int H, int D, float scale, int causal,
                    int r0, int nq, int s0, const int32_t *blocks, int block_shift, int h0, int nh,
                    int64_t max_keys, float *scores, float *qf, float *acc, float *row, uint32_t *vbuf,
-                   int amx, uint16_t *qbuf) {
+                   int amx, uint16_t *qbuf, int invariant) {
 #define ATTEND_WITH(FN, DD)                                                                        \
     FN(q, q_stride, q_hstride, kh, vh, kv_stride, out, dtype, H, DD, scale, causal, r0, nq, s0,  \
-       blocks, block_shift, h0, nh, max_keys, scores, qf, acc, row)
+       blocks, block_shift, h0, nh, max_keys, scores, qf, acc, row, invariant)
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if (amx && nh * nq >= AMX_ATTN_ROWS) { /* amx: the caller checked dtype, D and the tiles */
         if (D == 64)
@@ -794,7 +829,7 @@ static void attend(const void *q, int64_t q_stride, int64_t q_hstride, const voi
 #endif
 #ifdef __AVX512BF16__
     if (dtype == 1 && D % 32 == 0 && D <= 256) {
-        if (nh * nq >= BF16_ROWS && (D == 64 || D == 128)) {
+        if (nh * nq >= BF16_ROWS && (D == 64 || D == 128) && !invariant) {
             if (D == 64)
                 attend_item_bf16_rows(q, q_stride, q_hstride, kh, vh, kv_stride, out, H, 64, scale, causal, r0,
                                       nq, s0, blocks, block_shift, h0, nh, max_keys, scores, (uint32_t *)row, vbuf);
@@ -805,10 +840,10 @@ static void attend(const void *q, int64_t q_stride, int64_t q_hstride, const voi
         }
         if (D == 64)
             attend_item_bf16(q, q_stride, q_hstride, kh, vh, kv_stride, out, H, 64, scale, causal, r0,
-                             nq, s0, blocks, block_shift, h0, nh, max_keys, scores);
+                             nq, s0, blocks, block_shift, h0, nh, max_keys, scores, invariant);
         else
             attend_item_bf16(q, q_stride, q_hstride, kh, vh, kv_stride, out, H, D, scale, causal, r0,
-                             nq, s0, blocks, block_shift, h0, nh, max_keys, scores);
+                             nq, s0, blocks, block_shift, h0, nh, max_keys, scores, invariant);
         return;
     }
 #endif
@@ -823,7 +858,7 @@ static void attend(const void *q, int64_t q_stride, int64_t q_hstride, const voi
         return;
     }
 #endif
-    if (nh * nq >= TILED_ROWS) {
+    if (nh * nq >= TILED_ROWS && !invariant) {
         if (D == 64) ATTEND_WITH(attend_item_tiled, 64);
         else if (D == 128) ATTEND_WITH(attend_item_tiled, 128);
         else ATTEND_WITH(attend_item_tiled, D);
@@ -866,12 +901,12 @@ int paged_attention_f32_row_invariant(void) {
  * start + i, 0 every query sees all start + n keys. Work items are (segment, kv head) with all
  * its query heads, or (segment, query head) when that is too few items to share between the
  * threads. Returns 0, or -1 when a work buffer could not be allocated. */
-int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const void *k_cache,
-                    const void *v_cache,
-                    void *out, int dtype, int G, const int32_t *row0, const int32_t *n,
-                    const int32_t *start, const int32_t *block_table, int max_blocks,
-                    int block_shift, int64_t kv_token_stride, int64_t kv_head_stride, int causal,
-                    int H, int Hkv, int D, float scale) {
+int paged_attention_ex(const void *q, int64_t q_stride, int64_t q_hstride, const void *k_cache,
+                       const void *v_cache, void *out, int dtype, int G, const int32_t *row0, const int32_t *n,
+                       const int32_t *start, const int32_t *block_table, int max_blocks, int block_shift,
+                       int64_t kv_token_stride, int64_t kv_head_stride, int causal, int H, int Hkv, int D,
+                       float scale, int flags) {
+    const int invariant = (flags & ATTN_INVARIANT) != 0;
     int failed = 0;
     int threads = omp_get_max_threads();
     int group = H / Hkv;
@@ -884,7 +919,7 @@ int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const vo
     }
     int chunk = max_q; /* query tokens per item */
 #ifdef __AVX512BF16__
-    if (dtype == 1 && (D == 64 || D == 128) && max_q >= 4) {
+    if (dtype == 1 && (D == 64 || D == 128) && max_q >= 4 && !invariant) {
         /* many rows a segment (verify blocks, prefill pieces, the drafter's block): every query
          * head of a kv head in one item, so its key tiles are transposed and its value rows
          * paired once (attend_item_bf16_rows), and the segment's tokens split into chunks so
@@ -905,7 +940,7 @@ int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const vo
     int amx = 0; /* items of AMX_ATTN_ROWS rows or more on the tiles */
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     amx = dtype == 1 && (D == 64 || D == 128) && nh * (chunk < max_q ? chunk : max_q) >= AMX_ATTN_ROWS &&
-          amx_allowed();
+          !invariant && amx_allowed();
 #endif
 #pragma omp parallel
     {
@@ -944,7 +979,7 @@ int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const vo
             const int32_t *blocks = block_table + (int64_t)g * max_blocks;
             attend(q, q_stride, q_hstride, kh, vh, kv_token_stride, out, dtype, H, D, scale, causal,
                    row0[g] + i0, nc, causal ? start[g] + i0 : start[g] + n[g] - nc, blocks, block_shift,
-                   h0, nh, max_keys, scores, qf, acc, row, vbuf, amx, qbuf);
+                   h0, nh, max_keys, scores, qf, acc, row, vbuf, amx, qbuf, invariant);
         }
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
         if (amx) _tile_release();
@@ -957,6 +992,16 @@ int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const vo
         free(vbuf);
     }
     return failed ? -1 : 0;
+}
+
+int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const void *k_cache,
+                    const void *v_cache, void *out, int dtype, int G, const int32_t *row0, const int32_t *n,
+                    const int32_t *start, const int32_t *block_table, int max_blocks, int block_shift,
+                    int64_t kv_token_stride, int64_t kv_head_stride, int causal, int H, int Hkv, int D,
+                    float scale) {
+    return paged_attention_ex(q, q_stride, q_hstride, k_cache, v_cache, out, dtype, G, row0, n, start,
+                              block_table, max_blocks, block_shift, kv_token_stride, kv_head_stride, causal, H,
+                              Hkv, D, scale, 0);
 }
 
 /* Rotary embedding of a step's new tokens and their K/V written to the paged cache, in one pass

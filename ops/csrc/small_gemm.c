@@ -48,6 +48,19 @@ static inline void store_outputs(uint16_t *y, const float acc[NB], const uint16_
 #endif
 }
 
+/* the same outputs unrounded (float32 logits: the LM head of a batch-invariant forward) */
+static inline void store_outputs_f32(float *y, const float acc[NB], const uint16_t *bias, int nc) {
+    for (int j = 0; j < nc; j++) y[j] = acc[j] + (bias ? bf16_to_f32(bias[j]) : 0.0f);
+}
+
+/* a row's nc outputs, rounded to bf16 or (f32) left float32: y is the [M, N] output's row */
+static inline void store_row(void *y, int f32, size_t offset, const float acc[NB], const uint16_t *bias, int nc) {
+    if (f32)
+        store_outputs_f32((float *)y + offset, acc, bias, nc);
+    else
+        store_outputs((uint16_t *)y + offset, acc, bias, nc);
+}
+
 /* W [N, K] (row stride K) -> packed [ceil(N/16)][K/2][16][2]; rows past N are zero. K even. */
 void small_gemm_pack(const uint16_t *W, uint16_t *packed, int N, int K) {
     int blocks = (N + NB - 1) / NB;
@@ -197,9 +210,12 @@ static inline void amx_block(const uint16_t *wb, const uint16_t *const *xc, cons
     if (c > 4) _tile_stored(6, acc[64], 64);
 }
 
-/* Returns 0, or -1 when the padded copy of a last partial chunk could not be allocated. */
+/* Returns 0, or -1 when the padded copy of a last partial chunk could not be allocated.
+ * invariant: every chunk of 16 rows alone (amx_block's one-chunk order of sums, whatever M), so
+ * a row's outputs do not depend on how many rows share the call; else up to AMX_CHUNKS chunks
+ * share each B tile load. f32: float32 outputs (y float *), else bf16. */
 static int small_gemm_amx(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
-                          uint16_t *y, int M, int N, int K) {
+                          void *y, int M, int N, int K, int invariant, int f32) {
     int blocks = (N + NB - 1) / NB;
     int full = M / 16, tail = M % 16;
     uint16_t *pad = NULL; /* the last partial chunk's rows, zero-padded to 16 */
@@ -218,8 +234,9 @@ static int small_gemm_amx(const uint16_t *x, int64_t x_stride, const uint16_t *p
         for (int b = 0; b < blocks; b++) {
             const uint16_t *wb = packed + (size_t)b * (K / 2) * NB * 2;
             int n0 = b * NB, nc = N - n0 < NB ? N - n0 : NB;
-            for (int c0 = 0; c0 < chunks; c0 += AMX_CHUNKS) {
-                int c = chunks - c0 < AMX_CHUNKS ? chunks - c0 : AMX_CHUNKS;
+            const int per = invariant ? 1 : AMX_CHUNKS;
+            for (int c0 = 0; c0 < chunks; c0 += per) {
+                int c = chunks - c0 < per ? chunks - c0 : per;
                 const uint16_t *xc[AMX_CHUNKS];
                 size_t xs[AMX_CHUNKS];
                 for (int i = 0; i < c; i++) {
@@ -231,7 +248,7 @@ static int small_gemm_amx(const uint16_t *x, int64_t x_stride, const uint16_t *p
                 amx_block(wb, xc, xs, c, K, short_call ? M : 16, acc);
                 int rows = c0 + c > full ? 16 * (c - 1) + tail : 16 * c;
                 for (int m = 0; m < rows; m++)
-                    store_outputs(y + (size_t)(16 * c0 + m) * N + n0, acc[m], bias ? bias + n0 : NULL, nc);
+                    store_row(y, f32, (size_t)(16 * c0 + m) * N + n0, acc[m], bias ? bias + n0 : NULL, nc);
             }
         }
         _tile_release();
@@ -252,12 +269,19 @@ int small_gemm_tiles(void) {
 }
 
 /* x: [M, K] with row stride x_stride (elements); packed from small_gemm_pack; bias: [N] or
- * NULL; y: [M, N] contiguous. */
-void small_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
-                uint16_t *y, int M, int N, int K) {
+ * NULL; y: [M, N] contiguous, bf16, or float32 with GEMM_F32_OUT in flags. GEMM_INVARIANT: one
+ * order of sums per row whatever M (on AMX tiles for every row count, one chunk of 16 rows at
+ * a time, where the CPU has them; else the AVX512 path, whose rows never share sums), so a
+ * row's outputs do not depend on what shares the call. */
+void small_gemm_ex(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                   void *y, int M, int N, int K, int flags) {
+    const int invariant = (flags & GEMM_INVARIANT) != 0, f32 = (flags & GEMM_F32_OUT) != 0;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-    if (M >= AMX_MIN_ROWS && K % 32 == 0 && amx_allowed() && small_gemm_amx(x, x_stride, packed, bias, y, M, N, K) == 0)
+    if ((M >= AMX_MIN_ROWS || invariant) && K % 32 == 0 && amx_allowed() &&
+        small_gemm_amx(x, x_stride, packed, bias, y, M, N, K, invariant, f32) == 0)
         return;
+#else
+    (void)invariant;
 #endif
     int blocks = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static)
@@ -288,9 +312,14 @@ void small_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, con
             default: block_dot(wb, xm, x_stride, K, MB, acc); break;
             }
             for (int m = 0; m < mc; m++)
-                store_outputs(y + (size_t)(m0 + m) * N + n0, acc[m], bias ? bias + n0 : NULL, nc);
+                store_row(y, f32, (size_t)(m0 + m) * N + n0, acc[m], bias ? bias + n0 : NULL, nc);
         }
     }
+}
+
+void small_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                uint16_t *y, int M, int N, int K) {
+    small_gemm_ex(x, x_stride, packed, bias, y, M, N, K, 0);
 }
 
 /* ---- float32 ---------------------------------------------------------------------------------

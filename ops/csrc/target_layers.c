@@ -27,9 +27,10 @@ typedef struct {
 } TargetLayer;
 
 static void gemm(int bf16, const void *x, int64_t xs, const void *w, const void *b, void *y, int M, int N,
-                 int K) {
+                 int K, int invariant) {
     if (bf16)
-        small_gemm((const uint16_t *)x, xs, (const uint16_t *)w, (const uint16_t *)b, (uint16_t *)y, M, N, K);
+        small_gemm_ex((const uint16_t *)x, xs, (const uint16_t *)w, (const uint16_t *)b, y, M, N, K,
+                      invariant ? GEMM_INVARIANT : 0);
     else
         small_gemm_f32((const float *)x, xs, (const float *)w, (const float *)b, (float *)y, M, N, K);
 }
@@ -53,14 +54,15 @@ static void tap(const char *rows, char *taps, int col, int ntaps, int T, int d, 
  * v_caches: per layer the head-major pool [Hkv, num_slots, D]; cos / sin [T, D] (rotate_half's
  * sign folded into sin); slots [T] int64; G .. block_shift: the attention's causal segment
  * pieces. tap_col [L + 1]: for the embeddings (0) and after each layer l (l + 1) the column
- * block of taps [T, ntaps * d] that receives a copy, or -1. Returns 0, or -1 when a buffer could
- * not be allocated or the attention failed. */
+ * block of taps [T, ntaps * d] that receives a copy, or -1. invariant: the products and the
+ * attention in their batch-invariant orders (GEMM_INVARIANT, ATTN_INVARIANT). Returns 0, or -1
+ * when a buffer could not be allocated or the attention failed. */
 int target_layers(const TargetLayer *layers, int L, int bf16, void *const *k_caches, void *const *v_caches,
                   int64_t num_slots, void *h, void *x, const void *first_norm, float first_eps,
                   const void *cos, const void *sin, const int64_t *slots, int G, const int32_t *row0,
                   const int32_t *nseg, const int32_t *start, const int32_t *table, int max_blocks,
                   int block_shift, int T, int d, int H, int Hkv, int D, int I, float scale,
-                  const int32_t *tap_col, void *taps, int ntaps) {
+                  const int32_t *tap_col, void *taps, int ntaps, int invariant) {
     const int nq = H * D, nk = Hkv * D, nqkv = nq + 2 * nk, dt = bf16 ? 1 : 0;
     const size_t es = bf16 ? 2 : 4;
     char *qkv = malloc(es * (size_t)T * nqkv), *att = malloc(es * (size_t)T * nq);
@@ -72,20 +74,21 @@ int target_layers(const TargetLayer *layers, int L, int bf16, void *const *k_cac
     }
     for (int l = 0; l < L && rc == 0; l++) {
         const TargetLayer *w = layers + l;
-        gemm(bf16, x, d, w->qkv, w->qkv_bias, qkv, T, nqkv, d);
+        gemm(bf16, x, d, w->qkv, w->qkv_bias, qkv, T, nqkv, d, invariant);
         rope_store(qkv, nqkv, D, qkv + es * nq, nqkv, D, qkv + es * (nq + nk), nqkv, cos, sin, slots,
                    k_caches[l], v_caches[l], num_slots, dt, T, H, Hkv, D);
-        rc = paged_attention(qkv, nqkv, D, k_caches[l], v_caches[l], att, dt, G, row0, nseg, start, table,
-                             max_blocks, block_shift, D, num_slots * D, 1, H, Hkv, D, scale);
+        rc = paged_attention_ex(qkv, nqkv, D, k_caches[l], v_caches[l], att, dt, G, row0, nseg, start, table,
+                                max_blocks, block_shift, D, num_slots * D, 1, H, Hkv, D, scale,
+                                invariant ? ATTN_INVARIANT : 0);
         if (rc != 0) break;
-        gemm(bf16, att, nq, w->o, w->o_bias, o, T, d, nq);
+        gemm(bf16, att, nq, w->o, w->o_bias, o, T, d, nq, invariant);
         norm(bf16, h, o, d, w->post_norm, x, T, d, w->post_eps);
-        gemm(bf16, x, d, w->gate_up, NULL, gu, T, 2 * I, d);
+        gemm(bf16, x, d, w->gate_up, NULL, gu, T, 2 * I, d, invariant);
         if (bf16)
             silu_mul((const uint16_t *)gu, (uint16_t *)act, T, I);
         else
             silu_mul_f32((const float *)gu, (float *)act, T, I);
-        gemm(bf16, act, I, w->down, w->down_bias, o, T, d, I);
+        gemm(bf16, act, I, w->down, w->down_bias, o, T, d, I, invariant);
         norm(bf16, h, o, d, w->next_norm, x, T, d, w->next_eps);
         if (tap_col[l + 1] >= 0)
             tap((const char *)(l == L - 1 ? x : h), (char *)taps, tap_col[l + 1], ntaps, T, d, es);
