@@ -189,18 +189,30 @@ def check_paged_kv_rollback(device: torch.device, dtype: torch.dtype = torch.flo
 
 @dataclass(frozen=True)
 class ForwardMode:
-    """How the target's fast forward runs on the device: its attention and CUDA graphs."""
+    """How the target's fast forward runs on the device: its attention, CUDA graphs, and whether
+    it is batch-invariant (`ModelConfig.batch_invariant`)."""
 
     attention: str
     cuda_graphs: bool
+    batch_invariant: bool = False
 
     @property
     def name(self) -> str:
-        return self.attention + ("+graphs" if self.cuda_graphs else "")
+        return (
+            self.attention
+            + ("+graphs" if self.cuda_graphs else "")
+            + ("+invariant" if self.batch_invariant else "")
+        )
 
 
-MODES = (ForwardMode("sdpa", False), ForwardMode("triton", False), ForwardMode("triton", True))
-"""Eager torch attention, then the Triton kernel, then the Triton kernel under CUDA graphs."""
+MODES = (
+    ForwardMode("sdpa", False),
+    ForwardMode("triton", False),
+    ForwardMode("triton", True),
+    ForwardMode("triton", True, batch_invariant=True),
+)
+"""Eager torch attention, then the Triton kernel, then the Triton kernel under CUDA graphs, then
+that batch-invariant (its cost beside the others')."""
 
 
 def mode_runner(
@@ -213,7 +225,66 @@ def mode_runner(
         attention=mode.attention,
         cuda_graphs=mode.cuda_graphs,
         max_model_len=max_model_len,
+        batch_invariant=mode.batch_invariant,
     )
+
+
+def check_batch_invariance(device: torch.device, n: int = 24) -> CheckResult:
+    """With the batch-invariant forward (on CUDA: Triton attention and matmul under CUDA graphs;
+    on a CPU: the C kernels, or Triton's interpreter without a compiler), a tiny Qwen3 in bf16
+    (fp16 under the interpreter, whose bf16 dot is wrong) gives plain decoding's greedy text
+    alone, in a batch, and under speculation (replay drafter, static:4), and seeded sampling
+    the same text with and without it. The default forward's agreement on the same comparisons
+    is reported beside it (not required)."""
+    from dspark_serve.ops import triton_attention
+    from dspark_serve.ops.cpu_kernels import load_kernels
+
+    kernels = "triton" if device.type == "cuda" or load_kernels() is None else "c"
+    if kernels == "triton" and not triton_attention.available():
+        unavailable = "no Triton (or no CUDA and no interpreter)"
+        return CheckResult("batch_invariance", False, {"unavailable": unavailable})
+    dtype = torch.float16 if kernels == "triton" and triton_attention.interpreted() else torch.bfloat16
+    model = tiny_model("qwen3").to(device=device, dtype=dtype)
+    with torch.no_grad():  # flatter logits than tiny_model's: near-ties along the texts
+        model.lm_head.weight.mul_(0.25)
+    prompts = {f"r{i}": list(range(30 + i, 30 + i + m)) for i, m in enumerate((4, 19, 33, 8))}
+    seeded = SamplingParams(temperature=0.8, seed=7)
+    graphs = device.type == "cuda"
+
+    def texts(invariant: bool, sampling, policy: str, together: bool, refs=None) -> dict[str, list[int]]:
+        drafter = None if refs is None else ReplayDrafter(refs, vocab_size=257, block_size=4, accept_rate=0.7)
+        mode = ForwardMode("triton" if kernels == "triton" else "auto", graphs, batch_invariant=invariant)
+        out: dict[str, list[int]] = {}
+        engine = Engine(
+            mode_runner(model, mode, 256, 4, 512),
+            ByteTokenizer(),
+            SchedulerConfig(verify_policy=policy, max_num_batched_tokens=40),
+            max_model_len=512,
+            drafter=drafter,
+        )
+        groups = [list(prompts.items())] if together else [[kv] for kv in prompts.items()]
+        for group in groups:
+            reqs = [Request(k, p, sampling, max_tokens=n, ignore_eos=True) for k, p in group]
+            drain(engine, reqs)
+            out.update({r.request_id: r.output_ids for r in reqs})
+        return out
+
+    details: dict = {"kernels": kernels, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs}
+    passed = True
+    for invariant in (True, False):
+        alone = texts(invariant, GREEDY, "none", together=False)
+        refs = {tuple(prompts[k]): v for k, v in alone.items()}
+        sampled = texts(invariant, seeded, "none", together=False)
+        same = {
+            "plain_batched": texts(invariant, GREEDY, "none", True) == alone,
+            "spec_alone": texts(invariant, GREEDY, "static:4", False, refs) == alone,
+            "spec_batched": texts(invariant, GREEDY, "static:4", True, refs) == alone,
+            "seeded_spec_batched": texts(invariant, seeded, "static:4", True, refs) == sampled,
+        }
+        details["invariant" if invariant else "default"] = same
+        if invariant:
+            passed = all(same.values())
+    return CheckResult("batch_invariance", passed, details)
 
 
 def check_forward_modes(device: torch.device, n: int = 20, num_prompts: int = 5) -> CheckResult:
@@ -297,4 +368,5 @@ def run_all(device: torch.device) -> list[CheckResult]:
         check_rejection_statistics(device),
         check_paged_kv_rollback(device),
         check_forward_modes(device),
+        check_batch_invariance(device),
     ]

@@ -342,6 +342,7 @@ class Suite:
     # -- 1. correctness on the device -------------------------------------------------------
     def checks(self, res: dict) -> bool:
         from bench.device_checks import (
+            check_batch_invariance,
             check_forward_modes,
             check_greedy_equality,
             check_paged_kv_rollback,
@@ -354,6 +355,7 @@ class Suite:
             check_greedy_equality,
             check_rejection_statistics,
             check_paged_kv_rollback,
+            functools.partial(check_batch_invariance, n=self.cfg.check_tokens),
         ):
             t0 = time.monotonic()
             try:

@@ -41,7 +41,12 @@ class CharTokenizer:
 
 
 def tiny_model(
-    kind: str = "llama", vocab: int = 257, seed: int = 0, layers: int = 2, dtype=torch.float32, head_dim: int = 16
+    kind: str = "llama",
+    vocab: int = 257,
+    seed: int = 0,
+    layers: int = 2,
+    dtype=torch.float32,
+    head_dim: int = 16,
 ):
     from transformers import (
         LlamaConfig,

@@ -34,12 +34,20 @@ PARTS = (
 )
 
 
-def measure(policy: str, concurrency: list[int], steps: int, drafter: str) -> list[dict]:
+def measure(
+    policy: str, concurrency: list[int], steps: int, drafter: str, mode: str = "default"
+) -> list[dict]:
     from dspark_serve.ops.sampling_params import SamplingParams
     from dspark_serve.scheduler.llm import LLM
     from dspark_serve.scheduler.request import Request
 
-    llm = LLM(drafter=drafter, verify_policy=policy, draft_gate=False, max_num_seqs=max(concurrency))
+    llm = LLM(
+        drafter=drafter,
+        verify_policy=policy,
+        draft_gate=False,
+        max_num_seqs=max(concurrency),
+        batch_invariant=mode == "batch_invariant",
+    )
     eng = llm.engine
     spent: collections.Counter[str] = collections.Counter()
 
@@ -71,6 +79,7 @@ def measure(policy: str, concurrency: list[int], steps: int, drafter: str) -> li
         walls, made = timed_steps(eng, reqs, steps)
         row = {
             "policy": policy,
+            "mode": mode,
             "concurrency": c,
             "step_ms_median": statistics.median(walls) * 1e3,
             "tokens_per_step": made / steps,
@@ -80,7 +89,7 @@ def measure(policy: str, concurrency: list[int], steps: int, drafter: str) -> li
         row |= {f"{k.strip('_')}_ms": v / steps * 1e3 for k, v in spent.items()}
         rows.append(row)
         print(
-            f"{policy:10s} C={c:3d} step {row['step_ms_median']:6.1f} ms  "
+            f"{policy:10s} {mode[:7]} C={c:3d} step {row['step_ms_median']:6.1f} ms  "
             f"{row['tokens_per_step']:5.1f} tok/step  {row['decode_tps']:6.1f} tok/s | "
             + " ".join(f"{k} {v:5.1f}" for k, v in row.items() if k.endswith("_ms")),
             flush=True,
@@ -99,22 +108,36 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2, help="passes over the policies (medians kept)")
     ap.add_argument("--drafter", default="dspark+ngram")
+    ap.add_argument(
+        "--modes",
+        type=lambda s: s.split(","),
+        default=["default"],
+        help="forwards to compare: default, batch_invariant (ModelConfig.batch_invariant)",
+    )
     args = timing_args(ap)
     rows = []
+    arms = [(m, p) for m in args.modes for p in args.policies]
     for rnd in range(args.rounds):
-        for p in args.policies if rnd % 2 == 0 else args.policies[::-1]:
-            rows += [dict(r, round=rnd) for r in measure(p, args.concurrency, args.steps, args.drafter)]
+        for m, p in arms if rnd % 2 == 0 else arms[::-1]:
+            rows += [dict(r, round=rnd) for r in measure(p, args.concurrency, args.steps, args.drafter, m)]
     medians = []
-    for p in args.policies:
+    for m, p in arms:
         for c in args.concurrency:
-            rs = [r for r in rows if r["policy"] == p and r["concurrency"] == c]
+            rs = [r for r in rows if r["policy"] == p and r["mode"] == m and r["concurrency"] == c]
             medians.append(
-                {"policy": p, "concurrency": c, "decode_tps": statistics.median(r["decode_tps"] for r in rs)}
+                {
+                    "policy": p,
+                    "mode": m,
+                    "concurrency": c,
+                    "decode_tps": statistics.median(r["decode_tps"] for r in rs),
+                    "step_ms": statistics.median(r["step_ms_median"] for r in rs),
+                    "forward_ms": statistics.median(r.get("forward_ms", 0.0) for r in rs),
+                }
             )
-    plain = {m["concurrency"]: m["decode_tps"] for m in medians if m["policy"] == "none"}
+    plain = {(m["mode"], m["concurrency"]): m["decode_tps"] for m in medians if m["policy"] == "none"}
     for m in medians:
-        if m["concurrency"] in plain:
-            m["over_plain"] = m["decode_tps"] / plain[m["concurrency"]]
+        if (m["mode"], m["concurrency"]) in plain:
+            m["over_plain"] = m["decode_tps"] / plain[(m["mode"], m["concurrency"])]
     save_result(args, {"rows": rows, "medians": medians})
 
 

@@ -69,13 +69,14 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
+def tile_shape(group: int, max_query_len: int, invariant: bool = False) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_Q): rows of a program (query tokens x the heads of one kv head, a power of
     two, at least 16 for the tensor cores) and the query tokens they hold. Decode and verify
     steps take the smallest tile that holds a segment's block; prefill chunks a tall one, so a kv
-    tile read serves many queries."""
+    tile read serves many queries. invariant: the tall one for every step, so a row's products
+    run the same instructions whatever the step (batch invariance)."""
     need = max(16, triton_next_pow2(group))
-    rows = need if max_query_len * group <= need else max(64, need)
+    rows = need if max_query_len * group <= need and not invariant else max(64, need)
     return rows, rows // group
 
 
@@ -121,9 +122,12 @@ def paged_attention(
     block_size: int,
     scale: float,
     block_n: int = 32,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """q [T, H, D], k_cache/v_cache [Hkv, slots, D] (one layer, the new tokens' K/V already
-    written), out [T, H, D] -> out, every row attended over its segment's cache.
+    written), out [T, H, D] -> out, every row attended over its segment's cache. Keys are read
+    in tiles of block_n from key 0 whatever the step; invariant: one tile shape of queries too
+    (`tile_shape`), so a row's output is the same bits whatever else shares the step.
 
     float32 inputs multiply in IEEE float32 (no TF32), so float32 results match a float32
     reference; fp16/bf16 multiply in their own precision and accumulate in float32."""
@@ -137,7 +141,7 @@ def paged_attention(
     if T == 0 or S == 0:
         return out
     group = H // Hkv
-    block_m, block_q = tile_shape(group, segments.max_query_len)
+    block_m, block_q = tile_shape(group, segments.max_query_len, invariant)
     grid = (T // block_q + S, Hkv)
     _kernel()[grid](
         q, k_cache, v_cache, out, segments.cu_q, segments.starts, segments.table, scale, S,
@@ -170,7 +174,7 @@ class TritonElementwise:
             raise ValueError("add_rmsnorm needs rows with contiguous elements")
         out = torch.empty_like(h)
         if T:
-            _kernels().add_rmsnorm_kernel[(T,)](
+            kernels().add_rmsnorm_kernel[(T,)](
                 h, h if delta is None else delta, w, out, d, eps, h.stride(0),
                 0 if delta is None else delta.stride(0), out.stride(0),
                 HAS_DELTA=delta is not None, BLOCK=triton_next_pow2(d),
@@ -186,7 +190,7 @@ class TritonElementwise:
         block = min(1024, triton_next_pow2(n2 // 2))
         if T:
             grid = (T, -(-(n2 // 2) // block))
-            _kernels().silu_mul_kernel[grid](gu, out, n2 // 2, gu.stride(0), out.stride(0), BLOCK=block)
+            kernels().silu_mul_kernel[grid](gu, out, n2 // 2, gu.stride(0), out.stride(0), BLOCK=block)
         return out
 
     def __call__(
@@ -209,7 +213,7 @@ class TritonElementwise:
         if not (cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError("rope_store needs contiguous cos and sin")
         if T:
-            _kernels().rope_store_kernel[(T,)](
+            kernels().rope_store_kernel[(T,)](
                 q, k, v, cos, sin, slots, k_cache, v_cache,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 k_cache.stride(0), k_cache.stride(1),
@@ -218,7 +222,7 @@ class TritonElementwise:
             )  # fmt: skip
 
 
-def _kernels() -> Any:
+def kernels() -> Any:
     from dspark_serve.ops import triton_kernels
 
     if interpreted():

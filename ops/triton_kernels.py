@@ -196,3 +196,41 @@ def rope_store_kernel(
     at = kh * stride_ch + tl.load(slots_ptr + t) * stride_cs + d[None, :]
     tl.store(kc_ptr + at, (x * cos + xr * sin).to(kc_ptr.dtype.element_ty), mask=km)
     tl.store(vc_ptr + at, tl.load(v_ptr + t * stride_vt + kh * stride_vh + d[None, :], mask=km), mask=km)
+
+
+@triton.jit
+def matmul_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """y[M, N] = x[M, K] @ w[N, K]^T (+ b): one BLOCK_M x BLOCK_N tile of y a program, its sums
+    over K in BLOCK_K steps from k = 0, in float32, rounded once to y's dtype. The tile sizes are
+    the same for every M and there is no split over K, so an element's sums run in one order
+    whatever the row count: batch-invariant."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    rm = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + kk[None, :],
+            mask=(rm[:, None] < M) & (kk[None, :] < K),
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + rn[None, :] * stride_wn + kk[:, None],
+            mask=(rn[None, :] < N) & (kk[:, None] < K),
+            other=0.0,
+        )
+        acc += tl.dot(x, w, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        y_ptr + rm[:, None] * stride_ym + rn[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )

@@ -27,11 +27,20 @@ class CacheAttention:
     """q [T, H, D], k/v [T, Hkv, D] of one layer's new tokens -> [T, H * D]."""
 
     def __init__(
-        self, kind: str, kv: KVCache, num_heads: int, scaling: float, paged: PagedAttention | None
+        self,
+        kind: str,
+        kv: KVCache,
+        num_heads: int,
+        scaling: float,
+        paged: PagedAttention | None,
+        invariant: bool = False,
     ) -> None:
+        """invariant: the Triton kernel in its batch-invariant tile shape (the C kernel, `paged`,
+        carries its own mode)."""
         if kind == "paged" and paged is None:
             raise ValueError("attention 'paged' needs the paged C kernel")
         self.kind, self.kv, self.num_heads, self.scaling, self.paged = kind, kv, num_heads, scaling, paged
+        self.invariant = invariant
 
     def __call__(
         self, li: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, plan: FastPlan
@@ -48,7 +57,9 @@ class CacheAttention:
         if plan.varlen is not None:
             out = q.new_empty(q.shape)
             bs = self.kv.block_size
-            triton_attention.paged_attention(q, kc, vc, out, plan.varlen, bs, self.scaling)
+            triton_attention.paged_attention(
+                q, kc, vc, out, plan.varlen, bs, self.scaling, invariant=self.invariant
+            )
             return out.reshape(T, -1)
         if plan.p_segments is not None:
             assert self.paged is not None

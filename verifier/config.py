@@ -67,8 +67,10 @@ class ModelConfig:
     sums for every row count (no switching between it, AMX tiles and oneDNN by batch size),
     every query row attends alone in one order, and the LM head gives float32 logits, so
     greedy (and seeded) output is the same with and without speculation and batching in bf16
-    too. CPU (the C kernels; float32 on CPUs with AVX2 and FMA is batch-invariant anyway); it
-    costs speed on steps of many rows (bench/batch_invariance.py)."""
+    too. On a CPU the C kernels (float32 on CPUs with AVX2 and FMA is batch-invariant anyway);
+    on CUDA the Triton attention in one tile shape and a Triton matmul with fixed tiles and no
+    split over K for every product (cuBLAS picks its algorithm by the row count). It costs
+    speed on steps of many rows (bench/batch_invariance.py; on GPUs bench/gpu_suite.py)."""
     retain_freed_mib: int = 1024
     """CPU: freed host blocks of up to this many MiB stay with the process for the next step
     (glibc's malloc: its mmap and trim thresholds fixed there) instead of going back to the OS
@@ -117,13 +119,12 @@ class ModelConfig:
             self.forward != "fast"
             or self.quantize != "none"
             or self.linear not in ("auto", "gemm")
-            or self.attention not in ("auto", "paged")
-            or self.cuda_graphs
+            or self.attention not in ("auto", "paged", "triton")
         ):
             raise ValueError(
-                "batch_invariant needs forward 'fast', linear auto or gemm, attention auto or paged, no "
-                f"quantization and no CUDA graphs, got forward {self.forward!r}, linear {self.linear!r}, "
-                f"attention {self.attention!r}, quantize {self.quantize!r}, cuda_graphs {self.cuda_graphs!r}"
+                "batch_invariant needs forward 'fast', linear auto or gemm, attention auto, paged or "
+                f"triton and no quantization, got forward {self.forward!r}, linear {self.linear!r}, "
+                f"attention {self.attention!r}, quantize {self.quantize!r}"
             )
         if self.kv_block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"kv_block_size must be a power of two <= 256, got {self.kv_block_size!r}")

@@ -17,6 +17,7 @@ import torch
 from dspark_serve.ops import cpu_kernels
 from dspark_serve.ops.cpu_kernels import SmallGemmLinear, TargetLayers, TargetLayerWeights
 from dspark_serve.ops.linear import FastRMSNorm, Linear, make_linear
+from dspark_serve.ops.triton_linear import InvariantTritonLinear
 from dspark_serve.verifier.forward import ModelParts
 
 
@@ -63,14 +64,22 @@ class FastWeights:
     """The decoder layers' fused weights and products, the LM head and the final norm."""
 
     def __init__(
-        self, parts: ModelParts, linear: str, quantize: str, gemm_rows: int = 0, invariant: bool = False
+        self, parts: ModelParts, linear: str, quantize: str, gemm_rows: int = 0, invariant: str | None = None
     ) -> None:
-        """invariant: every product batch-invariant (`make_linear`), the LM head's logits float32."""
+        """invariant: every product batch-invariant, through the C gemm ("c", `make_linear`) or a
+        Triton matmul ("triton", `InvariantTritonLinear`), the LM head's logits float32; None:
+        the products `linear` picks."""
+        if invariant not in (None, "c", "triton"):
+            raise ValueError(f"invariant must be None, 'c' or 'triton', got {invariant!r}")
         self.layers: list[FastLayer] = []
         kinds: set[str] = set()
 
-        def lin(w: torch.Tensor, b: torch.Tensor | None) -> Linear:
-            return make_linear(w, b, linear, quantize, gemm_rows, invariant)
+        def lin(w: torch.Tensor, b: torch.Tensor | None, float_out: bool = False) -> Linear:
+            if invariant == "triton":
+                if quantize != "none":
+                    raise ValueError(f"a batch-invariant forward takes no quantization, got {quantize!r}")
+                return InvariantTritonLinear(w, b, float_out)
+            return make_linear(w, b, linear, quantize, gemm_rows, invariant == "c", float_out)
 
         for layer in parts.layers:
             wqkv, bqkv, wgu = _fuse(layer, parts, quantize)
@@ -89,9 +98,10 @@ class FastWeights:
             self.layers.append(fl)
         # The LM head stays as is (tied to the embedding the drafter shares); prepacking helps it too.
         head = parts.lm_head
-        self.lm_head = make_linear(
-            head.weight, head.bias, linear, "none", gemm_rows, invariant, float_out=invariant
-        )
+        if invariant is None:
+            self.lm_head = make_linear(head.weight, head.bias, linear, "none", gemm_rows)
+        else:
+            self.lm_head = lin(head.weight, head.bias, float_out=True)
         self.norm = FastRMSNorm.of(parts.norm)
         self.linear_kind = "/".join(sorted(kinds))
         # bf16 products of more rows than this leave the C kernel for oneDNN (None: no such limit)

@@ -33,8 +33,8 @@ def resolve_attention(
     """auto: the paged C kernel on a CPU (float32/bfloat16) where it builds; else matmul for
     bf16/fp16 on CPU and sdpa elsewhere. "paged" asked for where it cannot run is an error.
     invariant: the paged kernel in its batch-invariant order, which must then run."""
-    if invariant and attention == "auto":
-        attention = "paged"
+    if invariant and attention == "auto":  # the kernels whose orders of sums are fixed
+        attention = "triton" if parts.device.type == "cuda" else "paged"
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
     if attention == "triton":
@@ -92,7 +92,9 @@ class FastForward:
         self.parts, self.kv, self.quantize = parts, kv, quantize
         self.batch_invariant = batch_invariant
         self.attention, paged = resolve_attention(attention, parts, kv.block_size, batch_invariant)
-        self.attend = CacheAttention(self.attention, kv, parts.num_heads, parts.scaling, paged)
+        self.attend = CacheAttention(
+            self.attention, kv, parts.num_heads, parts.scaling, paged, batch_invariant
+        )
         # With the paged kernel (bf16 or float32): rotary and the K/V write fused too, and the
         # residual adds with their norms and SwiGLU (csrc/elementwise.c).
         self.rope_store: RopeStore | TritonElementwise | None = None
@@ -104,7 +106,10 @@ class FastForward:
         D = parts.head_dim
         if self.attention == "triton" and D & (D - 1) == 0:  # the same steps as Triton kernels
             self.fused = self.rope_store = TritonElementwise(parts.num_heads, parts.num_kv_heads, D)
-        self.weights = FastWeights(parts, linear, quantize, gemm_rows, batch_invariant)
+        # a batch-invariant forward's products: the C gemm beside the C attention, a Triton
+        # matmul beside the Triton one
+        invariant = ("triton" if self.attention == "triton" else "c") if batch_invariant else None
+        self.weights = FastWeights(parts, linear, quantize, gemm_rows, invariant)
         self.rope = RopeTable(parts)
         self.plan = FastPlanner(self.attention, kv.block_size, self.rope, parts.dtype)
         self.target_driver: TargetLayers | None = None

@@ -29,7 +29,7 @@ int markov_greedy_walk(const void *base, int base_dtype, const int64_t *anchor, 
                        const void *w2, int dtype, const int64_t *d2t, int B, int K, int V, int r,
                        int64_t *tokens, int64_t *prevs);
 /* paged_attention_ex flags */
-#define ATTN_INVARIANT 1 /* every query row computed alone in one order (bf16: attend_item_bf16) */
+#define ATTN_INVARIANT 1 /* one body, one order of sums per query row, for every row count */
 int paged_attention_ex(const void *q, int64_t q_stride, int64_t q_hstride, const void *k_cache,
                        const void *v_cache, void *out, int dtype, int G, const int32_t *row0, const int32_t *n,
                        const int32_t *start, const int32_t *block_table, int max_blocks, int block_shift,

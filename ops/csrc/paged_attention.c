@@ -512,7 +512,7 @@ static inline __attribute__((always_inline)) void attend_item_bf16_rows(
     const void *q, int64_t q_stride, int64_t q_hstride, const void *kh, const void *vh,
     int64_t kv_stride, void *out, int H, const int D, float scale, int causal, int r0, int nq, int s0,
     const int32_t *blocks, int block_shift, int h0, int nh, int64_t max_keys, float *scores,
-    uint32_t *kt, uint32_t *vbuf) {
+    uint32_t *kt, uint32_t *vbuf, int fixed) {
     const int block_size = 1 << block_shift;
     const int nkeys = s0 + nq, rows = nh * nq, P2 = D / 2, CH = D / 16;
     const uint16_t *kb = (const uint16_t *)kh, *vb = (const uint16_t *)vh;
@@ -564,7 +564,10 @@ static inline __attribute__((always_inline)) void attend_item_bf16_rows(
     for (int r = 0; r < rows; r++) {
         float *sr = scores + (size_t)r * stride16;
         int len = causal ? s0 + r % nq + 1 : nkeys;
-        softmax_row(sr, len);
+        if (fixed)
+            softmax_row_fixed(sr, len);
+        else
+            softmax_row(sr, len);
         for (int j = len; j < 2 * npairs_all; j++) sr[j] = 0.0f;
         for (int j = 0; j < 2 * npairs_all; j += 16) { /* reads floats j.., writes bf16 over floats < j */
             __m512 x = _mm512_loadu_ps(sr + j);
@@ -626,7 +629,7 @@ static inline __attribute__((always_inline)) void attend_item_amx(
     const void *q, int64_t q_stride, int64_t q_hstride, const void *kh, const void *vh,
     int64_t kv_stride, void *out, int H, const int D, float scale, int causal, int r0, int nq, int s0,
     const int32_t *blocks, int block_shift, int h0, int nh, int64_t max_keys, float *scores,
-    uint32_t *kt, uint32_t *vbuf, uint16_t *qbuf, float *obuf) {
+    uint32_t *kt, uint32_t *vbuf, uint16_t *qbuf, float *obuf, int fixed) {
     const int block_size = 1 << block_shift;
     const int nkeys = s0 + nq, rows = nh * nq, P2 = D / 2, groups = (rows + 15) / 16;
     const int kpad = (nkeys + 31) & ~31; /* keys rounded up to a P tile's 32 */
@@ -658,7 +661,10 @@ static inline __attribute__((always_inline)) void attend_item_amx(
         float *sr = scores + (size_t)r * stride16;
         int len = causal ? s0 + r % nq + 1 : nkeys;
         for (int j = 0; j < len; j++) sr[j] *= scale;
-        softmax_row(sr, len);
+        if (fixed)
+            softmax_row_fixed(sr, len);
+        else
+            softmax_row(sr, len);
         uint16_t *pr = (uint16_t *)sr;
         for (int j = 0; j < kpad; j += 16) {
             __mmask16 m = len - j >= 16 ? (__mmask16)0xFFFF : len > j ? (__mmask16)((1u << (len - j)) - 1) : 0;
@@ -814,13 +820,16 @@ static void attend(const void *q, int64_t q_stride, int64_t q_hstride, const voi
     FN(q, q_stride, q_hstride, kh, vh, kv_stride, out, dtype, H, DD, scale, causal, r0, nq, s0,  \
        blocks, block_shift, h0, nh, max_keys, scores, qf, acc, row, invariant)
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-    if (amx && nh * nq >= AMX_ATTN_ROWS) { /* amx: the caller checked dtype, D and the tiles */
+    /* batch-invariant: one body for every row count (the tiles', or the many-row AVX512 one) */
+    if (amx && (nh * nq >= AMX_ATTN_ROWS || invariant)) { /* amx: the caller checked dtype, D, the tiles */
         if (D == 64)
             attend_item_amx(q, q_stride, q_hstride, kh, vh, kv_stride, out, H, 64, scale, causal, r0, nq, s0,
-                            blocks, block_shift, h0, nh, max_keys, scores, (uint32_t *)row, vbuf, qbuf, acc);
+                            blocks, block_shift, h0, nh, max_keys, scores, (uint32_t *)row, vbuf, qbuf, acc,
+                            invariant);
         else
             attend_item_amx(q, q_stride, q_hstride, kh, vh, kv_stride, out, H, 128, scale, causal, r0, nq, s0,
-                            blocks, block_shift, h0, nh, max_keys, scores, (uint32_t *)row, vbuf, qbuf, acc);
+                            blocks, block_shift, h0, nh, max_keys, scores, (uint32_t *)row, vbuf, qbuf, acc,
+                            invariant);
         return;
     }
 #else
@@ -829,13 +838,15 @@ static void attend(const void *q, int64_t q_stride, int64_t q_hstride, const voi
 #endif
 #ifdef __AVX512BF16__
     if (dtype == 1 && D % 32 == 0 && D <= 256) {
-        if (nh * nq >= BF16_ROWS && (D == 64 || D == 128) && !invariant) {
+        if ((nh * nq >= BF16_ROWS || invariant) && (D == 64 || D == 128)) {
             if (D == 64)
                 attend_item_bf16_rows(q, q_stride, q_hstride, kh, vh, kv_stride, out, H, 64, scale, causal, r0,
-                                      nq, s0, blocks, block_shift, h0, nh, max_keys, scores, (uint32_t *)row, vbuf);
+                                      nq, s0, blocks, block_shift, h0, nh, max_keys, scores, (uint32_t *)row, vbuf,
+                                      invariant);
             else
                 attend_item_bf16_rows(q, q_stride, q_hstride, kh, vh, kv_stride, out, H, 128, scale, causal, r0,
-                                      nq, s0, blocks, block_shift, h0, nh, max_keys, scores, (uint32_t *)row, vbuf);
+                                      nq, s0, blocks, block_shift, h0, nh, max_keys, scores, (uint32_t *)row, vbuf,
+                                      invariant);
             return;
         }
         if (D == 64)
@@ -919,7 +930,7 @@ int paged_attention_ex(const void *q, int64_t q_stride, int64_t q_hstride, const
     }
     int chunk = max_q; /* query tokens per item */
 #ifdef __AVX512BF16__
-    if (dtype == 1 && (D == 64 || D == 128) && max_q >= 4 && !invariant) {
+    if (dtype == 1 && (D == 64 || D == 128) && (max_q >= 4 || invariant)) {
         /* many rows a segment (verify blocks, prefill pieces, the drafter's block): every query
          * head of a kv head in one item, so its key tiles are transposed and its value rows
          * paired once (attend_item_bf16_rows), and the segment's tokens split into chunks so
@@ -939,8 +950,8 @@ int paged_attention_ex(const void *q, int64_t q_stride, int64_t q_hstride, const
     size_t head_bytes = (size_t)kv_head_stride * (dtype == 0 ? 4 : 2);
     int amx = 0; /* items of AMX_ATTN_ROWS rows or more on the tiles */
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-    amx = dtype == 1 && (D == 64 || D == 128) && nh * (chunk < max_q ? chunk : max_q) >= AMX_ATTN_ROWS &&
-          !invariant && amx_allowed();
+    amx = dtype == 1 && (D == 64 || D == 128) &&
+          (nh * (chunk < max_q ? chunk : max_q) >= AMX_ATTN_ROWS || invariant) && amx_allowed();
 #endif
 #pragma omp parallel
     {

@@ -127,7 +127,12 @@ static inline __attribute__((always_inline)) void block_dot(
 #include <stdlib.h>
 #define AMX_CHUNKS 5
 #ifndef AMX_PF
-#define AMX_PF 16 /* tiles of weights (1 KiB each) prefetched ahead */
+#define AMX_PF 4 /* tiles of weights (1 KiB each) prefetched ahead, into L1: a tile load waits
+                   on its 16 lines, and prefetched into L2 only (16 tiles ahead) a step's weights
+                   streamed slower at 1-8 rows (docs/benchmarks.md, "Batch invariance") */
+#endif
+#ifndef AMX_HINT
+#define AMX_HINT _MM_HINT_T0
 #endif
 
 /* every tile 16 rows of 64 bytes, but A (1, 7) and C (2, 3, 4) `rows` rows: fewer than 16 when
@@ -139,8 +144,8 @@ static void amx_configure(int rows) {
 }
 
 static inline void amx_prefetch(const uint16_t *wb, int kb, int tiles) {
-    for (int l = 0; l < 16 * tiles; l++) /* the weights AMX_PF tiles ahead, into L2 */
-        _mm_prefetch((const char *)(wb + (size_t)(kb + AMX_PF) * 512 + l * 32), _MM_HINT_T1);
+    for (int l = 0; l < 16 * tiles; l++) /* the weights AMX_PF tiles ahead */
+        _mm_prefetch((const char *)(wb + (size_t)(kb + AMX_PF) * 512 + l * 32), AMX_HINT);
 }
 
 /* acc[16 c][16]: block wb against c chunks of 16 rows, chunk i at xc[i] (row stride xs bytes) */

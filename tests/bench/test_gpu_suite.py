@@ -90,8 +90,10 @@ def test_every_stage_ran_and_the_device_checks_passed(tiny_run):
         "greedy_equality": True,
         "rejection_statistics": True,
         "paged_kv_rollback": True,
+        "batch_invariance": True,
     }
     assert checks["greedy_equality"]["plain_equals_hf_generate"]
+    assert all(checks["batch_invariance"]["invariant"].values())
     assert checks["rejection_statistics"]["tv_broken_sampler"] > checks["rejection_statistics"]["bound"]
     assert report["complete"] and report["summary"]["stage_status"]["sweep"] == "ok"
     assert (out / JSON_NAME).stat().st_size < 200_000
@@ -109,7 +111,8 @@ def test_the_forward_modes_are_checked_then_measured_interleaved(tiny_run):
     keeps greedy equality, and the decode stages measure each of them, rounds interleaved."""
     _, _, report = tiny_run
     modes = report["stages"]["checks"]["result"]["forward_modes"]
-    expected = ["sdpa", "triton", "triton+graphs"] if importlib.util.find_spec("triton") else ["sdpa"]
+    triton_modes = ["triton", "triton+graphs", "triton+graphs+invariant"]
+    expected = ["sdpa", *triton_modes] if importlib.util.find_spec("triton") else ["sdpa"]
     assert modes["passed_modes"] == expected
     if "triton+graphs" in expected:
         assert modes["modes"]["triton+graphs"]["static:4"]["graph_replays"] > 0

@@ -10,10 +10,12 @@ import torch
 
 from dspark_serve.ops.cpu_kernels import PagedAttention, load_kernels
 from dspark_serve.ops.linear import make_linear
+from dspark_serve.ops.triton_linear import InvariantTritonLinear
 from dspark_serve.verifier.config import ModelConfig
 from dspark_serve.verifier.model_runner import ModelRunner
 from tests.helpers import tiny_model
 from tests.kv_tables import Tables
+from tests.triton_interpreter import needs_triton
 
 
 def needs_kernels():
@@ -58,7 +60,7 @@ def test_bf16_attention_rows_do_not_depend_on_what_shares_the_call(D):
     g = torch.Generator().manual_seed(5)
     kc = torch.randn(Hkv, nblocks * bs, D, generator=g).to(torch.bfloat16)
     vc = torch.randn(Hkv, nblocks * bs, D, generator=g).to(torch.bfloat16)
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
 
     def run(segs, q_rows):
         """segs: (start, n, table row); q_rows: [T, H, D] -> out [T, H, D]"""
@@ -86,9 +88,11 @@ def test_bf16_attention_rows_do_not_depend_on_what_shares_the_call(D):
     assert default.flags == 0 and kern.flags != 0
 
 
-def invariant_runner(kind: str, head_dim: int) -> ModelRunner:
-    model = tiny_model(kind, layers=2, dtype=torch.bfloat16, head_dim=head_dim)
-    return ModelRunner(model, num_blocks=96, block_size=4, impl="fast", batch_invariant=True)
+def invariant_runner(kind: str, head_dim: int, dtype=torch.bfloat16, attention: str = "auto") -> ModelRunner:
+    model = tiny_model(kind, layers=2, dtype=dtype, head_dim=head_dim)
+    return ModelRunner(
+        model, num_blocks=96, block_size=4, impl="fast", attention=attention, batch_invariant=True
+    )
 
 
 def forward_rows(
@@ -110,11 +114,9 @@ def forward_rows(
     return rows
 
 
-@pytest.mark.parametrize("kind,head_dim", [("llama", 64), ("qwen2", 64), ("qwen3", 64), ("llama", 16)])
-def test_bf16_logits_are_the_same_bits_however_a_position_is_computed(kind, head_dim):
-    """Decode, a verified block, chunked prefill, one whole prefill (a recompute after
-    preemption) and a step shared with other requests give every position the same logits."""
-    needs_kernels()
+def plans() -> list[list[list[tuple[str, list[int], int]]]]:
+    """One request's 49 positions computed five ways: decode, verified blocks, chunked prefill,
+    one whole prefill (a recompute after preemption), and steps shared with another request."""
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, 256, (37,), generator=g).tolist()
     cont = torch.randint(0, 256, (12,), generator=g).tolist()
@@ -130,13 +132,36 @@ def test_bf16_logits_are_the_same_bits_however_a_position_is_computed(kind, head
         [("b", [3], 29), ("a", cont[:7], 37)],
         [("a", cont[7:], 44), ("b", [4, 5, 6], 30)],
     ]
+    return [decode, verify, chunked, whole, shared]
+
+
+def same_logits_every_way(make_runner) -> None:
     results = []
-    for plan in (decode, verify, chunked, whole, shared):
-        rows = forward_rows(invariant_runner(kind, head_dim), plan)
-        results.append(torch.stack([rows[("a", p)] for p in range(len(seq))]))
+    for plan in plans():
+        rows = forward_rows(make_runner(), plan)
+        results.append(torch.stack([rows[("a", p)] for p in range(49)]))
     assert results[0].dtype == torch.float32  # float32 logits from the LM head
     for r in results[1:]:
         assert torch.equal(r, results[0])
+
+
+@pytest.mark.parametrize("kind,head_dim", [("llama", 64), ("qwen2", 64), ("qwen3", 64), ("llama", 16)])
+def test_bf16_logits_are_the_same_bits_however_a_position_is_computed(kind, head_dim):
+    """Decode, a verified block, chunked prefill, one whole prefill (a recompute after
+    preemption) and a step shared with other requests give every position the same logits."""
+    needs_kernels()
+    same_logits_every_way(lambda: invariant_runner(kind, head_dim))
+
+
+@pytest.mark.slow  # interpreted: the full suite
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_triton_forward_logits_are_the_same_bits_however_a_position_is_computed(dtype):
+    """The CUDA path's batch-invariant forward (Triton attention in one tile shape, the Triton
+    matmul for every product), here under Triton's interpreter."""
+    needs_triton()
+    runner = invariant_runner("llama", 16, dtype=dtype, attention="triton")
+    assert isinstance(runner.forward_impl.weights.lm_head, InvariantTritonLinear)
+    same_logits_every_way(lambda: invariant_runner("llama", 16, dtype=dtype, attention="triton"))
 
 
 def test_the_mode_is_described_and_its_logits_are_float32():
@@ -152,7 +177,6 @@ def test_batch_invariant_is_refused_where_it_cannot_hold():
         dict(quantize="int8"),
         dict(linear="mkldnn"),
         dict(attention="sdpa"),
-        dict(cuda_graphs=True),
     ):
         with pytest.raises(ValueError, match="batch_invariant"):
             ModelConfig(batch_invariant=True, **bad)
