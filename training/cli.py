@@ -85,6 +85,28 @@ def cmd_gen_data(a: argparse.Namespace) -> None:
     print(f"gen-data: {n} shards in {a.out}/data" + ("" if taps is None else f" (+ cache in {a.out}/cache)"))
 
 
+def cmd_make_prompts(a: argparse.Namespace) -> None:
+    from dspark_serve.training.data import PROMPTS_DIR
+    from dspark_serve.training.prompts import HeldOut, make_prompts, read_turns, write_prompts
+
+    out = Path(a.prompts_out)
+    held = [f for f in sorted(PROMPTS_DIR.glob("*.jsonl*")) if f.resolve() != out.resolve()]
+    held_out = HeldOut(t for f in held for t in read_turns(f))
+    counts = {"code": a.code, "math": a.math, "chat": a.chat}
+    rows = make_prompts(counts, held_out, seed=a.seed)
+    write_prompts(rows, out)
+    by = {d: sum(r["domain"] == d for r in rows) for d in counts}
+    print(f"make-prompts: {len(rows)} prompts {by} in {out} (none copying {len(held)} held-out sets)")
+
+
+def _add_make_prompts_args(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--prompts-out", default="data/prompts/train-made.jsonl.gz", help="the JSONL.gz to write")
+    g.add_argument("--code", type=int, default=2400, help="prompts about the standard library's functions")
+    g.add_argument("--math", type=int, default=2400, help="exercises from templates")
+    g.add_argument("--chat", type=int, default=1600, help="writing and explaining tasks over topics")
+    g.add_argument("--seed", type=int, default=0)
+
+
 def _load_target(a: argparse.Namespace):
     from dspark_serve.verifier.loader import load_target
 
@@ -712,6 +734,12 @@ class _Subcommand:
 
 
 SUBCOMMANDS = (
+    _Subcommand(
+        "make-prompts",
+        "stage 0: training prompts made here, copying no benchmark or dev prompt",
+        _add_make_prompts_args,
+        cmd_make_prompts,
+    ),
     _Subcommand(
         "gen-data", "stage 1: the target answers the training prompts", _add_gen_data_args, cmd_gen_data
     ),
