@@ -104,7 +104,6 @@ def _add_make_prompts_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--code", type=int, default=2400, help="prompts about the standard library's functions")
     g.add_argument("--math", type=int, default=2400, help="exercises from templates")
     g.add_argument("--chat", type=int, default=1600, help="writing and explaining tasks over topics")
-    g.add_argument("--seed", type=int, default=0)
 
 
 def _load_target(a: argparse.Namespace):

@@ -169,7 +169,7 @@ def read_turns(path: Path) -> list[str]:
     raw = path.read_bytes()
     text = (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode("utf-8")
     out: list[str] = []
-    for line in text.splitlines():
+    for line in text.split("\n"):  # not splitlines: a prompt may hold U+2028
         if line.strip():
             out += [t for t in json.loads(line)["turns"] if isinstance(t, str)]
     return out
