@@ -20,7 +20,10 @@ sys.path.insert(0, str(ROOT))  # runnable from a plain checkout, whatever is ins
 import bench  # noqa: E402, F401  (dspark_serve.* from this checkout)
 from bench.gpu_stage import join  # noqa: E402
 
-DATA = sorted((ROOT / "data" / "generated").glob("*/data"))  # every pass gen-data wrote
+# The passes over prompts made here (data/prompts/train-made.jsonl.gz, `dspark-train
+# make-prompts`), which copy no benchmark or dev prompt; the older passes answer prompts taken
+# from benchmark test splits and stay only as the record of the CPU-trained drafter.
+DATA = sorted((ROOT / "data" / "generated").glob("smollm2-135m-made*/data"))
 
 
 def main(argv: list[str] | None = None) -> int:
