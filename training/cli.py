@@ -92,7 +92,7 @@ def cmd_make_prompts(a: argparse.Namespace) -> None:
     out = Path(a.prompts_out)
     held = [f for f in sorted(PROMPTS_DIR.glob("*.jsonl*")) if f.resolve() != out.resolve()]
     held_out = HeldOut(t for f in held for t in read_turns(f))
-    counts = {"code": a.code, "math": a.math, "chat": a.chat}
+    counts = {"code": a.code, "math": a.math, "chat": a.chat, "json": a.json}
     rows = make_prompts(counts, held_out, seed=a.seed)
     write_prompts(rows, out)
     by = {d: sum(r["domain"] == d for r in rows) for d in counts}
@@ -104,6 +104,7 @@ def _add_make_prompts_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--code", type=int, default=2400, help="prompts about the standard library's functions")
     g.add_argument("--math", type=int, default=2400, help="exercises from templates")
     g.add_argument("--chat", type=int, default=1600, help="writing and explaining tasks over topics")
+    g.add_argument("--json", type=int, default=0, help="structured-output and tool-call tasks")
 
 
 def _load_target(a: argparse.Namespace):

@@ -7,7 +7,9 @@ Three sources, all local and seeded:
     reviewing or reimplementing them (their names, signatures, docstrings and sources);
   - math: word problems and exercises from templates with random numbers, names and items
     (arithmetic, percentages, rates, ratios, equations, number theory, counting, geometry);
-  - chat: writing and explaining tasks over a list of everyday and academic topics.
+  - chat: writing and explaining tasks over a list of everyday and academic topics;
+  - json: structured-output and tool-call tasks over the same topics (what a constrained
+    request asks for).
 
 `make_prompts` drops every candidate that equals a held-out prompt (the vendored benchmark and
 dev sets: `data/prompts/*.jsonl.gz`) or shares a run of `SHINGLE_WORDS` words with one, so a
@@ -380,10 +382,51 @@ def chat_prompts(rng: random.Random) -> Iterator[str]:
         yield rng.choice(CHAT_TASKS).format(t=t, u=u)
 
 
+# -- JSON ----------------------------------------------------------------------------------------
+CITIES = (
+    "Lisbon", "Nairobi", "Osaka", "Toronto", "Lima", "Oslo", "Hanoi", "Accra", "Denver", "Porto",
+    "Seoul", "Cairo", "Dublin", "Quito", "Perth", "Riga", "Tunis", "Austin", "Kyoto", "Bergen",
+)  # fmt: skip
+JSON_TASKS = (
+    'Describe {t} as a JSON object with the keys "title" (a string), "summary" (one sentence) and '
+    '"key_points" (an array of three strings). Reply with the JSON only.',
+    'Return a JSON array of three quiz questions about {t}; each item has "question", "options" (four '
+    'strings) and "answer" (the index of the right option).',
+    'Write a JSON object for a fictional book about {t} with "title", "author", "year" (a number), '
+    '"genres" (an array of strings) and "rating" (a number from 1 to 5).',
+    'Give a lesson plan about {t} as JSON: {{"topic": ..., "duration_minutes": ..., "steps": [{{"name": '
+    '..., "minutes": ...}}]}}. Output valid JSON only.',
+    'Extract the facts of this sentence as JSON with the keys "who", "what", "where" and "when": '
+    '"{name} gave a talk on {t} in {city} last {day}."',
+    "You can call the function search_articles(query: string, max_results: integer). Write the call "
+    'that finds five articles about {t}, as a JSON object {{"name": ..., "arguments": {{...}}}}.',
+    'You can call get_weather(city: string, unit: "celsius" or "fahrenheit"). {name} asks: "Will I need '
+    'an umbrella in {city} tomorrow?" Answer with the function call as JSON: {{"name": ..., "arguments": '
+    "{{...}}}}.",
+    'Create a JSON object describing an event about {t} in {city}: "name", "date" (YYYY-MM-DD), '
+    '"speakers" (an array of names) and "free" (true or false).',
+    'List three tasks for a project on {t} as a JSON array of objects with "id" (a number), "task" '
+    'and "done" (a boolean).',
+    'Convert this to JSON with the keys "name", "city" and "interests" (an array): {name} lives in '
+    "{city} and likes {t} and {u}.",
+)
+DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+
+
+def json_prompts(rng: random.Random) -> Iterator[str]:
+    """Structured-output and tool-call tasks: what constrained requests ask the target for."""
+    while True:
+        t, u = rng.sample(TOPICS, 2)
+        yield rng.choice(JSON_TASKS).format(
+            t=t, u=u, name=rng.choice(NAMES), city=rng.choice(CITIES), day=rng.choice(DAYS)
+        )
+
+
 SOURCES: dict[str, Callable[[random.Random], Iterator[str]]] = {
     "code": code_prompts,
     "math": math_prompts,
     "chat": chat_prompts,
+    "json": json_prompts,
 }
 
 

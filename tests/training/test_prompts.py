@@ -17,12 +17,12 @@ from dspark_serve.training.prompts import (
     text_hash,
 )
 
-MADE = PROMPTS_DIR / "train-made.jsonl.gz"
+MADE = sorted(PROMPTS_DIR.glob("train-made*.jsonl.gz"))
 
 
 def held_out_sets() -> list:
-    """Every vendored prompt set but the made one: the benchmark-derived train set and the dev sets."""
-    return [f for f in sorted(PROMPTS_DIR.glob("*.jsonl*")) if f != MADE]
+    """Every vendored prompt set but the made ones: the benchmark-derived train set and the dev sets."""
+    return [f for f in sorted(PROMPTS_DIR.glob("*.jsonl*")) if f not in MADE]
 
 
 def test_the_made_prompts_copy_no_benchmark_or_dev_prompt_by_hash():
@@ -30,8 +30,9 @@ def test_the_made_prompts_copy_no_benchmark_or_dev_prompt_by_hash():
     assert {f.name for f in held} >= {"train.jsonl.gz", "dev-gsm8k.jsonl.gz", "dev-humaneval.jsonl.gz"}
     benchmark = [t for f in held for t in read_turns(f)]
     assert len(benchmark) > 3000
-    made = read_turns(MADE)
-    assert len(made) >= 6000 and len({text_hash(t) for t in made}) == len(made)  # distinct
+    assert [f.name for f in MADE] == ["train-made-json.jsonl.gz", "train-made.jsonl.gz"]
+    made = [t for f in MADE for t in read_turns(f)]
+    assert len(made) >= 7500 and len({text_hash(t) for t in made}) == len(made)  # distinct
     whole = {text_hash(t) for t in benchmark}
     runs: set[int] = set()
     for t in benchmark:
