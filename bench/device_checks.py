@@ -362,6 +362,57 @@ def check_forward_modes(device: torch.device, n: int = 20, num_prompts: int = 5)
     )
 
 
+def check_drafter_backbone(device: torch.device) -> CheckResult:
+    """The DSpark drafter's fast backbone on this device (on CUDA: fused products and the
+    target's Triton kernels, reading the context pools in place) against its modules, on a
+    tiny Qwen3's random drafter: block hidden states of requests with contexts of several
+    lengths, in float32 (tight) and bf16 (loose)."""
+    import copy
+
+    from bench.models import TINY_A, random_dspark
+    from dspark_serve.drafter.base import AcceptedContext, DraftRequest
+    from dspark_serve.drafter.dspark_model.fast import FastDraftBackbone
+
+    details: dict = {}
+    passed = True
+    for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 6e-2)):
+        target = tiny_model("qwen3").to(device=device, dtype=dtype)
+        fast = random_dspark(target, dataclasses.replace(TINY_A, vocab_size=257), block_size=5)
+        ref = copy.copy(fast)  # the same model served through its modules
+        ref.backbone = fast.model
+        ref.contexts = type(fast.contexts)(fast.model, "dspark", 16)
+        ref.cache = ref.contexts.cache
+        g = torch.Generator().manual_seed(3)
+        width = len(fast.tap_layers) * target.config.hidden_size
+        outs = []
+        for dr in (fast, ref):
+            lengths = (3, 17, 40)
+            hidden = torch.randn(len(lengths), 41, width, generator=g).to(device=device, dtype=dtype)
+            ids = torch.randint(0, 250, (len(lengths), 41), generator=g)
+            dr.observe(
+                [
+                    AcceptedContext(f"r{i}", ids[i, :n].tolist(), 0, hidden[i, :n])
+                    for i, n in enumerate(lengths)
+                ]
+            )
+            reqs = [
+                DraftRequest(f"r{i}", ids[i, : n + 1].tolist(), 1, GREEDY, None, 100)
+                for i, n in enumerate(lengths)
+            ]
+            outs.append(dr.block_hidden(reqs).float())
+            g = torch.Generator().manual_seed(3)  # the same data for the second drafter
+        err = (outs[0] - outs[1]).abs().max().item()
+        ok = err < tol * max(1.0, outs[1].abs().max().item())
+        details[str(dtype).removeprefix("torch.")] = {
+            "fast_backbone": isinstance(fast.backbone, FastDraftBackbone),
+            "triton": getattr(fast.backbone, "triton", False),
+            "max_abs_err": err,
+            "passed": ok,
+        }
+        passed = passed and ok
+    return CheckResult("drafter_backbone", passed, details)
+
+
 def run_all(device: torch.device) -> list[CheckResult]:
     return [
         check_greedy_equality(device),
@@ -369,4 +420,5 @@ def run_all(device: torch.device) -> list[CheckResult]:
         check_paged_kv_rollback(device),
         check_forward_modes(device),
         check_batch_invariance(device),
+        check_drafter_backbone(device),
     ]

@@ -343,6 +343,7 @@ class Suite:
     def checks(self, res: dict) -> bool:
         from bench.device_checks import (
             check_batch_invariance,
+            check_drafter_backbone,
             check_forward_modes,
             check_greedy_equality,
             check_paged_kv_rollback,
@@ -356,6 +357,7 @@ class Suite:
             check_rejection_statistics,
             check_paged_kv_rollback,
             functools.partial(check_batch_invariance, n=self.cfg.check_tokens),
+            check_drafter_backbone,
         ):
             t0 = time.monotonic()
             try:

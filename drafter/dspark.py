@@ -499,15 +499,19 @@ class DSparkDrafter:
             raise ValueError(f"block_size {bs!r} exceeds the checkpoint's block_size {trained}")
         self.name = name
         self.model = model.eval()
-        # On a CPU: the layers run through fused, packed copies (fast.py); the heads keep
-        # their modules, packed in place.
+        # On a CPU: the layers run through fused, packed copies (fast.py), on CUDA through
+        # fused copies and the target's Triton kernels; the heads keep their modules (packed
+        # in place on a CPU).
         self.backbone: DSparkModel | FastDraftBackbone = model
         if fast_backbone_applies(model):
             self.backbone = FastDraftBackbone(model)
         fast = self.backbone is not model
         _prepack_linears(self.model, skip=(model.layers, model.fc) if fast else ())
         # on a CPU: the confidence head's logits from a per-token table and one small product
-        fast_confidence = FastConfidence(model) if fast and model.confidence_head is not None else None
+        on_cpu = model.device.type == "cpu"
+        fast_confidence = (
+            FastConfidence(model) if fast and on_cpu and model.confidence_head is not None else None
+        )
         greedy = _greedy_paths(model, fast, fast_confidence)
         self._greedy, self._tail = greedy.walk, greedy.tail
         self.config = config

@@ -123,11 +123,15 @@ def paged_attention(
     scale: float,
     block_n: int = 32,
     invariant: bool = False,
+    causal: bool = True,
 ) -> torch.Tensor:
     """q [T, H, D], k_cache/v_cache [Hkv, slots, D] (one layer, the new tokens' K/V already
     written), out [T, H, D] -> out, every row attended over its segment's cache. Keys are read
     in tiles of block_n from key 0 whatever the step; invariant: one tile shape of queries too
-    (`tile_shape`), so a row's output is the same bits whatever else shares the step.
+    (`tile_shape`), so a row's output is the same bits whatever else shares the step. causal
+    False: every query of a segment sees all its keys, the cached ones and the segment's own
+    (the drafter's block). k_cache / v_cache may be strided views (a slot-major pool
+    [slots, Hkv, D] permuted to [Hkv, slots, D]): the kernel reads through their strides.
 
     float32 inputs multiply in IEEE float32 (no TF32), so float32 results match a float32
     reference; fp16/bf16 multiply in their own precision and accumulate in float32."""
@@ -149,7 +153,7 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), segments.table.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=D, HEAD_DIM_P=triton_next_pow2(max(D, 16)),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", CAUSAL=causal,
     )  # fmt: skip
     return out
 
@@ -161,8 +165,7 @@ class TritonElementwise:
     after it, SwiGLU's silu(g) * u, and rotary with the K/V write to the paged cache."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        if head_dim & (head_dim - 1) or head_dim < 2:
-            raise ValueError(f"the Triton rotary kernel needs a power-of-two head_dim, got {head_dim!r}")
+        """The rotary kernel (`__call__`) needs a power-of-two head_dim; the others any."""
         self.H, self.Hkv, self.D = num_heads, num_kv_heads, head_dim
 
     def add_rmsnorm(
@@ -206,6 +209,8 @@ class TritonElementwise:
     ) -> None:
         """rope_store: q [T, H, D] rotated in place; rotated k [T, Hkv, D] and v written to the
         caches [Hkv, slots, D] at `slots` [T]; cos / sin [T, D] contiguous (sign folded in sin)."""
+        if self.D & (self.D - 1) or self.D < 2:
+            raise ValueError(f"the Triton rotary kernel needs a power-of-two head_dim, got {self.D!r}")
         T = q.shape[0]
         for t in (q, k, v, k_cache, v_cache):
             if t.stride(-1) != 1:

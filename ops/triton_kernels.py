@@ -72,6 +72,7 @@ def paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_ks, stride_vh, stride_vs, stride_table,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr = True,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -89,7 +90,10 @@ def paged_attention_kernel(
     row = row0 + qi
     valid = (qi < BLOCK_Q) & (row < seg_end)
     head = kvh * GROUP + m % GROUP
-    pos = (start + (row - seg_row0)).to(tl.int32)  # each row's position in its sequence
+    if CAUSAL:
+        pos = (start + (row - seg_row0)).to(tl.int32)  # each row's position in its sequence
+    else:  # every query sees the segment's every key (the drafter's block)
+        pos = (start + (seg_end - seg_row0) - 1 + 0 * row).to(tl.int32)
     d = tl.arange(0, HEAD_DIM_P)
     dmask = d < HEAD_DIM
     q = tl.load(
@@ -100,6 +104,8 @@ def paged_attention_kernel(
 
     # keys this tile needs: up to its last valid query's position
     last_row = tl.minimum(row0 + BLOCK_Q, seg_end) - 1
+    if not CAUSAL:
+        last_row = seg_end - 1
     kv_len = (start + (last_row - seg_row0) + 1).to(tl.int32)
     out = _attend(
         q,

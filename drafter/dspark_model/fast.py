@@ -32,6 +32,7 @@ import torch
 from dspark_serve.drafter.dspark_model.model import DSparkModel
 from dspark_serve.drafter.dspark_model.modules import DecoderLayer, MarkovHead
 from dspark_serve.drafter.dspark_model.ops import ACTIVATIONS, rope_cos_sin
+from dspark_serve.ops import triton_attention
 from dspark_serve.ops.cpu_kernels import (
     DTYPE_CODES,
     DraftLayers,
@@ -44,11 +45,16 @@ from dspark_serve.ops.cpu_kernels import (
     paged_attention_supports,
 )
 from dspark_serve.ops.linear import FastRMSNorm, Linear, make_linear, mkldnn_linear_works
+from dspark_serve.ops.triton_attention import TritonElementwise
 
 
 def applies(model: DSparkModel) -> bool:
     """On a CPU: float32 or bf16 weights where the C kernels build (the packed matmul and the
-    in-place attention, as in the target's fast forward), or bf16 ones oneDNN takes."""
+    in-place attention, as in the target's fast forward), or bf16 ones oneDNN takes. On CUDA:
+    where Triton is installed (the target's Triton attention reads the pools in place, its
+    elementwise kernels fuse the norms and SwiGLU; the products are fused cuBLAS ones)."""
+    if model.device.type == "cuda":
+        return triton_attention.available() and not triton_attention.interpreted()
     return prepacked_linears_pay(model.dtype, model.device)
 
 
@@ -228,9 +234,14 @@ class PoolSegments:
 
 class FastDraftBackbone:
     """Built once from a serving (frozen) DSparkModel; the weights are fused copies, so the
-    model must not train afterwards."""
+    model must not train afterwards. kernels: "c" (a CPU: the C kernels where they build),
+    "triton" (CUDA, or Triton's interpreter in tests: the target's Triton attention and
+    elementwise kernels), or "auto" (by the model's device)."""
 
-    def __init__(self, model: DSparkModel) -> None:
+    def __init__(self, model: DSparkModel, kernels: str = "auto") -> None:
+        if kernels not in ("auto", "c", "triton"):
+            raise ValueError(f"kernels must be auto, c or triton, got {kernels!r}")
+        self.triton = kernels == "triton" or (kernels == "auto" and model.device.type == "cuda")
         cfg = model.config
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = 1.0 / math.sqrt(self.D)  # SDPA's default, as the modules use
@@ -245,11 +256,14 @@ class FastDraftBackbone:
             self.layers.append(_fused_layer(layer, ACTIVATIONS[cfg.hidden_act]))
         self.rope = RotaryTables(model.inv_freq, self.D, self.dtype, self.device)
         self.rope.upto(256)
-        self._kernels = load_kernels()  # None: forward_block's batched matmuls only
-        # residual add + norm and SwiGLU in one C call each (csrc/elementwise.c), as the
-        # target's fused layer loop runs them
-        self._fused: FusedElementwise | None = None
-        if self._kernels is not None and cfg.hidden_act == "silu":
+        # None: forward_block's batched matmuls only (the C kernels are the CPU's)
+        self._kernels = None if self.triton else load_kernels()
+        # residual add + norm and SwiGLU in one call each (csrc/elementwise.c, or the Triton
+        # kernels), as the target's fused layer loop runs them
+        self._fused: FusedElementwise | TritonElementwise | None = None
+        if self.triton and cfg.hidden_act == "silu":
+            self._fused = TritonElementwise(self.H, self.Hkv, self.D)
+        elif self._kernels is not None and cfg.hidden_act == "silu":
             self._fused = FusedElementwise(self._kernels)
         self._paged: dict[int, PagedAttention] = {}  # per pool block size
         self._driver: DraftLayers | None = None
@@ -282,7 +296,7 @@ class FastDraftBackbone:
         into the fused projection's rows); cos, sin from `RotaryTables.at` -> [..., n, heads, D].
         In float32 or bf16 with the C kernels, one pass over the heads (`norm_rope_f32` / `_bf16`)."""
         E = self._fused
-        if E is not None and x.dtype in (torch.float32, torch.bfloat16):
+        if isinstance(E, FusedElementwise) and x.dtype in (torch.float32, torch.bfloat16):
             nh, D = x.shape[-2:]
             out = E.norm_rope(x.reshape(-1, nh, D), norm.w, norm.eps, cos.reshape(-1, D), sin.reshape(-1, D))
             if out is not None:
@@ -378,7 +392,9 @@ class FastDraftBackbone:
 
     @property
     def reads_pools_in_place(self) -> bool:
-        """Whether `forward_block_in_place` can run (the C attention kernel built here)."""
+        """Whether `forward_block_in_place` can run (the Triton attention, or the C one built here)."""
+        if self.triton:
+            return True
         return (
             self._kernels is not None and self.D <= 256 and paged_attention_supports(self.dtype, self.device)
         )
@@ -404,7 +420,7 @@ class FastDraftBackbone:
         caller has counted them into the context already): each layer writes their k / v with
         the block's, before attending.
         -> hidden [B, L, d] (final norm applied)."""
-        assert self._kernels is not None
+        assert self._kernels is not None or self.triton
         B, Lb = block_ids.shape
         H, Hkv, D = self.H, self.Hkv, self.D
         seg = PoolSegments.of(slots, starts, Lb, k_pools[0].shape[1], context)
@@ -414,6 +430,10 @@ class FastDraftBackbone:
             x = x.to(self.dtype)
         self.rope.upto(max(starts) + Lb)
         cos, sin = self.rope.at(block_positions, built=True)
+        if self.triton:
+            return self._layers(
+                x, cos, sin, self._triton_attend(seg, k_pools, v_pools, B, Lb), context, built=True
+            )
         kernel = self._paged_kernel(seg.block_size)
         rows_all = B * Lb + (0 if context is None else context.feats.shape[0])
         if self._driver is not None and rows_all <= self._driver.max_rows:
@@ -428,6 +448,38 @@ class FastDraftBackbone:
             return a.view(B * Lb, H * D)
 
         return self._layers(x, cos, sin, attend, context, built=True)
+
+    def _triton_attend(
+        self,
+        seg: PoolSegments,
+        k_pools: Sequence[torch.Tensor],
+        v_pools: Sequence[torch.Tensor],
+        B: int,
+        Lb: int,
+    ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """`_layers`' attend for the Triton kernel: each layer's new k/v rows written to the
+        pools, then every block query attends to its request's context and whole block, read in
+        place (a slot-major pool viewed head-major through its strides; one block-table run of
+        `seg.block_size` positions per entry, as for the C kernel)."""
+        H, Hkv, D, dev = self.H, self.Hkv, self.D, self.device
+        ints = torch.cat([seg.row0, seg.start, seg.table.reshape(-1)]).to(dev)  # one copy over
+        flat = seg.flat.to(dev)
+        cu_q = torch.arange(0, (B + 1) * Lb, Lb, dtype=torch.int32, device=dev)
+        table = ints[2 * B :].view(B, -1)
+        varlen = triton_attention.VarlenSegments(cu_q, ints[B : 2 * B], table, B * Lb, Lb)
+
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kp, vp = k_pools[li].view(-1, Hkv, D), v_pools[li].view(-1, Hkv, D)
+            kp.index_copy_(0, flat, k)
+            vp.index_copy_(0, flat, v)
+            a = q.new_empty(B * Lb, H, D)
+            kc, vc = kp.permute(1, 0, 2), vp.permute(1, 0, 2)  # [Hkv, slots, D] views
+            triton_attention.paged_attention(
+                q.reshape(B * Lb, H, D), kc, vc, a, varlen, seg.block_size, self.scale, causal=False
+            )
+            return a.view(B * Lb, H * D)
+
+        return attend
 
     def _layers_in_c(
         self,

@@ -91,6 +91,7 @@ def test_every_stage_ran_and_the_device_checks_passed(tiny_run):
         "rejection_statistics": True,
         "paged_kv_rollback": True,
         "batch_invariance": True,
+        "drafter_backbone": True,
     }
     assert checks["greedy_equality"]["plain_equals_hf_generate"]
     assert all(checks["batch_invariance"]["invariant"].values())

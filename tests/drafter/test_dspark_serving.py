@@ -17,6 +17,7 @@ from dspark_serve.drafter.registry import build_drafter
 from dspark_serve.ops.cpu_kernels import load_kernels
 from dspark_serve.ops.sampling import probs_from_logits
 from dspark_serve.ops.sampling_params import SamplingParams
+from tests.triton_interpreter import needs_triton
 
 GREEDY = SamplingParams(temperature=0.0)
 V, D, BS = 120, 48, 4
@@ -52,17 +53,20 @@ def tiny_model(head_type="vanilla", seed=0) -> DSparkModel:
 
 
 FAST_KINDS = pytest.mark.parametrize(
-    "fast", [False, "copy", "in-place"], ids=["modules", "fast-backbone", "fast-in-place"]
-)
+    "fast",
+    [False, "copy", "in-place", "triton"],
+    ids=["modules", "fast-backbone", "fast-in-place", "fast-triton"],
+)  # triton: the CUDA path, here under Triton's interpreter
 
 
 def make_drafter(model, capacity=4, fast=False) -> DSparkDrafter:
     """fast: serve through the fused backbone (what bf16 on a CPU picks): "copy" attends over a
     gathered copy of the context (here in float64), "in-place" reads the context pools through
-    the C kernel (float32: the kernel's dtypes are float32 and bf16)."""
+    the C kernel (float32: the kernel's dtypes are float32 and bf16), "triton" through the
+    Triton kernels CUDA runs (here under the interpreter, float32)."""
     dr = DSparkDrafter(model, DSparkDrafterConfig(initial_capacity=capacity), "dspark")
     if fast:
-        dr.backbone = FastDraftBackbone(model)
+        dr.backbone = FastDraftBackbone(model, kernels="triton" if fast == "triton" else "c")
         if fast == "copy":
             dr.backbone._kernels = None
         else:
@@ -73,15 +77,17 @@ def make_drafter(model, capacity=4, fast=False) -> DSparkDrafter:
 def model_for(fast):
     if fast == "in-place" and load_kernels() is None:
         pytest.skip("the in-place drafter attention needs the C kernels (a C compiler)")
-    return tiny_model().float() if fast == "in-place" else tiny_model()
+    if fast == "triton":
+        needs_triton()
+    return tiny_model().float() if fast in ("in-place", "triton") else tiny_model()
 
 
 def tol(fast) -> dict:
     """The modules' RMSNorm computes in float32 whatever the dtype (Qwen3RMSNorm's maths), the
     fast backbone's in the input dtype, so in float64 the two agree to ~1e-7, not to rounding;
     a wrong mask, head mapping or rotary sign would be off by orders of magnitude more. The
-    in-place path runs in float32 against the float32 modules."""
-    if fast == "in-place":
+    in-place paths run in float32 against the float32 modules."""
+    if fast in ("in-place", "triton"):
         return {"rtol": 1e-4, "atol": 1e-4}
     return {"rtol": 1e-5, "atol": 1e-5} if fast else {"rtol": 1e-10, "atol": 1e-10}
 
