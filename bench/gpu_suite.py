@@ -676,6 +676,8 @@ class Suite:
                 load=self.drafter_load(m.target, m.shape, m.dspark, max(c.concurrency)),
             )
             eng = self.engine(m, replay)
+            if self.dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.dev)
             warm = self.prompts(m.shape, 2, salt=99)
             for p in c.policies:  # compile/allocator warm-up, not measured
                 eng.set_policy(p)
@@ -761,9 +763,52 @@ class Suite:
                         flush=True,
                     )
                     self.save()
+            if self.dev.type == "cuda":
+                try:
+                    peak = torch.cuda.max_memory_allocated(self.dev)
+                    total = torch.cuda.get_device_properties(self.dev).total_memory
+                    res.setdefault("memory", {})[m.shape.name] = self.memory_against_plan(m, eng, total, peak)
+                except Exception as exc:  # a report, never the reason the sweep fails
+                    res.setdefault("memory", {})[m.shape.name] = {"error": f"{type(exc).__name__}: {exc}"}
             del eng
         res["complete"] = complete and not res.get("errors")
         return bool(res["rows"]) and not res.get("errors")
+
+    def memory_against_plan(self, m: Model, eng: Engine, device_bytes: int, peak: int) -> dict:
+        """The sweep's peak device memory (every concurrency, the drafter in the loop) against
+        what the start-up memory plan (`scheduler/memory_plan.py`) counts for this engine: the
+        weights of target and drafter, the activation peak of its largest step, its drafter's
+        context pools at the highest concurrency, and its KV cache."""
+        from dspark_serve.scheduler.builder import drafter_footprint
+        from dspark_serve.scheduler.memory_plan import TargetGeometry, parameter_bytes, plan_memory
+        from dspark_serve.verifier.cuda_graphs import TOKEN_BUCKETS, GraphedForward
+
+        c = self.cfg
+        geometry = TargetGeometry.of(m.target.config)
+        foot = drafter_footprint(m.dspark, geometry.hidden_size)
+        sched = eng.cfg
+        plan = plan_memory(
+            device_bytes=device_bytes,
+            utilization=1.0,
+            weights=parameter_bytes((m.target, *foot.modules)),
+            target=geometry,
+            elt=torch.tensor([], dtype=c.torch_dtype).element_size(),
+            max_model_len=eng.max_model_len,
+            max_num_seqs=max(c.concurrency),
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_logit_rows=max(c.concurrency) * (2 + 2 * c.block_size),
+            drafter_context_per_token=foot.context_per_token,
+            graph_tokens=max(TOKEN_BUCKETS) if isinstance(m.runner.forward_impl, GraphedForward) else 0,
+        )
+        kv_tokens = m.runner.kv.num_blocks * m.runner.kv.block_size
+        planned = dataclasses.replace(plan, kv_tokens=kv_tokens, tap_rows_per_token=0).total
+        return {
+            "peak_gib": _gib(peak),
+            "planned_gib": _gib(planned),
+            "within_plan": peak <= planned,
+            "kv_cache_tokens": kv_tokens,
+            "plan": {name: _gib(v) for name, v in dataclasses.replace(plan, kv_tokens=kv_tokens).rows()},
+        }
 
     # -- the budget under a competing load ------------------------------------------------------
     def contention(self, res: dict) -> bool:
