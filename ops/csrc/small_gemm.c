@@ -23,7 +23,7 @@
 #define NB 16 /* output rows per packed block */
 #define MB 16 /* rows of x per pass over a block */
 #ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 5 /* from this many rows the tile path runs, where the CPU has one */
+#define AMX_MIN_ROWS 3 /* from this many rows the tile path runs, where the CPU has one */
 #endif
 #define PF 128 /* weight lines prefetched ahead into L2 (8 KiB): the hardware prefetcher alone left
                  a third of the bandwidth unused at 8-16 rows, and a prefetch only 2 KiB ahead
@@ -114,18 +114,18 @@ static inline __attribute__((always_inline)) void block_dot(
  * 1 KiB a tile), and an A tile is 16 rows of x as they lie (row stride x_stride; a last chunk of
  * fewer rows is read from a zero-padded copy, and a call of fewer than 16 rows configures its A
  * and C tiles for that many, reading x in place). The tile unit does in one instruction what 16
- * vdpbf16ps do, so rows cost little until the weights' streaming stops being the limit: 16 rows
- * take about the time of 5, where the AVX512 path's time grows with every row. Every tile is 16
- * rows of 64 bytes, configured once a call: 0 holds B, 1 and 7 A (alternately), 2 .. 6 the
- * float32 sums C of up to AMX_CHUNKS chunks of 16 rows, which share each B tile load (one pass
- * of the weights for up to 80 rows, more passes above, the block's weights then read from cache);
- * one chunk alone sums into three tiles over alternate runs of 32 inputs (a chain of products
- * into one tile waits on each one's latency). Linux hands the tile state out on request
- * (arch_prctl, once per process); where it refuses, or K is not a multiple of 32, the AVX512 path
- * runs. A row's sums never mix with another row's, the output rounded once. */
+ * vdpbf16ps do, so rows cost little until the weights' streaming stops being the limit. Each
+ * chunk of 16 rows takes the blocks two at a time (amx_pair), each block summed into two tiles
+ * over alternate runs of 32 inputs: a chain of products into one tile waits on each one's
+ * latency, and two blocks' weights in flight stream better than one; a block's weights are read
+ * again from cache for each further chunk. (Sharing each B tile load between up to five chunks
+ * instead was slower at every row count from 3 to 256 on a 2-core Xeon: docs/benchmarks.md,
+ * "Batch invariance".) Every row count runs the same order of sums for a row, so a row's
+ * outputs never depend on how many rows share the call. Linux hands the tile state out on
+ * request (arch_prctl, once per process); where it refuses, or K is not a multiple of 32, the
+ * AVX512 path runs. A row's sums never mix with another row's, the output rounded once. */
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #include <stdlib.h>
-#define AMX_CHUNKS 5
 #ifndef AMX_PF
 #define AMX_PF 4 /* tiles of weights (1 KiB each) prefetched ahead, into L1: a tile load waits
                    on its 16 lines, and prefetched into L2 only (16 tiles ahead) a step's weights
@@ -135,129 +135,112 @@ static inline __attribute__((always_inline)) void block_dot(
 #define AMX_HINT _MM_HINT_T0
 #endif
 
-/* every tile 16 rows of 64 bytes, but A (1, 7) and C (2, 3, 4) `rows` rows: fewer than 16 when
- * the call has only that many rows of x (then read in place, no padded copy) */
-static void amx_configure(int rows) {
-    uint8_t r = (uint8_t)rows;
-    const uint8_t tile_rows[8] = {16, r, r, r, r, 16, 16, r};
-    amx_load_config(tile_rows);
-}
-
 static inline void amx_prefetch(const uint16_t *wb, int kb, int tiles) {
     for (int l = 0; l < 16 * tiles; l++) /* the weights AMX_PF tiles ahead */
         _mm_prefetch((const char *)(wb + (size_t)(kb + AMX_PF) * 512 + l * 32), AMX_HINT);
 }
 
-/* acc[16 c][16]: block wb against c chunks of 16 rows, chunk i at xc[i] (row stride xs bytes) */
-static inline void amx_block(const uint16_t *wb, const uint16_t *const *xc, const size_t *xs, int c, int K,
-                             int c_rows, float acc[16 * AMX_CHUNKS][NB]) {
-    int kbs = K / 32;
-    if (c == 1) {
-        _tile_zero(2);
-        _tile_zero(3);
-        _tile_zero(4);
-        int kb = 0;
-        for (; kb + 3 <= kbs; kb += 3) {
-            amx_prefetch(wb, kb, 3);
-            _tile_loadd(0, wb + (size_t)kb * 512, 64);
-            _tile_loadd(1, xc[0] + kb * 32, xs[0]);
-            _tile_dpbf16ps(2, 1, 0);
-            _tile_loadd(5, wb + (size_t)(kb + 1) * 512, 64);
-            _tile_loadd(7, xc[0] + (kb + 1) * 32, xs[0]);
-            _tile_dpbf16ps(3, 7, 5);
-            _tile_loadd(6, wb + (size_t)(kb + 2) * 512, 64);
-            _tile_loadd(1, xc[0] + (kb + 2) * 32, xs[0]);
-            _tile_dpbf16ps(4, 1, 6);
-        }
-        for (; kb < kbs; kb++) {
-            _tile_loadd(0, wb + (size_t)kb * 512, 64);
-            _tile_loadd(1, xc[0] + kb * 32, xs[0]);
-            _tile_dpbf16ps(2, 1, 0);
-        }
-        float part[2][16][NB];
-        _tile_stored(2, acc[0], 64);
-        _tile_stored(3, part[0], 64);
-        _tile_stored(4, part[1], 64);
-        for (int m = 0; m < c_rows; m++)
-            for (int j = 0; j < NB; j++) acc[m][j] += part[0][m][j] + part[1][m][j];
-        return;
-    }
-    /* tile numbers must be constants: the chunk loop unrolled by hand */
+/* Two blocks of weights against one chunk of rows (x, row stride xs bytes; `rows` rows): the
+ * chunk's A tile loaded once for both, each block summed into two tiles over alternate runs of
+ * 32 inputs (even runs, with a last odd one, in the first), so two B tile loads and four
+ * products are in flight at a time; a0 = even + odd sums of block w0, a1 of block w1 (w1 may be
+ * w0 for an odd last block). Tiles: 0 and 5 B, 1 and 7 A (alternately), 2 and 3 w0's sums, 4
+ * and 6 w1's: configured by amx_configure_pairs. With few rows the weights' streaming is the
+ * limit, and pairs keep more of it in flight than one block's three sums did. */
+static inline void amx_pair(const uint16_t *w0, const uint16_t *w1, const uint16_t *x, size_t xs, int K, int rows,
+                            float a0[16][NB], float a1[16][NB]) {
+    int kbs = K / 32, kb = 0;
     _tile_zero(2);
     _tile_zero(3);
-    if (c > 2) _tile_zero(4);
-    if (c > 3) _tile_zero(5);
-    if (c > 4) _tile_zero(6);
-    for (int kb = 0; kb < kbs; kb++) {
-        amx_prefetch(wb, kb, 1);
-        _tile_loadd(0, wb + (size_t)kb * 512, 64);
-        _tile_loadd(1, xc[0] + kb * 32, xs[0]);
+    _tile_zero(4);
+    _tile_zero(6);
+    for (; kb + 2 <= kbs; kb += 2) {
+        amx_prefetch(w0, kb, 2);
+        amx_prefetch(w1, kb, 2);
+        _tile_loadd(1, x + kb * 32, xs);
+        _tile_loadd(0, w0 + (size_t)kb * 512, 64);
+        _tile_loadd(5, w1 + (size_t)kb * 512, 64);
         _tile_dpbf16ps(2, 1, 0);
-        _tile_loadd(7, xc[1] + kb * 32, xs[1]);
+        _tile_dpbf16ps(4, 1, 5);
+        _tile_loadd(7, x + (kb + 1) * 32, xs);
+        _tile_loadd(0, w0 + (size_t)(kb + 1) * 512, 64);
+        _tile_loadd(5, w1 + (size_t)(kb + 1) * 512, 64);
         _tile_dpbf16ps(3, 7, 0);
-        if (c > 2) {
-            _tile_loadd(1, xc[2] + kb * 32, xs[2]);
-            _tile_dpbf16ps(4, 1, 0);
-        }
-        if (c > 3) {
-            _tile_loadd(7, xc[3] + kb * 32, xs[3]);
-            _tile_dpbf16ps(5, 7, 0);
-        }
-        if (c > 4) {
-            _tile_loadd(1, xc[4] + kb * 32, xs[4]);
-            _tile_dpbf16ps(6, 1, 0);
-        }
+        _tile_dpbf16ps(6, 7, 5);
     }
-    _tile_stored(2, acc[0], 64);
-    _tile_stored(3, acc[16], 64);
-    if (c > 2) _tile_stored(4, acc[32], 64);
-    if (c > 3) _tile_stored(5, acc[48], 64);
-    if (c > 4) _tile_stored(6, acc[64], 64);
+    if (kb < kbs) {
+        _tile_loadd(1, x + kb * 32, xs);
+        _tile_loadd(0, w0 + (size_t)kb * 512, 64);
+        _tile_loadd(5, w1 + (size_t)kb * 512, 64);
+        _tile_dpbf16ps(2, 1, 0);
+        _tile_dpbf16ps(4, 1, 5);
+    }
+    float p0[16][NB], p1[16][NB];
+    _tile_stored(2, a0[0], 64);
+    _tile_stored(3, p0[0], 64);
+    _tile_stored(4, a1[0], 64);
+    _tile_stored(6, p1[0], 64);
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < NB; j++) {
+            a0[m][j] += p0[m][j];
+            a1[m][j] += p1[m][j];
+        }
 }
 
-/* Returns 0, or -1 when the padded copy of a last partial chunk could not be allocated.
- * invariant: every chunk of 16 rows alone (amx_block's one-chunk order of sums, whatever M), so
- * a row's outputs do not depend on how many rows share the call; else up to AMX_CHUNKS chunks
- * share each B tile load. f32: float32 outputs (y float *), else bf16. */
+/* amx_pair's tiles: B (0, 5) 16 rows, A and the sums `rows` rows */
+static void amx_configure_pairs(int rows) {
+    uint8_t r = (uint8_t)rows;
+    const uint8_t tile_rows[8] = {16, r, r, r, r, 16, r, r};
+    amx_load_config(tile_rows);
+}
+
+/* The rows in chunks of 16 (a last partial one read from `pad`, or in place with its tiles
+ * configured for fewer rows where it is the only chunk), each against the blocks two at a time
+ * (amx_pair): one order of sums per row whatever M (the batch-invariant path, and a short call's) */
+static void small_gemm_amx_pairs(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                                 void *y, int M, int N, int K, int f32, const uint16_t *pad) {
+    int blocks = (N + NB - 1) / NB, full = M / 16, tail = M % 16, short_call = M < 16;
+    int chunks = full + (tail > 0);
+#pragma omp parallel
+    {
+        amx_configure_pairs(short_call ? M : 16);
+#pragma omp for schedule(static)
+        for (int pb = 0; pb < (blocks + 1) / 2; pb++) {
+            int b0 = 2 * pb, b1 = b0 + 1 < blocks ? b0 + 1 : b0;
+            const uint16_t *w0 = packed + (size_t)b0 * (K / 2) * NB * 2, *w1 = packed + (size_t)b1 * (K / 2) * NB * 2;
+            for (int c = 0; c < chunks; c++) {
+                int last = c == full && !short_call; /* the padded partial chunk */
+                const uint16_t *xc = last ? pad : x + (size_t)c * 16 * x_stride;
+                size_t xs = (size_t)(last ? K : x_stride) * 2;
+                int rows = c == full ? tail : 16;
+                float a0[16][NB], a1[16][NB];
+                amx_pair(w0, w1, xc, xs, K, short_call ? M : 16, a0, a1);
+                for (int b = b0; b <= b1; b++) {
+                    int n0 = b * NB, nc = N - n0 < NB ? N - n0 : NB;
+                    for (int m = 0; m < rows; m++)
+                        store_row(y, f32, (size_t)(16 * c + m) * N + n0, b == b0 ? a0[m] : a1[m],
+                                  bias ? bias + n0 : NULL, nc);
+                    if (b1 == b0) break;
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+
+/* Returns 0, or -1 when the padded copy of a last partial chunk could not be allocated. f32:
+ * float32 outputs (y float *), else bf16. */
 static int small_gemm_amx(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
-                          void *y, int M, int N, int K, int invariant, int f32) {
-    int blocks = (N + NB - 1) / NB;
+                          void *y, int M, int N, int K, int f32) {
     int full = M / 16, tail = M % 16;
     uint16_t *pad = NULL; /* the last partial chunk's rows, zero-padded to 16 */
-    int short_call = M < 16; /* one partial chunk: its tiles configured for its rows instead */
-    if (tail && !short_call) {
+    if (tail && M >= 16) {
         pad = calloc((size_t)16 * K, sizeof(uint16_t));
         if (!pad) return -1;
         for (int m = 0; m < tail; m++)
             memcpy(pad + (size_t)m * K, x + (size_t)(16 * full + m) * x_stride, sizeof(uint16_t) * K);
     }
-    int chunks = full + (tail > 0);
-#pragma omp parallel
-    {
-        amx_configure(short_call ? M : 16);
-#pragma omp for schedule(static)
-        for (int b = 0; b < blocks; b++) {
-            const uint16_t *wb = packed + (size_t)b * (K / 2) * NB * 2;
-            int n0 = b * NB, nc = N - n0 < NB ? N - n0 : NB;
-            const int per = invariant ? 1 : AMX_CHUNKS;
-            for (int c0 = 0; c0 < chunks; c0 += per) {
-                int c = chunks - c0 < per ? chunks - c0 : per;
-                const uint16_t *xc[AMX_CHUNKS];
-                size_t xs[AMX_CHUNKS];
-                for (int i = 0; i < c; i++) {
-                    int last = c0 + i == full && !short_call; /* the padded partial chunk */
-                    xc[i] = last ? pad : x + (size_t)(c0 + i) * 16 * x_stride;
-                    xs[i] = (size_t)(last ? K : x_stride) * 2;
-                }
-                float acc[16 * AMX_CHUNKS][NB];
-                amx_block(wb, xc, xs, c, K, short_call ? M : 16, acc);
-                int rows = c0 + c > full ? 16 * (c - 1) + tail : 16 * c;
-                for (int m = 0; m < rows; m++)
-                    store_row(y, f32, (size_t)(16 * c0 + m) * N + n0, acc[m], bias ? bias + n0 : NULL, nc);
-            }
-        }
-        _tile_release();
-    }
+    small_gemm_amx_pairs(x, x_stride, packed, bias, y, M, N, K, f32, pad);
     free(pad);
     return 0;
 }
@@ -283,7 +266,7 @@ void small_gemm_ex(const uint16_t *x, int64_t x_stride, const uint16_t *packed, 
     const int invariant = (flags & GEMM_INVARIANT) != 0, f32 = (flags & GEMM_F32_OUT) != 0;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if ((M >= AMX_MIN_ROWS || invariant) && K % 32 == 0 && amx_allowed() &&
-        small_gemm_amx(x, x_stride, packed, bias, y, M, N, K, invariant, f32) == 0)
+        small_gemm_amx(x, x_stride, packed, bias, y, M, N, K, f32) == 0)
         return;
 #else
     (void)invariant;
