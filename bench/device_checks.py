@@ -255,13 +255,7 @@ def check_batch_invariance(device: torch.device, n: int = 24) -> CheckResult:
         drafter = None if refs is None else ReplayDrafter(refs, vocab_size=257, block_size=4, accept_rate=0.7)
         mode = ForwardMode("triton" if kernels == "triton" else "auto", graphs, batch_invariant=invariant)
         out: dict[str, list[int]] = {}
-        engine = Engine(
-            mode_runner(model, mode, 256, 4, 512),
-            ByteTokenizer(),
-            SchedulerConfig(verify_policy=policy, max_num_batched_tokens=40),
-            max_model_len=512,
-            drafter=drafter,
-        )
+        engine = mode_engine(model, mode, policy, drafter)
         groups = [list(prompts.items())] if together else [[kv] for kv in prompts.items()]
         for group in groups:
             reqs = [Request(k, p, sampling, max_tokens=n, ignore_eos=True) for k, p in group]
@@ -285,6 +279,17 @@ def check_batch_invariance(device: torch.device, n: int = 24) -> CheckResult:
         if invariant:
             passed = all(same.values())
     return CheckResult("batch_invariance", passed, details)
+
+
+def mode_engine(model, mode: ForwardMode, policy: str, drafter=None) -> Engine:
+    """An engine over `model` in `mode` with byte tokens, chunked prefill (40 tokens a step)."""
+    return Engine(
+        mode_runner(model, mode, 256, 4, 512),
+        ByteTokenizer(),
+        SchedulerConfig(verify_policy=policy, max_num_batched_tokens=40),
+        max_model_len=512,
+        drafter=drafter,
+    )
 
 
 def check_forward_modes(device: torch.device, n: int = 20, num_prompts: int = 5) -> CheckResult:
@@ -316,13 +321,7 @@ def check_forward_modes(device: torch.device, n: int = 20, num_prompts: int = 5)
                     if policy != "none"
                     else None
                 )
-                engine = Engine(
-                    mode_runner(model, mode, 256, 4, 512),
-                    ByteTokenizer(),
-                    SchedulerConfig(verify_policy=policy, max_num_batched_tokens=40),
-                    max_model_len=512,
-                    drafter=drafter,
-                )
+                engine = mode_engine(model, mode, policy, drafter)
                 reqs = [Request(k, p, GREEDY, max_tokens=n, ignore_eos=True) for k, p in prompts.items()]
                 drain(engine, reqs)
                 entry[policy] = {

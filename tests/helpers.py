@@ -38,3 +38,23 @@ def dense_attention(q, keys, values, start, scale):
     qpos = torch.arange(start, start + n)[:, None]
     s = s.masked_fill(torch.arange(k.shape[0])[None, :] > qpos, float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, -1)
+
+
+def paged_segments_runner(kern, kc, vc, scale):
+    """run(segs, q_rows) for a paged attention kernel over the caches kc / vc: segs are
+    (start, n, block table row) per segment, q_rows [T, H, D] -> out [T, H, D] (NaN where no
+    segment writes)."""
+
+    def i32(xs):
+        return torch.tensor(xs, dtype=torch.int32)
+
+    def run(segs, q_rows):
+        out = torch.full_like(q_rows, float("nan"))
+        row0 = [sum(n for _, n, _ in segs[:i]) for i in range(len(segs))]
+        width = max(len(t) for _, _, t in segs)
+        table = i32([list(t) + [0] * (width - len(t)) for _, _, t in segs])
+        lens, starts = i32([n for _, n, _ in segs]), i32([s for s, _, _ in segs])
+        kern(q_rows, kc, vc, out, i32(row0), lens, starts, table, scale)
+        return out
+
+    return run

@@ -13,7 +13,7 @@ from dspark_serve.ops.linear import make_linear
 from dspark_serve.ops.triton_linear import InvariantTritonLinear
 from dspark_serve.verifier.config import ModelConfig
 from dspark_serve.verifier.model_runner import ModelRunner
-from tests.helpers import tiny_model
+from tests.helpers import paged_segments_runner, tiny_model
 from tests.kv_tables import Tables
 from tests.triton_interpreter import needs_triton
 
@@ -60,17 +60,7 @@ def test_bf16_attention_rows_do_not_depend_on_what_shares_the_call(D):
     g = torch.Generator().manual_seed(5)
     kc = torch.randn(Hkv, nblocks * bs, D, generator=g).to(torch.bfloat16)
     vc = torch.randn(Hkv, nblocks * bs, D, generator=g).to(torch.bfloat16)
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
-
-    def run(segs, q_rows):
-        """segs: (start, n, table row); q_rows: [T, H, D] -> out [T, H, D]"""
-        out = torch.full_like(q_rows, float("nan"))
-        row0 = [sum(n for _, n, _ in segs[:i]) for i in range(len(segs))]
-        width = max(len(t) for _, _, t in segs)
-        table = i32([list(t) + [0] * (width - len(t)) for _, _, t in segs])
-        lens, starts = i32([n for _, n, _ in segs]), i32([s for s, _, _ in segs])
-        kern(q_rows, kc, vc, out, i32(row0), lens, starts, table, D**-0.5)
-        return out
+    run = paged_segments_runner(kern, kc, vc, D**-0.5)
 
     blocks = torch.randperm(nblocks, generator=g)[:40].tolist()
     for s0, n in ((181, 7), (0, 48), (300, 40)):  # a verify block; prefill chunks from 0 and later

@@ -16,7 +16,7 @@ from dspark_serve.scheduler.request import Request
 from dspark_serve.verifier.attention import matmul_attention
 from dspark_serve.verifier.config import ModelConfig
 from dspark_serve.verifier.model_runner import ModelRunner
-from tests.helpers import ByteTokenizer, dense_attention, hf_greedy, tiny_model
+from tests.helpers import ByteTokenizer, dense_attention, hf_greedy, paged_segments_runner, tiny_model
 from tests.kv_tables import Tables
 from tests.triton_interpreter import needs_triton
 
@@ -462,17 +462,7 @@ def test_float32_attention_rows_do_not_depend_on_what_shares_the_call():
     g = torch.Generator().manual_seed(5)
     kc = torch.randn(Hkv, nblocks * bs, D, generator=g)
     vc = torch.randn(Hkv, nblocks * bs, D, generator=g)
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
-
-    def run(segs, q_rows):
-        """segs: (start, n, table row); q_rows: [T, H, D] -> out [T, H, D]"""
-        out = torch.full_like(q_rows, float("nan"))
-        row0 = [sum(n for _, n, _ in segs[:i]) for i in range(len(segs))]
-        width = max(len(t) for _, _, t in segs)
-        table = i32([list(t) + [0] * (width - len(t)) for _, _, t in segs])
-        lens, starts = i32([n for _, n, _ in segs]), i32([s for s, _, _ in segs])
-        kern(q_rows, kc, vc, out, i32(row0), lens, starts, table, 0.125)
-        return out
+    run = paged_segments_runner(kern, kc, vc, 0.125)
 
     blocks = torch.randperm(nblocks, generator=g)[:20].tolist()  # one request's blocks, anywhere
     s0, n = 181, 7  # a verify block of 7 rows at positions 181..187
