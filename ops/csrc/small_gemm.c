@@ -74,8 +74,25 @@ void small_gemm_pack(const uint16_t *W, uint16_t *packed, int N, int K) {
             }
 }
 
+/* Without AVX512-BF16 the bf16 products are plain C, and -fassociative-math would let the
+ * compiler sum a row's products in one order when the call has one row and in another for
+ * several (as the float32 kernel's plain path below notes): there the sums stay in k order, so
+ * a row's outputs do not depend on the row count (the batch-invariant mode relies on it). */
+#ifndef __AVX512BF16__
+#if defined(__clang__)
+#define BF16_IN_ORDER
+#define BF16_IN_ORDER_HERE _Pragma("clang fp reassociate(off)")
+#else
+#define BF16_IN_ORDER __attribute__((optimize("no-associative-math")))
+#define BF16_IN_ORDER_HERE
+#endif
+#else
+#define BF16_IN_ORDER
+#define BF16_IN_ORDER_HERE
+#endif
+
 /* acc[mc][16] over one block: the weights of the block against mc (<= MB) rows of x */
-static inline __attribute__((always_inline)) void block_dot(
+static inline __attribute__((always_inline)) BF16_IN_ORDER void block_dot(
     const uint16_t *wb, const uint16_t *x, int64_t x_stride, int K, int mc, float acc[MB][NB]) {
 #ifdef __AVX512BF16__
     __m512 a[MB];
@@ -91,6 +108,7 @@ static inline __attribute__((always_inline)) void block_dot(
     }
     for (int m = 0; m < mc; m++) _mm512_storeu_ps(acc[m], a[m]);
 #else
+    BF16_IN_ORDER_HERE
     for (int m = 0; m < mc; m++)
         for (int j = 0; j < NB; j++) acc[m][j] = 0.0f;
     for (int kp = 0; kp < K / 2; kp++) {
@@ -261,7 +279,7 @@ int small_gemm_tiles(void) {
  * order of sums per row whatever M (on AMX tiles for every row count, one chunk of 16 rows at
  * a time, where the CPU has them; else the AVX512 path, whose rows never share sums), so a
  * row's outputs do not depend on what shares the call. */
-void small_gemm_ex(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+BF16_IN_ORDER void small_gemm_ex(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
                    void *y, int M, int N, int K, int flags) {
     const int invariant = (flags & GEMM_INVARIANT) != 0, f32 = (flags & GEMM_F32_OUT) != 0;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)

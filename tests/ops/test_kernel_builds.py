@@ -1,6 +1,6 @@
 """The C kernels' narrower code paths, checked on a wider CPU: the library is rebuilt with the
 CPU's AMX tiles, its AVX512 extensions (and AMX) or all of AVX switched off, and the kernel,
-fast-forward and drafter tests run against it in a child process. On an AVX2-only CPU the main
+fast-forward, batch-invariance and drafter tests run against it in a child process. On an AVX2-only CPU the main
 suite already runs the AVX2 paths; here an AVX512 host checks them too, an AMX host its AVX512
 paths, and an x86 host the plain C paths other CPUs build."""
 
@@ -30,6 +30,7 @@ NO_AVX = [*NO_AVX512, "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx"]
 TESTS = [
     "tests/ops/test_cpu_kernels.py",
     "tests/verifier/test_forward_fast.py",
+    "tests/verifier/test_batch_invariance.py",
     "tests/drafter/test_dspark_serving.py",
 ]
 # flags appended to cpu_kernels.CFLAGS, and the CPU flag that makes the build narrower than native
