@@ -1,8 +1,8 @@
 """The C kernels' narrower code paths, checked on a wider CPU: the library is rebuilt with the
 CPU's AMX tiles, its AVX512 extensions (and AMX) or all of AVX switched off, and the kernel,
-fast-forward, batch-invariance and drafter tests run against it in a child process. On an AVX2-only CPU the main
-suite already runs the AVX2 paths; here an AVX512 host checks them too, an AMX host its AVX512
-paths, and an x86 host the plain C paths other CPUs build."""
+fast-forward, batch-invariance and drafter tests run against it in a child process. On an
+AVX2-only CPU the main suite already runs the AVX2 paths; here an AVX512 host checks them too,
+an AMX host its AVX512 paths, and an x86 host the plain C paths other CPUs build."""
 
 from __future__ import annotations
 
