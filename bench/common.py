@@ -199,6 +199,20 @@ def run_engine_closed_loop(
     )
 
 
+def greedy_stream_body(model: str, prompt: str, max_tokens: int) -> dict:
+    """A greedy streamed chat request of exactly max_tokens tokens (usage in the last chunk): the
+    body the HTTP benchmarks time."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 @contextlib.contextmanager
 def running_server(port: int, flags: list[str], ready_timeout: float = 900.0) -> Iterator[ServedProcess]:
     """A `dspark-serve` on `port` with `flags` (a subprocess from this checkout), once /health

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import DATA, load_prompts, machine, report_args, running_server  # noqa: E402
+from bench.common import DATA, greedy_stream_body, load_prompts, machine, report_args, running_server  # noqa: E402
 
 ARMS = {"split": ["--reasoning-parser", "deepseek_r1"], "plain": ["--reasoning-parser", "none"]}
 
@@ -37,15 +37,7 @@ def stream_one(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, 
     """One streamed chat request -> its per-user tokens/s and the fields it streamed into."""
     import httpx
 
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = greedy_stream_body(model, prompt, max_tokens)
     times: list[float] = []
     fields = {"reasoning_content": 0, "content": 0}
     tokens = 0

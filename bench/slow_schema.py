@@ -23,7 +23,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, running_server  # noqa: E402
+from bench.common import greedy_stream_body, machine, running_server  # noqa: E402
 from bench.soak import PROMPTS  # noqa: E402
 
 SLOW = {"type": "string", "pattern": "^(x{1000}){1000}$"}
@@ -31,15 +31,7 @@ SLOW = {"type": "string", "pattern": "^(x{1000}){1000}$"}
 
 async def stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> float:
     """One greedy stream; its per-user speed (tokens after the first per second)."""
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = greedy_stream_body(model, prompt, max_tokens)
     first = last = None
     tokens = 0
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:

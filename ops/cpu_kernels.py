@@ -580,12 +580,12 @@ class SmallGemmLinear:
         self.bias = None if b is None else b.to(w.dtype).contiguous()
         self.invariant = invariant
         self.out_dtype = torch.float32 if float_out else w.dtype
-        if bf16:
-            flags = (GEMM_INVARIANT if invariant else 0) | (GEMM_F32_OUT if float_out else 0)
-            ex = lib.small_gemm_ex
-            self.fn: Callable[..., None] = lambda *a: ex(*a, flags)
-        else:
-            self.fn = lib.small_gemm_f32
+        # bf16: small_gemm_ex with its flags (the same call, the mode's flags appended); float32
+        # rows are batch-invariant in small_gemm_f32 anyway
+        self.fn = lib.small_gemm_ex if bf16 else lib.small_gemm_f32
+        self.flags = (
+            ((GEMM_INVARIANT if invariant else 0) | (GEMM_F32_OUT if float_out else 0),) if bf16 else ()
+        )
         self.fallback, self.max_rows = fallback, (1 << 30) if invariant else max_rows
         # a small limit means the fallback wins early (oneDNN on AMX tiles): a small bucket
         self.bucket = FALLBACK_ROW_BUCKET if max_rows >= FALLBACK_ROW_BUCKET else 16
@@ -619,7 +619,17 @@ class SmallGemmLinear:
     def _gemm(self, x: torch.Tensor, y: torch.Tensor) -> None:  # x [M, K] -> y [M, N], y contiguous
         bias = 0 if self.bias is None else self.bias.data_ptr()
         M = x.shape[0]
-        self.fn(x.data_ptr(), x.stride(0), self.packed.data_ptr(), bias, y.data_ptr(), M, self.N, self.K)
+        self.fn(
+            x.data_ptr(),
+            x.stride(0),
+            self.packed.data_ptr(),
+            bias,
+            y.data_ptr(),
+            M,
+            self.N,
+            self.K,
+            *self.flags,
+        )
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

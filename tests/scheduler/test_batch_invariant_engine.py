@@ -86,7 +86,7 @@ def test_plain_decoding_in_a_batch_is_plain_decoding_alone(target, plain_alone):
     ],
 )
 def test_greedy_speculation_is_plain_decoding_in_bf16(target, plain_alone, tmp_path, drafter, policy):
-    if drafter == "replay":  # the true continuation, 30% of positions corrupted: long accepted runs
+    if drafter == "replay":  # the true continuation, some positions corrupted: long accepted runs
         refs = {tuple(p): out for p, out in zip(PROMPTS, plain_alone)}
         dr = ReplayDrafter(refs, vocab_size=257, block_size=4, accept_rate=0.7)
     elif drafter == "ngram":
