@@ -67,7 +67,12 @@ def test_attention_rows_in_the_invariant_tile_do_not_depend_on_the_step():
     block = run(q, [0, 6], starts, table, 6)
     for i in range(6):
         assert torch.equal(run(q[i : i + 1], [0, 1], [starts[0] + i], table, 1), block[i : i + 1]), i
-    long_q = torch.randn(20, H, D)
-    both = run(torch.cat([long_q, q]), [0, 20, 26], [0, starts[0]], torch.cat([table, table]), 20)
+    long_q = torch.randn(20, H, D)  # a prefill chunk of 20 tokens: 5 blocks of the pool's own
+    width = max(5, table.shape[1])
+    wide = torch.zeros(2, width, dtype=torch.int32)
+    wide[0, :5] = torch.arange(5, dtype=torch.int32)
+    wide[1, : table.shape[1]] = table[0]
+    assert kc.shape[1] >= 5 * bs  # every block the chunk's table names lies in the pool
+    both = run(torch.cat([long_q, q]), [0, 20, 26], [0, starts[0]], wide, 20)
     assert torch.equal(both[20:], block)
     assert ta.tile_shape(4, 1, invariant=True) == ta.tile_shape(4, 64, invariant=True) == (64, 16)
