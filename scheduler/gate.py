@@ -117,9 +117,9 @@ class ModeRate:
     with every lucky or unlucky step."""
 
     tokens: float = 0.0
-    seconds: float = 0.0
+    seconds: float = 0.0  # times the plain pace at each step's request count (`update`)
     samples: int = 0
-    step_seconds: float = 0.0  # moving average of one step's duration
+    step_seconds: float = 0.0  # moving average of one step's duration (plain seconds)
     # decayed like tokens and seconds: steps, decoding requests, and rows verified (each
     # request's anchor plus its verified drafts), for the cost-curve prior (`predicted`)
     steps: float = 0.0
@@ -135,17 +135,25 @@ class ModeRate:
     def value(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def update(self, tokens: float, seconds: float, alpha: float, requests: int, rows: int) -> None:
+    def update(
+        self, tokens: float, seconds: float, alpha: float, requests: int, rows: int, pace: float = 1.0
+    ) -> None:
+        """One step: `tokens` made in `seconds` by `requests` requests verifying `rows` rows.
+        pace: the tokens per second a plain step makes at this step's request count (the cost
+        curve's; 1: none known): seconds are booked times it, so `value` is tokens over what
+        plain decoding would have made meanwhile, and steps at different request counts within
+        one level compare fairly (a level spans a factor of two in requests, and a mode measured
+        mostly where more requests ran would otherwise look faster for that alone)."""
         keep = 1.0 - alpha if self.samples else 0.0
         self.age(keep)
         self.tokens += tokens
-        self.seconds += seconds
+        self.seconds += seconds * pace
         self.steps += 1.0
         self.requests += requests
         self.rows += rows
         self.step_seconds = keep * self.step_seconds + (1.0 - keep) * seconds
         self.samples += 1
-        x = math.log(max(tokens, 0.5) / seconds)  # a step that kept nothing still counts
+        x = math.log(max(tokens, 0.5) / (seconds * pace))  # a step that kept nothing still counts
         self.w2 += 1.0
         self.lx += x
         self.lxx += x * x
@@ -203,7 +211,13 @@ class LevelEstimate:
         if other is not None:
             other.age(1.0 - self.config.alpha)
         rate = self.rates.setdefault((level, drafting), ModeRate())
-        rate.update(tokens, seconds, self.config.alpha, requests, rows)
+        rate.update(tokens, seconds, self.config.alpha, requests, rows, self.pace(requests))
+
+    def pace(self, requests: int) -> float:
+        """Plain decoding's tokens per second at `requests` requests on the cost curve (1.0
+        without one): the unit a mode's rate is measured in (`ModeRate.update`)."""
+        price = self.config.price
+        return requests / price(requests, requests) if price is not None and requests > 0 else 1.0
 
     def verdict(self, level: int, samples: int | None = None) -> Verdict | None:
         """The verdict at a level with `samples` (default `warmup`) measured steps of each
@@ -286,8 +300,10 @@ class LevelEstimate:
                 or min(drafted.requests, drafted.steps, drafted.value) <= 0
             ):
                 continue
+            # plain's rate there, in the unit rates are measured in (plain's pace on the curve)
             n = drafted.requests / drafted.steps
-            gain = self._carried(drafted, n / self.config.price(n, max(1, round(n))), num_decodes)
+            plain = n / self.config.price(n, max(1, round(n))) / self.pace(max(1, round(n)))
+            gain = self._carried(drafted, plain, num_decodes)
             return self._from_gain(gain, lvl < level, 1.0 + self.config.climb * (level - lvl))
         return None
 
@@ -403,8 +419,9 @@ class DraftGate:
         self._since: dict[int, int] = {}  # steps since an exploration began
 
     def rate(self, num_decodes: int, drafting: bool) -> float:
-        """A mode's measured decode tokens per second at this load's level."""
-        return self.estimate.rate(load_level(num_decodes), drafting).value
+        """A mode's measured decode tokens per second at this load's level, at `num_decodes`
+        requests."""
+        return self.estimate.rate(load_level(num_decodes), drafting).value * self.estimate.pace(num_decodes)
 
     def favoured(self, num_decodes: int) -> Verdict | None:
         """The mode this load's level runs (`LevelEstimate.favoured`)."""
@@ -509,7 +526,8 @@ class DraftGate:
         v = self.favoured(num_decodes) if self.estimate.early(lvl) is not None else None
         if v is None:
             return
-        best = self.estimate.rates[(lvl, v.drafting)].value
+        # the favoured mode's rate in tokens per second at this step's request count
+        best = self.estimate.rates[(lvl, v.drafting)].value * self.estimate.pace(num_decodes)
         if drafting != v.drafting or switched:
             self.loss.add(lvl, seconds - (tokens / best if best > 0 else 0.0))
         else:

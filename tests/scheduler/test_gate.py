@@ -40,6 +40,27 @@ def test_gate_alternates_then_picks_the_faster_mode_and_explores():
     assert load_level(1) != load_level(16) and g.rate(16, True) == 0.0  # levels are learned apart
 
 
+def test_modes_measured_at_different_request_counts_in_one_level_compare_at_plain_pace():
+    """A level spans a factor of two in requests. Here plain steps ran at 16 requests and
+    drafting ones at 31 (as when the load falls and explorations land at other counts), where
+    drafting makes 5% fewer tokens than a plain step would in its time: in raw tokens per second
+    drafting looks 30% faster; measured against the cost curve's plain pace at each step's
+    count, the gate sees it 5% slower and runs plain."""
+    price = lambda rows, requests: 0.010 + 0.0005 * rows  # seconds a forward
+    g = DraftGate(GateConfig(warmup=3, price=price))
+    for _ in range(5):
+        g.record(16, False, decode_tokens=16, seconds=price(16, 16))
+    for _ in range(5):  # the first is the switch, not measured
+        g.record(31, True, decode_tokens=31, seconds=price(31, 31) / 0.95)
+    assert load_level(16) == load_level(31)
+    raw_on, raw_off = 31 / (price(31, 31) / 0.95), 16 / price(16, 16)
+    assert raw_on > 1.25 * raw_off  # what a comparison of raw rates would pick: drafting
+    v = g.estimate.verdict(load_level(16))
+    assert v is not None and v.drafting is False and v.ratio == pytest.approx(1 / 0.95)
+    # the rates read at a count are plain's pace there times the measured share
+    assert g.rate(16, False) == pytest.approx(raw_off) and g.rate(31, True) == pytest.approx(raw_on)
+
+
 def test_switch_steps_are_not_measured():
     """The first step of a mode after the other one pays the switch (a drafter catching up on
     context the plain steps kept): recording it would make drafting look slower than it is."""
