@@ -241,7 +241,7 @@ class Engine:
         """The step's batch (preempted requests' drafter state freed), less the requests whose
         state is found invalid before anything is touched (failed alone: their outputs)."""
         spec = self.speculation
-        batch = self.scheduler.schedule(spec.draft_reserve(self.running), spec.lookahead)
+        batch = self.scheduler.schedule(spec.draft_reserve(self.running, len(self.waiting)), spec.lookahead)
         for r in batch.preempted:  # it recomputes its context when it runs again
             spec.free(r.request_id)
         if not batch and batch.preempted:

@@ -23,7 +23,7 @@ from dspark_serve.scheduler.gate import DraftGate, GateConfig
 from dspark_serve.scheduler.load import LoadState
 from dspark_serve.scheduler.overhead import StepOverhead
 from dspark_serve.scheduler.policy import CostTable, Policy, PolicyDecision, PolicyInput, parse_policy
-from dspark_serve.scheduler.request import Request
+from dspark_serve.scheduler.request import Request, Status
 
 # Used only when no profile was measured (tests, policies that ignore cost): SPS flat to 8
 # tokens, then falling as on a compute-bound machine.
@@ -150,16 +150,19 @@ class Speculation:
         d = self._drafting
         return tuple(d.tap_layers) if d is not None else ()
 
-    def draft_reserve(self, running: list[Request]) -> int:
+    def draft_reserve(self, running: list[Request], waiting: int = 0) -> int:
         """Tokens per decoding request the scheduler leaves free for drafts the policy may admit.
-        None where the gate runs the running requests' load level plain: the reserve only
-        shrinks the prefill chunks, and a step that prefills drafts only in the level's
-        favoured mode, so a reserve there would cost prefill steps for drafts never made."""
+        None where the gate runs this step's load level plain: the reserve only shrinks the
+        prefill chunks, and a step that prefills drafts only in the level's favoured mode, so a
+        reserve there would cost prefill steps for drafts never made. The level is the one
+        `draft` will read: where the step may prefill (a request prefilling, or `waiting` to be
+        admitted), it counts those requests too."""
         d = self._drafting
         if d is None:
             return 0
         if self.gate is not None:
-            v = self.gate.favoured(len(running))
+            prefills = waiting > 0 or any(r.status is not Status.DECODE for r in running)
+            v = self.gate.favoured(len(running) + (waiting if prefills else 0))
             if v is None or not v[0]:
                 return 0
         return min(2, d.block_size)

@@ -217,7 +217,7 @@ def test_a_step_that_prefills_asks_the_gate_for_no_exploration():
     assert p.drafting and gate.asked == [(10, False), (2, True)]
 
 
-def test_the_draft_reserve_follows_the_gates_mode_for_the_running_requests():
+def test_the_draft_reserve_follows_the_gates_mode_at_the_level_the_step_drafts_at():
     spec = Speculation(FakeDrafter(), SchedulerConfig(verify_policy="dspark"), max_model_len=512)
     gate = spec.gate
     assert gate is not None
@@ -231,6 +231,17 @@ def test_the_draft_reserve_follows_the_gates_mode_for_the_running_requests():
 
     teach(draft_tokens=8, plain_tokens=2)
     assert gate.favoured(2) == (True, 4.0) and spec.draft_reserve(running) == 2
+    # the level a step that admits or prefills drafts at (`draft`) counts those requests: here
+    # plain, where drafting is measured to lose, so nothing is kept from their prefill
+    for drafting, tokens in ((True, 2), (False, 8)):
+        for _ in range(8):
+            gate.record(4, drafting, tokens, 0.1)
+    assert gate.favoured(2)[0] and not gate.favoured(4)[0]
+    assert spec.draft_reserve(running, waiting=2) == 0 and spec.draft_reserve(running, waiting=0) == 2
+    prefilling = decoding("c")
+    prefilling.status = Status.PREFILL
+    assert spec.draft_reserve([*running, prefilling, decoding("d")]) == 0
+    assert spec.draft_reserve(running, waiting=1) == 2  # 3 requests: level 1, drafting
     spec2 = Speculation(FakeDrafter(), SchedulerConfig(verify_policy="dspark"), max_model_len=512)
     gate = spec2.gate
     assert gate is not None
