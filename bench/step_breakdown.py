@@ -123,7 +123,7 @@ def label_c_kernels() -> None:
     each call (its self time is the kernel's; a oneDNN fallback inside the matmul is timed as its
     own op). The attention kernel sits under the runner's "attention" label, the elementwise ones
     count as other kernels."""
-    from dspark_serve.verifier import cpu_kernels as ck
+    from dspark_serve.ops import cpu_kernels as ck
 
     def labelled(cls, method: str, name: str) -> None:
         call = getattr(cls, method)
