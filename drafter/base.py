@@ -97,7 +97,7 @@ class AcceptedContext:
     start_pos: position of token_ids[0] in the sequence.
     hidden: [len(token_ids), m * d] target hidden states at the drafter's tap layers
         (concatenated in target_layer_ids order) for exactly those tokens, or None when the
-        drafter asked for no taps.
+        drafter asked for no taps or when only `stored` holds them (a cached prefix's).
     stored: where the same rows stay readable while the request runs (`TapRows`), or None: a
         drafter that absorbs its context lazily may keep the positions instead of a copy.
     """

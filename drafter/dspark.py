@@ -308,12 +308,12 @@ class DraftContexts:
     def _pending_from(self, ctx: AcceptedContext, n: int) -> _Pending:
         """The request's pending states, cut back to where this context starts (a new run of
         them where it starts before what waits); a context after what is held is an error."""
-        if ctx.hidden is None:
+        if ctx.hidden is None and ctx.stored is None:
             raise ValueError(
                 f"{self.name} drafter needs hidden states for request "
                 f"{ctx.request_id!r} (tap layers {self.tap_layers})"
             )
-        if ctx.hidden.shape[0] != n:
+        if ctx.hidden is not None and ctx.hidden.shape[0] != n:
             raise ValueError(
                 f"request {ctx.request_id!r}: hidden has {ctx.hidden.shape[0]} rows for {n} tokens"
             )

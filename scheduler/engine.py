@@ -286,7 +286,9 @@ class Engine:
         capture) get that prefix's context from the tap states cached beside its blocks."""
         if not (self.speculating or self.capture is not None):
             return
-        contexts = [self.taps.context(r.request_id, r.prefill_ids, n) for r, n in batch.admitted if n > 0]
+        copy = self.capture is not None  # the capture keeps rows, not positions
+        admitted = [(r, n) for r, n in batch.admitted if n > 0]
+        contexts = [self.taps.context(r.request_id, r.prefill_ids, n, copy) for r, n in admitted]
         if contexts:
             self._observe(contexts)
 

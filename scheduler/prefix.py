@@ -103,13 +103,18 @@ class TapCache:
         # few wide rows
         return self.rows.index_select(0, slots)
 
-    def context(self, request_id: str, token_ids: list[int], num_cached: int) -> AcceptedContext:
+    def context(
+        self, request_id: str, token_ids: list[int], num_cached: int, copy: bool = False
+    ) -> AcceptedContext:
         """The context of a request's first `num_cached` tokens (shared cached blocks): their
-        hidden rows, or None when nothing was ever stored (no tap layers)."""
+        rows stay here (`stored`; a drafter reads them back when it absorbs them), copied out
+        into `hidden` only where asked (`copy`: a reader that keeps no positions); no rows at
+        all where nothing was ever stored (no tap layers)."""
+        ids = list(token_ids[:num_cached])
         if self.rows is None:
-            return AcceptedContext(request_id, list(token_ids[:num_cached]), 0, None)
-        hidden = self.rows_of(request_id, 0, num_cached)
-        return AcceptedContext(request_id, list(token_ids[:num_cached]), 0, hidden, stored=self)
+            return AcceptedContext(request_id, ids, 0, None)
+        hidden = self.rows_of(request_id, 0, num_cached) if copy else None
+        return AcceptedContext(request_id, ids, 0, hidden, stored=self)
 
     def reset(self, keep: bool = False) -> None:
         """Forget every row. keep: hold on to the buffer (the engine will store rows of the same

@@ -126,8 +126,13 @@ def test_first_proposal_after_a_hit_equals_the_one_without_cache(tmp_path, name)
             eng.step()
         second = Request("second", shared + [9, 8, 7, 6, 5], GREEDY, max_tokens=8, ignore_eos=True)
         eng.add_request(second)
+        read = []
+        rows_of = eng.taps.rows_of
+        eng.taps.rows_of = lambda *a: read.append(a) or rows_of(*a)
         while second.status is not Status.DECODE:
             eng.step()
+        assert read == []  # the cached prefix's rows are not copied out at admission
+        eng.taps.rows_of = rows_of
         hits = eng.blocks.stats().hits
         assert (hits == 24) if caching else (hits == 0)
         dr = eng.drafter
