@@ -325,6 +325,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--schemas", default=",".join(SCHEMAS))
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--drafter-path", default=None, help="the DSpark checkpoint (default: the embedded one)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -338,6 +339,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     llm = LLM(
         drafter="dspark+ngram",
+        drafter_path=args.drafter_path,
         max_model_len=2048,
         kv_cache_tokens=65536,
         max_num_seqs=32,
