@@ -30,6 +30,13 @@ from dspark_serve.scheduler.request import Request, Status
 DEFAULT_COST = CostTable((1, 8, 64, 512), (100.0, 100.0, 40.0, 6.0))
 
 
+def heading_for(decoding: int, others: int, prefills: bool) -> int:
+    """The requests a step's load level counts (the level its drafting is judged at): the
+    decoding ones, and where the step prefills, those prefilling or waiting too (`others`),
+    which decode within a few steps."""
+    return decoding + (others if prefills else 0)
+
+
 @dataclass
 class StepProposal:
     """The speculation side of one step, for the decoding requests in batch order.
@@ -161,8 +168,9 @@ class Speculation:
         if d is None:
             return 0
         if self.gate is not None:
-            prefills = waiting > 0 or any(r.status is not Status.DECODE for r in running)
-            v = self.gate.favoured(len(running) + (waiting if prefills else 0))
+            decoding = sum(1 for r in running if r.status is Status.DECODE)
+            others = len(running) - decoding + waiting
+            v = self.gate.favoured(heading_for(decoding, others, others > 0))
             if v is None or not v[0]:
                 return 0
         return min(2, d.block_size)
@@ -185,9 +193,7 @@ class Speculation:
         # that catch-up for contexts that stop drafting once all of them decode at a level
         # where drafting loses (many requests arriving at once are admitted a few a step).
         prefilling = load is not None and load.prefill_tokens > 0
-        soon = len(decodes) + (
-            load.num_prefilling + load.num_waiting if load is not None and prefilling else 0
-        )
+        soon = heading_for(len(decodes), load.num_prefilling + load.num_waiting if load else 0, prefilling)
         drafting = self.gate is None or own_choice
         if not drafting:
             assert self.gate is not None and self.drafter is not None
