@@ -584,10 +584,13 @@ class Suite:
             t0 = time.monotonic()
             target = random_qwen3(shape, self.dev, c.torch_dtype, seed=c.seed)
             t_target = time.monotonic() - t0
-            dspark = random_dspark(target, shape, block_size=c.block_size, seed=c.seed)
             blocks = -(-self.kv_tokens() // c.kv_block_size)
             # the fastest mode that kept greedy equality; on a CPU Triton only interprets (slowly)
             mode = self.modes[-1] if self.dev.type == "cuda" else MODES[0]
+            # the drafter's block pass graphed where the target's steps are
+            dspark = random_dspark(
+                target, shape, block_size=c.block_size, seed=c.seed, cuda_graphs=mode.cuda_graphs
+            )
             runner = mode_runner(
                 target, mode, blocks, c.kv_block_size, c.prompt_len + c.max_tokens + 2 * c.block_size + 8
             )
@@ -955,11 +958,24 @@ class Suite:
             ]
             propose = self._timed(lambda: dr.propose(views), 10)
             backbone = self._timed(lambda: dr.block_hidden(views), 10)
-            out["by_batch"][str(b)] = {
+            row = {
                 "propose_ms": 1e3 * propose,
                 "backbone_ms": 1e3 * backbone,
                 "heads_and_sampling_ms": 1e3 * (propose - backbone),
             }
+            graphs = getattr(dr, "graphs", None)
+            if graphs is not None:  # the same pass eagerly, beside the graphed one
+                graphed = dr.block_hidden(views)
+                dr.graphs = None
+                try:
+                    eager = dr.block_hidden(views)
+                    row["backbone_eager_ms"] = 1e3 * self._timed(lambda: dr.block_hidden(views), 10)
+                    row["propose_eager_ms"] = 1e3 * self._timed(lambda: dr.propose(views), 10)
+                finally:
+                    dr.graphs = graphs
+                row["graphed_max_abs_diff"] = float((graphed.float() - eager.float()).abs().max())
+                row["graph_replays"] = graphs.replays
+            out["by_batch"][str(b)] = row
             for rid in ids:
                 dr.free(rid)
         return out

@@ -244,10 +244,11 @@ def random_qwen3(
     return model.eval().requires_grad_(False)
 
 
-def random_dspark(target, shape: TargetShape, block_size: int = 7, seed: int = 0):
+def random_dspark(target, shape: TargetShape, block_size: int = 7, seed: int = 0, cuda_graphs: bool = False):
     """A randomly initialised DSpark drafter (Markov + confidence heads) of the DeepSpec shape
     matching `shape`, sharing the target's embedding and LM head, on the target's device/dtype,
-    served through `DSparkDrafter` (the drafter registered as "dspark")."""
+    served through `DSparkDrafter` (the drafter registered as "dspark"); cuda_graphs: its block
+    pass replayed as CUDA graphs where it runs the Triton kernels."""
     from dspark_serve.drafter.dspark import DSparkDrafter, DSparkDrafterConfig
     from dspark_serve.drafter.dspark_model import DSparkConfig, DSparkModel, rope_inv_freq
 
@@ -269,4 +270,4 @@ def random_dspark(target, shape: TargetShape, block_size: int = 7, seed: int = 0
     model = model.to(p.dtype)
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(p.device)
     model.requires_grad_(False)
-    return DSparkDrafter(model, DSparkDrafterConfig(), "dspark")
+    return DSparkDrafter(model, DSparkDrafterConfig(cuda_graphs=cuda_graphs), "dspark")

@@ -191,10 +191,11 @@ def build_dspark_ngram(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     online_calibration: bool = True,
+    cuda_graphs: bool = False,
 ) -> CombinedDrafter:
     """The DSpark drafter at `path` and prompt lookup, chosen per request and step."""
     from dspark_serve.drafter.dspark import build_dspark
     from dspark_serve.drafter.ngram import build_ngram
 
-    primary = build_dspark(path, target_model, block_size, device, dtype, online_calibration)
+    primary = build_dspark(path, target_model, block_size, device, dtype, online_calibration, cuda_graphs)
     return CombinedDrafter(primary, build_ngram(block_size=primary.block_size))

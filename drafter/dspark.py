@@ -8,6 +8,7 @@ when drafts are rejected.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,9 +29,13 @@ from dspark_serve.drafter.dspark_model.fast import (
     prepacked_linears_pay,
 )
 from dspark_serve.drafter.dspark_model.fast import applies as fast_backbone_applies
+from dspark_serve.drafter.dspark_model.graphs import GraphedBlock
 from dspark_serve.drafter.online_calibration import OnlineCalibrator
 from dspark_serve.ops.cpu_kernels import SmallGemmLinear, load_kernels
 from dspark_serve.ops.processors import needs_processing
+from dspark_serve.verifier.cuda_graphs import CudaCapture, EagerReplay
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,10 @@ class DSparkDrafterConfig:
         it (where the layers compute their queries too, and past a few rows the C driver gives
         way to the Python loop). Apart is the cheaper for many positions, riding along for a
         few; the default sits between.
+    cuda_graphs: replay the block pass as CUDA graphs, one per (requests padded to a power of
+        two, block length), where the backbone runs the Triton kernels
+        (drafter/dspark_model/graphs.py); pending context is then absorbed before the pass.
+    graph_budget_s: seconds of capture at most (later buckets run eagerly).
     """
 
     block_size: int | None = None
@@ -63,6 +72,8 @@ class DSparkDrafterConfig:
     online_calibration: bool = True
     max_pending: int = 256
     absorb_apart: int = 64
+    cuda_graphs: bool = False
+    graph_budget_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size <= 0:
@@ -73,6 +84,8 @@ class DSparkDrafterConfig:
             raise ValueError(f"max_pending must be > 0, got {self.max_pending!r}")
         if self.absorb_apart < 0:
             raise ValueError(f"absorb_apart must be >= 0, got {self.absorb_apart!r}")
+        if self.graph_budget_s < 0:
+            raise ValueError(f"graph_budget_s must be >= 0, got {self.graph_budget_s!r}")
 
 
 class ContextKVCache:
@@ -80,7 +93,9 @@ class ContextKVCache:
 
     k[l], v[l]: [num_slots, capacity, Hkv, D]. A request owns one slot; its first
     `length` entries are the K/V of positions 0..length-1. Both dimensions grow by
-    doubling, so appends are amortized O(1) and a batch of consecutive slots is a view."""
+    doubling, so appends are amortized O(1) and a batch of consecutive slots is a view.
+    scratch: the last slot is never a request's (`scratch_slot`): where the padding rows of a
+    CUDA-graphed block pass write (drafter/dspark_model/graphs.py)."""
 
     def __init__(
         self,
@@ -91,14 +106,17 @@ class ContextKVCache:
         dtype: torch.dtype,
         capacity: int = 256,
         slots: int = 4,
+        scratch: bool = False,
     ):
         self.num_layers, self.shape = num_layers, (num_kv_heads, head_dim)
         self.device, self.dtype = device, dtype
+        self.reserved = 1 if scratch else 0
+        slots = max(slots, 1) + self.reserved
         self.k = [self._empty(slots, capacity) for _ in range(num_layers)]
         self.v = [self._empty(slots, capacity) for _ in range(num_layers)]
         self.slot_of: dict[str, int] = {}
         self.lengths: list[int] = [0] * slots
-        self._free: list[int] = list(range(slots - 1, -1, -1))
+        self._free: list[int] = list(range(slots - 1 - self.reserved, -1, -1))
 
     def _empty(self, slots: int, capacity: int) -> torch.Tensor:
         return torch.zeros(slots, capacity, *self.shape, device=self.device, dtype=self.dtype)
@@ -111,6 +129,10 @@ class ContextKVCache:
     def num_slots(self) -> int:
         return self.k[0].shape[0]
 
+    @property
+    def scratch_slot(self) -> int | None:
+        return self.num_slots - 1 if self.reserved else None
+
     def length(self, request_id: str) -> int:
         slot = self.slot_of.get(request_id)
         return 0 if slot is None else self.lengths[slot]
@@ -119,8 +141,8 @@ class ContextKVCache:
         """The request's slot, allocated on first use."""
         if request_id in self.slot_of:
             return self.slot_of[request_id]
-        if not self._free:
-            self._grow(self.num_slots * 2, self.capacity)
+        if not self._free:  # twice the requests' slots, the scratch slot kept beside them
+            self._grow(2 * (self.num_slots - self.reserved) + self.reserved, self.capacity)
         slot = self._free.pop()
         self.slot_of[request_id] = slot
         self.lengths[slot] = 0
@@ -142,7 +164,9 @@ class ContextKVCache:
                 new[:old_slots, :old_cap] = pool
                 pools[i] = new
         self.lengths += [0] * (slots - old_slots)
-        self._free = list(range(slots - 1, old_slots - 1, -1)) + self._free
+        # the old scratch slot (the last) becomes a request's; the new last is the scratch
+        hi, lo = slots - 1 - self.reserved, old_slots - self.reserved
+        self._free = list(range(hi, lo - 1, -1)) + self._free
 
     def write(
         self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -268,7 +292,7 @@ class DraftContexts:
     across the requests that next draft. The projection runs through the backbone the caller
     passes (the drafter's)."""
 
-    def __init__(self, model: DSparkModel, name: str, capacity: int) -> None:
+    def __init__(self, model: DSparkModel, name: str, capacity: int, scratch: bool = False) -> None:
         mc = model.config
         self.model, self.name = model, name
         self.tap_layers: tuple[int, ...] = tuple(mc.target_layer_ids)
@@ -279,6 +303,7 @@ class DraftContexts:
             model.device,
             model.dtype,
             capacity=capacity,
+            scratch=scratch,
         )
         # per request: tap states observed but not yet projected into the context K/V
         self.pending: dict[str, _Pending] = {}
@@ -517,7 +542,13 @@ class DSparkDrafter:
         self.config = config
         self.block_size = bs
         self.tap_layers: tuple[int, ...] = tuple(model.config.target_layer_ids)
-        self.contexts = DraftContexts(model, name, config.initial_capacity)
+        self.graphs: GraphedBlock | None = None
+        if config.cuda_graphs and isinstance(self.backbone, FastDraftBackbone) and self.backbone.triton:
+            capture = CudaCapture() if model.device.type == "cuda" else EagerReplay()
+            self.graphs = GraphedBlock(self.backbone, capture, budget_s=config.graph_budget_s)
+        elif config.cuda_graphs:
+            log.info("%s drafter: no CUDA graphs (its backbone does not run the Triton kernels)", name)
+        self.contexts = DraftContexts(model, name, config.initial_capacity, scratch=self.graphs is not None)
         self.cache = self.contexts.cache
         self.confidence = DraftConfidence(model, fast_confidence, config, bs)
         self.calibrator = self.confidence.calibrator
@@ -557,7 +588,7 @@ class DSparkDrafter:
         in_place = isinstance(self.backbone, FastDraftBackbone) and self.backbone.reads_pools_in_place
         pending = None
         rids = [r.request_id for r in requests]
-        if in_place and self.contexts.pending_rows(rids) <= self.config.absorb_apart:
+        if in_place and self.graphs is None and self.contexts.pending_rows(rids) <= self.config.absorb_apart:
             pending = self.contexts.take(rids)  # projected in the block's own pass
         else:
             self._absorb(rids)
@@ -566,13 +597,19 @@ class DSparkDrafter:
         dev = self.model.device
         # [B, L] = [anchor, mask, ..., mask] and its positions, from host lists (one op each)
         mask_id = self.model.config.mask_token_id
-        ids = torch.tensor(
-            [[r.token_ids[-1]] + [mask_id] * (L - 1) for r in requests], dtype=torch.long, device=dev
-        )
+        block = [[r.token_ids[-1]] + [mask_id] * (L - 1) for r in requests]
+        if in_place:
+            self.cache.reserve(max(starts) + L)  # room for the block's own k/v
+        if self.graphs is not None:
+            scratch = self.cache.scratch_slot
+            assert scratch is not None  # the cache keeps one where graphs run
+            hidden = self.graphs(block, starts, slots, self.cache.k, self.cache.v, scratch, mask_id)
+            if hidden is not None:
+                return hidden
+        ids = torch.tensor(block, dtype=torch.long, device=dev)
         pos = torch.tensor([range(s, s + L) for s in starts], dtype=torch.long, device=dev)
         if in_place:
             assert isinstance(self.backbone, FastDraftBackbone)
-            self.cache.reserve(max(starts) + L)  # room for the block's own k/v
             context = None
             if pending is not None:
                 feats = self.backbone.project_context(pending.hidden)
@@ -670,6 +707,7 @@ def _build(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     online_calibration: bool = True,
+    cuda_graphs: bool = False,
 ) -> DSparkDrafter:
     embed = head = None
     if target_model is not None:
@@ -678,7 +716,9 @@ def _build(
         ref = embed.weight
         device = device if device is not None else ref.device
         dtype = dtype if dtype is not None else ref.dtype
-    cfg = DSparkDrafterConfig(block_size=block_size, online_calibration=online_calibration)
+    cfg = DSparkDrafterConfig(
+        block_size=block_size, online_calibration=online_calibration, cuda_graphs=cuda_graphs
+    )
     model = load_dspark(
         path,
         embed,
@@ -697,9 +737,13 @@ def build_dspark(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     online_calibration: bool = True,
+    cuda_graphs: bool = False,
 ) -> DSparkDrafter:
-    """DSpark drafter from a DeepSpec checkpoint; embed/LM head shared with `target_model`."""
-    return _build("dspark", True, path, target_model, block_size, device, dtype, online_calibration)
+    """DSpark drafter from a DeepSpec checkpoint; embed/LM head shared with `target_model`;
+    cuda_graphs: its block pass replayed as CUDA graphs (`DSparkDrafterConfig`)."""
+    return _build(
+        "dspark", True, path, target_model, block_size, device, dtype, online_calibration, cuda_graphs
+    )
 
 
 def build_dflash(
@@ -709,6 +753,9 @@ def build_dflash(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     online_calibration: bool = True,
+    cuda_graphs: bool = False,
 ) -> DSparkDrafter:
     """DFlash: the same backbone without the Markov head (ignored if the checkpoint has one)."""
-    return _build("dflash", False, path, target_model, block_size, device, dtype, online_calibration)
+    return _build(
+        "dflash", False, path, target_model, block_size, device, dtype, online_calibration, cuda_graphs
+    )

@@ -160,12 +160,13 @@ def build_ngram(
     device: object = None,
     dtype: object = None,
     online_calibration: bool = True,
+    cuda_graphs: bool = False,
 ) -> NgramDrafter:
     """block_size None = NgramConfig's default. target_model / device / dtype /
-    online_calibration are accepted so one call site serves every drafter; prompt lookup
-    needs none of them (its confidences are learned online anyway)."""
+    online_calibration / cuda_graphs are accepted so one call site serves every drafter;
+    prompt lookup needs none of them (its confidences are learned online anyway)."""
     if path is not None:
         raise ValueError(f"the ngram drafter has no weights; got a checkpoint path {path!r}")
-    del target_model, device, dtype, online_calibration
+    del target_model, device, dtype, online_calibration, cuda_graphs
     size = NgramConfig.block_size if block_size is None else block_size
     return NgramDrafter(NgramConfig(size, max_ngram, min_ngram, prior_accept, prior_reject))

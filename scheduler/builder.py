@@ -114,7 +114,12 @@ def device_memory_plan(
 
 
 def build_drafter_for(
-    cfg: DrafterConfig, target: Any, device: torch.device, dtype: torch.dtype, model_is_embedded: bool
+    cfg: DrafterConfig,
+    target: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    model_is_embedded: bool,
+    cuda_graphs: bool = False,
 ) -> Drafter | None:
     if cfg.drafter == NO_DRAFTER:
         return None
@@ -133,6 +138,7 @@ def build_drafter_for(
         device=device,
         dtype=dtype,
         online_calibration=cfg.online_calibration,
+        cuda_graphs=cuda_graphs,
     )
 
 
@@ -209,7 +215,9 @@ def build_engine(
     model_len = getattr(target.model.config, "max_position_embeddings", model_cfg.max_model_len)
     max_len = min(model_cfg.max_model_len, model_len)
     stage("loading the drafter")
-    drafter = build_drafter_for(drafter_cfg, target, device, dtype, model_cfg.model is None)
+    drafter = build_drafter_for(
+        drafter_cfg, target, device, dtype, model_cfg.model is None, model_cfg.cuda_graphs
+    )
     tokens = model_cfg.kv_cache_tokens
     if device.type == "cuda" and not tokens:  # the KV cache gets what the plan leaves
         total = torch.cuda.mem_get_info(device)[1]

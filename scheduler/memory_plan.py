@@ -148,8 +148,9 @@ def plan_memory(
 ) -> MemoryPlan:
     """The plan (see the module's docstring). tap_width: hidden values the prefix cache keeps per
     KV slot (taps x hidden, 0 without a drafter that taps); drafter_context_per_token: bytes of
-    the drafter's context K/V per position (its pools hold max_num_seqs requests of up to the
-    next power of two of max_model_len positions at their largest); graph_tokens: the largest
+    the drafter's context K/V per position (its pools double, to the next power of two of
+    max_num_seqs request slots and a scratch slot, of the next power of two of max_model_len
+    positions at their largest); graph_tokens: the largest
     CUDA graph bucket (its pool holds one such step's activations; 0 without graphs).
     -> MemoryPlan, or ValueError with the table when one request of max_model_len cannot fit."""
     if not 0.0 < utilization <= 1.0:
@@ -158,7 +159,7 @@ def plan_memory(
         max_num_batched_tokens, min(max_logit_rows, max_num_batched_tokens), elt
     )
     graph = target.activation_bytes(graph_tokens, graph_tokens, elt) if graph_tokens else 0
-    contexts = max_num_seqs * _next_pow2(max_model_len) * drafter_context_per_token
+    contexts = (_next_pow2(max_num_seqs) + 1) * _next_pow2(max_model_len) * drafter_context_per_token
     kv, taps = target.kv_bytes_per_token(elt), tap_width * elt
     plan = MemoryPlan(device_bytes, utilization, weights, activation, graph, contexts, kv, taps, 0)
     tokens = max(0, (plan.budget - plan.fixed) // plan.per_token)

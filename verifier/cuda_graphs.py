@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -38,12 +38,14 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 """Padded token counts of a graphed step (segments are padded to a power of two too)."""
 
 Outputs = tuple[torch.Tensor, torch.Tensor | None]  # logits [T, V], tap states [T, m * d] or None
+Out = TypeVar("Out")
 
 
 class Capture(Protocol):
-    """How a step function becomes something to replay: -> a callable giving its outputs."""
+    """How a step function becomes something to replay: -> a callable giving its outputs (the
+    same tensors at every replay, overwritten by the next)."""
 
-    def __call__(self, step: Callable[[], Outputs]) -> Callable[[], Outputs]: ...
+    def __call__(self, step: Callable[[], Out]) -> Callable[[], Out]: ...
 
 
 class CudaCapture:
@@ -52,7 +54,7 @@ class CudaCapture:
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
 
-    def __call__(self, step: Callable[[], Outputs]) -> Callable[[], Outputs]:
+    def __call__(self, step: Callable[[], Out]) -> Callable[[], Out]:
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: Triton compiles, allocators settle
@@ -62,7 +64,7 @@ class CudaCapture:
         with torch.cuda.graph(graph, pool=self.pool):
             out = step()
 
-        def replay() -> Outputs:
+        def replay() -> Out:
             graph.replay()
             return out
 
@@ -72,7 +74,7 @@ class CudaCapture:
 class EagerReplay:
     """The CPU stand-in for a capture: the step function itself, run at every replay."""
 
-    def __call__(self, step: Callable[[], Outputs]) -> Callable[[], Outputs]:
+    def __call__(self, step: Callable[[], Out]) -> Callable[[], Out]:
         return step
 
 

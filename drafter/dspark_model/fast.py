@@ -231,6 +231,16 @@ class PoolSegments:
     def arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.row0, self.n, self.start, self.table
 
+    def on_device(
+        self, dev: torch.device, B: int, Lb: int
+    ) -> tuple[torch.Tensor, triton_attention.VarlenSegments]:
+        """As the Triton kernel reads them: the flat pool rows the block's (then the context's)
+        k/v go to, and the segments (B requests of Lb queries each) on `dev`."""
+        ints = torch.cat([self.row0, self.start, self.table.reshape(-1)]).to(dev)  # one copy over
+        cu_q = torch.arange(0, (B + 1) * Lb, Lb, dtype=torch.int32, device=dev)
+        table = ints[2 * B :].view(B, -1)
+        return self.flat.to(dev), triton_attention.VarlenSegments(cu_q, ints[B : 2 * B], table, B * Lb, Lb)
+
 
 class FastDraftBackbone:
     """Built once from a serving (frozen) DSparkModel; the weights are fused copies, so the
@@ -431,9 +441,8 @@ class FastDraftBackbone:
         self.rope.upto(max(starts) + Lb)
         cos, sin = self.rope.at(block_positions, built=True)
         if self.triton:
-            return self._layers(
-                x, cos, sin, self._triton_attend(seg, k_pools, v_pools, B, Lb), context, built=True
-            )
+            flat, varlen = seg.on_device(self.device, B, Lb)
+            return self.block_on_device(x, cos, sin, k_pools, v_pools, flat, varlen, context)
         kernel = self._paged_kernel(seg.block_size)
         rows_all = B * Lb + (0 if context is None else context.feats.shape[0])
         if self._driver is not None and rows_all <= self._driver.max_rows:
@@ -449,24 +458,27 @@ class FastDraftBackbone:
 
         return self._layers(x, cos, sin, attend, context, built=True)
 
-    def _triton_attend(
+    def block_on_device(
         self,
-        seg: PoolSegments,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         k_pools: Sequence[torch.Tensor],
         v_pools: Sequence[torch.Tensor],
-        B: int,
-        Lb: int,
-    ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """`_layers`' attend for the Triton kernel: each layer's new k/v rows written to the
-        pools, then every block query attends to its request's context and whole block, read in
-        place (a slot-major pool viewed head-major through its strides; one block-table run of
-        `seg.block_size` positions per entry, as for the C kernel)."""
-        H, Hkv, D, dev = self.H, self.Hkv, self.D, self.device
-        ints = torch.cat([seg.row0, seg.start, seg.table.reshape(-1)]).to(dev)  # one copy over
-        flat = seg.flat.to(dev)
-        cu_q = torch.arange(0, (B + 1) * Lb, Lb, dtype=torch.int32, device=dev)
-        table = ints[2 * B :].view(B, -1)
-        varlen = triton_attention.VarlenSegments(cu_q, ints[B : 2 * B], table, B * Lb, Lb)
+        flat: torch.Tensor,
+        varlen: triton_attention.VarlenSegments,
+        context: ContextRows | None = None,
+    ) -> torch.Tensor:
+        """The in-place block pass with the Triton kernels, from inputs already on the device
+        (the CUDA-graphed pass, drafter/dspark_model/graphs.py, runs exactly this). x: [B, L, d]
+        embedded block (updated in place); cos, sin from `RotaryTables.at`; flat: [R] the pool
+        rows (flat over slots x capacity) of the block's k/v, then the context's; varlen: B
+        segments of L queries over the pools, read in place (a slot-major pool viewed
+        head-major through its strides; one block-table run of `PoolSegments.block_size`
+        positions per entry, as for the C kernel) -> hidden [B, L, d] (final norm applied)."""
+        B, Lb = x.shape[0], x.shape[1]
+        H, Hkv, D = self.H, self.Hkv, self.D
+        bs = k_pools[0].shape[1] & -k_pools[0].shape[1]
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kp, vp = k_pools[li].view(-1, Hkv, D), v_pools[li].view(-1, Hkv, D)
@@ -475,11 +487,11 @@ class FastDraftBackbone:
             a = q.new_empty(B * Lb, H, D)
             kc, vc = kp.permute(1, 0, 2), vp.permute(1, 0, 2)  # [Hkv, slots, D] views
             triton_attention.paged_attention(
-                q.reshape(B * Lb, H, D), kc, vc, a, varlen, seg.block_size, self.scale, causal=False
+                q.reshape(B * Lb, H, D), kc, vc, a, varlen, bs, self.scale, causal=False
             )
             return a.view(B * Lb, H * D)
 
-        return attend
+        return self._layers(x, cos, sin, attend, context, built=True)
 
     def _layers_in_c(
         self,

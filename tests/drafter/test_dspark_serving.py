@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 
 import pytest
 import torch
 
 from dspark_serve.drafter.base import AcceptedContext, DraftRequest
-from dspark_serve.drafter.dspark import DSparkDrafter, DSparkDrafterConfig
+from dspark_serve.drafter.dspark import ContextKVCache, DraftContexts, DSparkDrafter, DSparkDrafterConfig
 from dspark_serve.drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
 from dspark_serve.drafter.dspark_model.fast import FastDraftBackbone
+from dspark_serve.drafter.dspark_model.graphs import DraftBucket, GraphedBlock
 from dspark_serve.drafter.registry import build_drafter
 from dspark_serve.ops.cpu_kernels import load_kernels
 from dspark_serve.ops.sampling import probs_from_logits
 from dspark_serve.ops.sampling_params import SamplingParams
+from dspark_serve.verifier.cuda_graphs import EagerReplay
 from tests.triton_interpreter import needs_triton
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -54,32 +57,38 @@ def tiny_model(head_type="vanilla", seed=0) -> DSparkModel:
 
 FAST_KINDS = pytest.mark.parametrize(
     "fast",
-    [False, "copy", "in-place", "triton"],
-    ids=["modules", "fast-backbone", "fast-in-place", "fast-triton"],
-)  # triton: the CUDA path, here under Triton's interpreter
+    [False, "copy", "in-place", "triton", "graphs"],
+    ids=["modules", "fast-backbone", "fast-in-place", "fast-triton", "fast-triton-graphs"],
+)  # triton: the CUDA path, here under Triton's interpreter; graphs: its block pass over the
+# static, padded buffers a CUDA graph replays (`EagerReplay` standing in for the capture)
 
 
 def make_drafter(model, capacity=4, fast=False) -> DSparkDrafter:
     """fast: serve through the fused backbone (what bf16 on a CPU picks): "copy" attends over a
     gathered copy of the context (here in float64), "in-place" reads the context pools through
     the C kernel (float32: the kernel's dtypes are float32 and bf16), "triton" through the
-    Triton kernels CUDA runs (here under the interpreter, float32)."""
+    Triton kernels CUDA runs (here under the interpreter, float32), "graphs" as "triton" with
+    the block pass replayed from static buffers (`GraphedBlock`)."""
     dr = DSparkDrafter(model, DSparkDrafterConfig(initial_capacity=capacity), "dspark")
     if fast:
-        dr.backbone = FastDraftBackbone(model, kernels="triton" if fast == "triton" else "c")
+        dr.backbone = FastDraftBackbone(model, kernels="triton" if fast in ("triton", "graphs") else "c")
         if fast == "copy":
             dr.backbone._kernels = None
         else:
             assert dr.backbone.reads_pools_in_place
+    if fast == "graphs":
+        dr.graphs = GraphedBlock(dr.backbone, EagerReplay())
+        dr.contexts = DraftContexts(model, "dspark", capacity, scratch=True)
+        dr.cache = dr.contexts.cache
     return dr
 
 
 def model_for(fast):
     if fast == "in-place" and load_kernels() is None:
         pytest.skip("the in-place drafter attention needs the C kernels (a C compiler)")
-    if fast == "triton":
+    if fast in ("triton", "graphs"):
         needs_triton()
-    return tiny_model().float() if fast in ("in-place", "triton") else tiny_model()
+    return tiny_model().float() if fast in ("in-place", "triton", "graphs") else tiny_model()
 
 
 def tol(fast) -> dict:
@@ -87,7 +96,7 @@ def tol(fast) -> dict:
     fast backbone's in the input dtype, so in float64 the two agree to ~1e-7, not to rounding;
     a wrong mask, head mapping or rotary sign would be off by orders of magnitude more. The
     in-place paths run in float32 against the float32 modules."""
-    if fast in ("in-place", "triton"):
+    if fast in ("in-place", "triton", "graphs"):
         return {"rtol": 1e-4, "atol": 1e-4}
     return {"rtol": 1e-5, "atol": 1e-5} if fast else {"rtol": 1e-10, "atol": 1e-10}
 
@@ -236,6 +245,74 @@ def test_in_place_block_absorbs_the_context_in_its_own_pass(monkeypatch):
                     assert torch.equal(got, getattr(apart.cache, pools)[layer][s_a, :e])
     assert calls == []  # never a pass of its own
     assert fused.cache.length("r0") == 7 and fused.cache.length("r1") == 9
+
+
+def test_graphed_block_pads_its_bucket_and_recaptures_when_the_pools_move(caplog):
+    """The graphed block pass (static buffers, `EagerReplay` for the capture) equals the eager
+    Triton pass: three requests padded to a bucket of four (the padding in the scratch slot,
+    which no request is given), the same bucket replayed, every graph dropped and captured again
+    once the pools have grown (the graphs read them by address), and a capture that fails or a
+    spent budget leaving the eager pass to run."""
+    model = model_for("graphs")
+    g = torch.Generator().manual_seed(11)
+    hid = torch.randn(3, 40, 3 * D, generator=g)
+    ids = torch.randint(0, V - 1, (3, 40), generator=g)
+    graphed, eager = (
+        make_drafter(model, capacity=16, fast="graphs"),
+        make_drafter(model, capacity=16, fast="triton"),
+    )
+    gb = graphed.graphs
+    assert isinstance(gb, GraphedBlock)
+    done = [0, 0, 0]
+
+    def step(ends):
+        ctx = [
+            AcceptedContext(f"r{r}", ids[r, done[r] : e].tolist(), done[r], hid[r, done[r] : e])
+            for r, e in enumerate(ends)
+        ]
+        for r, e in enumerate(ends):
+            done[r] = e
+        reqs = [
+            DraftRequest(f"r{r}", ids[r, : e + 1].tolist(), 3, GREEDY, None, 100) for r, e in enumerate(ends)
+        ]
+        for dr in (graphed, eager):
+            dr.observe(ctx)
+        a, b = graphed.block_hidden(reqs), eager.block_hidden(reqs)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        scratch = graphed.cache.scratch_slot
+        assert scratch == graphed.cache.num_slots - 1 and scratch not in graphed.cache.slot_of.values()
+
+    step([3, 5, 2])
+    assert list(gb.graphs) == [DraftBucket(4, BS)] and gb.replays == 1 and gb.captures == 1
+    step([6, 9, 4])  # the same bucket, longer contexts
+    assert gb.replays == 2 and gb.captures == 1 and gb.drops == 0
+    step([30, 12, 8])  # past the capacity of 16: the pools double, the graph is captured again
+    assert graphed.cache.capacity == 64 and gb.drops == 1 and gb.captures == 2 and gb.replays == 3
+    with caplog.at_level(logging.WARNING):
+        gb.graphs.clear()
+        gb.capture = lambda fn: (_ for _ in ()).throw(RuntimeError("capture refused"))
+        step([31, 13, 9])
+    assert gb.graphs == {DraftBucket(4, BS): None} and gb.replays == 3 and "capture refused" in caplog.text
+    gb.graphs.clear()
+    gb.spent_s = gb.budget_s
+    step([32, 14, 10])
+    assert gb.graphs == {DraftBucket(4, BS): None} and gb.replays == 3
+
+
+def test_context_cache_scratch_slot_is_never_a_requests():
+    """With a scratch slot the last slot is kept back; growing doubles the requests' slots,
+    hands the old scratch out and keeps the new last back (one slot beside a power of two, as
+    the memory plan counts), and every request keeps its slot and its K/V."""
+    cache = ContextKVCache(1, 1, 2, torch.device("cpu"), torch.float32, capacity=4, slots=1, scratch=True)
+    assert cache.scratch_slot == 1
+    first = cache.slot("a")
+    cache.write(0, torch.tensor([first]), torch.tensor([0]), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
+    others = [cache.slot(r) for r in "bcd"]  # 1 + 1 slots, then 2 + 1, then 4 + 1
+    assert cache.num_slots == 5 and cache.scratch_slot == 4
+    assert len({first, *others}) == 4 and 4 not in (first, *others) and 1 in others
+    assert cache.k[0][first, 0].tolist() == [[1.0, 1.0]]
+    plain = ContextKVCache(1, 1, 2, torch.device("cpu"), torch.float32, capacity=4, slots=2)
+    assert plain.scratch_slot is None and sorted(plain.slot(r) for r in "ab") == [0, 1]
 
 
 def test_a_large_catch_up_is_projected_apart_and_priced(monkeypatch):

@@ -91,7 +91,7 @@ def test_published_shapes_fit_the_cards(name, card):
     assert 0 <= plan.weights - 2 * (target_params + drafter_own) < 2**20  # + rotary buffers
     assert plan.kv_per_token == 2 * geo.num_layers * 8 * 128 * 2
     assert plan.tap_rows_per_token == 5 * geo.hidden_size * 2
-    assert plan.drafter_contexts == 256 * 4096 * (2 * 5 * 8 * 128 * 2)
+    assert plan.drafter_contexts == (256 + 1) * 4096 * (2 * 5 * 8 * 128 * 2)  # and the scratch slot
     assert plan.total <= plan.budget < plan.total + plan.per_token  # all of the budget, no more
     assert plan.kv_tokens >= 4096
     assert "KV cache" in plan.table() and "budget (0.9 of" in plan.table()
@@ -127,7 +127,7 @@ def test_every_part_is_counted_against_the_budget():
                 max_num_seqs=4, max_num_batched_tokens=256, max_logit_rows=32)  # fmt: skip
     plain = plan_memory(**base)  # type: ignore[arg-type]
     more = plan_memory(**base, tap_width=5 * 64, drafter_context_per_token=1024, graph_tokens=512)  # type: ignore[arg-type]
-    assert more.graph_pool > 0 and more.drafter_contexts == 4 * 64 * 1024
+    assert more.graph_pool > 0 and more.drafter_contexts == (4 + 1) * 64 * 1024
     assert more.kv_tokens < plain.kv_tokens and more.total <= more.budget
     assert plain.budget == GiB // 2 and plain.kv_tokens == (plain.budget - plain.fixed) // plain.per_token
 

@@ -9,15 +9,20 @@ import logging
 
 import pytest
 
+from dspark_serve.drafter.dspark import DraftContexts
+from dspark_serve.drafter.dspark_model.fast import FastDraftBackbone
+from dspark_serve.drafter.dspark_model.graphs import GraphedBlock
 from dspark_serve.drafter.ngram import NgramConfig, NgramDrafter
+from dspark_serve.drafter.registry import build_drafter
 from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
 from dspark_serve.verifier.config import ModelConfig
-from dspark_serve.verifier.cuda_graphs import BucketKey, GraphedForward, bucket_of
+from dspark_serve.verifier.cuda_graphs import BucketKey, EagerReplay, GraphedForward, bucket_of
 from dspark_serve.verifier.model_runner import ModelRunner
 from tests.helpers import ByteTokenizer, hf_greedy, tiny_model
+from tests.scheduler.test_speculative import random_dspark
 from tests.triton_interpreter import needs_triton
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -70,6 +75,22 @@ def test_graphed_verify_blocks_are_greedy_equal():
     graphed = run(tiny_model("qwen3"), NgramDrafter(NgramConfig()), "static:3")
     assert any(k.tall or k.tokens > k.segments for k in graphed.graphs)
     assert graphed.replays >= 5
+
+
+def test_graphed_drafter_and_verify_steps_are_greedy_equal(tmp_path):
+    """The DSpark drafter's block pass graphed too (its Triton backbone over static buffers, the
+    padding in its cache's scratch slot) beside the target's graphed steps: greedy output equals
+    transformers', and the drafter's graphs served its proposals."""
+    needs_triton()
+    model = tiny_model("qwen3")
+    dr = build_drafter("dspark", path=str(random_dspark(model, tmp_path)), target_model=model)
+    dr.backbone = FastDraftBackbone(dr.model, kernels="triton")
+    dr.graphs = GraphedBlock(dr.backbone, EagerReplay())
+    dr.contexts = DraftContexts(dr.model, dr.name, 16, scratch=True)
+    dr.cache = dr.contexts.cache
+    run(model, dr, "static:3")
+    assert dr.graphs.replays >= 5 and dr.graphs.captures >= 2  # one request, then three padded to four
+    assert {b.requests for b in dr.graphs.graphs} >= {1, 4}
 
 
 @pytest.mark.slow  # interpreted engine runs; the full suite
