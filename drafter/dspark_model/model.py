@@ -12,7 +12,7 @@ from dspark_serve.drafter.dspark_model.config import Calibration, DSparkConfig
 from dspark_serve.drafter.dspark_model.modules import ConfidenceHead, DecoderLayer, MarkovHead, RMSNorm
 from dspark_serve.drafter.dspark_model.ops import rope_cos_sin, rope_inv_freq
 from dspark_serve.drafter.dspark_model.sampling import GreedyWalk, SampledBlock, sample_block
-from dspark_serve.ops.processors import TokenContext, process_next
+from dspark_serve.ops.processors import TokenConstraint, TokenContext, process_next
 from dspark_serve.ops.sampling_params import SamplingParams
 
 
@@ -233,11 +233,7 @@ class DSparkModel(nn.Module):
                 assert ctx is not None
                 sp = sampling[i]
                 if sp.greedy and not sp.penalized and ctx.constraint is not None:
-                    # a greedy row reads only its argmax: unchanged where the grammar allows it
-                    top = int(row.argmax())
-                    token = top if self.d2t is None else int(self.d2t[top])
-                    if ctx.constraint.valid_prefix([*drafted, token]) == len(drafted) + 1:
-                        return row
+                    return self._greedy_under(ctx.constraint, row, drafted)
                 full = row if self.d2t is None else self.to_target_logits(row)
                 out = process_next(full.unsqueeze(0), sampling[i], ctx, drafted)[0]
                 if self.d2t is not None:
@@ -258,6 +254,22 @@ class DSparkModel(nn.Module):
             shape,
             greedy,
         )
+
+    def _greedy_under(
+        self, constraint: TokenConstraint, row: torch.Tensor, drafted: list[int]
+    ) -> torch.Tensor:
+        """A greedy, unpenalized row under a grammar (`sample_block`'s shape): it reads only its
+        argmax, so the row is returned unchanged where the grammar allows that token; else it is
+        masked in the draft vocabulary by the grammar's mask read through d2t (what
+        `process_next` computes over the target's vocabulary, without widening the row to it).
+        Nothing left in the draft vocabulary: the row as it was (the verifier rejects its draft)."""
+        top = int(row.argmax())
+        token = top if self.d2t is None else int(self.d2t[top])
+        if constraint.valid_prefix([*drafted, token]) == len(drafted) + 1:
+            return row
+        allowed = constraint.allowed_after(drafted, self.config.vocab_size).to(row.device)
+        keep = allowed if self.d2t is None else allowed[self.d2t]
+        return row.masked_fill(~keep, float("-inf")) if bool(keep.any()) else row
 
     def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[output_size] draft logits -> [vocab_size] (-inf off the kept ids)."""

@@ -148,3 +148,45 @@ def test_draft_vocabulary_keeps_the_most_written_ids():
     d2t = draft_vocabulary(seqs, 3, always=[42])
     assert d2t.tolist() == [5, 7, 42]  # 5 (x4) and 7 (x3) are written most; 99 is prompt
     assert vocabulary_coverage(seqs, d2t) == pytest.approx(7 / 9)
+
+
+def test_a_greedy_row_under_a_grammar_is_masked_in_the_draft_vocabulary(tmp_path):
+    """A truncated drafter's greedy, constrained row (`sample_block`'s shape): masked through d2t
+    in the draft vocabulary, the same row as widening it to the target's vocabulary,
+    `process_next` there and gathering back (the general path), asked for a mask only where the
+    grammar forbids its argmax; a grammar allowing no kept id leaves the row as it was."""
+    import json
+
+    from dspark_serve.ops.processors import TokenContext, process_next
+    from tests.ops.test_processors import CountingConstraint
+    from tests.verifier.test_grammar import byte_compiler
+
+    m = truncated_dspark(tiny_model("qwen3"), tmp_path)
+    c = byte_compiler()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    g = torch.Generator().manual_seed(0)
+    asked = forbidden = 0
+    for trial in range(30):
+        grammar = CountingConstraint(c.compile("json_schema", json.dumps(schema)))
+        drafted = [ord(ch) for ch in '{"a": 1'[: trial % 7]]
+        row = torch.randn(KEPT.numel(), generator=g) * 3
+        got = m._greedy_under(grammar, row, drafted)
+        asked += grammar.masks
+        greedy = SamplingParams(temperature=0.0)
+        wide = m.to_target_logits(row).unsqueeze(0)
+        full = process_next(wide, greedy, TokenContext((), (), grammar), drafted)[0]
+        want = full[KEPT]
+        want = want if bool(torch.isfinite(want).any()) else row
+        assert torch.equal(got, want), trial
+        forbidden += int(not torch.equal(got, row))
+    assert 0 < forbidden < 30 and asked >= forbidden
+
+    class OnlyUnkept:  # a grammar allowing one id the draft vocabulary dropped
+        def valid_prefix(self, drafts):
+            return 0
+
+        def allowed_after(self, drafts, vocab_size):
+            return torch.arange(vocab_size) == 250
+
+    row = torch.randn(KEPT.numel(), generator=g)
+    assert 250 not in KEPT.tolist() and torch.equal(m._greedy_under(OnlyUnkept(), row, []), row)
