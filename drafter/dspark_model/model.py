@@ -15,6 +15,10 @@ from dspark_serve.drafter.dspark_model.sampling import GreedyWalk, SampledBlock,
 from dspark_serve.ops.processors import TokenConstraint, TokenContext, process_next
 from dspark_serve.ops.sampling_params import SamplingParams
 
+GRAMMAR_CANDIDATES = 4
+"""A greedy drafted position whose argmax its grammar forbids tries this many best tokens, one
+check each, before asking the grammar for a mask (`DSparkModel._greedy_under`)."""
+
 
 class DSparkModel(nn.Module):
     """The drafter network. embed_tokens / lm_head normally come from the target (frozen)."""
@@ -258,18 +262,32 @@ class DSparkModel(nn.Module):
     def _greedy_under(
         self, constraint: TokenConstraint, row: torch.Tensor, drafted: list[int]
     ) -> torch.Tensor:
-        """A greedy, unpenalized row under a grammar (`sample_block`'s shape): it reads only its
-        argmax, so the row is returned unchanged where the grammar allows that token; else it is
-        masked in the draft vocabulary by the grammar's mask read through d2t (what
-        `process_next` computes over the target's vocabulary, without widening the row to it).
-        Nothing left in the draft vocabulary: the row as it was (the verifier rejects its draft)."""
+        """A greedy, unpenalized row under a grammar (`sample_block`'s shape). It reads only its
+        argmax, so the row is returned unchanged where the grammar allows that token; else the
+        next few best tokens are tried in order (a check of one token costs far less than a
+        mask) and the ones before the first allowed are dropped; else it is masked in the draft
+        vocabulary by the grammar's mask read through d2t (what `process_next` computes over the
+        target's vocabulary, without widening the row to it). Nothing left in the draft
+        vocabulary: the row as it was (the verifier rejects its draft)."""
+        n = len(drafted) + 1
         top = int(row.argmax())
-        token = top if self.d2t is None else int(self.d2t[top])
-        if constraint.valid_prefix([*drafted, token]) == len(drafted) + 1:
+        if constraint.valid_prefix([*drafted, self._target_id(top)]) == n:
             return row
+        best = row.topk(min(GRAMMAR_CANDIDATES, row.numel()))
+        ranked = best.indices.tolist()
+        for j, (draft_id, value) in enumerate(zip(ranked, best.values.tolist())):
+            if j == 0 or value == float("-inf"):
+                continue
+            if constraint.valid_prefix([*drafted, self._target_id(draft_id)]) == n:
+                out = row.clone()
+                out[best.indices[:j]] = float("-inf")
+                return out
         allowed = constraint.allowed_after(drafted, self.config.vocab_size).to(row.device)
         keep = allowed if self.d2t is None else allowed[self.d2t]
         return row.masked_fill(~keep, float("-inf")) if bool(keep.any()) else row
+
+    def _target_id(self, draft_id: int) -> int:
+        return draft_id if self.d2t is None else int(self.d2t[draft_id])
 
     def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[output_size] draft logits -> [vocab_size] (-inf off the kept ids)."""
