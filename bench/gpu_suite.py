@@ -964,16 +964,19 @@ class Suite:
                 "heads_and_sampling_ms": 1e3 * (propose - backbone),
             }
             graphs = getattr(dr, "graphs", None)
-            if graphs is not None:  # the same pass eagerly, beside the graphed one
-                graphed = dr.block_hidden(views)
+            if graphs is not None:  # the same pass and proposal eagerly, beside the graphed ones
+                graphed, graphed_props = dr.block_hidden(views), dr.propose(views)
                 dr.graphs = None
                 try:
-                    eager = dr.block_hidden(views)
+                    eager, eager_props = dr.block_hidden(views), dr.propose(views)
                     row["backbone_eager_ms"] = 1e3 * self._timed(lambda: dr.block_hidden(views), 10)
                     row["propose_eager_ms"] = 1e3 * self._timed(lambda: dr.propose(views), 10)
                 finally:
                     dr.graphs = graphs
                 row["graphed_max_abs_diff"] = float((graphed.float() - eager.float()).abs().max())
+                row["graphed_tokens_equal"] = all(
+                    torch.equal(a.tokens, b.tokens) for a, b in zip(graphed_props, eager_props)
+                )
                 row["graph_replays"] = graphs.replays
             out["by_batch"][str(b)] = row
             for rid in ids:

@@ -29,13 +29,15 @@ from dspark_serve.drafter.dspark_model.fast import (
     prepacked_linears_pay,
 )
 from dspark_serve.drafter.dspark_model.fast import applies as fast_backbone_applies
-from dspark_serve.drafter.dspark_model.graphs import GraphedBlock
+from dspark_serve.drafter.dspark_model.graphs import BlockOutputs, GraphedBlock
 from dspark_serve.drafter.online_calibration import OnlineCalibrator
 from dspark_serve.ops.cpu_kernels import SmallGemmLinear, load_kernels
 from dspark_serve.ops.processors import needs_processing
+from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.verifier.cuda_graphs import CudaCapture, EagerReplay
 
 log = logging.getLogger(__name__)
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass(frozen=True)
@@ -582,8 +584,18 @@ class DSparkDrafter:
     def block_hidden(self, requests: list[DraftRequest], length: int | None = None) -> torch.Tensor:
         """Final hidden states of each request's block: [B, L, d], L = length (at most the
         block size; None: the block size): the anchor and L - 1 mask positions. Pending context
-        is absorbed first, or, where the fast backbone reads the pools in place, in the block's
-        own pass (`ContextRows`)."""
+        is absorbed first, or, where the fast backbone reads the pools in place (and no CUDA
+        graph replays the pass), in the block's own pass (`ContextRows`)."""
+        block = self._block(requests, length)
+        if self.graphs is not None:
+            out = self._replay(block)
+            if out is not None:
+                return out.hidden
+        return self._eager_pass(block)
+
+    def _block(self, requests: list[DraftRequest], length: int | None) -> _Block:
+        """A proposal's block made ready for its pass: context absorbed (or taken to ride in
+        the pass), slots anchored, room reserved in the pools."""
         L = self.block_size if length is None else max(1, min(length, self.block_size))
         in_place = isinstance(self.backbone, FastDraftBackbone) and self.backbone.reads_pools_in_place
         pending = None
@@ -594,31 +606,51 @@ class DSparkDrafter:
             self._absorb(rids)
         slots = self.contexts.anchored_slots(requests)
         starts = [len(r.token_ids) - 1 for r in requests]
-        dev = self.model.device
-        # [B, L] = [anchor, mask, ..., mask] and its positions, from host lists (one op each)
         mask_id = self.model.config.mask_token_id
-        block = [[r.token_ids[-1]] + [mask_id] * (L - 1) for r in requests]
+        ids = [[r.token_ids[-1]] + [mask_id] * (L - 1) for r in requests]  # [anchor, mask, ...]
         if in_place:
             self.cache.reserve(max(starts) + L)  # room for the block's own k/v
-        if self.graphs is not None:
-            scratch = self.cache.scratch_slot
-            assert scratch is not None  # the cache keeps one where graphs run
-            hidden = self.graphs(block, starts, slots, self.cache.k, self.cache.v, scratch, mask_id)
-            if hidden is not None:
-                return hidden
-        ids = torch.tensor(block, dtype=torch.long, device=dev)
-        pos = torch.tensor([range(s, s + L) for s in starts], dtype=torch.long, device=dev)
-        if in_place:
+        return _Block(ids, starts, slots, pending, in_place)
+
+    def _replay(self, block: _Block, greedy_heads: bool = False) -> BlockOutputs | None:
+        """The block's pass from a CUDA graph (`GraphedBlock`), the greedy heads in it where
+        asked; None where no graph serves it."""
+        assert self.graphs is not None
+        scratch = self.cache.scratch_slot
+        assert scratch is not None  # the cache keeps one where graphs run
+        mask_id = self.model.config.mask_token_id
+        heads = self._greedy_heads if greedy_heads else None
+        anchors = [row[0] for row in block.ids]
+        c = self.cache
+        return self.graphs(block.ids, block.starts, block.slots, c.k, c.v, scratch, mask_id, heads, anchors)
+
+    def _eager_pass(self, block: _Block) -> torch.Tensor:
+        dev = self.model.device
+        ids = torch.tensor(block.ids, dtype=torch.long, device=dev)
+        L = len(block.ids[0])
+        pos = torch.tensor([range(s, s + L) for s in block.starts], dtype=torch.long, device=dev)
+        if block.in_place:
             assert isinstance(self.backbone, FastDraftBackbone)
             context = None
-            if pending is not None:
-                feats = self.backbone.project_context(pending.hidden)
-                context = ContextRows(feats, pending.slots, pending.positions)
+            if block.pending is not None:
+                feats = self.backbone.project_context(block.pending.hidden)
+                context = ContextRows(feats, block.pending.slots, block.pending.positions)
             return self.backbone.forward_block_in_place(
-                ids, pos, self.cache.k, self.cache.v, slots, starts, context
+                ids, pos, self.cache.k, self.cache.v, block.slots, block.starts, context
             )
-        ctx_kv, ctx_mask = self.cache.gather(slots)
+        ctx_kv, ctx_mask = self.cache.gather(block.slots)
         return self.backbone.forward_block(ids, pos, ctx_kv, ctx_mask)
+
+    def _greedy_heads(
+        self, hidden: torch.Tensor, anchor: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`Heads` for the graphed pass: the LM head, the Markov head's greedy walk from each
+        anchor (`sample_block`'s own, every row greedy and unprocessed) and the confidence
+        head's raw logits, all on the device. hidden: [R, L, d]; anchor: [R]."""
+        m = self.model
+        greedy = [GREEDY] * hidden.shape[0]
+        walked = m.sample_block(m.lm_head(hidden), anchor, greedy, [None] * len(greedy), hidden)
+        return walked.tokens, walked.prev_tokens, m.confidence_logits(hidden, walked.prev_tokens)
 
     @torch.no_grad()
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
@@ -632,12 +664,14 @@ class DSparkDrafter:
         batch = [requests[i] for i in live]
         lengths = [min(self.block_size, r.max_draft) for r in batch]
         kmax = max(lengths)
-        # contiguous: a strided [B, k, d] input sends nn.Linear down a batched-matmul
-        # path that copies the LM head's weight once per request.
         # A trimmed block: the positions no request may use are not run (one spare kept).
         trim = kmax + 1 if self.config.trim_block else None
-        hidden = self.block_hidden(batch, trim)[:, :kmax].contiguous()
-        drafted = self._draft(hidden, batch, lengths)
+        drafted = self._graphed(batch, trim, kmax, lengths)
+        if drafted is None:
+            # contiguous: a strided [B, k, d] input sends nn.Linear down a batched-matmul
+            # path that copies the LM head's weight once per request.
+            hidden = self.block_hidden(batch, trim)[:, :kmax].contiguous()
+            drafted = self._draft(hidden, batch, lengths)
         for j, (i, r) in enumerate(zip(live, batch)):
             k = lengths[j]
             probs = drafted.probs
@@ -650,6 +684,22 @@ class DSparkDrafter:
                 confidences=conf,
             )
         return out  # type: ignore[return-value]  # every request has its proposal now
+
+    def _graphed(
+        self, batch: list[DraftRequest], trim: int | None, kmax: int, lengths: list[int]
+    ) -> _Drafted | None:
+        """A batch drafting greedily, unprocessed, where CUDA graphs run: its block pass and
+        heads in one replay (the walk over the trimmed block's positions is the walk over its
+        first kmax). None elsewhere, or where no graph serves it."""
+        if self.graphs is None or not all(
+            r.sampling.greedy and not needs_processing(r.sampling, r.context()) for r in batch
+        ):
+            return None
+        out = self._replay(self._block(batch, trim), greedy_heads=True)
+        if out is None or out.tokens is None:
+            return None
+        logits = None if out.confidence_logits is None else out.confidence_logits[:, :kmax]
+        return _Drafted(out.tokens[:, :kmax].cpu(), None, self.confidence.calibrate(logits, batch, lengths))
 
     def _draft(self, hidden: torch.Tensor, batch: list[DraftRequest], lengths: list[int]) -> _Drafted:
         """The block's tokens from its hidden states: in one C call (`GreedyTail`) for a few
@@ -686,6 +736,19 @@ class DSparkDrafter:
     def free(self, request_id: str) -> None:
         self.contexts.free(request_id)
         self.confidence.last.pop(request_id, None)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """A proposal's block ready for its pass (`DSparkDrafter._block`): each request's ids
+    [anchor, mask, ...], context length and pool slot; the pending context riding in the pass
+    (None: absorbed already); in_place: the backbone reads the pools where they lie."""
+
+    ids: list[list[int]]
+    starts: list[int]
+    slots: list[int]
+    pending: _PendingRows | None
+    in_place: bool
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,10 @@ in one copy from pinned host memory (`BlockLayout`: block ids, positions, the po
 block's k/v go to, the attention kernel's segment arrays), and the graph captured for that
 bucket replays the pass: one launch instead of a few dozen a layer, so drafting is no longer
 bound by Python and kernel launches. Padding requests write their k/v to the context cache's
-scratch slot and attend there only; their rows are dropped.
+scratch slot and attend there only; their rows are dropped. For a batch whose every row drafts
+greedily, unprocessed, the heads ride in the same graph (`Heads`: the LM head, the Markov
+head's walk from each request's anchor, the confidence head's logits), so a proposal is one
+replay and one copy of its tokens to the host.
 
 The graphs read the pools and the rotary tables by address. Those grow by doubling (more
 requests, longer contexts), rarely; when they have moved, every graph is dropped and captured
@@ -25,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -44,6 +48,29 @@ def requests_bucket(n: int) -> int:
 class DraftBucket:
     requests: int  # padded to a power of two
     length: int  # block positions run
+    heads: bool = False  # the greedy heads in the same graph (`Heads`)
+
+
+@dataclass(frozen=True)
+class BlockOutputs:
+    """A graphed pass's results for its B requests (copies: the graph's own are overwritten by
+    the next replay). hidden: [B, L, d]; with the heads, tokens and prev_tokens [B, L] int64
+    target ids and the raw confidence logits [B, L] float32 (None without a confidence head)."""
+
+    hidden: torch.Tensor
+    tokens: torch.Tensor | None = None
+    prev_tokens: torch.Tensor | None = None
+    confidence_logits: torch.Tensor | None = None
+
+
+class Heads(Protocol):
+    """The greedy heads over a block (`DSparkDrafter`'s): hidden [R, L, d], anchor [R] int64 ->
+    (tokens, prev tokens) [R, L] int64 target ids and raw confidence logits [R, L] or None, with
+    no host synchronisation (a CUDA graph captures it)."""
+
+    def __call__(
+        self, hidden: torch.Tensor, anchor: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
 
 @dataclass(frozen=True)
@@ -51,7 +78,8 @@ class BlockLayout:
     """One graphed pass's inputs as one int64 host list, in the order of `sizes`: block ids and
     positions [R * L], the flat pool rows the block's k/v go to [R * L], the segments' first
     query rows [R + 1], their context lengths [R] and block tables [R, per] (a slot's whole run
-    of pool blocks), R the bucket's padded request count."""
+    of pool blocks), the anchors the heads walk from [R], R the bucket's padded request
+    count."""
 
     host: list[int]
     requests: int
@@ -61,7 +89,7 @@ class BlockLayout:
     @property
     def sizes(self) -> list[int]:
         n, R = self.requests * self.length, self.requests
-        return [n, n, n, R + 1, R, R * self.per]
+        return [n, n, n, R + 1, R, R * self.per, R]
 
     @classmethod
     def of(
@@ -73,10 +101,12 @@ class BlockLayout:
         capacity: int,
         scratch: int,
         pad_id: int,
+        anchors: Sequence[int] = (),
     ) -> BlockLayout:
         """ids: each request's block (anchor and mask ids, `bucket.length` each); starts: its
-        context length (where its block sits); slots: its pool slot. Padding requests sit in
-        the scratch slot at position 0."""
+        context length (where its block sits); slots: its pool slot; anchors: the target ids
+        its heads walk from (none: zeros). Padding requests sit in the scratch slot at position
+        0."""
         R, L = bucket.requests, bucket.length
         pad = R - len(ids)
         bs = capacity & -capacity  # the pools' block-table run, as `PoolSegments`
@@ -88,18 +118,23 @@ class BlockLayout:
         rows = [slot * capacity + p for slot, s in zip(slots, starts) for p in range(s, s + L)]
         cu = list(range(0, (R + 1) * L, L))
         table = [slot * per + j for slot in slots for j in range(per)]
-        return cls(tokens + positions + rows + cu + starts + table, R, L, per)
+        anchor = [*anchors, *([0] * (R - len(anchors)))]
+        return cls(tokens + positions + rows + cu + starts + table + anchor, R, L, per)
 
     def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """ids, positions, rows, cu_q, starts, table [R, per] over a buffer of this layout."""
-        ids, pos, rows, cu, starts, table = torch.split(flat, self.sizes)
-        return ids, pos, rows, cu, starts, table.view(self.requests, self.per)
+        """ids, positions, rows, cu_q, starts, table [R, per], anchors over a buffer of this
+        layout."""
+        ids, pos, rows, cu, starts, table, anchors = torch.split(flat, self.sizes)
+        return ids, pos, rows, cu, starts, table.view(self.requests, self.per), anchors
+
+
+GraphOut = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
 @dataclass
 class _Graph:
     staging: torch.Tensor  # the static int64 input buffer (`BlockLayout`)
-    replay: Callable[[], torch.Tensor]  # -> hidden [R, L, d], overwritten by the next replay
+    replay: Callable[[], GraphOut]  # -> `BlockOutputs`' fields over R rows, overwritten next replay
 
 
 class GraphedBlock:
@@ -136,11 +171,13 @@ class GraphedBlock:
         v_pools: Sequence[torch.Tensor],
         scratch: int,
         pad_id: int,
-    ) -> torch.Tensor | None:
+        heads: Heads | None = None,
+        anchors: Sequence[int] = (),
+    ) -> BlockOutputs | None:
         """The block pass of these requests (as `forward_block_in_place` without context rows;
-        the pools hold room for every block) -> hidden [B, L, d], or None where no graph
-        serves it (more requests than `max_requests`, a bucket left eager): the caller runs
-        the eager pass."""
+        the pools hold room for every block), with `heads` walked from `anchors` in the same
+        graph where given -> `BlockOutputs`, or None where no graph serves it (more requests
+        than `max_requests`, a bucket left eager): the caller runs the eager pass."""
         B, L = len(ids), len(ids[0])
         if B > self.max_requests:
             return None
@@ -155,19 +192,22 @@ class GraphedBlock:
                 )
             self.graphs.clear()
             self._address = address
-        bucket = DraftBucket(requests_bucket(B), L)
-        graph = self._graph(bucket, k_pools, v_pools, scratch, pad_id)
+        bucket = DraftBucket(requests_bucket(B), L, heads is not None)
+        graph = self._graph(bucket, k_pools, v_pools, scratch, pad_id, heads)
         if graph is None:
             return None
         capacity = k_pools[0].shape[1]
-        lay = BlockLayout.of(ids, starts, slots, bucket, capacity, scratch, pad_id)
+        lay = BlockLayout.of(ids, starts, slots, bucket, capacity, scratch, pad_id, anchors)
         host = torch.tensor(lay.host, dtype=torch.long)
         if graph.staging.is_cuda:
             host = host.pin_memory()
         graph.staging.copy_(host, non_blocking=True)
-        hidden = graph.replay()
+        out = graph.replay()
         self.replays += 1
-        return hidden[:B].clone()  # the graph's output is overwritten by the next replay
+        # copies: the graph's outputs are overwritten by the next replay
+        hidden, tokens, prev, conf = (None if t is None else t[:B].clone() for t in out)
+        assert hidden is not None
+        return BlockOutputs(hidden, tokens, prev, conf)
 
     def _graph(
         self,
@@ -176,6 +216,7 @@ class GraphedBlock:
         v_pools: Sequence[torch.Tensor],
         scratch: int,
         pad_id: int,
+        heads: Heads | None,
     ) -> _Graph | None:
         if bucket in self.graphs:
             return self.graphs[bucket]
@@ -187,7 +228,7 @@ class GraphedBlock:
             return None
         t0 = time.perf_counter()
         try:
-            self.graphs[bucket] = self._capture(bucket, list(k_pools), list(v_pools), scratch, pad_id)
+            self.graphs[bucket] = self._capture(bucket, list(k_pools), list(v_pools), scratch, pad_id, heads)
             self.captures += 1
         except Exception as exc:  # the bucket runs eagerly; the server goes on
             self.graphs[bucket] = None
@@ -210,6 +251,7 @@ class GraphedBlock:
         v_pools: list[torch.Tensor],
         scratch: int,
         pad_id: int,
+        heads: Heads | None,
     ) -> _Graph:
         R, L = bucket.requests, bucket.length
         fb = self.backbone
@@ -217,16 +259,19 @@ class GraphedBlock:
         # a valid filler until the first real pass: every request padding, in the scratch slot
         lay = BlockLayout.of([], [], [], bucket, capacity, scratch, pad_id)
         staging = torch.tensor(lay.host, dtype=torch.long, device=fb.device)
-        ids, pos, rows, cu, starts, table = lay.views(staging)
+        ids, pos, rows, cu, starts, table, anchors = lay.views(staging)
         weight = fb.embed.weight
         rope = fb.rope
 
-        def step() -> torch.Tensor:
+        def step() -> GraphOut:
             x = weight.index_select(0, ids).view(R, L, weight.shape[1]).to(fb.dtype)
             shape = (R, L, 1, fb.D)
             cos = rope.cos.index_select(0, pos).view(shape)
             sin = rope.sin.index_select(0, pos).view(shape)
             varlen = VarlenSegments(cu, starts, table, R * L, L)
-            return fb.block_on_device(x, cos, sin, k_pools, v_pools, rows, varlen)
+            hidden = fb.block_on_device(x, cos, sin, k_pools, v_pools, rows, varlen)
+            if heads is None:
+                return hidden, None, None, None
+            return (hidden, *heads(hidden, anchors))
 
         return _Graph(staging, self.capture(step))

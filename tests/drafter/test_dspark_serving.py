@@ -299,6 +299,40 @@ def test_graphed_block_pads_its_bucket_and_recaptures_when_the_pools_move(caplog
     assert gb.graphs == {DraftBucket(4, BS): None} and gb.replays == 3
 
 
+def test_graphed_proposal_runs_the_greedy_heads_in_its_graph():
+    """All-greedy batches draft in one replay: the block pass and the heads (LM head, Markov
+    walk, confidence logits) in the graph, the same tokens and confidences as the eager Triton
+    drafter's proposal, trimmed blocks included; a batch with a sampled row replays the pass
+    alone and samples eagerly."""
+    model = model_for("graphs")
+    g = torch.Generator().manual_seed(12)
+    hid = torch.randn(3, 30, 3 * D, generator=g)
+    ids = torch.randint(0, V - 1, (3, 30), generator=g)
+    graphed, eager = (
+        make_drafter(model, capacity=32, fast="graphs"),
+        make_drafter(model, capacity=32, fast="triton"),
+    )
+    gb = graphed.graphs
+    for dr in (graphed, eager):
+        dr.observe([AcceptedContext(f"r{r}", ids[r, :20].tolist(), 0, hid[r, :20]) for r in range(3)])
+    for max_draft in (2, BS):  # a trimmed block (3 positions), then the whole block
+        reqs = [DraftRequest(f"r{r}", ids[r, :21].tolist(), 3, GREEDY, None, max_draft) for r in range(3)]
+        got, want = graphed.propose(reqs), eager.propose(reqs)
+        for a, b in zip(got, want):
+            assert torch.equal(a.tokens, b.tokens) and a.probs is None
+            torch.testing.assert_close(a.confidences, b.confidences, rtol=1e-4, atol=1e-4)
+    assert {b for b, gr in gb.graphs.items() if gr is not None} == {
+        DraftBucket(4, 3, heads=True),
+        DraftBucket(4, BS, heads=True),
+    }
+    hot = SamplingParams(temperature=1.0)
+    mixed = [DraftRequest(f"r{r}", ids[r, :21].tolist(), 3, GREEDY if r else hot, None, BS) for r in range(3)]
+    before = gb.replays
+    out = graphed.propose(mixed)
+    assert gb.replays == before + 1 and DraftBucket(4, BS) in gb.graphs  # the pass alone
+    assert out[0].probs is not None and out[1].probs is None
+
+
 def test_context_cache_scratch_slot_is_never_a_requests():
     """With a scratch slot the last slot is kept back; growing doubles the requests' slots,
     hands the old scratch out and keeps the new last back (one slot beside a power of two, as
