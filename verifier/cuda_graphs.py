@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -39,6 +39,8 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 Outputs = tuple[torch.Tensor, torch.Tensor | None]  # logits [T, V], tap states [T, m * d] or None
 Out = TypeVar("Out")
+Key = TypeVar("Key", bound=Hashable)
+G = TypeVar("G")
 
 
 class Capture(Protocol):
@@ -78,6 +80,41 @@ class EagerReplay:
         return step
 
 
+class CaptureBudget:
+    """Graphs captured on first use of their bucket, within `budget_s` seconds of capture in
+    all: past it, and where a capture fails, the bucket runs eagerly from then on (logged, the
+    server goes on). `name` says whose graphs in the log."""
+
+    def __init__(self, budget_s: float, name: str = "CUDA graphs") -> None:
+        self.budget_s, self.spent_s, self.name = budget_s, 0.0, name
+
+    def graph(self, graphs: dict[Key, G | None], key: Key, capture: Callable[[], G]) -> G | None:
+        """graphs[key], captured now on its first use; None: the bucket runs eagerly."""
+        if key in graphs:
+            return graphs[key]
+        if self.spent_s >= self.budget_s:
+            graphs[key] = None
+            log.info("%s: capture budget of %.0f s spent; %s runs eagerly", self.name, self.budget_s, key)
+            return None
+        t0 = time.perf_counter()
+        try:
+            graphs[key] = capture()
+        except Exception as exc:  # the bucket runs eagerly; the server goes on
+            graphs[key] = None
+            log.warning("%s: capturing %s failed (%s); it runs eagerly", self.name, key, exc)
+        took = time.perf_counter() - t0
+        self.spent_s += took
+        log.info(
+            "%s: %s captured in %.2f s (%.1f s of %.0f s spent)",
+            self.name,
+            key,
+            took,
+            self.spent_s,
+            self.budget_s,
+        )
+        return graphs[key]
+
+
 def bucket_of(n: int, buckets: Sequence[int] = TOKEN_BUCKETS) -> int | None:
     """The smallest bucket holding n, None past the largest."""
     return next((b for b in buckets if b >= n), None)
@@ -114,8 +151,7 @@ class GraphedForward:
         self.fast, self.kv = fast, fast.kv
         self.width = -(-max_model_len // fast.kv.block_size) + 1
         self.capture = capture if capture is not None else CudaCapture()
-        self.budget_s = capture_budget_s
-        self.spent_s = 0.0
+        self.budget = CaptureBudget(capture_budget_s)
         self.graphs: dict[BucketKey, _Graph | None] = {}  # None: this bucket runs eagerly
         self.replays = 0
         fast.rope.ensure(max_model_len + 1)  # the graphs read the table: it must never move
@@ -160,30 +196,7 @@ class GraphedForward:
         return ForwardOutput(logits[:T].clone(), rows.logits_offsets, taps, rows.token_offsets, slots)
 
     def _graph(self, key: BucketKey) -> _Graph | None:
-        if key in self.graphs:
-            return self.graphs[key]
-        if self.spent_s >= self.budget_s:
-            self.graphs[key] = None
-            log.info(
-                "CUDA graphs: capture budget of %.0f s spent; bucket %s runs eagerly", self.budget_s, key
-            )
-            return None
-        t0 = time.perf_counter()
-        try:
-            self.graphs[key] = self._capture(key)
-        except Exception as exc:  # the bucket runs eagerly; the server goes on
-            self.graphs[key] = None
-            log.warning("CUDA graphs: capturing bucket %s failed (%s); it runs eagerly", key, exc)
-        took = time.perf_counter() - t0
-        self.spent_s += took
-        log.info(
-            "CUDA graphs: bucket %s captured in %.2f s (%.1f s of %.0f s spent)",
-            key,
-            took,
-            self.spent_s,
-            self.budget_s,
-        )
-        return self.graphs[key]
+        return self.budget.graph(self.graphs, key, lambda: self._capture(key))
 
     def _capture(self, key: BucketKey) -> _Graph:
         T, S, W = key.tokens, key.segments, self.width

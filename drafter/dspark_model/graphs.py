@@ -16,7 +16,8 @@ The graphs read the pools and the rotary tables by address. Those grow by doubli
 requests, longer contexts), rarely; when they have moved, every graph is dropped and captured
 again on next use. Context rows waiting to be projected are absorbed before the pass (their
 count varies step to step, which a graph cannot). Captures stop once `budget_s` is spent, and a
-capture that fails leaves its bucket eager, saying so: the caller then runs the eager pass.
+capture that fails leaves its bucket eager, saying so (`CaptureBudget`, the target's rule): the
+caller then runs the eager pass.
 
 On a CPU (tests, Triton's interpreter) `EagerReplay` stands in for the capture: the same step
 function over the same static buffers, run each time, which proves the buffers and the padding.
@@ -25,7 +26,6 @@ function over the same static buffers, run each time, which proves the buffers a
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -34,7 +34,7 @@ import torch
 
 from dspark_serve.drafter.dspark_model.fast import FastDraftBackbone
 from dspark_serve.ops.triton_attention import VarlenSegments
-from dspark_serve.verifier.cuda_graphs import Capture
+from dspark_serve.verifier.cuda_graphs import Capture, CaptureBudget
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +146,8 @@ class GraphedBlock:
         if not backbone.triton:
             raise ValueError("the drafter's CUDA graphs need its Triton kernels")
         self.backbone, self.capture = backbone, capture
-        self.max_requests, self.budget_s = max_requests, budget_s
-        self.spent_s = 0.0
+        self.max_requests = max_requests
+        self.budget = CaptureBudget(budget_s, "drafter CUDA graphs")
         self.graphs: dict[DraftBucket, _Graph | None] = {}  # None: this bucket runs eagerly
         self._address: tuple[int, ...] = ()  # of what the graphs read: pools, rotary tables
         self.replays = self.captures = self.drops = 0
@@ -218,31 +218,12 @@ class GraphedBlock:
         pad_id: int,
         heads: Heads | None,
     ) -> _Graph | None:
-        if bucket in self.graphs:
-            return self.graphs[bucket]
-        if self.spent_s >= self.budget_s:
-            self.graphs[bucket] = None
-            log.info(
-                "drafter CUDA graphs: capture budget of %.0f s spent; %s runs eagerly", self.budget_s, bucket
-            )
-            return None
-        t0 = time.perf_counter()
-        try:
-            self.graphs[bucket] = self._capture(bucket, list(k_pools), list(v_pools), scratch, pad_id, heads)
+        def capture() -> _Graph:
+            graph = self._capture(bucket, list(k_pools), list(v_pools), scratch, pad_id, heads)
             self.captures += 1
-        except Exception as exc:  # the bucket runs eagerly; the server goes on
-            self.graphs[bucket] = None
-            log.warning("drafter CUDA graphs: capturing %s failed (%s); it runs eagerly", bucket, exc)
-        took = time.perf_counter() - t0
-        self.spent_s += took
-        log.info(
-            "drafter CUDA graphs: %s captured in %.2f s (%.1f s of %.0f s spent)",
-            bucket,
-            took,
-            self.spent_s,
-            self.budget_s,
-        )
-        return self.graphs[bucket]
+            return graph
+
+        return self.budget.graph(self.graphs, bucket, capture)
 
     def _capture(
         self,

@@ -294,7 +294,7 @@ def test_graphed_block_pads_its_bucket_and_recaptures_when_the_pools_move(caplog
         step([31, 13, 9])
     assert gb.graphs == {DraftBucket(4, BS): None} and gb.replays == 3 and "capture refused" in caplog.text
     gb.graphs.clear()
-    gb.spent_s = gb.budget_s
+    gb.budget.spent_s = gb.budget.budget_s
     step([32, 14, 10])
     assert gb.graphs == {DraftBucket(4, BS): None} and gb.replays == 3
 

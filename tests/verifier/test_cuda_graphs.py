@@ -34,7 +34,7 @@ def run(model, drafter=None, policy="none", budget=60.0, **runner_kw):
     )
     graphed = runner.forward_impl
     assert isinstance(graphed, GraphedForward)
-    graphed.budget_s = budget
+    graphed.budget.budget_s = budget
     engine = Engine(
         runner,
         ByteTokenizer(),
