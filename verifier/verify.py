@@ -267,14 +267,7 @@ def grammar_argmax(
             for k in range(len(drafts) + 1):
                 token = int(argmax[start + k])
                 if g.valid_prefix([token]) != 1:
-                    row = processed.logits[start + k : start + k + 1].clone()
-                    packed = fill_masks([(g, [])], row.shape[-1])[0]
-                    if isinstance(packed, Exception):
-                        raise packed
-                    mask_rows_bits(row, packed)
-                    if not bool(torch.isfinite(row).any()):
-                        raise RuntimeError("no token is allowed at the next position")
-                    token = int(argmax_rows(row)[0])
+                    token = _allowed_argmax(processed.logits[start + k], g)
                     argmax[start + k] = token
                 if k == len(drafts) or token != drafts[k] or drafts[k] in g.eos_ids:
                     break
@@ -287,6 +280,33 @@ def grammar_argmax(
             if consumed:
                 g.matcher.rollback(consumed)
     return argmax
+
+
+GRAMMAR_CANDIDATES = 5
+"""A verified row whose argmax its grammar forbids tries its next best tokens, one check each,
+before asking the grammar for a mask (`_allowed_argmax`)."""
+
+
+def _allowed_argmax(row: torch.Tensor, g: Grammar) -> int:
+    """row: [V] logits whose argmax g forbids next -> the argmax over the tokens g allows (the
+    masked row's, first index on ties). The next best tokens are tried in order, one check
+    each; the first allowed one is the answer where the order is strict after it (no token
+    left unchecked can equal it); else the row is masked in full."""
+    best = row.float().topk(min(GRAMMAR_CANDIDATES, row.shape[-1]))
+    values, ids = best.values.tolist(), best.indices.tolist()
+    for j in range(1, len(ids) - 1):
+        if g.valid_prefix([ids[j]]) == 1:
+            if values[j] > values[j + 1]:
+                return int(ids[j])
+            break
+    masked = row.unsqueeze(0).clone()
+    packed = fill_masks([(g, [])], masked.shape[-1])[0]
+    if isinstance(packed, Exception):
+        raise packed
+    mask_rows_bits(masked, packed)
+    if not bool(torch.isfinite(masked).any()):
+        raise RuntimeError("no token is allowed at the next position")
+    return int(argmax_rows(masked)[0])
 
 
 def _row_starts(requests: Sequence[VerifyRequest]) -> list[int]:

@@ -195,3 +195,26 @@ def test_greedy_rows_under_a_grammar_verify_as_with_every_row_masked():
         assert not got.faults and not eager.faults
         for r in reqs:  # every matcher is back where it was
             assert r.context.constraint.error is None
+
+
+def test_a_forbidden_argmax_tries_the_next_best_tokens_before_a_mask(monkeypatch):
+    """`_allowed_argmax`: where the grammar forbids a verified row's argmax and allows its second
+    best, strictly ahead of the rest, that token is the answer without a mask; a tie after the
+    first allowed token is left to the mask, which takes the first index (the masked argmax's
+    rule, as plain decoding applies it)."""
+    import json
+
+    import dspark_serve.verifier.verify as verify_mod
+    from tests.verifier.test_grammar import byte_compiler
+
+    fills = []
+    fill = verify_mod.fill_masks
+    monkeypatch.setattr(verify_mod, "fill_masks", lambda *a: fills.append(1) or fill(*a))
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    grammar = byte_compiler().compile("json_schema", schema)
+    grammar.commit(list(b'{"n":'))  # a digit or '-' comes next
+    row = torch.zeros(257)
+    row[ord("x")], row[ord("7")], row[ord("3")] = 9.0, 8.0, 7.0
+    assert verify_mod._allowed_argmax(row, grammar) == ord("7") and fills == []
+    row[ord("3")] = 8.0  # tied with '7': the mask decides, first index first
+    assert verify_mod._allowed_argmax(row, grammar) == ord("3") and fills == [1]
