@@ -16,7 +16,7 @@ then temperature, min_p, top-k, top-p (ops/sampling.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -190,6 +190,32 @@ def process_next(
         allowed = ctx.constraint.allowed_after(list(drafted), logits.shape[-1]).to(out.device)
         out = out.masked_fill(~allowed, float("-inf"))
     return out
+
+
+NEXT_BEST = 3
+"""A greedy row whose argmax its grammar forbids tries this many next best tokens, one check
+each, before the grammar is asked for a mask (`next_best_allowed`)."""
+
+
+def next_best_allowed(
+    row: torch.Tensor, allows: Callable[[int], bool], strict: bool = False
+) -> tuple[int, torch.Tensor] | None:
+    """row: [V] logits whose argmax the grammar forbids; allows(index): whether the grammar
+    allows that entry next -> (the best allowed of the next `NEXT_BEST` entries, the indices
+    ranked above it), or None: a mask decides (none of them allowed; strict: also where an
+    entry left unchecked could tie the allowed one, so that the answer is always the masked
+    row's argmax, first index on ties). A check of one token costs far less than a mask."""
+    k = min(NEXT_BEST + 1 + int(strict), row.shape[-1])
+    best = row.float().topk(k)
+    values, ids = best.values.tolist(), best.indices.tolist()
+    for j in range(1, min(NEXT_BEST + 1, k)):
+        if values[j] == float("-inf"):
+            return None
+        if allows(ids[j]):
+            if strict and not (j + 1 < k and values[j] > values[j + 1]):
+                return None
+            return int(ids[j]), best.indices[:j]
+    return None
 
 
 def _ids(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:

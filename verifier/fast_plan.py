@@ -241,18 +241,25 @@ class VarlenLayout:
         return [T, T, T, S + 1, S, S * self.width, len(self.rows.logit_rows)]
 
     def to_device(self, device: torch.device, into: torch.Tensor | None = None) -> torch.Tensor:
-        """The buffer on `device` (into `into`, a static buffer, when given), copied from pinned
-        memory without waiting on a CUDA device (torch's pinned-memory cache keeps the host
-        buffer until the copy has run)."""
-        host = torch.tensor(self.host, dtype=torch.long)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        if into is not None:  # a static buffer of exactly the layout's length
-            return into.copy_(host, non_blocking=True)
-        return host.to(device, non_blocking=True)
+        """The buffer on `device` (into `into`, a static buffer, when given): `host_ints_to`."""
+        return host_ints_to(self.host, device, into)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """ids, positions, slots, first rows, starts, block table [segments, width], logit rows."""
         parts = list(torch.split(flat, self.sizes))
         parts[5] = parts[5].view(self.segments, self.width)
         return parts
+
+
+def host_ints_to(
+    values: Sequence[int], device: torch.device, into: torch.Tensor | None = None
+) -> torch.Tensor:
+    """int64 values on `device` (into `into`, a static buffer of exactly their length, when
+    given), copied from pinned memory without waiting on a CUDA device (torch's pinned-memory
+    cache keeps the host buffer until the copy has run)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    if into is not None:
+        return into.copy_(host, non_blocking=True)
+    return host.to(device, non_blocking=True)

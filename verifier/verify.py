@@ -16,7 +16,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from dspark_serve.ops.cpu_kernels import argmax_rows, mask_rows_bits
-from dspark_serve.ops.processors import GuardedConstraint, TokenContext, needs_processing, process_block
+from dspark_serve.ops.processors import (
+    GuardedConstraint,
+    TokenContext,
+    needs_processing,
+    next_best_allowed,
+    process_block,
+)
 from dspark_serve.ops.sampling import (
     SamplingTensors,
     keyed_uniforms,
@@ -282,23 +288,13 @@ def grammar_argmax(
     return argmax
 
 
-GRAMMAR_CANDIDATES = 5
-"""A verified row whose argmax its grammar forbids tries its next best tokens, one check each,
-before asking the grammar for a mask (`_allowed_argmax`)."""
-
-
 def _allowed_argmax(row: torch.Tensor, g: Grammar) -> int:
     """row: [V] logits whose argmax g forbids next -> the argmax over the tokens g allows (the
-    masked row's, first index on ties). The next best tokens are tried in order, one check
-    each; the first allowed one is the answer where the order is strict after it (no token
-    left unchecked can equal it); else the row is masked in full."""
-    best = row.float().topk(min(GRAMMAR_CANDIDATES, row.shape[-1]))
-    values, ids = best.values.tolist(), best.indices.tolist()
-    for j in range(1, len(ids) - 1):
-        if g.valid_prefix([ids[j]]) == 1:
-            if values[j] > values[j + 1]:
-                return int(ids[j])
-            break
+    masked row's, first index on ties): one of the next best tokens where that settles it
+    (`next_best_allowed`, strict), else the row masked in full."""
+    found = next_best_allowed(row, lambda i: g.valid_prefix([i]) == 1, strict=True)
+    if found is not None:
+        return found[0]
     masked = row.unsqueeze(0).clone()
     packed = fill_masks([(g, [])], masked.shape[-1])[0]
     if isinstance(packed, Exception):

@@ -35,6 +35,7 @@ import torch
 from dspark_serve.drafter.dspark_model.fast import FastDraftBackbone
 from dspark_serve.ops.triton_attention import VarlenSegments
 from dspark_serve.verifier.cuda_graphs import Capture, CaptureBudget
+from dspark_serve.verifier.fast_plan import host_ints_to
 
 log = logging.getLogger(__name__)
 
@@ -193,37 +194,24 @@ class GraphedBlock:
             self.graphs.clear()
             self._address = address
         bucket = DraftBucket(requests_bucket(B), L, heads is not None)
-        graph = self._graph(bucket, k_pools, v_pools, scratch, pad_id, heads)
+
+        def capture() -> _Graph:
+            graph = self._capture(bucket, list(k_pools), list(v_pools), scratch, pad_id, heads)
+            self.captures += 1
+            return graph
+
+        graph = self.budget.graph(self.graphs, bucket, capture)
         if graph is None:
             return None
         capacity = k_pools[0].shape[1]
         lay = BlockLayout.of(ids, starts, slots, bucket, capacity, scratch, pad_id, anchors)
-        host = torch.tensor(lay.host, dtype=torch.long)
-        if graph.staging.is_cuda:
-            host = host.pin_memory()
-        graph.staging.copy_(host, non_blocking=True)
+        host_ints_to(lay.host, graph.staging.device, into=graph.staging)
         out = graph.replay()
         self.replays += 1
         # copies: the graph's outputs are overwritten by the next replay
         hidden, tokens, prev, conf = (None if t is None else t[:B].clone() for t in out)
         assert hidden is not None
         return BlockOutputs(hidden, tokens, prev, conf)
-
-    def _graph(
-        self,
-        bucket: DraftBucket,
-        k_pools: Sequence[torch.Tensor],
-        v_pools: Sequence[torch.Tensor],
-        scratch: int,
-        pad_id: int,
-        heads: Heads | None,
-    ) -> _Graph | None:
-        def capture() -> _Graph:
-            graph = self._capture(bucket, list(k_pools), list(v_pools), scratch, pad_id, heads)
-            self.captures += 1
-            return graph
-
-        return self.budget.graph(self.graphs, bucket, capture)
 
     def _capture(
         self,

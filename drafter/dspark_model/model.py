@@ -12,12 +12,8 @@ from dspark_serve.drafter.dspark_model.config import Calibration, DSparkConfig
 from dspark_serve.drafter.dspark_model.modules import ConfidenceHead, DecoderLayer, MarkovHead, RMSNorm
 from dspark_serve.drafter.dspark_model.ops import rope_cos_sin, rope_inv_freq
 from dspark_serve.drafter.dspark_model.sampling import GreedyWalk, SampledBlock, sample_block
-from dspark_serve.ops.processors import TokenConstraint, TokenContext, process_next
+from dspark_serve.ops.processors import TokenConstraint, TokenContext, next_best_allowed, process_next
 from dspark_serve.ops.sampling_params import SamplingParams
-
-GRAMMAR_CANDIDATES = 4
-"""A greedy drafted position whose argmax its grammar forbids tries this many best tokens, one
-check each, before asking the grammar for a mask (`DSparkModel._greedy_under`)."""
 
 
 class DSparkModel(nn.Module):
@@ -264,8 +260,8 @@ class DSparkModel(nn.Module):
     ) -> torch.Tensor:
         """A greedy, unpenalized row under a grammar (`sample_block`'s shape). It reads only its
         argmax, so the row is returned unchanged where the grammar allows that token; else the
-        next few best tokens are tried in order (a check of one token costs far less than a
-        mask) and the ones before the first allowed are dropped; else it is masked in the draft
+        next few best tokens are tried in order (`next_best_allowed`) and the ones before the
+        first allowed are dropped; else it is masked in the draft
         vocabulary by the grammar's mask read through d2t (what `process_next` computes over the
         target's vocabulary, without widening the row to it). Nothing left in the draft
         vocabulary: the row as it was (the verifier rejects its draft)."""
@@ -273,15 +269,11 @@ class DSparkModel(nn.Module):
         top = int(row.argmax())
         if constraint.valid_prefix([*drafted, self._target_id(top)]) == n:
             return row
-        best = row.topk(min(GRAMMAR_CANDIDATES, row.numel()))
-        ranked = best.indices.tolist()
-        for j, (draft_id, value) in enumerate(zip(ranked, best.values.tolist())):
-            if j == 0 or value == float("-inf"):
-                continue
-            if constraint.valid_prefix([*drafted, self._target_id(draft_id)]) == n:
-                out = row.clone()
-                out[best.indices[:j]] = float("-inf")
-                return out
+        found = next_best_allowed(row, lambda i: constraint.valid_prefix([*drafted, self._target_id(i)]) == n)
+        if found is not None:
+            out = row.clone()
+            out[found[1]] = float("-inf")  # the forbidden ones ranked above it
+            return out
         allowed = constraint.allowed_after(drafted, self.config.vocab_size).to(row.device)
         keep = allowed if self.d2t is None else allowed[self.d2t]
         return row.masked_fill(~keep, float("-inf")) if bool(keep.any()) else row
