@@ -95,6 +95,39 @@ def timed_steps(engine, requests, steps: int) -> tuple[list[float], int]:
     return walls, made
 
 
+# (owner, attribute, label): an engine step's parts as the engine calls them
+STEP_PARTS = (
+    ("speculation", "draft", "draft"),
+    (None, "_choose_lengths", "choose_lengths"),
+    (None, "verify", "verify"),
+    (None, "_commit", "commit"),
+)
+
+
+class StepParts:
+    """Times the parts of an engine's steps (`STEP_PARTS`; "forward": the verify step's
+    forward alone) into `spent` (seconds, summed), by wrapping the engine's own methods."""
+
+    def __init__(self, engine) -> None:
+        import collections
+
+        self.spent: collections.Counter[str] = collections.Counter()
+        for where, name, label in STEP_PARTS:
+            owner = engine if where is None else getattr(engine, where)
+            setattr(owner, name, self._timed(getattr(owner, name), label))
+
+    def _timed(self, fn, label: str):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            self.spent[label] += time.perf_counter() - t0
+            if label == "verify":
+                self.spent["forward"] += out.forward_seconds
+            return out
+
+        return wrapper
+
+
 def machine() -> str:
     import os
 

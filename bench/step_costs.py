@@ -13,24 +13,22 @@ include: what drafting can gain or lose at a load in the long run.
 from __future__ import annotations
 
 import argparse
-import collections
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_engine import chat_ids  # noqa: E402
-from bench.common import DATA, load_prompts, save_result, start_decoding, timed_steps, timing_args  # noqa: E402
-
-# (owner, attribute, label): the step's parts as the engine calls them
-PARTS = (
-    ("speculation", "draft", "draft"),
-    (None, "_choose_lengths", "choose_lengths"),
-    (None, "verify", "verify"),
-    (None, "_commit", "commit"),
+from bench.common import (  # noqa: E402
+    DATA,
+    StepParts,
+    load_prompts,
+    save_result,
+    start_decoding,
+    timed_steps,
+    timing_args,
 )
 
 
@@ -49,24 +47,7 @@ def measure(
         batch_invariant=mode == "batch_invariant",
     )
     eng = llm.engine
-    spent: collections.Counter[str] = collections.Counter()
-
-    def timed(owner, name: str, label: str):
-        fn = getattr(owner, name)
-
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            out = fn(*a, **k)
-            spent[label] += time.perf_counter() - t0
-            if label == "verify":
-                spent["forward"] += out.forward_seconds
-            return out
-
-        return wrapper
-
-    for where, name, label in PARTS:
-        owner = eng if where is None else getattr(eng, where)
-        setattr(owner, name, timed(owner, name, label))
+    spent = StepParts(eng).spent
     prompts = [chat_ids(llm.tokenizer, t, 320) for _, t in load_prompts(DATA, max(concurrency))]
     rows = []
     for c in concurrency:

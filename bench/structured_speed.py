@@ -11,7 +11,8 @@ ratio of the arms' median per-user speeds over the pairs where both replies have
 more (the median of per-pair ratios beside it), and the ratio of the arms' median step times
 (what the grammar costs a step, whatever the two arms' different texts do to acceptance).
 Mask time: each batched fill of the verified rows (per row) and each drafter mask (one row),
-p50 and p99.
+p50 and p99. Step parts (ms per step, medians over the waves, per arm): drafting, the length
+choice, verification (its forward alone as "forward") and the commit (`bench.common.StepParts`).
 
     python -m bench.structured_speed --rounds 4 --out bench/results/structured-speed.json
 """
@@ -30,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine  # noqa: E402
+from bench.common import StepParts, machine  # noqa: E402
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "person": {
@@ -173,6 +174,8 @@ class MaskTimes:
 
 
 STEPS: list[float] = []  # the last wave's step times
+PARTS: list[StepParts] = []  # the engine's step parts, timed (set in main)
+WAVE_PARTS: dict[str, float] = {}  # the last wave's step parts, ms per step
 
 
 def run_wave(engine: Any, reqs: list[Any]) -> dict[str, float]:
@@ -182,6 +185,8 @@ def run_wave(engine: Any, reqs: list[Any]) -> dict[str, float]:
     for r in reqs:
         engine.add_request(r)
     STEPS.clear()
+    for parts in PARTS:
+        parts.spent.clear()
     while engine.has_work():
         t0 = time.perf_counter()
         outs = engine.step()
@@ -191,6 +196,9 @@ def run_wave(engine: Any, reqs: list[Any]) -> dict[str, float]:
             if o.token_ids:
                 first.setdefault(o.request_id, now)
                 last[o.request_id] = now
+    WAVE_PARTS.clear()
+    for parts in PARTS:
+        WAVE_PARTS.update({k: v / max(len(STEPS), 1) * 1e3 for k, v in parts.spent.items()})
     speeds = {}
     for r in reqs:
         n = len(r.output_ids)
@@ -232,6 +240,7 @@ def one_round(
                 r.constraint = eng.compile_grammar("json_schema", json.dumps(SCHEMAS[schema]))
             speeds = run_wave(eng, reqs)
             step_ms["constrained"] = statistics.median(STEPS) * 1e3
+            parts_ms["constrained"] = dict(WAVE_PARTS)
             for p, r in zip(wave, reqs):
                 LENGTHS[(schema, p)] = len(r.output_ids)
             return reqs, speeds
@@ -241,9 +250,11 @@ def one_round(
             reqs = [Request(ids(), list(t), greedy, n, ignore_eos=True) for t, n in zip(toks, lengths)]
             speeds = run_wave(eng, reqs)
             step_ms["unconstrained"] = statistics.median(STEPS) * 1e3
+            parts_ms["unconstrained"] = dict(WAVE_PARTS)
             return reqs, speeds
 
         step_ms: dict[str, float] = {}
+        parts_ms: dict[str, dict[str, float]] = {}
         if rnd % 2 == 0 or any((schema, p) not in LENGTHS for p in wave):
             (con, c_speed), (fre, f_speed) = constrained(), free()
         else:
@@ -263,6 +274,8 @@ def one_round(
                         "ratio": c_speed[c.request_id] / f_speed[f.request_id],
                         "constrained_step_ms": step_ms["constrained"],
                         "unconstrained_step_ms": step_ms["unconstrained"],
+                        "constrained_parts_ms": parts_ms["constrained"],
+                        "unconstrained_parts_ms": parts_ms["unconstrained"],
                         "constrained_accepted_per_round": c.spec.accepted / max(c.spec.rounds, 1),
                         "unconstrained_accepted_per_round": f.spec.accepted / max(f.spec.rounds, 1),
                     }
@@ -298,6 +311,7 @@ def summarize(rows: list[dict[str, Any]], levels: list[int], schemas: list[str])
                 "median_unconstrained_tps": free,
                 "step_ms_ratio": statistics.median(r["constrained_step_ms"] for r in sel)
                 / statistics.median(r["unconstrained_step_ms"] for r in sel),
+                "parts_ms": {arm: _median_parts([r[f"{arm}_parts_ms"] for r in sel]) for arm in ARMS},
                 "valid_json": sum(r["valid_json"] for r in sel) / len(sel),
                 "median_tokens": statistics.median(r["tokens"] for r in sel),
                 "median_unconstrained_tokens": statistics.median(r["unconstrained_tokens"] for r in sel),
@@ -309,6 +323,14 @@ def summarize(rows: list[dict[str, Any]], levels: list[int], schemas: list[str])
                 ),
             }
     return summary
+
+
+ARMS = ("constrained", "unconstrained")
+
+
+def _median_parts(waves: list[dict[str, float]]) -> dict[str, float]:
+    """Each step part's median over the waves (ms per step)."""
+    return {k: statistics.median(w.get(k, 0.0) for w in waves) for k in sorted({k for w in waves for k in w})}
 
 
 def _valid(ids: list[int], tok: Any) -> bool:
@@ -345,6 +367,7 @@ def main() -> None:
         max_num_seqs=32,
         max_num_batched_tokens=512,
     )
+    PARTS.append(StepParts(llm.engine))
     counter = itertools.count()
     ids = lambda: f"b{next(counter)}"
     for schema in args.schemas.split(","):  # warm-up: kernels, grammar caches
