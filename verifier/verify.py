@@ -292,6 +292,7 @@ def _allowed_argmax(row: torch.Tensor, g: Grammar) -> int:
     """row: [V] logits whose argmax g forbids next -> the argmax over the tokens g allows (the
     masked row's, first index on ties): one of the next best tokens where that settles it
     (`next_best_allowed`, strict), else the row masked in full."""
+    row = row.float()  # once: the kernels below take float32 rows
     found = next_best_allowed(row, lambda i: g.valid_prefix([i]) == 1, strict=True)
     if found is not None:
         return found[0]
@@ -300,9 +301,10 @@ def _allowed_argmax(row: torch.Tensor, g: Grammar) -> int:
     if isinstance(packed, Exception):
         raise packed
     mask_rows_bits(masked, packed)
-    if not bool(torch.isfinite(masked).any()):
+    top = int(argmax_rows(masked)[0])
+    if not bool(masked[0, top] > float("-inf")):  # every entry -inf (or a NaN, the maximum)
         raise RuntimeError("no token is allowed at the next position")
-    return int(argmax_rows(masked)[0])
+    return top
 
 
 def _row_starts(requests: Sequence[VerifyRequest]) -> list[int]:

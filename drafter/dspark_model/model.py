@@ -12,6 +12,7 @@ from dspark_serve.drafter.dspark_model.config import Calibration, DSparkConfig
 from dspark_serve.drafter.dspark_model.modules import ConfidenceHead, DecoderLayer, MarkovHead, RMSNorm
 from dspark_serve.drafter.dspark_model.ops import rope_cos_sin, rope_inv_freq
 from dspark_serve.drafter.dspark_model.sampling import GreedyWalk, SampledBlock, sample_block
+from dspark_serve.ops.cpu_kernels import argmax_rows
 from dspark_serve.ops.processors import TokenConstraint, TokenContext, next_best_allowed, process_next
 from dspark_serve.ops.sampling_params import SamplingParams
 
@@ -266,7 +267,7 @@ class DSparkModel(nn.Module):
         target's vocabulary, without widening the row to it). Nothing left in the draft
         vocabulary: the row as it was (the verifier rejects its draft)."""
         n = len(drafted) + 1
-        top = int(row.argmax())
+        top = int(argmax_rows(row.unsqueeze(0))[0])
         if constraint.valid_prefix([*drafted, self._target_id(top)]) == n:
             return row
         found = next_best_allowed(row, lambda i: constraint.valid_prefix([*drafted, self._target_id(i)]) == n)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark_serve.drafter.dspark_model.modules import MarkovHead
+from dspark_serve.ops.cpu_kernels import argmax_rows
 from dspark_serve.ops.processors import TokenContext, needs_processing
 from dspark_serve.ops.sampling import SamplingTensors, probs_from_logits, sample
 from dspark_serve.ops.sampling_params import SamplingParams
@@ -151,7 +152,7 @@ def _left_to_right(
             logits = logits + bias.float()
         if shaped and shape is not None:
             logits = _shaped_logits(logits, shaped, shape, tokens)
-        tok = logits.argmax(-1)
+        tok = argmax_rows(logits)
         if sampler is not None:
             probs.append(sampler.draw(logits, tok))
         prevs.append(prev)

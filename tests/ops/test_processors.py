@@ -122,3 +122,26 @@ class CountingConstraint:
 
     def commit(self, tokens):
         self.inner.commit(tokens)
+
+
+def test_top_entries_of_a_wide_row_are_torchs_topk():
+    """The block-maxima top-k of a vocabulary-wide row: torch's topk values in order, indices
+    pointing at them (among equal values in any order), on rows with ties, -inf stretches and
+    the best entries packed into one block; narrow rows go to torch itself."""
+    from dspark_serve.ops.processors import TOP_BLOCK, top_entries
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        row = torch.randn(64 * TOP_BLOCK * 2, generator=g)
+        if trial % 3 == 0:
+            row[torch.randint(0, row.numel(), (12,), generator=g)] = 4.0  # ties at the top
+        if trial % 4 == 0:
+            row[: row.numel() - 100] = float("-inf")
+        if trial % 5 == 0:
+            row[128:134] = 9.0 + torch.arange(6.0)  # the best all in one block
+        k = 1 + trial % 6
+        want, got = row.topk(k), top_entries(row, k)
+        assert torch.equal(got.values, want.values), trial
+        assert torch.equal(row[got.indices], got.values) and len(set(got.indices.tolist())) == k, trial
+    narrow = torch.randn(7696, generator=g)  # not a multiple of the block: torch's topk
+    assert torch.equal(top_entries(narrow, 4).indices, narrow.topk(4).indices)
