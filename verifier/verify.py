@@ -346,9 +346,11 @@ def grammar_masks(
 def _unusable(rows: torch.Tensor) -> str | None:  # rows: [n, V], one request's processed rows
     """Why a request's processed rows cannot be sampled: its first row (always used) allows no
     token, or processing made NaN."""
-    if torch.isnan(rows).any():
+    top = rows.amax(-1)  # [n]: NaN wherever a row holds one (the maximum propagates it)
+    if bool(torch.isnan(top).any()):
         return "processing the logits produced NaN"
-    if not torch.isfinite(rows[0]).any():
+    first = float(top[0])  # no finite entry: the maximum is -inf, or +inf over no finite one
+    if first == float("-inf") or (first == float("inf") and not bool(torch.isfinite(rows[0]).any())):
         return "no token is allowed at the next position"
     return None
 

@@ -218,3 +218,39 @@ def test_a_forbidden_argmax_tries_the_next_best_tokens_before_a_mask(monkeypatch
     assert verify_mod._allowed_argmax(row, grammar) == ord("7") and fills == []
     row[ord("3")] = 8.0  # tied with '7': the mask decides, first index first
     assert verify_mod._allowed_argmax(row, grammar) == ord("3") and fills == [1]
+
+
+def test_unusable_rows_are_named_as_by_scanning_every_entry():
+    """A request's processed rows are refused for a NaN anywhere or a first row with no finite
+    entry, read from the rows' maxima: the same verdicts as scanning every entry (NaN in a
+    later row, a first row all -inf, +inf beside finite entries, +inf beside -inf only)."""
+    from dspark_serve.verifier.verify import _unusable
+
+    def scanned(rows):
+        if torch.isnan(rows).any():
+            return "processing the logits produced NaN"
+        if not torch.isfinite(rows[0]).any():
+            return "no token is allowed at the next position"
+        return None
+
+    inf = float("inf")
+    cases = []
+    for edit in range(6):
+        rows = torch.randn(3, 300)
+        if edit == 1:
+            rows[2, 17] = float("nan")
+        elif edit == 2:
+            rows[0] = -inf
+        elif edit == 3:
+            rows[0, :5] = inf
+        elif edit == 4:
+            rows[0] = -inf
+            rows[0, 9] = inf
+        elif edit == 5:
+            rows[0] = -inf
+            rows[1, 3] = float("nan")
+        cases.append(rows)
+    verdicts = [_unusable(r) for r in cases]
+    assert verdicts == [scanned(r) for r in cases]
+    assert verdicts[0] is None and verdicts[3] is None and verdicts[2] == verdicts[4] != None  # noqa: E711
+    assert "NaN" in verdicts[1] and "NaN" in verdicts[5]
