@@ -148,19 +148,7 @@ def process_block(
         keep = ids < vocab
         out[:, ids[keep]] += vals[keep]
     if sp.penalized_by_history:
-        counts = _counts(ctx.output_ids, drafts, n, vocab, device)  # [n, V]
-        if sp.repetition_penalty != 1.0:
-            seen = counts > 0
-            if len(ctx.prompt_ids):
-                prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
-                prompt[_ids(ctx.prompt_ids, vocab, device)] = True
-                seen = seen | prompt
-            rp = sp.repetition_penalty
-            out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
-        if sp.frequency_penalty:
-            out = out - sp.frequency_penalty * counts
-        if sp.presence_penalty:
-            out = out - sp.presence_penalty * (counts > 0).float()
+        _penalize(out, sp, ctx, drafts)
     if packed is not None:
         mask_rows_bits(out, packed)
     elif ctx.constraint is not None:
@@ -242,15 +230,39 @@ def _ids(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(list(ids), dtype=torch.long, device=device).clamp(0, vocab - 1)
 
 
-def _counts(
-    output_ids: Sequence[int], drafts: Sequence[int], n: int, vocab: int, device: torch.device
-) -> torch.Tensor:  # [n, V] float32
-    """Occurrences of each token among the output so far and, at row k, drafts[:k] too."""
-    base = torch.zeros(vocab, dtype=torch.float32, device=device)
-    if len(output_ids):
-        base = torch.bincount(_ids(output_ids, vocab, device), minlength=vocab)[:vocab].float()
-    counts = base.unsqueeze(0).repeat(n, 1)
-    if n > 1:
-        onehot = torch.nn.functional.one_hot(_ids(drafts[: n - 1], vocab, device), vocab).float()
-        counts[1:] += onehot.cumsum(0)
-    return counts
+def _penalize(out: torch.Tensor, sp: SamplingParams, ctx: TokenContext, drafts: Sequence[int]) -> None:
+    """The history penalties of `process_block` on out [n, V] float32, in place: row k counts
+    the output so far and drafts[:k] (the repetition penalty the prompt too). Only the columns
+    of tokens seen anywhere change, so the work is done on those columns alone ([n, M], M the
+    distinct tokens seen), in the same order and arithmetic as over the whole vocabulary (a
+    column no row has seen would only lose 0)."""
+    n, vocab = out.shape
+    device = out.device
+    hist, drafted = _ids(ctx.output_ids, vocab, device), _ids(drafts[: n - 1], vocab, device)
+    parts = [hist, drafted]
+    rp = sp.repetition_penalty
+    if rp != 1.0 and len(ctx.prompt_ids):
+        parts.append(_ids(ctx.prompt_ids, vocab, device))
+    cols, where_in = torch.unique(torch.cat(parts), return_inverse=True)  # [M], [sum of parts]
+    if cols.numel() == 0:
+        return
+    m, h, d = cols.numel(), hist.numel(), drafted.numel()
+    counts = torch.zeros(m, dtype=torch.float32, device=device).index_add_(
+        0, where_in[:h], torch.ones(h, dtype=torch.float32, device=device)
+    )
+    counts = counts.unsqueeze(0).repeat(n, 1)  # [n, M]: row k also counts drafts[:k]
+    if n > 1 and d:
+        counts[1:] += torch.nn.functional.one_hot(where_in[h : h + d], m).float().cumsum(0)
+    x = out[:, cols]
+    if rp != 1.0:
+        seen = counts > 0
+        if len(parts) == 3:
+            prompt = torch.zeros(m, dtype=torch.bool, device=device)
+            prompt[where_in[h + d :]] = True
+            seen = seen | prompt
+        x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+    if sp.frequency_penalty:
+        x = x - sp.frequency_penalty * counts
+    if sp.presence_penalty:
+        x = x - sp.presence_penalty * (counts > 0).float()
+    out[:, cols] = x

@@ -145,3 +145,51 @@ def test_top_entries_of_a_wide_row_are_torchs_topk():
         assert torch.equal(row[got.indices], got.values) and len(set(got.indices.tolist())) == k, trial
     narrow = torch.randn(7696, generator=g)  # not a multiple of the block: torch's topk
     assert torch.equal(top_entries(narrow, 4).indices, narrow.topk(4).indices)
+
+
+def test_history_penalties_on_the_seen_columns_equal_the_whole_vocabularys():
+    """The penalties computed on the columns of the tokens seen only: the same bits as over the
+    whole vocabulary (the counts, the repetition penalty's prompt, each row's drafts), for every
+    mix of penalties, with repeated, out-of-range and -inf entries."""
+    from dspark_serve.ops.processors import TokenContext, _ids, process_block
+
+    def dense(logits, sp, ctx, drafts):  # the rule over every column
+        n, vocab = logits.shape
+        out = logits.float().clone()
+        base = torch.bincount(_ids(ctx.output_ids, vocab, out.device), minlength=vocab)[:vocab].float()
+        counts = base.unsqueeze(0).repeat(n, 1)
+        if n > 1:
+            onehot = torch.nn.functional.one_hot(_ids(drafts[: n - 1], vocab, out.device), vocab)
+            counts[1:] += onehot.float().cumsum(0)
+        if sp.repetition_penalty != 1.0:
+            seen = counts > 0
+            if len(ctx.prompt_ids):
+                prompt = torch.zeros(vocab, dtype=torch.bool)
+                prompt[_ids(ctx.prompt_ids, vocab, out.device)] = True
+                seen = seen | prompt
+            rp = sp.repetition_penalty
+            out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
+        if sp.frequency_penalty:
+            out = out - sp.frequency_penalty * counts
+        if sp.presence_penalty:
+            out = out - sp.presence_penalty * (counts > 0).float()
+        return out
+
+    g = torch.Generator().manual_seed(0)
+    mixes = [
+        {"repetition_penalty": 1.3},
+        {"frequency_penalty": 0.7},
+        {"presence_penalty": -0.4},
+        {"repetition_penalty": 0.8, "frequency_penalty": 0.3, "presence_penalty": 0.5},
+    ]
+    for trial in range(24):
+        vocab, n = 97, 1 + trial % 4
+        sp = SamplingParams(temperature=0.0, **mixes[trial % 4])
+        logits = torch.randn(n, vocab, generator=g) * 3
+        logits[:, 5] = float("-inf")
+        out_ids = torch.randint(0, vocab + 3, (trial % 9,), generator=g).tolist()  # some past vocab
+        prompt = torch.randint(0, vocab, (trial % 5,), generator=g).tolist()
+        drafts = torch.randint(0, vocab, (n - 1,), generator=g).tolist()
+        ctx = TokenContext(prompt, out_ids)
+        got = process_block(logits, sp, ctx, drafts)
+        assert torch.equal(got, dense(logits, sp, ctx, drafts)), trial
