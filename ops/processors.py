@@ -241,7 +241,8 @@ def _penalize(out: torch.Tensor, sp: SamplingParams, ctx: TokenContext, drafts: 
     hist, drafted = _ids(ctx.output_ids, vocab, device), _ids(drafts[: n - 1], vocab, device)
     parts = [hist, drafted]
     rp = sp.repetition_penalty
-    if rp != 1.0 and len(ctx.prompt_ids):
+    with_prompt = rp != 1.0 and len(ctx.prompt_ids) > 0  # the repetition penalty covers it
+    if with_prompt:
         parts.append(_ids(ctx.prompt_ids, vocab, device))
     cols, where_in = torch.unique(torch.cat(parts), return_inverse=True)  # [M], [sum of parts]
     if cols.numel() == 0:
@@ -256,7 +257,7 @@ def _penalize(out: torch.Tensor, sp: SamplingParams, ctx: TokenContext, drafts: 
     x = out[:, cols]
     if rp != 1.0:
         seen = counts > 0
-        if len(parts) == 3:
+        if with_prompt:
             prompt = torch.zeros(m, dtype=torch.bool, device=device)
             prompt[where_in[h + d :]] = True
             seen = seen | prompt
