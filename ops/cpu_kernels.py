@@ -151,11 +151,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     # base, its dtype, anchor, w1, w2 (packed), their dtype (0 float32, 1 bf16), d2t, B, K, V, r,
     # tokens, prevs
     lib.markov_greedy_walk.argtypes = [ptr, i32, ptr, ptr, ptr, i32, ptr, i32, i32, i32, i32, ptr, ptr]
-    lib.argmax_rows.restype = None
-    # x, dtype (0 float32, 1 bf16), T, V, row stride, out
-    lib.argmax_rows.argtypes = [ptr, i32, i32, i64, i64, ptr]
-    lib.mask_rows_bits.restype = None
-    lib.mask_rows_bits.argtypes = [ptr, i32, i64, i64, ptr, i64]  # x, T, V, row stride, bits, W
+    _declare_row_ops(lib)
     lib.small_gemm_tiles.restype = i32
     lib.small_gemm_tiles.argtypes = []
     lib.paged_attention_tiles.restype = i32
@@ -188,6 +184,18 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.target_layers.argtypes = [ptr, i32, i32, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ptr, ptr]
     lib.target_layers.argtypes += [ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, i32]
     lib.target_layers.argtypes += [ctypes.c_float, ptr, ptr, i32, i32]
+
+
+def _declare_row_ops(lib: ctypes.CDLL) -> None:
+    """The kernels that read logits rows: argmax and token masks."""
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.argmax_rows.restype = None
+    # x, dtype (0 float32, 1 bf16), T, V, row stride, out
+    lib.argmax_rows.argtypes = [ptr, i32, i32, i64, i64, ptr]
+    lib.argmax_allowed.restype = i64
+    lib.argmax_allowed.argtypes = [ptr, i32, i64, ptr, ptr, i64]  # x, dtype, V, d2t (or NULL), bits, W
+    lib.mask_rows_bits.restype = None
+    lib.mask_rows_bits.argtypes = [ptr, i32, i64, i64, ptr, i64]  # x, T, V, row stride, bits, W
 
 
 @functools.cache
@@ -277,6 +285,49 @@ def mask_rows_bits(x: torch.Tensor, bits: torch.Tensor) -> None:
         lib.mask_rows_bits(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), bits.data_ptr(), bits.shape[1])
         return
     x.masked_fill_(~unpack_bits(bits.to(x.device), x.shape[1]), float("-inf"))
+
+
+def argmax_allowed(row: torch.Tensor, bits: torch.Tensor, d2t: torch.Tensor | None = None) -> int:
+    """row [V'] logits, bits [W] int32 a packed token mask (`mask_rows_bits`' layout), d2t [V']
+    int64 the target token of each entry (None: entry j is token j) -> the index of the row's
+    first maximum among the entries whose token the mask allows (a NaN counts as the maximum),
+    or -1 when it allows none of them: the argmax of the row masked off the allowed tokens,
+    without building the mask. float32 / bf16 CPU rows go through the C kernel once it is
+    loaded; anything else, torch's ops."""
+    lib = loaded_kernels()
+    if (
+        lib is not None
+        and row.device.type == "cpu"
+        and row.dim() == 1
+        and row.dtype in DTYPE_CODES
+        and row.is_contiguous()
+        and bits.dtype == torch.int32
+        and bits.dim() == 1
+        and bits.is_contiguous()
+        and (d2t is None or (d2t.dtype == torch.long and d2t.is_contiguous() and d2t.numel() == row.numel()))
+    ):
+        return int(
+            lib.argmax_allowed(
+                row.data_ptr(),
+                DTYPE_CODES[row.dtype],
+                row.numel(),
+                None if d2t is None else d2t.data_ptr(),
+                bits.data_ptr(),
+                bits.numel(),
+            )
+        )
+    tokens = torch.arange(row.numel()) if d2t is None else d2t.cpu().long()
+    allowed = unpack_bits(bits.cpu().reshape(1, -1), 32 * bits.numel())[0]  # [32 W] bool
+    inside = (tokens >= 0) & (tokens < allowed.numel())
+    keep = inside & allowed[torch.where(inside, tokens, 0)] if allowed.numel() else inside & False
+    if not bool(keep.any()):
+        return -1
+    x = row.detach().float().cpu()
+    nan = keep & torch.isnan(x)
+    if bool(nan.any()):
+        return int(nan.nonzero()[0])
+    best = x[keep].max()  # the first allowed entry equal to it (-inf included)
+    return int((keep & (x == best)).nonzero()[0])
 
 
 def unpack_bits(bits: torch.Tensor, vocab: int) -> torch.Tensor:  # [T, W] int32 -> [T, vocab] bool

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from dspark_serve.ops.cpu_kernels import argmax_rows, mask_rows_bits
+from dspark_serve.ops.cpu_kernels import argmax_allowed, argmax_rows, mask_rows_bits
 from dspark_serve.ops.sampling_params import SamplingParams
 
 
@@ -48,6 +48,77 @@ class TokenConstraint(Protocol):
     def commit(self, tokens: Sequence[int]) -> None:
         """Advance the committed state past tokens the request kept (EOS never comes here)."""
         ...
+
+
+class ConstraintCursor(Protocol):
+    """A constraint followed along a draft as a drafter writes it, one token at a time (a
+    constraint may offer one: `cursor()`). Each token is checked against the state after the
+    tokens taken before it, so a check costs one token's step, not the whole prefix's; `close`
+    undoes every `take`, leaving the committed state as it was."""
+
+    def allows(self, token: int) -> bool:
+        """Whether token may follow the tokens taken so far."""
+        ...
+
+    def take(self, token: int) -> bool:
+        """Advance past an allowed token; False: nothing after it is ever verified (EOS), the
+        cursor follows no further."""
+        ...
+
+    def fill(self, bits: torch.Tensor) -> None:
+        """bits [W] int32 <- what may follow the tokens taken so far, as a packed token mask
+        (bit j of word w allows token 32 w + j, `mask_rows_bits`' layout)."""
+        ...
+
+    def close(self) -> None:
+        """Undo every take."""
+        ...
+
+
+class DraftCursor:
+    """A greedy, unpenalized draft row's constraint followed along its block (`pick` at each
+    position, `close` at the end): the pick is the row's argmax where the constraint allows
+    it, else the argmax over the allowed tokens, read from the packed mask in one pass
+    (`argmax_allowed`), the same token `process_next` and an argmax would give (a mask only
+    removes tokens). Where nothing in the row is allowed, or after EOS or a failure (recorded by
+    the guard: the request fails alone when the step settles), the row keeps its argmax and is
+    followed no further, as a row past an invalid draft is left unprocessed (the verifier
+    rejects that draft; nothing after it is read)."""
+
+    def __init__(self, guard: GuardedConstraint, inner: ConstraintCursor, vocab_size: int) -> None:
+        self.guard, self.inner = guard, inner
+        self.bits = torch.empty((vocab_size + 31) // 32, dtype=torch.int32)
+        self.live = True
+
+    def pick(
+        self, row: torch.Tensor, top: int, d2t: torch.Tensor | None, targets: Sequence[int] | None
+    ) -> int:
+        """row: [V'] the position's logits; top: their argmax; d2t / targets: the target token of
+        each entry (a tensor and the same as a list; None: entry j is token j) -> the entry
+        drafted."""
+        if not self.live:
+            return top
+        try:
+            token = top if targets is None else targets[top]
+            if not self.inner.allows(token):
+                self.inner.fill(self.bits)
+                found = argmax_allowed(row, self.bits, d2t)
+                if found < 0:
+                    self.live = False
+                    return top
+                top = found
+                token = top if targets is None else targets[top]
+            self.live = self.inner.take(token)
+        except Exception as exc:
+            self.guard.fail(exc)
+            self.live = False
+        return top
+
+    def close(self) -> None:
+        try:
+            self.inner.close()
+        except Exception as exc:
+            self.guard.fail(exc)
 
 
 class GuardedConstraint:
@@ -105,6 +176,18 @@ class GuardedConstraint:
                 self.inner.commit(tokens)
             except Exception as exc:
                 self.fail(exc)
+
+    def draft_cursor(self, vocab_size: int) -> DraftCursor | None:
+        """The constraint followed along a greedy draft (`DraftCursor`), where the inner one offers
+        a cursor (`cursor()`) and has not failed; None: the drafter asks `allowed_after`."""
+        open_cursor = getattr(self.inner, "cursor", None)
+        if self.error is not None or open_cursor is None:
+            return None
+        try:
+            return DraftCursor(self, open_cursor(), vocab_size)
+        except Exception as exc:
+            self.fail(exc)
+            return None
 
 
 @dataclass(frozen=True)
@@ -185,23 +268,18 @@ NEXT_BEST = 3
 each, before the grammar is asked for a mask (`next_best_allowed`)."""
 
 
-def next_best_allowed(
-    row: torch.Tensor, allows: Callable[[int], bool], strict: bool = False
-) -> tuple[int, torch.Tensor] | None:
+def next_best_allowed(row: torch.Tensor, allows: Callable[[int], bool]) -> tuple[int, torch.Tensor] | None:
     """row: [V] logits whose argmax the grammar forbids; allows(index): whether the grammar
     allows that entry next -> (the best allowed of the next `NEXT_BEST` entries, the indices
-    ranked above it), or None: a mask decides (none of them allowed; strict: also where an
-    entry left unchecked could tie the allowed one, so that the answer is always the masked
-    row's argmax, first index on ties). A check of one token costs far less than a mask."""
-    k = min(NEXT_BEST + 1 + int(strict), row.shape[-1])
+    ranked above it), or None: a mask decides (none of them allowed). A check of one token
+    costs far less than a mask (a constraint without a cursor answers masks as bool rows)."""
+    k = min(NEXT_BEST + 1, row.shape[-1])
     best = top_entries(row.float(), k)
     values, ids = best.values.tolist(), best.indices.tolist()
-    for j in range(1, min(NEXT_BEST + 1, k)):
+    for j in range(1, k):
         if values[j] == float("-inf"):
             return None
         if allows(ids[j]):
-            if strict and not (j + 1 < k and values[j] > values[j + 1]):
-                return None
             return int(ids[j]), best.indices[:j]
     return None
 

@@ -106,6 +106,43 @@ class Grammar:
     def accepting(self) -> bool:
         return bool(self.matcher.is_accepting())
 
+    def cursor(self) -> GrammarCursor:
+        """This grammar followed along a draft (`ops.processors.ConstraintCursor`)."""
+        return GrammarCursor(self)
+
+
+class GrammarCursor:
+    """A grammar followed along a draft as it is written: the matcher itself advanced past each
+    taken token and rolled back by `close`, so each check is one token's step from the state
+    before it (no prefix validated again) and a mask is filled straight into packed words."""
+
+    def __init__(self, grammar: Grammar) -> None:
+        self.grammar = grammar
+        self.taken = 0
+
+    def allows(self, token: int) -> bool:
+        return int(self.grammar.matcher.validate_tokens([token])) == 1
+
+    def take(self, token: int) -> bool:
+        if token in self.grammar.eos_ids:  # the matcher is never advanced past EOS
+            return False
+        if not self.grammar.matcher.consume_token(token):
+            raise RuntimeError(f"grammar refused a draft it allowed: {matcher_error(self.grammar.matcher)}")
+        self.taken += 1
+        return True
+
+    def fill(self, bits: torch.Tensor) -> None:  # [W] int32, contiguous, on the CPU
+        if bits.dtype != torch.int32 or not bits.is_contiguous() or bits.device.type != "cpu":
+            raise ValueError("a packed mask is a contiguous int32 CPU tensor")
+        self.grammar.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
+        if self.grammar.matcher.is_error():
+            raise RuntimeError(f"grammar failed computing a mask: {matcher_error(self.grammar.matcher)}")
+
+    def close(self) -> None:
+        if self.taken:
+            taken, self.taken = self.taken, 0
+            self.grammar.matcher.rollback(taken)
+
 
 def mask_words(vocab_size: int) -> int:
     """int32 words of one packed token mask."""

@@ -15,12 +15,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from dspark_serve.ops.cpu_kernels import argmax_rows, mask_rows_bits
+from dspark_serve.ops.cpu_kernels import argmax_allowed, argmax_rows
 from dspark_serve.ops.processors import (
     GuardedConstraint,
     TokenContext,
     needs_processing,
-    next_best_allowed,
     process_block,
 )
 from dspark_serve.ops.sampling import (
@@ -30,7 +29,7 @@ from dspark_serve.ops.sampling import (
     sample_from_uniforms,
 )
 from dspark_serve.ops.sampling_params import SamplingParams
-from dspark_serve.verifier.grammar import Grammar, fill_masks
+from dspark_serve.verifier.grammar import Grammar, fill_masks, mask_words
 from dspark_serve.verifier.rejection import RejectionResult, greedy_verify, rejection_sample, verify_offsets
 
 log = logging.getLogger(__name__)
@@ -290,19 +289,13 @@ def grammar_argmax(
 
 def _allowed_argmax(row: torch.Tensor, g: Grammar) -> int:
     """row: [V] logits whose argmax g forbids next -> the argmax over the tokens g allows (the
-    masked row's, first index on ties): one of the next best tokens where that settles it
-    (`next_best_allowed`, strict), else the row masked in full."""
-    row = row.float()  # once: the kernels below take float32 rows
-    found = next_best_allowed(row, lambda i: g.valid_prefix([i]) == 1, strict=True)
-    if found is not None:
-        return found[0]
-    masked = row.unsqueeze(0).clone()
-    packed = fill_masks([(g, [])], masked.shape[-1])[0]
-    if isinstance(packed, Exception):
-        raise packed
-    mask_rows_bits(masked, packed)
-    top = int(argmax_rows(masked)[0])
-    if not bool(masked[0, top] > float("-inf")):  # every entry -inf (or a NaN, the maximum)
+    masked row's, first index on ties), read from g's packed mask in one pass
+    (`argmax_allowed`)."""
+    bits = torch.empty(mask_words(row.shape[-1]), dtype=torch.int32)
+    g.cursor().fill(bits)
+    row = row if row.device.type == "cpu" else row.cpu()
+    top = argmax_allowed(row.contiguous(), bits)
+    if top < 0 or not bool(row[top] > float("-inf")):  # nothing allowed, all -inf, or a NaN
         raise RuntimeError("no token is allowed at the next position")
     return top
 

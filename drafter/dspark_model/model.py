@@ -11,9 +11,15 @@ from torch import nn
 from dspark_serve.drafter.dspark_model.config import Calibration, DSparkConfig
 from dspark_serve.drafter.dspark_model.modules import ConfidenceHead, DecoderLayer, MarkovHead, RMSNorm
 from dspark_serve.drafter.dspark_model.ops import rope_cos_sin, rope_inv_freq
-from dspark_serve.drafter.dspark_model.sampling import GreedyWalk, SampledBlock, sample_block
+from dspark_serve.drafter.dspark_model.sampling import CursorRows, GreedyWalk, SampledBlock, sample_block
 from dspark_serve.ops.cpu_kernels import argmax_rows
-from dspark_serve.ops.processors import TokenConstraint, TokenContext, next_best_allowed, process_next
+from dspark_serve.ops.processors import (
+    GuardedConstraint,
+    TokenConstraint,
+    TokenContext,
+    next_best_allowed,
+    process_next,
+)
 from dspark_serve.ops.sampling_params import SamplingParams
 
 
@@ -52,6 +58,7 @@ class DSparkModel(nn.Module):
         )
         # Per-position confidence temperatures (Sequential Temperature Scaling), or None.
         self.calibration: Calibration | None = None
+        self._d2t_list: tuple[tuple[int, int], list[int]] | None = None  # d2t's (address, version), list
         self._check_shared()
 
     # -- shared modules -----------------------------------------------------------------
@@ -224,10 +231,13 @@ class DSparkModel(nn.Module):
     ) -> SampledBlock:
         """Left-to-right sampling with this drafter's Markov head (`sampling.sample_block`);
         rows with penalties, a logit bias or a grammar (`contexts`) are processed in the
-        target's vocabulary, exactly as the verifier processes p. greedy: an all-greedy block's
-        walk in one call (`sampling.sample_block`)."""
+        target's vocabulary, exactly as the verifier processes p; a greedy, unpenalized row whose
+        grammar offers a cursor follows it along the draft instead (`CursorRows`). greedy: an
+        all-greedy block's walk in one call (`sampling.sample_block`)."""
         shape = None
+        cursors = None
         if contexts is not None:
+            cursors = self._cursor_rows(sampling, contexts)
 
             def shape(i: int, row: torch.Tensor, drafted: list[int]) -> torch.Tensor:
                 ctx = contexts[i]
@@ -254,7 +264,32 @@ class DSparkModel(nn.Module):
             contexts,
             shape,
             greedy,
+            cursors,
         )
+
+    def _cursor_rows(
+        self, sampling: Sequence[SamplingParams], contexts: Sequence[TokenContext | None]
+    ) -> CursorRows | None:
+        """The greedy, unpenalized rows whose guarded constraint offers a cursor, or None."""
+        found = {}
+        for i, (sp, ctx) in enumerate(zip(sampling, contexts)):
+            c = ctx.constraint if ctx is not None else None
+            if sp.greedy and not sp.penalized and isinstance(c, GuardedConstraint):
+                cursor = c.draft_cursor(self.config.vocab_size)
+                if cursor is not None:
+                    found[i] = cursor
+        if not found:
+            return None
+        return CursorRows(found, self.d2t, self._targets())
+
+    def _targets(self) -> list[int] | None:
+        """d2t as a list (read per drafted token by the cursor rows), made once."""
+        if self.d2t is None:
+            return None
+        key = (self.d2t.data_ptr(), self.d2t._version)  # loading weights writes d2t in place
+        if self._d2t_list is None or self._d2t_list[0] != key:
+            self._d2t_list = (key, self.d2t.tolist())
+        return self._d2t_list[1]
 
     def _greedy_under(
         self, constraint: TokenConstraint, row: torch.Tensor, drafted: list[int]

@@ -9,7 +9,7 @@ import torch
 
 from dspark_serve.drafter.dspark_model.modules import MarkovHead
 from dspark_serve.ops.cpu_kernels import argmax_rows
-from dspark_serve.ops.processors import TokenContext, needs_processing
+from dspark_serve.ops.processors import DraftCursor, TokenContext, needs_processing
 from dspark_serve.ops.sampling import SamplingTensors, probs_from_logits, sample
 from dspark_serve.ops.sampling_params import SamplingParams
 
@@ -68,6 +68,29 @@ class _SampledRows:
         return full
 
 
+@dataclass(frozen=True)
+class CursorRows:
+    """The greedy, unpenalized rows of a block whose constraint follows the draft as it is
+    written (`DraftCursor`): row index -> its cursor; d2t / targets: the target token of each
+    draft-vocabulary entry, as a tensor and as a list (None: the same ids)."""
+
+    cursors: dict[int, DraftCursor]
+    d2t: torch.Tensor | None
+    targets: list[int] | None
+
+    def pick(self, logits: torch.Tensor, tok: torch.Tensor) -> None:
+        """logits: [B, V'] one position's; tok: [B] their argmax, the rows' picks written in."""
+        ids = tok.tolist()
+        for i, cursor in self.cursors.items():
+            found = cursor.pick(logits[i], ids[i], self.d2t, self.targets)
+            if found != ids[i]:
+                tok[i] = found
+
+    def close(self) -> None:
+        for cursor in self.cursors.values():
+            cursor.close()
+
+
 def _shaped_logits(
     logits: torch.Tensor,
     shaped: list[int],
@@ -94,6 +117,7 @@ def sample_block(
     contexts: Sequence[TokenContext | None] | None = None,
     shape: Callable[[int, torch.Tensor, list[int]], torch.Tensor] | None = None,
     greedy: GreedyWalk | None = None,
+    cursors: CursorRows | None = None,
 ) -> SampledBlock:
     """Left-to-right sampling with the Markov head.
 
@@ -109,21 +133,39 @@ def sample_block(
     distribution the verifier's p is compared with (ops/processors.py).
     greedy: (base_logits, anchor) -> (tokens, prev_tokens) target ids for a block whose rows
     are all greedy and unprocessed, the same argmax walk in one call (a C loop on CPUs,
-    `fast.GreedyMarkov`), or None where it does not apply."""
+    `fast.GreedyMarkov`), or None where it does not apply.
+    cursors: greedy, unpenalized rows under a constraint that follows the draft (`CursorRows`):
+    their argmax is checked and, where refused, replaced at each position, instead of shape
+    (the same tokens); closed on return."""
     b, steps, _ = base_logits.shape
     dev = base_logits.device
     if head is not None and head.kind != "vanilla" and hidden is None:
         raise ValueError(f"markov_head_type {head.kind!r} needs the block hidden states")
     rows = [i for i, s in enumerate(sampling) if not s.greedy]
+    picked = cursors.cursors if cursors is not None else {}
     shaped: list[int] = []
     if contexts is not None and shape is not None:
-        shaped = [i for i, s in enumerate(sampling) if needs_processing(s, contexts[i])]
-    if greedy is not None and not rows and not shaped and steps > 0:
-        walked = greedy(base_logits, anchor)
-        if walked is not None:
-            return SampledBlock(walked[0].to(dev), None, walked[1].to(dev))
-    sampler = _SampledRows.of(rows, sampling, generators, dev) if rows else None
-    return _left_to_right(base_logits, anchor, head, hidden, sampler, shaped, shape, to_target_ids)
+        shaped = [i for i, s in enumerate(sampling) if needs_processing(s, contexts[i]) and i not in picked]
+    try:
+        if greedy is not None and not rows and not shaped and not picked and steps > 0:
+            walked = greedy(base_logits, anchor)
+            if walked is not None:
+                return SampledBlock(walked[0].to(dev), None, walked[1].to(dev))
+        sampler = _SampledRows.of(rows, sampling, generators, dev) if rows else None
+        return _left_to_right(
+            base_logits,
+            anchor,
+            head,
+            hidden,
+            sampler,
+            shaped,
+            shape,
+            to_target_ids,
+            cursors if picked else None,
+        )
+    finally:
+        if cursors is not None:
+            cursors.close()
 
 
 def _left_to_right(
@@ -135,9 +177,11 @@ def _left_to_right(
     shaped: list[int],
     shape: Callable[[int, torch.Tensor, list[int]], torch.Tensor] | None,
     to_target_ids: Callable[[torch.Tensor], torch.Tensor],
+    cursors: CursorRows | None = None,
 ) -> SampledBlock:
     """The block one step at a time: Markov bias from the previous token, processing of the
-    shaped rows, argmax, then the sampled rows' draws (see `sample_block`)."""
+    shaped rows, argmax, the cursor rows' picks, then the sampled rows' draws (see
+    `sample_block`)."""
     b, steps, _ = base_logits.shape
     dev = base_logits.device
     state = head.init_state((b,), head.markov_w1.weight) if head is not None else None
@@ -153,6 +197,8 @@ def _left_to_right(
         if shaped and shape is not None:
             logits = _shaped_logits(logits, shaped, shape, tokens)
         tok = argmax_rows(logits)
+        if cursors is not None:
+            cursors.pick(logits, tok)
         if sampler is not None:
             probs.append(sampler.draw(logits, tok))
         prevs.append(prev)

@@ -241,6 +241,72 @@ void argmax_rows(const void *x, int dtype, int T, int64_t V, int64_t rs, int64_t
     for (int t = 0; t < T; t++) out[t] = argmax_row((const char *)x + (int64_t)t * rs * esize, dtype, V);
 }
 
+/* The first maximal entry of one row among the entries a packed token mask allows (a greedy
+ * draft row under a grammar): x [V] float32 (dtype 0) or bfloat16 (dtype 1); entry j stands for
+ * token t = d2t[j] (t = j where d2t is NULL: no truncated vocabulary), allowed where bit t of
+ * bits [W] int32 is set (llguidance's layout; tokens past 32 W are not). A NaN counts as the
+ * maximum and the first NaN wins, as in argmax_row. Returns -1 when no entry is allowed. The
+ * argmax of the row masked to -inf off the allowed tokens, without writing the mask out. */
+static int64_t argmax_allowed_words(const void *x, int dtype, int64_t V, const uint32_t *b, int64_t W) {
+    /* entry j is token j: the maximum over the allowed words (whole words of ones as plain
+     * loops the compiler vectorises, words of nothing skipped), then its first allowed index */
+    float best = -INFINITY;
+    int nan = 0, any = 0;
+    for (int64_t w = 0; w < W && 32 * w < V; w++) {
+        uint32_t word = b[w];
+        int64_t base = 32 * w, n = V - base < 32 ? V - base : 32;
+        if (!word) continue;
+        any = 1;
+        if (word == 0xFFFFFFFFu && n == 32) {
+            float m = -INFINITY;
+            int un = 0;
+            for (int64_t j = 0; j < 32; j++) {
+                float v = load_elem(x, base + j, dtype);
+                un |= v != v;
+                m = v > m ? v : m;
+            }
+            nan |= un;
+            best = m > best ? m : best;
+            continue;
+        }
+        for (uint32_t bits = word; bits; bits &= bits - 1) {
+            int64_t j = base + __builtin_ctz(bits);
+            if (j >= V) break;
+            float v = load_elem(x, j, dtype);
+            nan |= v != v;
+            best = v > best ? v : best;
+        }
+    }
+    if (!any) return -1;
+    for (int64_t w = 0; w < W && 32 * w < V; w++) {
+        for (uint32_t bits = b[w]; bits; bits &= bits - 1) {
+            int64_t j = 32 * w + __builtin_ctz(bits);
+            if (j >= V) break;
+            float v = load_elem(x, j, dtype);
+            if (nan ? v != v : v == best) return j;
+        }
+    }
+    return -1; /* allowed tokens all past the row */
+}
+
+int64_t argmax_allowed(const void *x, int dtype, int64_t V, const int64_t *d2t, const int32_t *bits,
+                       int64_t W) {
+    const uint32_t *b = (const uint32_t *)bits;
+    if (!d2t) return argmax_allowed_words(x, dtype, V, b, W);
+    int64_t at = -1;
+    float best = -INFINITY;
+    for (int64_t j = 0; j < V; j++) {
+        int64_t t = d2t[j];
+        if (t < 0 || (t >> 5) >= W || !((b[t >> 5] >> (t & 31)) & 1u)) continue;
+        float v = load_elem(x, j, dtype);
+        if (at < 0 || v > best || (v != v && best == best)) {
+            at = j;
+            best = v;
+        }
+    }
+    return at;
+}
+
 /* Token masks applied in place: x [T, V] float32 with row stride rs, bits [T, W] packed as
  * llguidance writes them (bit j of word w allows token 32 w + j): a token that is not allowed
  * gets -inf. Tokens past 32 W are not allowed. Whole words of 0 or of ones (most of a JSON

@@ -202,3 +202,109 @@ def test_a_greedy_row_under_a_grammar_is_masked_in_the_draft_vocabulary(tmp_path
 
     row = torch.randn(KEPT.numel(), generator=g)
     assert 250 not in KEPT.tolist() and torch.equal(m._greedy_under(OnlyUnkept(), row, []), row)
+
+
+def test_a_greedy_row_under_a_grammar_follows_it_along_the_draft(tmp_path):
+    """Greedy, unpenalized rows whose grammar offers a cursor (llguidance's) take each position's
+    token from the grammar's state after the row's own drafts (a one-token check, and where it
+    refuses, the argmax over the mask's allowed entries read through d2t): the same blocks as
+    the path that asks the grammar for masks over the whole drafted prefix (`_greedy_under`),
+    in a batch with a sampled constrained row and an unconstrained one; every grammar's
+    committed state is as before. A grammar failing inside the walk fails its own request only
+    (its guard records it); the other rows draft as before."""
+    import json
+
+    from dspark_serve.ops.processors import GuardedConstraint, TokenContext
+    from tests.ops.test_processors import CountingConstraint
+    from tests.verifier.test_grammar import byte_compiler
+
+    m = truncated_dspark(tiny_model("qwen3"), tmp_path)
+    c = byte_compiler()
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 3}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        }
+    )
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)
+    sampling = [greedy, greedy, hot, greedy, greedy]
+    gen = torch.Generator().manual_seed(1)
+    json_ids = torch.tensor([KEPT.tolist().index(ord(ch)) for ch in '":,ab0123456789 '])
+
+    def grammars(prefix: str) -> list:
+        out = []
+        for _ in range(4):
+            g = c.compile("json_schema", schema)
+            g.commit(list(prefix.encode()))
+            out.append(g)
+        return out
+
+    def contexts(gs: list, wrap) -> list:
+        ctx = [TokenContext((), (), GuardedConstraint(wrap(g))) for g in gs]
+        return [ctx[0], ctx[1], ctx[2], None, ctx[3]]  # row 3 unconstrained
+
+    refused = 0
+    for trial in range(16):
+        prefix = '{"a":12,"b":"x'[: trial % 14]
+        base = torch.randn(5, 5, KEPT.numel(), generator=gen)
+        base[..., json_ids] += 2.0  # JSON's characters likely, others often best anyway
+        anchors = torch.tensor([ord("{")] * 5)
+        followed, asked = grammars(prefix), grammars(prefix)
+        want = m.sample_block(
+            base,
+            anchors,
+            sampling,
+            [None, None, torch.Generator().manual_seed(trial), None, None],
+            contexts=contexts(asked, CountingConstraint),
+        )
+        got = m.sample_block(
+            base,
+            anchors,
+            sampling,
+            [None, None, torch.Generator().manual_seed(trial), None, None],
+            contexts=contexts(followed, lambda g: g),
+        )
+        assert torch.equal(got.tokens, want.tokens), trial
+        assert torch.equal(got.prev_tokens, want.prev_tokens) and torch.equal(got.probs, want.probs)
+        free = m.sample_block(base, anchors, [greedy] * 5, [None] * 5)
+        refused += int((free.tokens[[0, 1, 4]] != want.tokens[[0, 1, 4]]).any())
+        for g, fresh in zip(followed, grammars(prefix)):  # the committed state as before
+            assert torch.equal(g.allowed_after([], 257), fresh.allowed_after([], 257))
+    assert refused > 4  # the grammar changed greedy rows' drafts in many trials
+
+    class Exploding:  # a grammar whose mask fails inside the walk
+        def __init__(self, g) -> None:
+            self.g = g
+
+        def __getattr__(self, name):
+            return getattr(self.g, name)
+
+        def cursor(self):
+            cursor = self.g.cursor()
+
+            def boom(bits):
+                raise RuntimeError("out of fuel")
+
+            cursor.fill = boom
+            return cursor
+
+    base = torch.randn(5, 5, KEPT.numel(), generator=gen)
+    base[0, :, KEPT.tolist().index(ord("q"))] = 50.0  # row 0's best is always forbidden
+    gs, ref = grammars('{"a":'), grammars('{"a":')
+    ctx = contexts(gs, lambda g: g)
+    ctx[0] = TokenContext((), (), GuardedConstraint(Exploding(gs[0])))
+    gens = [None, None, torch.Generator().manual_seed(9), None, None]
+    got = m.sample_block(base, anchors, sampling, gens, contexts=ctx)
+    want = m.sample_block(
+        base,
+        anchors,
+        sampling,
+        [None, None, torch.Generator().manual_seed(9), None, None],
+        contexts=contexts(ref, lambda g: g),
+    )
+    assert ctx[0].constraint.error == "out of fuel" and ctx[1].constraint.error is None
+    assert torch.equal(got.tokens[1:], want.tokens[1:])
+    assert got.tokens[0, 0] == ord("q")  # the failed row keeps its argmax
+    assert torch.equal(gs[0].allowed_after([], 257), ref[0].allowed_after([], 257))  # rolled back

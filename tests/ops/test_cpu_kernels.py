@@ -10,6 +10,7 @@ import dspark_serve.ops.linear as ff
 from dspark_serve.ops.cpu_kernels import (
     FALLBACK_ROW_BUCKET,
     SmallGemmLinear,
+    argmax_allowed,
     argmax_rows,
     load_kernels,
     mask_rows_bits,
@@ -346,6 +347,63 @@ def test_packed_masks_set_exactly_the_disallowed_tokens_to_minus_inf(lib, v, w):
     fallback = x.double()
     mask_rows_bits(fallback, bits)  # another dtype: torch
     assert torch.equal(fallback, want.double())
+
+
+def _masked_argmax(row: torch.Tensor, bits: torch.Tensor, d2t: torch.Tensor | None) -> int:
+    """What argmax_allowed promises, entry by entry: the first allowed NaN, else the first
+    allowed entry equal to the allowed maximum, else -1."""
+    x = row.double().tolist()
+    tokens = range(len(x)) if d2t is None else d2t.tolist()
+    ok = [
+        j for j, t in enumerate(tokens) if 0 <= t < 32 * bits.numel() and (int(bits[t // 32]) >> (t % 32)) & 1
+    ]
+    if not ok:
+        return -1
+    nan = [j for j in ok if x[j] != x[j]]
+    if nan:
+        return nan[0]
+    best = max(x[j] for j in ok)
+    return next(j for j in ok if x[j] == best)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v,mapped", [(49152, False), (70, False), (33, False), (7696, True), (40, True)])
+def test_argmax_allowed_is_the_argmax_of_the_masked_row(lib, dtype, v, mapped):
+    """The argmax over the entries a packed mask allows, with and without a draft vocabulary's
+    map (entry j is token d2t[j]), on masks of whole words, ragged tails, single tokens,
+    nothing allowed, ties, NaN and -inf entries; other dtypes through torch give the same."""
+    g = torch.Generator().manual_seed(v + mapped)
+    target = 49152 if mapped else v
+    w = (target + 31) // 32
+    d2t = torch.randperm(target, generator=g)[:v].sort().values if mapped else None
+    cases = []
+    for case in range(12):
+        row = (torch.randn(v, generator=g) * 4).to(dtype)
+        bits = torch.randint(-(2**31), 2**31 - 1, (w,), dtype=torch.int32, generator=g)
+        tokens = torch.arange(v) if d2t is None else d2t
+        if case == 1:
+            bits.zero_()  # nothing allowed
+        elif case == 2:
+            bits.fill_(-1)  # everything: the plain argmax
+        elif case == 3:  # one allowed token, far from the best
+            bits.zero_()
+            t = int(tokens[v // 2])
+            bits[t // 32] = 1 << (t % 32) if t % 32 < 31 else -(2**31)
+        elif case == 4:
+            row[:] = float("-inf")  # every entry -inf: the first allowed one
+        elif case == 5:
+            row[[1, 3, 5]] = 1e4  # a tie: the first allowed of them wins
+        elif case == 6:
+            row[[2, 4]] = float("nan")  # a NaN counts as the maximum where allowed
+        elif case == 7:
+            row[v - 1] = 1e5  # the best in the last (tail) entry
+        elif case == 8:
+            bits[: w // 2] = 0  # a long stretch of nothing
+        cases.append((row, bits))
+        want = _masked_argmax(row, bits, d2t)
+        assert argmax_allowed(row, bits, d2t) == want, case
+        assert argmax_allowed(row.double(), bits, d2t) == want, case  # torch's path
+    assert any(_masked_argmax(r, b, d2t) != int(r.float().argmax()) for r, b in cases)  # masks mattered
 
 
 def test_attention_runs_on_the_tiles_where_the_matmul_does(lib):

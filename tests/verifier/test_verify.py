@@ -197,27 +197,39 @@ def test_greedy_rows_under_a_grammar_verify_as_with_every_row_masked():
             assert r.context.constraint.error is None
 
 
-def test_a_forbidden_argmax_tries_the_next_best_tokens_before_a_mask(monkeypatch):
-    """`_allowed_argmax`: where the grammar forbids a verified row's argmax and allows its second
-    best, strictly ahead of the rest, that token is the answer without a mask; a tie after the
-    first allowed token is left to the mask, which takes the first index (the masked argmax's
-    rule, as plain decoding applies it)."""
+def test_a_forbidden_argmax_is_the_argmax_over_what_the_grammar_allows():
+    """`_allowed_argmax`: where the grammar forbids a verified row's argmax, the answer is the
+    argmax over the tokens it allows, first index on ties (the masked argmax's rule, as plain
+    decoding applies it), for float32 and bf16 rows; a row whose allowed entries are all -inf,
+    or whose allowed maximum is NaN, fails (its request fails alone); the grammar's committed
+    state is unchanged."""
     import json
 
-    import dspark_serve.verifier.verify as verify_mod
+    import pytest
+
+    from dspark_serve.verifier.verify import _allowed_argmax
     from tests.verifier.test_grammar import byte_compiler
 
-    fills = []
-    fill = verify_mod.fill_masks
-    monkeypatch.setattr(verify_mod, "fill_masks", lambda *a: fills.append(1) or fill(*a))
     schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
     grammar = byte_compiler().compile("json_schema", schema)
     grammar.commit(list(b'{"n":'))  # a digit or '-' comes next
-    row = torch.zeros(257)
-    row[ord("x")], row[ord("7")], row[ord("3")] = 9.0, 8.0, 7.0
-    assert verify_mod._allowed_argmax(row, grammar) == ord("7") and fills == []
-    row[ord("3")] = 8.0  # tied with '7': the mask decides, first index first
-    assert verify_mod._allowed_argmax(row, grammar) == ord("3") and fills == [1]
+    before = grammar.allowed_after([], 257)
+    for dtype in (torch.float32, torch.bfloat16):
+        row = torch.zeros(257)
+        row[ord("x")], row[ord("7")], row[ord("3")] = 9.0, 8.0, 7.0
+        assert _allowed_argmax(row.to(dtype), grammar) == ord("7")
+        row[ord("3")] = 8.0  # tied with '7': the first index
+        assert _allowed_argmax(row.to(dtype), grammar) == ord("3")
+        row[ord("-")] = 8.5  # '-' may start a number too
+        assert _allowed_argmax(row.to(dtype), grammar) == ord("-")
+    row = torch.full((257,), float("-inf"))
+    row[ord("x")] = 1.0
+    with pytest.raises(RuntimeError, match="no token is allowed"):
+        _allowed_argmax(row, grammar)
+    row[ord("5")] = float("nan")
+    with pytest.raises(RuntimeError, match="no token is allowed"):
+        _allowed_argmax(row, grammar)
+    assert torch.equal(grammar.allowed_after([], 257), before)
 
 
 def test_unusable_rows_are_named_as_by_scanning_every_entry():
