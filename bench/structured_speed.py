@@ -10,9 +10,11 @@ request's tokens after its first over the time from its first token to its last;
 ratio of the arms' median per-user speeds over the pairs where both replies have 8 tokens or
 more (the median of per-pair ratios beside it), and the ratio of the arms' median step times
 (what the grammar costs a step, whatever the two arms' different texts do to acceptance).
-Mask time: each batched fill of the verified rows (per row) and each drafter mask (one row),
-p50 and p99. Step parts (ms per step, medians over the waves, per arm): drafting, the length
-choice, verification (its forward alone as "forward") and the commit (`bench.common.StepParts`).
+Mask time: each batched fill of the verified rows (per row), each drafter mask asked through
+`allowed_after` (one row) and each packed mask a grammar cursor fills (one row: a greedy row's
+refused argmax, drafting or verifying), p50 and p99. Step parts (ms per step, medians over the
+waves, per arm): drafting, the length choice, verification (its forward alone as "forward") and
+the commit (`bench.common.StepParts`).
 
     python -m bench.structured_speed --rounds 4 --out bench/results/structured-speed.json
 """
@@ -116,14 +118,29 @@ PROMPTS: dict[str, list[str]] = {
 
 class MaskTimes:
     """Wraps the mask paths to time them: the verifier's batched fill (seconds per row of each
-    call) and the drafter's per-position mask (seconds per call, one row)."""
+    call), a drafter's mask through `allowed_after` (one row a call) and a grammar cursor's
+    packed mask (one row a call: a greedy row's refused argmax, in the drafter's walk and in
+    verification)."""
 
     def __init__(self) -> None:
+        import dspark_serve.verifier.grammar as grammar_mod
         import dspark_serve.verifier.verify as verify_mod
         from dspark_serve.ops.processors import GuardedConstraint
 
         self.verify_rows: list[float] = []
         self.draft_rows: list[float] = []
+        self.cursor_rows: list[float] = []
+        cursor = getattr(grammar_mod, "GrammarCursor", None)
+        if cursor is not None:  # a checkout with cursors
+            fill_one = cursor.fill
+
+            def timed_fill_one(c: Any, bits: Any) -> Any:
+                t0 = time.perf_counter()
+                out = fill_one(c, bits)
+                self.cursor_rows.append(time.perf_counter() - t0)
+                return out
+
+            cursor.fill = timed_fill_one
         if hasattr(verify_mod, "fill_masks"):
             fill = verify_mod.fill_masks
 
@@ -169,6 +186,11 @@ class MaskTimes:
                 "p50": q(self.draft_rows, 0.5),
                 "p99": q(self.draft_rows, 0.99),
                 "calls": len(self.draft_rows),
+            },
+            "cursor_us_per_row": {
+                "p50": q(self.cursor_rows, 0.5),
+                "p99": q(self.cursor_rows, 0.99),
+                "calls": len(self.cursor_rows),
             },
         }
 
