@@ -196,6 +196,7 @@ class MaskTimes:
 
 
 STEPS: list[float] = []  # the last wave's step times
+FAILED: dict[str, str] = {}  # request id -> the engine's error, for requests it failed
 PARTS: list[StepParts] = []  # the engine's step parts, timed (set in main)
 WAVE_PARTS: dict[str, float] = {}  # the last wave's step parts, ms per step
 
@@ -215,6 +216,8 @@ def run_wave(engine: Any, reqs: list[Any]) -> dict[str, float]:
         now = time.perf_counter()
         STEPS.append(now - t0)
         for o in outs:
+            if o.error:
+                FAILED[o.request_id] = o.error
             if o.token_ids:
                 first.setdefault(o.request_id, now)
                 last[o.request_id] = now
@@ -291,6 +294,8 @@ def one_round(
                         "tokens": len(c.output_ids),
                         "unconstrained_tokens": len(f.output_ids),
                         "valid_json": _valid(c.output_ids, tok),
+                        "finish_reason": c.finish_reason,
+                        "error": FAILED.get(c.request_id),
                         "constrained_tps": c_speed[c.request_id],
                         "unconstrained_tps": f_speed[f.request_id],
                         "ratio": c_speed[c.request_id] / f_speed[f.request_id],
@@ -335,6 +340,7 @@ def summarize(rows: list[dict[str, Any]], levels: list[int], schemas: list[str])
                 / statistics.median(r["unconstrained_step_ms"] for r in sel),
                 "parts_ms": {arm: _median_parts([r[f"{arm}_parts_ms"] for r in sel]) for arm in ARMS},
                 "valid_json": sum(r["valid_json"] for r in sel) / len(sel),
+                "failed": [r["error"] for r in sel if r.get("error")],  # requests the engine failed
                 "median_tokens": statistics.median(r["tokens"] for r in sel),
                 "median_unconstrained_tokens": statistics.median(r["unconstrained_tokens"] for r in sel),
                 "constrained_accepted_per_round": statistics.mean(
