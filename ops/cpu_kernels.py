@@ -187,7 +187,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def _declare_row_ops(lib: ctypes.CDLL) -> None:
-    """The kernels that read logits rows: argmax and token masks."""
+    """The kernels that read logits or probability rows: argmax, token masks, draws."""
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.argmax_rows.restype = None
     # x, dtype (0 float32, 1 bf16), T, V, row stride, out
@@ -196,6 +196,8 @@ def _declare_row_ops(lib: ctypes.CDLL) -> None:
     lib.argmax_allowed.argtypes = [ptr, i32, i64, ptr, ptr, i64]  # x, dtype, V, d2t (or NULL), bits, W
     lib.mask_rows_bits.restype = None
     lib.mask_rows_bits.argtypes = [ptr, i32, i64, i64, ptr, i64]  # x, T, V, row stride, bits, W
+    lib.sample_rows.restype = i32
+    lib.sample_rows.argtypes = [ptr, i32, i64, i64, ptr, ptr]  # probs, N, V, row stride, u (double), out
 
 
 @functools.cache
@@ -328,6 +330,32 @@ def argmax_allowed(row: torch.Tensor, bits: torch.Tensor, d2t: torch.Tensor | No
         return int(nan.nonzero()[0])
     best = x[keep].max()  # the first allowed entry equal to it (-inf included)
     return int((keep & (x == best)).nonzero()[0])
+
+
+def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """probs [N, V] float32 CPU rows (need not be normalised), u [N] uniforms in [0, 1) -> [N]
+    int64 inverse-CDF draws (`ops.sampling.sample_from_uniforms`' rule, the mass summed in
+    double in blocks: csrc/elementwise.c `sample_rows`), or None where the C kernel does not
+    apply (not loaded, another dtype or device)."""
+    lib = loaded_kernels()
+    if (
+        lib is None
+        or probs.device.type != "cpu"
+        or probs.dtype != torch.float32
+        or probs.dim() != 2
+        or probs.stride(-1) != 1
+        or probs.shape[1] == 0
+        or u.shape != probs.shape[:1]
+    ):
+        return None
+    uniforms = u.to(dtype=torch.float64, device="cpu").contiguous()
+    out = torch.empty(probs.shape[0], dtype=torch.long)
+    rc = lib.sample_rows(
+        probs.data_ptr(), probs.shape[0], probs.shape[1], probs.stride(0), uniforms.data_ptr(), out.data_ptr()
+    )
+    if rc != 0:
+        raise MemoryError("sample_rows could not allocate its buffer")
+    return out
 
 
 def unpack_bits(bits: torch.Tensor, vocab: int) -> torch.Tensor:  # [T, W] int32 -> [T, vocab] bool

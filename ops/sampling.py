@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_serve.ops.cpu_kernels import argmax_rows
+from dspark_serve.ops.cpu_kernels import argmax_rows, sample_rows
 from dspark_serve.ops.sampling_params import SamplingParams
 
 # Temperatures below this are greedy; matches SamplingParams.greedy.
@@ -152,8 +152,13 @@ def sample_from_uniforms(
     """Inverse-CDF draw: the first token whose cumulative mass exceeds u * total.
 
     One uniform per row, so a seeded row consumes its generator the same way whatever
-    else is in the batch. Zero-probability tokens can never be returned.
+    else is in the batch. Zero-probability tokens can never be returned. float32 CPU rows
+    take the C kernel (`cpu_kernels.sample_rows`: the mass summed in double, block by block,
+    one pass instead of a cumulative sum over every entry and a search); elsewhere torch's.
     """
+    drawn = sample_rows(probs, u)
+    if drawn is not None:
+        return drawn
     dtype = torch.float32 if probs.device.type == "mps" else torch.float64
     cdf = torch.cumsum(probs, dim=-1, dtype=dtype)  # [N, V]
     total = cdf[:, -1]

@@ -307,6 +307,76 @@ int64_t argmax_allowed(const void *x, int dtype, int64_t V, const int64_t *d2t, 
     return at;
 }
 
+/* Inverse-CDF draws, one per row: probs [N, V] float32 with row stride rs (rows need not be
+ * normalised), u [N] double in [0, 1) -> out [N], the first index whose cumulative mass exceeds
+ * x = min(u * total, the double below total). The mass is summed in double over blocks of 64
+ * entries, each block in order and eight blocks side by side (independent sums the core
+ * overlaps), then the blocks' sums in order: the same order for every row and batch, so a draw
+ * reads its own row and uniform alone. The search walks the blocks' sums to the block holding x,
+ * then that block's entries; an entry of zero mass never raises the sum, so it is never drawn.
+ * A row without mass (or with a NaN) draws V - 1. */
+#define DRAW_BLOCK 64
+#if defined(__GNUC__) && !defined(__clang__)
+/* the sums in the order written (the library's -fassociative-math would let the total and the
+ * search's running sum be added in different orders) */
+__attribute__((optimize("no-associative-math")))
+#endif
+static int64_t draw_row(const float *row, int64_t V, double u, double *sums) {
+    int64_t nb = (V + DRAW_BLOCK - 1) / DRAW_BLOCK, full = V / DRAW_BLOCK;
+    int64_t b = 0;
+    for (; b + 8 <= full; b += 8) {
+        double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        const float *blk = row + b * DRAW_BLOCK;
+        for (int j = 0; j < DRAW_BLOCK; j++)
+            for (int k = 0; k < 8; k++) acc[k] += (double)blk[k * DRAW_BLOCK + j];
+        for (int k = 0; k < 8; k++) sums[b + k] = acc[k];
+    }
+    for (; b < nb; b++) {
+        double acc = 0;
+        int64_t end = (b + 1) * DRAW_BLOCK < V ? (b + 1) * DRAW_BLOCK : V;
+        for (int64_t i = b * DRAW_BLOCK; i < end; i++) acc += (double)row[i];
+        sums[b] = acc;
+    }
+    double total = 0;
+    for (b = 0; b < nb; b++) total += sums[b];
+    if (!(total > 0)) return V - 1; /* no mass, or a NaN */
+    double x = u * total, below = nextafter(total, 0.0);
+    x = x < below ? x : below;
+    double before = 0; /* the mass of the blocks before b */
+    for (b = 0; b < nb - 1; b++) {
+        if (before + sums[b] > x) break;
+        before += sums[b];
+    } /* b: the block holding x, or the last one */
+    int64_t end = (b + 1) * DRAW_BLOCK < V ? (b + 1) * DRAW_BLOCK : V, last = -1;
+    double c = before;
+    for (int64_t i = b * DRAW_BLOCK; i < end; i++) {
+        if (row[i] > 0) last = i;
+        c += (double)row[i];
+        if (c > x && row[i] > 0) return i;
+    }
+    /* the block summed in another order fell short of x by a rounding: its last entry with mass */
+    if (last >= 0) return last;
+    for (int64_t i = V - 1; i >= 0; i--)
+        if (row[i] > 0) return i;
+    return V - 1;
+}
+
+int sample_rows(const float *probs, int N, int64_t V, int64_t rs, const double *u, int64_t *out) {
+    int64_t nb = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
+    int failed = 0;
+#pragma omp parallel for schedule(static) if (N >= 4) reduction(| : failed)
+    for (int t = 0; t < N; t++) {
+        double *sums = (double *)malloc((size_t)nb * sizeof(double));
+        if (!sums) {
+            failed = 1;
+            continue;
+        }
+        out[t] = draw_row(probs + (int64_t)t * rs, V, u[t], sums);
+        free(sums);
+    }
+    return failed ? -1 : 0;
+}
+
 /* Token masks applied in place: x [T, V] float32 with row stride rs, bits [T, W] packed as
  * llguidance writes them (bit j of word w allows token 32 w + j): a token that is not allowed
  * gets -inf. Tokens past 32 W are not allowed. Whole words of 0 or of ones (most of a JSON

@@ -14,6 +14,7 @@ from dspark_serve.ops.cpu_kernels import (
     argmax_rows,
     load_kernels,
     mask_rows_bits,
+    sample_rows,
     unpack_bits,
 )
 from dspark_serve.ops.platform import cpu_flags
@@ -404,6 +405,44 @@ def test_argmax_allowed_is_the_argmax_of_the_masked_row(lib, dtype, v, mapped):
         assert argmax_allowed(row, bits, d2t) == want, case
         assert argmax_allowed(row.double(), bits, d2t) == want, case  # torch's path
     assert any(_masked_argmax(r, b, d2t) != int(r.float().argmax()) for r, b in cases)  # masks mattered
+
+
+@pytest.mark.parametrize("v", [49152, 7696, 130, 64, 1])
+def test_sample_rows_draws_what_the_cumulative_sum_draws(lib, v):
+    """The C draw is the inverse-CDF draw of a float64 cumulative sum and a search (the rule
+    `sample_from_uniforms` keeps for other devices): the same token for every uniform, on rows
+    with zero-mass entries, unnormalised rows, ragged block tails and uniforms at 0 and just
+    below 1; zero-mass tokens are never drawn; a row without mass draws its last index; rows of
+    a wider tensor are read where they lie."""
+    g = torch.Generator().manual_seed(v)
+    wide = torch.softmax(torch.randn(6, v + 5, generator=g) * 4, -1)
+    probs = wide[:, :v]  # rows with a stride, unnormalised
+    probs[1, ::2] = 0.0
+    probs[2] = 0.0
+    probs[2, v // 2] = 3.0  # one token with all the mass
+    probs[3] = 0.0  # no mass at all
+    probs[4, : v // 2] = 0.0
+    edges = torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64)
+
+    def reference(p, u):
+        cdf = torch.cumsum(p, dim=-1, dtype=torch.float64)
+        total = cdf[:, -1]
+        x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, x.unsqueeze(1), right=True).squeeze(1).clamp_(max=p.shape[1] - 1)
+
+    seen = set()
+    for trial in range(300):
+        u = torch.rand(6, generator=g, dtype=torch.float64)
+        if trial < 2:
+            u[:] = edges[trial]
+        got = sample_rows(probs, u)
+        assert got is not None and torch.equal(got, reference(probs, u)), trial
+        assert int(got[3]) == v - 1
+        rows = [r for r in (0, 1, 2, 4, 5) if bool(probs[r].sum() > 0)]
+        assert bool((probs[rows, got[rows]] > 0).all())
+        seen.add(int(got[0]))
+    assert len(seen) >= min(v, 5)  # the draws spread over the row
+    assert sample_rows(probs.double(), torch.rand(6, dtype=torch.float64)) is None  # torch's dtype: not here
 
 
 def test_attention_runs_on_the_tiles_where_the_matmul_does(lib):

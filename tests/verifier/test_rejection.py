@@ -112,8 +112,21 @@ def _resamples_from_p(tp, dt, dp, nd, gens):
     return res
 
 
+@pytest.fixture(params=["torch", "kernel"])
+def draws(request, monkeypatch):
+    """Every draw through torch's cumulative sum, or through the C kernel (`sample_rows`)."""
+    import dspark_serve.ops.sampling as sampling_mod
+    from dspark_serve.ops.cpu_kernels import load_kernels
+
+    if request.param == "torch":
+        monkeypatch.setattr(sampling_mod, "sample_rows", lambda probs, u: None)
+    elif load_kernels() is None:
+        pytest.skip("the CPU kernels need a C compiler")
+    return request.param
+
+
 @pytest.mark.parametrize("seed", [0, 1])
-def test_sampled_output_matches_target(seed):
+def test_sampled_output_matches_target(seed, draws):
     first, joint = _errors(padded_rejection_sample, seed)
     assert first < TV_FIRST and joint < TV_JOINT, (first, joint)
 
