@@ -198,6 +198,11 @@ def _declare_row_ops(lib: ctypes.CDLL) -> None:
     lib.mask_rows_bits.argtypes = [ptr, i32, i64, i64, ptr, i64]  # x, T, V, row stride, bits, W
     lib.sample_rows.restype = i32
     lib.sample_rows.argtypes = [ptr, i32, i64, i64, ptr, ptr]  # probs, N, V, row stride, u (double), out
+    lib.sample_final_rows.restype = i32
+    # probs, its row stride, p's rows, q (or NULL), its row stride, q's rows, one-hot flags, tokens,
+    # rejected flags, eps, N, V, u (double), out
+    lib.sample_final_rows.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ctypes.c_double, i32, i64]
+    lib.sample_final_rows.argtypes += [ptr, ptr]
 
 
 @functools.cache
@@ -355,6 +360,72 @@ def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
     )
     if rc != 0:
         raise MemoryError("sample_rows could not allocate its buffer")
+    return out
+
+
+@dataclass(frozen=True)
+class FinalDraws:
+    """What speculative sampling's last draw of each of B requests reads (`sample_final_rows`):
+    p_rows [B] the rows of `probs` [T, V] it draws from; where `rejected` [B] bool, the residual
+    max(0, p - q) instead, q being row q_rows [B] of `q` [D, V] (None: one-hot on `tokens` [B],
+    as on rows flagged `one_hot` [B] bool), unless that residual's mass is not above `eps`."""
+
+    probs: torch.Tensor
+    p_rows: torch.Tensor
+    q: torch.Tensor | None
+    q_rows: torch.Tensor
+    one_hot: torch.Tensor
+    tokens: torch.Tensor
+    rejected: torch.Tensor
+    eps: float
+
+
+def sample_final_rows(d: FinalDraws, u: torch.Tensor) -> torch.Tensor | None:
+    """d's draws with u [B] uniforms in [0, 1) -> [B] int64: the inverse-CDF draws of
+    `sample_rows` from each request's p or residual, the residual computed as it is read (never
+    stored), or None where the C kernel does not apply (not loaded, another dtype or device)."""
+    lib = loaded_kernels()
+    probs, q = d.probs, d.q
+    if (
+        lib is None
+        or probs.device.type != "cpu"
+        or probs.dtype != torch.float32
+        or probs.dim() != 2
+        or probs.stride(-1) != 1
+        or probs.shape[1] == 0
+        or (q is not None and (q.dtype != torch.float32 or q.device.type != "cpu" or q.dim() != 2))
+        or (q is not None and (q.stride(-1) != 1 or q.shape[1] != probs.shape[1]))
+    ):
+        return None
+    b = d.p_rows.numel()
+    ints = [t.to(dtype=torch.long, device="cpu").contiguous() for t in (d.p_rows, d.q_rows, d.tokens)]
+    flags = [t.to(dtype=torch.uint8, device="cpu").contiguous() for t in (d.one_hot, d.rejected)]
+    uniforms = u.to(dtype=torch.float64, device="cpu").contiguous()
+    if any(t.numel() != b for t in (*ints, *flags, uniforms)):
+        raise ValueError(f"{b} requests need {b} rows, q rows, tokens, flags and uniforms each")
+    if b and (int(ints[0].min()) < 0 or int(ints[0].max()) >= probs.shape[0]):
+        raise ValueError(f"p rows outside the {probs.shape[0]} rows of probs")
+    if b and q is not None and (int(ints[1].min()) < 0 or int(ints[1].max()) >= q.shape[0]):
+        raise ValueError(f"q rows outside the {q.shape[0]} rows of q")
+    out = torch.empty(b, dtype=torch.long)
+    rc = lib.sample_final_rows(
+        probs.data_ptr(),
+        probs.stride(0),
+        ints[0].data_ptr(),
+        None if q is None else q.data_ptr(),
+        0 if q is None else q.stride(0),
+        ints[1].data_ptr(),
+        flags[0].data_ptr(),
+        ints[2].data_ptr(),
+        flags[1].data_ptr(),
+        d.eps,
+        b,
+        probs.shape[1],
+        uniforms.data_ptr(),
+        out.data_ptr(),
+    )
+    if rc != 0:
+        raise MemoryError("sample_final_rows could not allocate its buffer")
     return out
 
 

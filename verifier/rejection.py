@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark_serve.ops.cpu_kernels import FinalDraws, sample_final_rows
 from dspark_serve.ops.sampling import sample_from_uniforms
 
 # Below this residual mass p and q are equal up to rounding; sample from p instead.
@@ -161,8 +162,7 @@ def rejection_sample(
     # Recovered and bonus tokens both sit at row starts + num_accepted: sample from the residual
     # where the request was rejected there, from p itself where it ran out of drafts.
     final_rows = starts + num_accepted  # [B]
-    final_dist = q.final_distribution(target_probs[final_rows].float(), final_rows, num_accepted < nd)
-    final_tokens = sample_from_uniforms(final_dist, u[offsets[1:] - 1])  # [B]: each request's last uniform
+    final_tokens = q.final_draws(target_probs, final_rows, num_accepted < nd, u[offsets[1:] - 1])  # [B]
 
     output = torch.full((t,), -1, dtype=torch.long, device=device)
     kept = pos < num_accepted[req]  # [D]
@@ -222,6 +222,34 @@ class _DraftQ:
         if self.det is not None:
             q_tok = torch.where(self.det[req], torch.ones_like(q_tok), q_tok)
         return q_tok
+
+    def final_draws(
+        self, target_probs: torch.Tensor, final_rows: torch.Tensor, rejected: torch.Tensor, u: torch.Tensor
+    ) -> torch.Tensor:
+        """[B] each request's last token, drawn with its last uniform (u [B]) from
+        `final_distribution` (target_probs [T, V]; final_rows, rejected [B]): on a CPU in one C
+        pass per row that reads p (and q) where they lie, the residual computed as it is read
+        (`sample_final_rows`, the same rule); elsewhere the distributions, then the draw (no
+        host copy, so the host never waits on the device here)."""
+        if target_probs.device.type == "cpu":
+            b, d = len(final_rows), len(self.tokens)
+            zeros = torch.zeros(b, dtype=torch.long)
+            drow = (final_rows - torch.arange(b)).clamp(0, max(d - 1, 0))  # [B] draft row
+            draws = FinalDraws(
+                target_probs,
+                final_rows,
+                self.probs if d else None,
+                drow,
+                self.det if self.det is not None else zeros.bool(),
+                self.tokens[drow] if d else zeros,
+                rejected if d else zeros.bool(),
+                RESIDUAL_EPS,
+            )
+            drawn = sample_final_rows(draws, u)
+            if drawn is not None:
+                return drawn
+        p_final = target_probs[final_rows].float()
+        return sample_from_uniforms(self.final_distribution(p_final, final_rows, rejected), u)
 
     def final_distribution(
         self, p_final: torch.Tensor, final_rows: torch.Tensor, rejected: torch.Tensor

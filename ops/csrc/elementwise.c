@@ -314,31 +314,59 @@ int64_t argmax_allowed(const void *x, int dtype, int64_t V, const int64_t *d2t, 
  * overlaps), then the blocks' sums in order: the same order for every row and batch, so a draw
  * reads its own row and uniform alone. The search walks the blocks' sums to the block holding x,
  * then that block's entries; an entry of zero mass never raises the sum, so it is never drawn.
- * A row without mass (or with a NaN) draws V - 1. */
+ * A row without mass (or with a NaN) draws V - 1.
+ * The row drawn from may be a residual, computed entry by entry as it is read (never stored):
+ * max(0, p - q) against a draft distribution q (RESID_Q), or p without the draft token t
+ * (RESID_ONE_HOT: max(0, p - one-hot(t))), as speculative sampling draws after a rejection. */
 #define DRAW_BLOCK 64
+enum { RESID_NONE = 0, RESID_ONE_HOT = 1, RESID_Q = 2 };
+
+static inline __attribute__((always_inline)) float mass_at(const float *p, const float *q, int64_t t,
+                                                          int mode, int64_t i) {
+    if (mode == RESID_Q) {
+        float r = p[i] - q[i];
+        return r > 0 ? r : 0.0f;
+    }
+    if (mode == RESID_ONE_HOT && i == t) {
+        float r = p[i] - 1.0f;
+        return r > 0 ? r : 0.0f;
+    }
+    return p[i];
+}
+
+/* The draws' sums in the order written (the library's -fassociative-math would let the total
+ * and the search's running sum be added in different orders). */
 #if defined(__GNUC__) && !defined(__clang__)
-/* the sums in the order written (the library's -fassociative-math would let the total and the
- * search's running sum be added in different orders) */
-__attribute__((optimize("no-associative-math")))
+#define ORDERED_SUMS __attribute__((optimize("no-associative-math")))
+#else
+#define ORDERED_SUMS
 #endif
-static int64_t draw_row(const float *row, int64_t V, double u, double *sums) {
+
+ORDERED_SUMS static inline __attribute__((always_inline)) double
+block_sums(const float *p, const float *q, int64_t t, int mode, int64_t V, double *sums) {
     int64_t nb = (V + DRAW_BLOCK - 1) / DRAW_BLOCK, full = V / DRAW_BLOCK;
     int64_t b = 0;
     for (; b + 8 <= full; b += 8) {
         double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        const float *blk = row + b * DRAW_BLOCK;
+        int64_t at = b * DRAW_BLOCK;
         for (int j = 0; j < DRAW_BLOCK; j++)
-            for (int k = 0; k < 8; k++) acc[k] += (double)blk[k * DRAW_BLOCK + j];
+            for (int k = 0; k < 8; k++) acc[k] += (double)mass_at(p, q, t, mode, at + k * DRAW_BLOCK + j);
         for (int k = 0; k < 8; k++) sums[b + k] = acc[k];
     }
     for (; b < nb; b++) {
         double acc = 0;
         int64_t end = (b + 1) * DRAW_BLOCK < V ? (b + 1) * DRAW_BLOCK : V;
-        for (int64_t i = b * DRAW_BLOCK; i < end; i++) acc += (double)row[i];
+        for (int64_t i = b * DRAW_BLOCK; i < end; i++) acc += (double)mass_at(p, q, t, mode, i);
         sums[b] = acc;
     }
     double total = 0;
     for (b = 0; b < nb; b++) total += sums[b];
+    return total;
+}
+
+ORDERED_SUMS static int64_t draw_from(const float *p, const float *q, int64_t t, int mode, int64_t V, double total, double u,
+                         const double *sums) {
+    int64_t nb = (V + DRAW_BLOCK - 1) / DRAW_BLOCK, b;
     if (!(total > 0)) return V - 1; /* no mass, or a NaN */
     double x = u * total, below = nextafter(total, 0.0);
     x = x < below ? x : below;
@@ -350,28 +378,67 @@ static int64_t draw_row(const float *row, int64_t V, double u, double *sums) {
     int64_t end = (b + 1) * DRAW_BLOCK < V ? (b + 1) * DRAW_BLOCK : V, last = -1;
     double c = before;
     for (int64_t i = b * DRAW_BLOCK; i < end; i++) {
-        if (row[i] > 0) last = i;
-        c += (double)row[i];
-        if (c > x && row[i] > 0) return i;
+        float m = mass_at(p, q, t, mode, i);
+        if (m > 0) last = i;
+        c += (double)m;
+        if (c > x && m > 0) return i;
     }
     /* the block summed in another order fell short of x by a rounding: its last entry with mass */
     if (last >= 0) return last;
     for (int64_t i = V - 1; i >= 0; i--)
-        if (row[i] > 0) return i;
+        if (mass_at(p, q, t, mode, i) > 0) return i;
     return V - 1;
 }
 
-int sample_rows(const float *probs, int N, int64_t V, int64_t rs, const double *u, int64_t *out) {
+ORDERED_SUMS int sample_rows(const float *probs, int N, int64_t V, int64_t rs, const double *u, int64_t *out) {
     int64_t nb = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
     int failed = 0;
 #pragma omp parallel for schedule(static) if (N >= 4) reduction(| : failed)
-    for (int t = 0; t < N; t++) {
+    for (int r = 0; r < N; r++) {
         double *sums = (double *)malloc((size_t)nb * sizeof(double));
         if (!sums) {
             failed = 1;
             continue;
         }
-        out[t] = draw_row(probs + (int64_t)t * rs, V, u[t], sums);
+        const float *p = probs + (int64_t)r * rs;
+        out[r] = draw_from(p, NULL, 0, RESID_NONE, V, block_sums(p, NULL, 0, RESID_NONE, V, sums), u[r], sums);
+        free(sums);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Speculative sampling's last draw of each request, one per row: p is row prow[r] of probs
+ * [*, V] (stride ps); where rejected[r], the residual max(0, p - q) is drawn from, q being row
+ * qrow[r] of qs [*, V] (stride qss), or one-hot on token[r] where qs is NULL or onehot[r]; a
+ * residual whose mass is not above eps (p equals q up to rounding) draws from p instead, as
+ * does a request that was not rejected. u, out: as in sample_rows. */
+ORDERED_SUMS int sample_final_rows(const float *probs, int64_t ps, const int64_t *prow, const float *qs, int64_t qss,
+                      const int64_t *qrow, const uint8_t *onehot, const int64_t *token, const uint8_t *rejected,
+                      double eps, int N, int64_t V, const double *u, int64_t *out) {
+    int64_t nb = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
+    int failed = 0;
+#pragma omp parallel for schedule(static) if (N >= 4) reduction(| : failed)
+    for (int r = 0; r < N; r++) {
+        double *sums = (double *)malloc((size_t)nb * sizeof(double));
+        if (!sums) {
+            failed = 1;
+            continue;
+        }
+        const float *p = probs + prow[r] * ps;
+        int drawn = 0;
+        if (rejected[r]) {
+            int hot = !qs || onehot[r];
+            const float *q = hot ? NULL : qs + qrow[r] * qss;
+            int mode = hot ? RESID_ONE_HOT : RESID_Q;
+            double total = hot ? block_sums(p, NULL, token[r], RESID_ONE_HOT, V, sums)
+                               : block_sums(p, q, 0, RESID_Q, V, sums);
+            if (total > eps) {
+                out[r] = draw_from(p, q, hot ? token[r] : 0, mode, V, total, u[r], sums);
+                drawn = 1;
+            }
+        }
+        if (!drawn)
+            out[r] = draw_from(p, NULL, 0, RESID_NONE, V, block_sums(p, NULL, 0, RESID_NONE, V, sums), u[r], sums);
         free(sums);
     }
     return failed ? -1 : 0;

@@ -131,6 +131,50 @@ def test_sampled_output_matches_target(seed, draws):
     assert first < TV_FIRST and joint < TV_JOINT, (first, joint)
 
 
+def test_the_final_draw_in_one_pass_is_the_residual_distributions_draw():
+    """`_DraftQ.final_draws` on a CPU (the C kernel: p and q read where they lie, the residual
+    computed as it is read) draws the token that `final_distribution` and the cumulative-sum
+    draw give: rejected requests from max(0, p - q) with q a draft row, one-hot on the draft
+    token (deterministic requests, or no draft probabilities), a residual without mass from p,
+    accepted requests from p; every uniform at 0, in between and just below 1."""
+    from dspark_serve.ops.cpu_kernels import load_kernels
+    from dspark_serve.verifier.rejection import RESIDUAL_EPS, _DraftQ
+
+    if load_kernels() is None:
+        pytest.skip("the CPU kernels need a C compiler")
+    g = torch.Generator().manual_seed(3)
+    vocab, b = 700, 6
+
+    def reference(dist, u):
+        cdf = torch.cumsum(dist, dim=-1, dtype=torch.float64)
+        total = cdf[:, -1]
+        x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, x.unsqueeze(1), right=True).squeeze(1).clamp_(max=dist.shape[1] - 1)
+
+    checked = 0
+    for trial in range(60):
+        target = torch.softmax(torch.randn(b * 3, vocab + 4, generator=g) * 3, -1)[:, :vocab]  # strided rows
+        draft = torch.softmax(torch.randn(b * 2, vocab, generator=g) * 3, -1)
+        tokens = torch.randint(0, vocab, (b * 2,), generator=g)
+        final_rows = torch.arange(b) * 3 + torch.randint(0, 3, (b,), generator=g)
+        rejected = torch.rand(b, generator=g) < 0.7
+        draft[final_rows[2] - 2] = target[final_rows[2]]  # request 2's q == p: a residual without mass
+        draft[final_rows[3] - 3] = target[final_rows[3]]  # request 3's: a residual of 5e-7 on token 9
+        draft[final_rows[3] - 3, 9] -= 5e-7
+        rejected[2:4] = True
+        det = torch.rand(b, generator=g) < 0.3 if trial % 3 else None
+        probs = None if trial % 5 == 0 else draft
+        q = _DraftQ(probs, det, tokens)
+        u = torch.rand(b, generator=g, dtype=torch.float64)
+        if trial < 2:
+            u[:] = [0.0, 1.0 - 2.0**-53][trial]
+        got = q.final_draws(target, final_rows, rejected, u)
+        want = reference(q.final_distribution(target[final_rows].float(), final_rows, rejected), u)
+        assert torch.equal(got, want), trial
+        checked += int(rejected.sum())
+    assert checked > 100 and RESIDUAL_EPS > 0
+
+
 def test_deterministic_drafts_match_target():
     first, joint = _errors(padded_rejection_sample, 2, deterministic_drafts=True)
     assert first < TV_FIRST and joint < TV_JOINT, (first, joint)
