@@ -196,8 +196,6 @@ def _declare_row_ops(lib: ctypes.CDLL) -> None:
     lib.argmax_allowed.argtypes = [ptr, i32, i64, ptr, ptr, i64]  # x, dtype, V, d2t (or NULL), bits, W
     lib.mask_rows_bits.restype = None
     lib.mask_rows_bits.argtypes = [ptr, i32, i64, i64, ptr, i64]  # x, T, V, row stride, bits, W
-    lib.sample_rows.restype = i32
-    lib.sample_rows.argtypes = [ptr, i32, i64, i64, ptr, ptr]  # probs, N, V, row stride, u (double), out
     lib.sample_final_rows.restype = i32
     # probs, its row stride, p's rows, q (or NULL), its row stride, q's rows, one-hot flags, tokens,
     # rejected flags, eps, N, V, u (double), out
@@ -340,27 +338,14 @@ def argmax_allowed(row: torch.Tensor, bits: torch.Tensor, d2t: torch.Tensor | No
 def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
     """probs [N, V] float32 CPU rows (need not be normalised), u [N] uniforms in [0, 1) -> [N]
     int64 inverse-CDF draws (`ops.sampling.sample_from_uniforms`' rule, the mass summed in
-    double in blocks: csrc/elementwise.c `sample_rows`), or None where the C kernel does not
-    apply (not loaded, another dtype or device)."""
-    lib = loaded_kernels()
-    if (
-        lib is None
-        or probs.device.type != "cpu"
-        or probs.dtype != torch.float32
-        or probs.dim() != 2
-        or probs.stride(-1) != 1
-        or probs.shape[1] == 0
-        or u.shape != probs.shape[:1]
-    ):
+    double in blocks: csrc/elementwise.c `sample_final_rows` with nothing rejected), or None
+    where the C kernel does not apply (not loaded, another dtype or device)."""
+    if probs.dim() != 2 or u.shape != probs.shape[:1]:
         return None
-    uniforms = u.to(dtype=torch.float64, device="cpu").contiguous()
-    out = torch.empty(probs.shape[0], dtype=torch.long)
-    rc = lib.sample_rows(
-        probs.data_ptr(), probs.shape[0], probs.shape[1], probs.stride(0), uniforms.data_ptr(), out.data_ptr()
-    )
-    if rc != 0:
-        raise MemoryError("sample_rows could not allocate its buffer")
-    return out
+    n = probs.shape[0]
+    zeros = torch.zeros(n, dtype=torch.long)
+    plain = FinalDraws(probs, torch.arange(n), None, zeros, zeros.bool(), zeros, zeros.bool(), 0.0)
+    return sample_final_rows(plain, u)
 
 
 @dataclass(frozen=True)

@@ -307,8 +307,8 @@ int64_t argmax_allowed(const void *x, int dtype, int64_t V, const int64_t *d2t, 
     return at;
 }
 
-/* Inverse-CDF draws, one per row: probs [N, V] float32 with row stride rs (rows need not be
- * normalised), u [N] double in [0, 1) -> out [N], the first index whose cumulative mass exceeds
+/* Inverse-CDF draws, one per row: a float32 row of V entries (rows need not be normalised) and
+ * a uniform u (double, in [0, 1)) -> the first index whose cumulative mass exceeds
  * x = min(u * total, the double below total). The mass is summed in double over blocks of 64
  * entries, each block in order and eight blocks side by side (independent sums the core
  * overlaps), then the blocks' sums in order: the same order for every row and batch, so a draw
@@ -390,28 +390,12 @@ ORDERED_SUMS static int64_t draw_from(const float *p, const float *q, int64_t t,
     return V - 1;
 }
 
-ORDERED_SUMS int sample_rows(const float *probs, int N, int64_t V, int64_t rs, const double *u, int64_t *out) {
-    int64_t nb = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
-    int failed = 0;
-#pragma omp parallel for schedule(static) if (N >= 4) reduction(| : failed)
-    for (int r = 0; r < N; r++) {
-        double *sums = (double *)malloc((size_t)nb * sizeof(double));
-        if (!sums) {
-            failed = 1;
-            continue;
-        }
-        const float *p = probs + (int64_t)r * rs;
-        out[r] = draw_from(p, NULL, 0, RESID_NONE, V, block_sums(p, NULL, 0, RESID_NONE, V, sums), u[r], sums);
-        free(sums);
-    }
-    return failed ? -1 : 0;
-}
-
 /* Speculative sampling's last draw of each request, one per row: p is row prow[r] of probs
  * [*, V] (stride ps); where rejected[r], the residual max(0, p - q) is drawn from, q being row
  * qrow[r] of qs [*, V] (stride qss), or one-hot on token[r] where qs is NULL or onehot[r]; a
  * residual whose mass is not above eps (p equals q up to rounding) draws from p instead, as
- * does a request that was not rejected. u, out: as in sample_rows. */
+ * does a request that was not rejected (rejected all 0: plain draws from the rows prow). u [N]
+ * double, out [N]: the draws above. Returns 0, or -1 when a buffer could not be allocated. */
 ORDERED_SUMS int sample_final_rows(const float *probs, int64_t ps, const int64_t *prow, const float *qs, int64_t qss,
                       const int64_t *qrow, const uint8_t *onehot, const int64_t *token, const uint8_t *rejected,
                       double eps, int N, int64_t V, const double *u, int64_t *out) {
