@@ -292,6 +292,11 @@ def mask_rows_bits(x: torch.Tensor, bits: torch.Tensor) -> None:
     x.masked_fill_(~unpack_bits(bits.to(x.device), x.shape[1]), float("-inf"))
 
 
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one packed token mask (`mask_rows_bits`' layout)."""
+    return (vocab_size + 31) // 32
+
+
 def argmax_allowed(row: torch.Tensor, bits: torch.Tensor, d2t: torch.Tensor | None = None) -> int:
     """row [V'] logits, bits [W] int32 a packed token mask (`mask_rows_bits`' layout), d2t [V']
     int64 the target token of each entry (None: entry j is token j) -> the index of the row's

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from dspark_serve.ops.cpu_kernels import argmax_allowed, argmax_rows, mask_rows_bits
+from dspark_serve.ops.cpu_kernels import argmax_allowed, argmax_rows, mask_rows_bits, mask_words
 from dspark_serve.ops.sampling_params import SamplingParams
 
 
@@ -87,7 +87,7 @@ class DraftCursor:
 
     def __init__(self, guard: GuardedConstraint, inner: ConstraintCursor, vocab_size: int) -> None:
         self.guard, self.inner = guard, inner
-        self.bits = torch.empty((vocab_size + 31) // 32, dtype=torch.int32)
+        self.bits = torch.empty(mask_words(vocab_size), dtype=torch.int32)
         self.live = True
 
     def pick(

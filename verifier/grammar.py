@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dspark_serve.ops.cpu_kernels import mask_words
 from dspark_serve.verifier.grammar_check import (
     GrammarConfig,
     GrammarError,
@@ -62,6 +63,14 @@ class Grammar:
         if n >= vocab:
             return allowed[:vocab]
         return torch.cat([allowed, torch.zeros(vocab - n, dtype=torch.bool)])
+
+    def fill_mask(self, bits: torch.Tensor) -> None:  # [W] int32, contiguous, on the CPU
+        """bits <- the packed mask of what may follow the matcher's state (`mask_words` words)."""
+        if bits.dtype != torch.int32 or not bits.is_contiguous() or bits.device.type != "cpu":
+            raise ValueError("a packed mask is a contiguous int32 CPU tensor")
+        self.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
+        if self.matcher.is_error():
+            raise RuntimeError(f"grammar failed computing a mask: {matcher_error(self.matcher)}")
 
     def valid_prefix(self, drafts: Sequence[int]) -> int:
         drafts = [int(t) for t in drafts]
@@ -121,7 +130,7 @@ class GrammarCursor:
         self.taken = 0
 
     def allows(self, token: int) -> bool:
-        return int(self.grammar.matcher.validate_tokens([token])) == 1
+        return self.grammar.valid_prefix([token]) == 1
 
     def take(self, token: int) -> bool:
         if token in self.grammar.eos_ids:  # the matcher is never advanced past EOS
@@ -131,22 +140,13 @@ class GrammarCursor:
         self.taken += 1
         return True
 
-    def fill(self, bits: torch.Tensor) -> None:  # [W] int32, contiguous, on the CPU
-        if bits.dtype != torch.int32 or not bits.is_contiguous() or bits.device.type != "cpu":
-            raise ValueError("a packed mask is a contiguous int32 CPU tensor")
-        self.grammar.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
-        if self.grammar.matcher.is_error():
-            raise RuntimeError(f"grammar failed computing a mask: {matcher_error(self.grammar.matcher)}")
+    def fill(self, bits: torch.Tensor) -> None:
+        self.grammar.fill_mask(bits)
 
     def close(self) -> None:
         if self.taken:
             taken, self.taken = self.taken, 0
             self.grammar.matcher.rollback(taken)
-
-
-def mask_words(vocab_size: int) -> int:
-    """int32 words of one packed token mask."""
-    return (vocab_size + 31) // 32
 
 
 _EXECUTOR: list[llguidance.LLExecutor] = []

@@ -242,7 +242,7 @@ class _DraftQ:
                 drow,
                 self.det if self.det is not None else zeros.bool(),
                 self.tokens[drow] if d else zeros,
-                rejected if d else zeros.bool(),
+                rejected,
                 RESIDUAL_EPS,
             )
             drawn = sample_final_rows(draws, u)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from dspark_serve.ops.cpu_kernels import argmax_allowed, argmax_rows
+from dspark_serve.ops.cpu_kernels import argmax_allowed, argmax_rows, mask_words
 from dspark_serve.ops.processors import (
     GuardedConstraint,
     TokenContext,
@@ -29,7 +29,7 @@ from dspark_serve.ops.sampling import (
     sample_from_uniforms,
 )
 from dspark_serve.ops.sampling_params import SamplingParams
-from dspark_serve.verifier.grammar import Grammar, fill_masks, mask_words
+from dspark_serve.verifier.grammar import Grammar, fill_masks
 from dspark_serve.verifier.rejection import RejectionResult, greedy_verify, rejection_sample, verify_offsets
 
 log = logging.getLogger(__name__)
@@ -292,7 +292,7 @@ def _allowed_argmax(row: torch.Tensor, g: Grammar) -> int:
     masked row's, first index on ties), read from g's packed mask in one pass
     (`argmax_allowed`)."""
     bits = torch.empty(mask_words(row.shape[-1]), dtype=torch.int32)
-    g.cursor().fill(bits)
+    g.fill_mask(bits)
     row = row if row.device.type == "cpu" else row.cpu()
     top = argmax_allowed(row.contiguous(), bits)
     if top < 0 or not bool(row[top] > float("-inf")):  # nothing allowed, all -inf, or a NaN
