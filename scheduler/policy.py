@@ -163,6 +163,17 @@ class CostTable:
         extra = 1.0 / _interp(bb, bs, 1 + b - requests) - 1.0 / _interp(bb, bs, 1)
         return 1.0 / (1.0 / decode + max(extra, 0.0))
 
+    def measured_batches(self, requests: int) -> tuple[int, ...]:
+        """The batch sizes (tokens) at which a forward of `requests` requests is priced from a
+        measurement rather than between two: the grid's token counts per request, else one
+        request's blocks on top of the others' decode, else the decode-shaped batch sizes."""
+        r = max(1, requests)
+        if self.grid_tokens is not None:
+            return tuple(r * t for t in self.grid_tokens)
+        if self.block_sizes is not None:
+            return tuple(r - 1 + b for b in self.block_sizes)
+        return self.batch_sizes
+
     def step_rate(self, b: float, requests: int | None = None) -> float:
         """Engine steps per second whose forward carries b tokens: the forward (`sps`) plus
         the step's overhead."""
@@ -344,6 +355,56 @@ class ThresholdPolicy:
 
 
 @dataclass(frozen=True)
+class ConvexPrice:
+    """Seconds of an engine step on the lower convex envelope of the table's step times
+    (`CostTable.step_rate`) at a fixed request count, through the batch sizes the table
+    measured there (`CostTable.measured_batches`) from the first batch (the decodes and any
+    prefill) to the largest (every draft the step may verify), linear in time between them.
+
+    A curve whose time jumps with the first extra token a request and then stays flat (a
+    verify forward on another path than the decode step, a first tile of rows) is concave
+    there: the first draft admitted pays the whole jump, the rest ride free. An admission
+    that stops at the first draft that does not pay then never verifies anything, although
+    whole blocks would (what the H200's profiled table did to the policy; bench/load_sim.py
+    replays it). On the envelope each
+    admission pays its share of the jump; the envelope is a function of the table and the
+    step's shape only (request count, prefill tokens, the most drafts each request may
+    verify), never of the drafts, so the choice stays causal. Theta = tau / seconds is then a
+    concave tau over a convex time along the admission order: unimodal, so the early stop
+    finds the envelope's best admission count."""
+
+    batches: tuple[int, ...]  # strictly increasing
+    seconds_at: tuple[float, ...]  # the envelope's vertices
+
+    @classmethod
+    def of(cls, table: CostTable, requests: int, first: int, last: int) -> ConvexPrice:
+        knots = sorted({first, last, *(b for b in table.measured_batches(requests) if first < b < last)})
+        hull: list[tuple[int, float]] = []
+        for b in knots:  # the lower hull of points sorted by batch (monotone chain)
+            p = (b, 1.0 / table.step_rate(b, requests))
+            while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0.0:
+                hull.pop()
+            hull.append(p)
+        return cls(tuple(b for b, _ in hull), tuple(t for _, t in hull))
+
+    def seconds(self, b: float) -> float:
+        """The envelope at batch b (linear between its vertices, flat outside them)."""
+        xs, ys = self.batches, self.seconds_at
+        if b <= xs[0]:
+            return ys[0]
+        if b >= xs[-1]:
+            return ys[-1]
+        i = bisect.bisect_right(xs, b)  # xs[i-1] <= b < xs[i]
+        w = (b - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + w * (ys[i] - ys[i - 1])
+
+
+def _cross(o: tuple[int, float], a: tuple[int, float], b: tuple[int, float]) -> float:
+    """> 0 where o -> a -> b turns left (a lies below the chord o-b: a stays on the lower hull)."""
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
+@dataclass(frozen=True)
 class DSparkPolicy:
     """Hardware-aware prefix scheduler (DSpark Algorithm 1).
 
@@ -357,12 +418,20 @@ class DSparkPolicy:
         ranked above it, never on values computed from x_{r,j} itself. Without it
         (`dspark_global`), the best over all prefixes of the order can depend on x_{r,j}
         through a_{r,j+1}, which biases the output (the paper's Appendix A).
+    convex: where the first admission does not pay on the table, admit again with SPS from
+        the lower convex envelope of the step's time (`ConvexPrice`): a fixed cost of
+        verifying at all (a jump from one token a request to two) is then spread over the
+        block that pays for it instead of refusing every draft for good. Whether the first
+        admission pays depends on the top survival alone, so the switch stays causal; a step
+        whose first draft pays is priced as the table says. False: the table alone (the
+        paper's SPS).
 
     Prefill tokens already in the step start B above R: drafts get dearer where they push
     the batch past the knee of SPS, and relatively cheaper when prefill dominates the step.
     """
 
     early_stop: bool = True
+    convex: bool = True
     max_length: int | None = field(default=None, init=False)
 
     @property
@@ -380,22 +449,34 @@ class DSparkPolicy:
         order = sorted(
             (-w[r] * a, j, r) for r, curve in enumerate(curves) for j, a in enumerate(curve, start=1) if a > 0
         )
-        batch = r_count + load.prefill_tokens
-        tau = float(sum(w))
+        first = r_count + load.prefill_tokens
         # R decoding requests; drafts and prefill tokens are priced as extra tokens on top.
-        best_theta, best_n = tau * table.step_rate(batch, r_count), 0
-        for n, (neg_a, _, _) in enumerate(order, start=1):
-            batch += 1
-            tau -= neg_a
-            theta = tau * table.step_rate(batch, r_count)
-            if theta > best_theta:
-                best_theta, best_n = theta, n
-            elif self.early_stop:
-                break
+        best_n = self._admit(order, float(sum(w)), first, lambda b: table.step_rate(b, r_count))
+        if best_n == 0 and self.convex and order:
+            # the first admission does not pay on the table (that depends on the top survival
+            # alone, so the switch is causal): priced on the envelope, a block may
+            price = ConvexPrice.of(table, r_count, first, first + sum(inp.max_lengths))
+            best_n = self._admit(order, float(sum(w)), first, lambda b: 1.0 / price.seconds(b))
         lengths = [0] * r_count
         for _, j, r in order[:best_n]:
             lengths[r] = j  # admitted in increasing j per request
         return _decision(curves, lengths)
+
+    def _admit(
+        self, order: list[tuple[float, int, int]], tau: float, batch: int, rate: Callable[[int], float]
+    ) -> int:
+        """How many of `order` (negated weighted survivals, best first) to admit, from a step of
+        `batch` tokens worth `tau` expected tokens, priced by `rate` (steps per second)."""
+        best_theta, best_n = tau * rate(batch), 0
+        for n, (neg_a, _, _) in enumerate(order, start=1):
+            batch += 1
+            tau -= neg_a
+            theta = tau * rate(batch)
+            if theta > best_theta:
+                best_theta, best_n = theta, n
+            elif self.early_stop:
+                break
+        return best_n
 
 
 PolicyFactory = Callable[[str | None], Policy]
@@ -471,4 +552,5 @@ def _make_dspark(arg: str | None) -> Policy:
 @register_policy("dspark_global")
 def _make_dspark_global(arg: str | None) -> Policy:
     _no_arg("dspark_global", arg)
-    return DSparkPolicy(early_stop=False)
+    # the paper's global search over the table as it is: the biased counterexample
+    return DSparkPolicy(early_stop=False, convex=False)

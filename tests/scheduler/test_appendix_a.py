@@ -11,7 +11,7 @@ before looking at anything computed from x1 and keeps the target's (0.7, 0.3).
 import pytest
 import torch
 
-from dspark_serve.scheduler.policy import CostTable, LoadState, PolicyInput, parse_policy
+from dspark_serve.scheduler.policy import CostTable, DSparkPolicy, LoadState, PolicyInput, parse_policy
 from tests.verifier._padded import padded_rejection_sample
 
 A, B = 0, 1
@@ -23,9 +23,10 @@ ROUNDS = 20000
 
 
 def first_token_distribution(policy_name, first_confidence, table=TABLE, seed=0):
-    """Simulate ROUNDS independent rounds; returns (P(first output = A), lengths used)."""
+    """Simulate ROUNDS independent rounds; returns (P(first output = A), lengths used).
+    policy_name: a spec, or a policy object."""
     torch.manual_seed(seed)
-    policy = parse_policy(policy_name)
+    policy = parse_policy(policy_name) if isinstance(policy_name, str) else policy_name
     drafts = torch.multinomial(Q, ROUNDS * 2, replacement=True).view(ROUNDS, 2)
     lengths = []
     for x1 in drafts[:, 0].tolist():
@@ -55,8 +56,20 @@ def test_global_search_is_biased(first_confidence):
 
 @pytest.mark.parametrize("first_confidence", [0.8, 1.0])
 def test_early_stop_is_lossless(first_confidence):
-    share_a, _, num_draft = first_token_distribution("dspark", first_confidence)
-    assert bool((num_draft == 0).all())  # Theta_1 <= Theta_0: stops before seeing c2
+    # on the table alone (the paper's SPS): Theta_1 <= Theta_0, it stops before seeing c2
+    share_a, _, num_draft = first_token_distribution(DSparkPolicy(convex=False), first_confidence)
+    assert bool((num_draft == 0).all())
+    assert abs(share_a - 0.7) < 0.015, share_a
+
+
+@pytest.mark.parametrize("first_confidence", [0.8, 1.0])
+def test_the_envelope_after_a_refused_first_draft_stays_lossless(first_confidence):
+    """The served policy: the first draft does not pay on the table, which depends on c1
+    alone, so it admits again on the envelope: x1 is always verified (decided from c1), x2
+    only where c2 (computed from x1) says so, and the first token keeps the target's law."""
+    share_a, x1, num_draft = first_token_distribution("dspark", first_confidence)
+    assert bool((num_draft >= 1).all())
+    assert bool((num_draft[x1 == A] == 2).all()) and bool((num_draft[x1 == B] == 1).all())
     assert abs(share_a - 0.7) < 0.015, share_a
 
 

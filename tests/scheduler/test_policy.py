@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dspark_serve.scheduler.policy import (
+    ConvexPrice,
     CostTable,
     DSparkPolicy,
     LoadState,
@@ -188,11 +189,94 @@ def test_early_stop_differs_from_global_search():
     # A profile that dips then recovers: the first admission loses, later ones win.
     table = CostTable((2, 3, 4, 8), (1.0, 0.6, 0.55, 0.5))
     inp = PolicyInput([[1.0] * 3, [1.0] * 3], [3, 3])
-    stop = parse_policy("dspark")(inp, table, load(2))
+    stop = DSparkPolicy(convex=False)(inp, table, load(2))  # the table alone (the paper's SPS)
     full = parse_policy("dspark_global")(inp, table, load(2))
     assert stop.lengths == [0, 0]
     assert full.lengths == [3, 3]
     assert theta([[1.0] * 3] * 2, full.lengths, table) > theta([[1.0] * 3] * 2, stop.lengths, table)
+    # the served policy: the first admission does not pay on the table, so it admits again on
+    # the envelope, where the dip is spread over the blocks that pay for it
+    assert parse_policy("dspark")(inp, table, load(2)).lengths == [3, 3]
+
+
+def step_table(jump: float = 1.0) -> CostTable:
+    """A decode step of one token a request at 100 steps/s; any block of two or more tokens
+    `jump` times dearer, and then flat (a verify forward on another path than the decode)."""
+    slow = 100.0 / (1.0 + jump)
+    return CostTable(
+        (1, 2048), (100.0, 100.0), block_sizes=(1, 2, 8, 32), block_steps_per_second=(100.0, slow, slow, slow)
+    )
+
+
+@pytest.mark.parametrize("requests", [1, 8, 32])
+def test_a_fixed_cost_of_verifying_at_all_does_not_stop_every_draft(requests):
+    """Every first draft pays the whole jump on the table and is refused; the served policy
+    prices the step on the envelope then and verifies the blocks, which make more tokens a
+    second under the table itself than plain decoding."""
+    table = step_table()
+    inp = PolicyInput([CONF] * requests, [7] * requests)
+    curves = inp.survival_curves()
+    alone = DSparkPolicy(convex=False)(inp, table, load(requests))
+    served = DSparkPolicy()(inp, table, load(requests))
+    assert sum(alone.lengths) == 0
+    assert min(served.lengths) >= 5, served.lengths
+
+    def rate(lengths):
+        return sum(1 + sum(c[:n]) for c, n in zip(curves, lengths)) * table.step_rate(
+            requests + sum(lengths), requests
+        )
+
+    assert rate(served.lengths) > 1.5 * rate(alone.lengths)
+    # a step whose first draft pays is priced as the table says: unchanged by the envelope
+    light = DSparkPolicy(convex=False)(inp, LIGHT, load(requests))
+    assert DSparkPolicy()(inp, LIGHT, load(requests)).lengths == light.lengths
+
+
+def test_the_envelope_is_convex_below_the_table_and_equal_where_it_is_convex():
+    table = step_table()
+    for requests, extra in ((1, 7), (8, 56), (32, 224)):
+        price = ConvexPrice.of(table, requests, requests, requests + extra)
+        xs, ys = price.batches, price.seconds_at
+        slopes = [(ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) for i in range(len(xs) - 1)]
+        assert all(b >= a - 1e-12 for a, b in zip(slopes, slopes[1:]))  # convex
+        for b in range(requests, requests + extra + 1):
+            assert price.seconds(b) <= 1.0 / table.step_rate(b, requests) + 1e-12
+        assert price.seconds(requests) == pytest.approx(0.01)  # ends on the table
+        assert price.seconds(requests + extra) == pytest.approx(
+            1.0 / table.step_rate(requests + extra, requests)
+        )
+    # a convex curve (linear time) is its own envelope
+    lin = linear_time_table(0.01, 0.001)
+    price = ConvexPrice.of(lin, 4, 4, 32)
+    for b in lin.measured_batches(4):
+        if 4 <= b <= 32:
+            assert price.seconds(b) == pytest.approx(1.0 / lin.step_rate(b, 4))
+
+
+def test_on_the_envelope_the_early_stop_is_the_global_optimum():
+    """tau is concave along the admission order and the envelope's time convex, so Theta is
+    unimodal: stopping at the first admission that does not pay loses nothing there."""
+    rng = random.Random(7)
+    for _ in range(40):
+        points = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+        times = [0.01]
+        for _ in points[1:]:  # an arbitrary increasing, non-convex step time
+            times.append(times[-1] + rng.choice([0.0, 0.0005, 0.004, 0.01]))
+        table = CostTable(points, tuple(1.0 / t for t in times))
+        r = rng.randint(1, 4)
+        conf = [[rng.uniform(0.2, 1.0) for _ in range(4)] for _ in range(r)]
+        inp = PolicyInput(conf, [4] * r)
+        curves = inp.survival_curves()
+        price = ConvexPrice.of(table, r, r, r + 4 * r)
+        order = sorted((-a, j, i) for i, c in enumerate(curves) for j, a in enumerate(c, start=1))
+        tau, best, at = float(r), r / price.seconds(r), 0
+        for n, (neg_a, _, _) in enumerate(order, start=1):
+            tau -= neg_a
+            theta_n = tau / price.seconds(r + n)
+            if theta_n > best:
+                best, at = theta_n, n
+        stopped = DSparkPolicy()._admit(order, float(r), r, lambda b: 1.0 / price.seconds(b))
+        assert stopped == at
 
 
 @pytest.mark.parametrize("alpha,beta", [(1.0, 0.01), (1.0, 0.2), (0.2, 0.3)])
