@@ -142,15 +142,29 @@ def simulate(
     return SimResult(policy, tokens / seconds if seconds > 0 else 0.0, budgets)
 
 
-def h200_table() -> CostTable:
-    """The cost table the H200 profiled at commit 36a0636 for the 0.6B-like shape
-    (bench/results/gpu/gpu_suite.json): a decode step of one token a request fast, any block
-    of two or more tokens much dearer, and then flat."""
+# The cost tables the H200 profiled at commit 36a0636 (bench/results/gpu/gpu_suite.json at that
+# commit): decode-shaped batch sizes and one request's blocks, steps per second.
+H200_TABLES = {
+    "qwen3-0.6b-like": (
+        (88.2, 48.8, 46.8, 46.8, 46.8, 44.9, 39.5, 39.5, 39.5, 35.0, 35.0, 3.9),
+        (99.8, 60.4, 60.4, 60.4, 60.1, 58.9),
+    ),
+    "qwen3-4b-like": (
+        (73.7, 47.2, 47.2, 47.2, 44.3, 36.7, 25.5, 24.8, 22.9, 21.3, 19.1, 2.9),
+        (49.0, 31.0, 28.2, 28.2, 27.7, 27.7),
+    ),
+}
+
+
+def h200_table(shape: str = "qwen3-0.6b-like") -> CostTable:
+    """The table the H200 profiled for `shape` (`H200_TABLES`): a decode step of one token a
+    request fast, any block of two or more tokens much dearer, and then flat."""
+    decode, block = H200_TABLES[shape]
     return CostTable(
         batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
-        steps_per_second=(88.2, 48.8, 46.8, 46.8, 46.8, 44.9, 39.5, 39.5, 39.5, 35.0, 35.0, 3.9),
+        steps_per_second=decode,
         block_sizes=(1, 2, 4, 8, 16, 32),
-        block_steps_per_second=(99.8, 60.4, 60.4, 60.4, 60.1, 58.9),
+        block_steps_per_second=block,
     )
 
 
@@ -175,9 +189,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--rate", type=float, default=0.8)
     ap.add_argument("--table", choices=["h200", "right"], default="h200")
+    ap.add_argument("--shape", choices=sorted(H200_TABLES), default="qwen3-0.6b-like")
     ap.add_argument("--draft-ms", type=float, default=1.0)
     args = ap.parse_args()
-    table = h200_table()
+    table = h200_table(args.shape)
     forward = graphed_forward() if args.table == "h200" else table_forward(table)
     machine = Machine(forward, draft_seconds=args.draft_ms / 1e3)
     warm = args.steps // 4

@@ -20,9 +20,11 @@ def best_fixed(table, machine, requests, steps):
     )
 
 
-@pytest.mark.parametrize("requests", [8, 32])
-def test_a_table_that_prices_verification_dear_does_not_keep_the_loop_from_drafting(requests):
-    table, steps = h200_table(), 400
+@pytest.mark.parametrize(
+    "shape,requests", [("qwen3-0.6b-like", 8), ("qwen3-0.6b-like", 32), ("qwen3-4b-like", 1)]
+)
+def test_a_table_that_prices_verification_dear_does_not_keep_the_loop_from_drafting(shape, requests):
+    table, steps = h200_table(shape), 400
     machine = Machine(graphed_forward(), draft_seconds=0.001)
     res = simulate("dspark", table, machine, requests, steps, clock_from=steps // 4)
     best = best_fixed(table, machine, requests, steps)
