@@ -135,9 +135,10 @@ class Speculation:
         on = self.drafter is not None and self.cfg.draft_gate and self.policy.name == "dspark"
         if on and self._gate is None:
             # With a profiled cost table the gate predicts drafting's gain at a load it has not
-            # measured from one it has (what verification costs there is on the table).
-            table = self.cost_table
-            price = (lambda b, n: 1.0 / table.sps(b, n)) if table is not None else None
+            # measured from one it has (what verification costs there is on the table, as
+            # corrected by the forwards measured since: the policy's prices).
+            has_table = self.cost_table is not None
+            price = (lambda b, n: 1.0 / self.priced_table.sps(b, n)) if has_table else None
             self._gate = DraftGate(GateConfig(price=price))
         self.gate = self._gate if on else None
 

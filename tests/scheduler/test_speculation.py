@@ -309,3 +309,23 @@ def test_the_measured_overhead_moves_the_policys_lengths():
     assert sum(after) > sum(before), (before, after)
     assert seeded == after
     assert lengths(False) == (before, before, before)
+
+
+def test_the_gate_prices_verification_as_the_policy_does_corrected_by_measured_forwards():
+    """The gate's cost curve (its predictions for a load level it has not measured) is the
+    policy's: the profiled table corrected by the forwards the engine measured."""
+    from dspark_serve.scheduler.policy import CostTable
+
+    table = CostTable((1, 8, 64, 512), (100.0, 90.0, 50.0, 10.0))
+    spec = Speculation(
+        FakeDrafter(), SchedulerConfig(verify_policy="dspark"), max_model_len=512, cost_table=table
+    )
+    assert spec.gate is not None and spec.gate.config.price is not None
+    price = spec.gate.config.price
+    assert price(32, 4) == pytest.approx(1.0 / table.profiled_sps(32, 4))
+    for _ in range(30):  # verify steps of 4 requests x 8 tokens measured at half the table's time
+        spec.correction.record(32, 4, 1.0 / table.profiled_sps(32, 4), 0.5 / table.profiled_sps(32, 4))
+        spec.correction.record(4, 4, 1.0 / table.profiled_sps(4, 4), 1.0 / table.profiled_sps(4, 4))
+    assert price(32, 4) == pytest.approx(0.5 / table.profiled_sps(32, 4), rel=0.02)
+    assert price(4, 4) == pytest.approx(1.0 / table.profiled_sps(4, 4), rel=0.02)
+    assert price(32, 4) == pytest.approx(1.0 / spec.priced_table.sps(32, 4))
