@@ -435,11 +435,14 @@ def test_drafts_no_positions_the_policy_cannot_admit():
         {tuple(p): refs[k] for k, p in prompts.items()}, vocab_size=257, block_size=6, accept_rate=1.0
     )
     dr.asked = {}
-    steep = engine_mod.CostTable((1, 2, 4, 64), (100.0, 40.0, 20.0, 1.0))  # drafts rarely pay
+    # every token costs a step of its own: no draft pays, not even a whole block (the step's
+    # overhead left out of the price: on this tiny model it is most of a step)
+    points = (1, 2, 4, 8, 16, 32, 64)
+    steep = engine_mod.CostTable(points, tuple(100.0 / b for b in points))
     engine = Engine(
         runner_for(model),
         ByteTokenizer(),
-        SchedulerConfig(verify_policy="dspark", draft_gate=False, draft_headroom=1),
+        SchedulerConfig(verify_policy="dspark", draft_gate=False, draft_headroom=1, price_overhead=False),
         max_model_len=512,
         drafter=dr,
         cost_table=steep,
