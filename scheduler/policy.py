@@ -366,12 +366,11 @@ class ConvexPrice:
     there: the first draft admitted pays the whole jump, the rest ride free. An admission
     that stops at the first draft that does not pay then never verifies anything, although
     whole blocks would (what the H200's profiled table did to the policy; bench/load_sim.py
-    replays it). On the envelope each
-    admission pays its share of the jump; the envelope is a function of the table and the
-    step's shape only (request count, prefill tokens, the most drafts each request may
-    verify), never of the drafts, so the choice stays causal. Theta = tau / seconds is then a
-    concave tau over a convex time along the admission order: unimodal, so the early stop
-    finds the envelope's best admission count."""
+    replays it). On the envelope each admission pays its share of the jump. The envelope is
+    a function of the table and the step's shape only (request count, prefill tokens, the
+    most drafts each request may verify), never of the drafts, so the choice stays causal.
+    Theta = tau / seconds is then a concave tau over a convex time along the admission
+    order: unimodal, so the early stop finds the envelope's best admission count."""
 
     batches: tuple[int, ...]  # strictly increasing
     seconds_at: tuple[float, ...]  # the envelope's vertices
