@@ -448,14 +448,14 @@ class DSparkPolicy:
         order = sorted(
             (-w[r] * a, j, r) for r, curve in enumerate(curves) for j, a in enumerate(curve, start=1) if a > 0
         )
-        first = r_count + load.prefill_tokens
+        first, tau = r_count + load.prefill_tokens, float(sum(w))
         # R decoding requests; drafts and prefill tokens are priced as extra tokens on top.
-        best_n = self._admit(order, float(sum(w)), first, lambda b: table.step_rate(b, r_count))
+        best_n = self._admit(order, tau, first, lambda b: table.step_rate(b, r_count))
         if best_n == 0 and self.convex and order:
             # the first admission does not pay on the table (that depends on the top survival
             # alone, so the switch is causal): priced on the envelope, a block may
             price = ConvexPrice.of(table, r_count, first, first + sum(inp.max_lengths))
-            best_n = self._admit(order, float(sum(w)), first, lambda b: 1.0 / price.seconds(b))
+            best_n = self._admit(order, tau, first, lambda b: 1.0 / price.seconds(b))
         lengths = [0] * r_count
         for _, j, r in order[:best_n]:
             lengths[r] = j  # admitted in increasing j per request
