@@ -278,7 +278,8 @@ def sweep(args) -> dict:
                     r["round"] = rnd
                     rows.append(r)
                     print(
-                        f"T={temp} c={c:3d} {p:14s} per-user {r['per_user_tps']:7.1f} agg "
+                        f"T={temp} c={c:3d} {p:14s} per-user {r['per_user_tps']:7.1f} pooled "
+                        f"{r['pooled_per_user_tps'] or 0:7.1f} agg "
                         f"{r['aggregate_tps']:7.1f} tau {r['tau'] or 0:4.2f} "
                         f"budget {r['mean_budget'] or 0:4.2f}",
                         flush=True,
@@ -292,6 +293,12 @@ def sweep(args) -> dict:
         # seconds a drafting step spent besides the forward, per decoding requests, at the end
         "step_overhead": {str(n): eng.speculation.overhead.seconds(n) for n in args.concurrency},
     }
+
+
+def _median_of(rows: list[dict], key: str) -> float | None:
+    """The median of `key` over rows that have it (older result files lack newer keys)."""
+    xs = [x[key] for x in rows if x.get(key) is not None]
+    return statistics.median(xs) if xs else None
 
 
 def sweep_medians(rows: list[dict]) -> list[dict]:
@@ -310,6 +317,7 @@ def sweep_medians(rows: list[dict]) -> list[dict]:
             "rounds": len(v),
             "per_user_tps": statistics.median(x["per_user_tps"] for x in v),
             "aggregate_tps": statistics.median(x["aggregate_tps"] for x in v),
+            "pooled_per_user_tps": _median_of(v, "pooled_per_user_tps"),
             "tau": statistics.median(x["tau"] for x in v) if all(x["tau"] for x in v) else None,
             "mean_budget": statistics.median((x["mean_budget"] or 0) for x in v),
         }
@@ -321,11 +329,13 @@ def sweep_medians(rows: list[dict]) -> list[dict]:
         if base is not None:
             m["per_user_vs_plain"] = m["per_user_tps"] / base["per_user_tps"]
             m["aggregate_vs_plain"] = m["aggregate_tps"] / base["aggregate_tps"]
-        for key in ("per_user_tps", "aggregate_tps"):
+            if m["pooled_per_user_tps"] and base["pooled_per_user_tps"]:
+                m["pooled_per_user_vs_plain"] = m["pooled_per_user_tps"] / base["pooled_per_user_tps"]
+        for key in ("per_user_tps", "aggregate_tps", "pooled_per_user_tps"):
             paired = [
                 x[key] / b[key]
                 for x in groups[(t, c, label)]
-                if (b := plain.get((t, c, x.get("round", 0)))) is not None and b[key] > 0
+                if (b := plain.get((t, c, x.get("round", 0)))) is not None and x.get(key) and b.get(key)
             ]
             if paired:
                 m[key.replace("_tps", "_vs_plain_rounds")] = statistics.median(paired)

@@ -165,6 +165,9 @@ class PointResult:
     tau: float | None = None  # mean tokens per verification round (drafting rounds)
     mean_budget: float | None = None  # mean drafts verified per request per decode step
     extra: dict = field(default_factory=dict)
+    # every request's tokens over every request's time from first token to finish: per-user
+    # speed pooled, where the median hides requests made slower (a tail decoding alone is fast)
+    pooled_per_user_tps: float | None = None
 
 
 def run_engine_closed_loop(
@@ -206,11 +209,9 @@ def run_engine_closed_loop(
     wall = time.perf_counter() - t0
     if finished is not None:
         finished.extend(done)
-    per_user = [
-        len(r.output_ids) / max(r.finish_time - r.first_token_time, 1e-6)
-        for r in done
-        if len(r.output_ids) > 1
-    ]
+    decoded = [r for r in done if len(r.output_ids) > 1]
+    per_user = [len(r.output_ids) / max(r.finish_time - r.first_token_time, 1e-6) for r in decoded]
+    spans = sum(r.finish_time - r.first_token_time for r in decoded)
     toks = sum(len(r.output_ids) for r in done)
     rounds = sum(r.spec.rounds for r in done)
     steps = sum(r.spec.steps for r in done)
@@ -229,6 +230,7 @@ def run_engine_closed_loop(
         tau,
         budget,
         extra={"rounds": rounds},
+        pooled_per_user_tps=sum(len(r.output_ids) for r in decoded) / spans if spans > 0 else None,
     )
 
 

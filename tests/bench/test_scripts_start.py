@@ -89,3 +89,47 @@ def test_sweep_medians_pair_each_round_with_its_own_plain_run():
     m = {x["label"]: x for x in sweep_medians(rows)}["dspark"]
     assert m["aggregate_vs_plain_rounds"] == pytest.approx(1.1)
     assert m["aggregate_vs_plain"] == pytest.approx(2.2)
+    # rows of older files have no pooled per-user speed: none is reported
+    assert m["pooled_per_user_tps"] is None and "pooled_per_user_vs_plain_rounds" not in m
+    for x in rows:  # the default's pooled speed 0.9x plain's in every round
+        x["pooled_per_user_tps"] = 9.0 if x["label"] == "dspark" else 10.0
+    rows[4]["pooled_per_user_tps"] = 5.0  # a slow plain run in round 2
+    m = {x["label"]: x for x in sweep_medians(rows)}["dspark"]
+    assert m["pooled_per_user_tps"] == 9.0
+    assert m["pooled_per_user_vs_plain"] == pytest.approx(0.9)
+    assert m["pooled_per_user_vs_plain_rounds"] == pytest.approx(0.9)
+
+
+def test_pooled_per_user_speed_counts_every_requests_time():
+    """The per-user median can hide requests made slower; the pooled figure is every
+    request's tokens over every request's time from its first token to its finish."""
+    import time
+
+    from bench.common import run_engine_closed_loop
+    from dspark_serve.scheduler.request import Status
+
+    class Engine:  # request i makes 1 + 3 * (i % 2) tokens a step, 20 ms a step
+        def __init__(self):
+            self.live = []
+
+        def add_request(self, r):
+            self.live.append(r)
+
+        def step(self):
+            time.sleep(0.02)
+            for r in self.live:
+                k = int(r.request_id.split("-")[1])
+                r.output_ids.extend([1] * (1 + 3 * (k % 2)))
+                if r.first_token_time is None:
+                    r.first_token_time = time.monotonic()
+                if len(r.output_ids) >= r.max_tokens:
+                    r.status = Status.FINISHED
+            self.live = [r for r in self.live if not r.finished]
+
+    fin = []
+    res = run_engine_closed_loop(Engine(), [[1, 2, 3]] * 4, 4, 12, 0.0, "x", finished=fin)
+    spans = sum(r.finish_time - r.first_token_time for r in fin)
+    assert res.pooled_per_user_tps == pytest.approx(sum(len(r.output_ids) for r in fin) / spans)
+    # two fast requests finish early: the median speed is theirs or between, the pooled one
+    # weighs the slow requests' longer time
+    assert res.pooled_per_user_tps < res.per_user_tps
