@@ -91,7 +91,7 @@ def test_sweep_medians_pair_each_round_with_its_own_plain_run():
     assert m["aggregate_vs_plain"] == pytest.approx(2.2)
     # rows of older files have no pooled per-user speed: none is reported
     assert m["pooled_per_user_tps"] is None and "pooled_per_user_vs_plain_rounds" not in m
-    for x in rows:  # the default's pooled speed 0.9x plain's in every round
+    for x in rows:  # the default pooled slower than plain by one ratio in every round
         x["pooled_per_user_tps"] = 9.0 if x["label"] == "dspark" else 10.0
     rows[4]["pooled_per_user_tps"] = 5.0  # a slow plain run in round 2
     m = {x["label"]: x for x in sweep_medians(rows)}["dspark"]
@@ -108,7 +108,7 @@ def test_pooled_per_user_speed_counts_every_requests_time():
     from bench.common import run_engine_closed_loop
     from dspark_serve.scheduler.request import Status
 
-    class Engine:  # request i makes 1 + 3 * (i % 2) tokens a step, 20 ms a step
+    class Engine:  # a fake: odd-numbered requests make more tokens a step than even ones
         def __init__(self):
             self.live = []
 
