@@ -28,6 +28,10 @@ import torch
 # path's kernels are proven anyway. It must be set before triton is first imported.
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    # its `tl.dot` summed in a fixed order, not by the loaded BLAS (tests/triton_interpreter.py)
+    from tests.triton_interpreter import install_fixed_order_dot
+
+    install_fixed_order_dot()
 
 RELEASE_GROWTH_MIB = 512
 """Growth of the process's resident memory since the last release that triggers one after a test."""

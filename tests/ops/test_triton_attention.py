@@ -1,8 +1,8 @@
 """The Triton paged-attention kernel against a float64 dense reference, on random layouts.
 
 Without a GPU the kernel runs under Triton's interpreter (tests/conftest.py sets
-TRITON_INTERPRET=1). The interpreter computes bf16 `tl.dot` wrongly, so the kernel is checked in
-fp16 and in float32 (IEEE products, so float32 parity is claimed at float32 tolerance)."""
+TRITON_INTERPRET=1) with the suite's fixed-order `tl.dot` (tests/triton_interpreter.py), in bf16,
+fp16 and float32 (IEEE products, so float32 parity is claimed at float32 tolerance)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import torch
 
 from dspark_serve.ops import triton_attention as ta
 from tests.helpers import dense_attention
-from tests.triton_interpreter import needs_triton
+from tests.triton_interpreter import each_dtype, needs_triton
 
 needs_triton()
 
 DEVICE = "cuda" if torch.cuda.is_available() and not ta.interpreted() else "cpu"
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3}
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def random_step(rng, dtype, H, Hkv, D, block_size, qlens):
@@ -71,7 +71,7 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@each_dtype
 @pytest.mark.parametrize("layout", range(len(LAYOUTS)))
 def test_kernel_matches_dense_reference(layout, dtype):
     H, Hkv, D, bs, qlens = LAYOUTS[layout]
@@ -123,7 +123,7 @@ def test_tile_shapes():
         ta.paged_attention(q, torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), q, None, 4, 1.0)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@each_dtype
 def test_fused_elementwise_kernels_match_torch(dtype):
     """add + RMSNorm, SiLU-mul and rotary with the K/V write against torch's ops (float64)."""
     torch.manual_seed(4)

@@ -2,8 +2,9 @@
 Triton attention's invariant tile shape: a row's outputs are the same bits whatever the row
 count or the step, and close to torch's.
 
-Without a GPU the kernels run under Triton's interpreter, which computes bf16 `tl.dot` wrongly:
-they are checked in fp16 and float32 there (a GPU run checks bf16, bench/gpu_suite.py)."""
+Without a GPU the kernels run under Triton's interpreter with the suite's fixed-order `tl.dot`
+(tests/triton_interpreter.py: a row's sums do not depend on the BLAS kernel numpy loaded), in
+bf16, fp16 and float32; a GPU run checks them on the hardware (bench/gpu_suite.py)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ import torch
 from dspark_serve.ops import triton_attention as ta
 from dspark_serve.ops.triton_linear import BLOCK_M, InvariantTritonLinear
 from tests.ops.test_triton_attention import DEVICE, random_step
-from tests.triton_interpreter import needs_triton
+from tests.triton_interpreter import each_dtype, needs_triton
 
 needs_triton()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@each_dtype
 def test_rows_do_not_depend_on_the_row_count(dtype):
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(96, 80, generator=g) * 0.1).to(dtype).to(DEVICE)  # N and K not tile multiples

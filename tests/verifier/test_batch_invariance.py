@@ -15,7 +15,7 @@ from dspark_serve.verifier.config import ModelConfig
 from dspark_serve.verifier.model_runner import ModelRunner
 from tests.helpers import paged_segments_runner, tiny_model
 from tests.kv_tables import Tables
-from tests.triton_interpreter import needs_triton
+from tests.triton_interpreter import each_dtype, needs_triton
 
 
 def needs_kernels():
@@ -144,7 +144,7 @@ def test_bf16_logits_are_the_same_bits_however_a_position_is_computed(kind, head
 
 
 @pytest.mark.slow  # interpreted: the full suite
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@each_dtype
 def test_triton_forward_logits_are_the_same_bits_however_a_position_is_computed(dtype):
     """The CUDA path's batch-invariant forward (Triton attention in one tile shape, the Triton
     matmul for every product), here under Triton's interpreter."""
