@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from dspark_serve.ops.platform import default_cache_dir
+from dspark_serve.ops.platform import cpu_flags, cpu_model, default_cache_dir, emulated_level, level_of
 
 log = logging.getLogger(__name__)
 
@@ -81,31 +81,24 @@ def find_compiler() -> str | None:
     return None
 
 
+def build_flags() -> tuple[str, ...]:
+    """CFLAGS, narrowed to the CPU level this process runs as (`platform.emulated_level`)."""
+    level = emulated_level()
+    return CFLAGS + (level.cflags if level is not None else ())
+
+
 def _build(compiler: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
         subprocess.run(
-            [compiler, *CFLAGS, *map(str, SOURCES), "-o", str(so), "-lm"],
+            [compiler, *build_flags(), *map(str, SOURCES), "-o", str(so), "-lm"],
             check=True,
             capture_output=True,
             text=True,
             timeout=120,
         )
         os.replace(so, out)  # atomic: a concurrent process sees the old file or the whole new one
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (Linux), so a cache directory shared between machines never hands
-    one CPU a library built with -march=native for another."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -154,6 +147,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     _declare_row_ops(lib)
     lib.small_gemm_tiles.restype = i32
     lib.small_gemm_tiles.argtypes = []
+    lib.kernel_paths.restype = i32
+    lib.kernel_paths.argtypes = []
     lib.paged_attention_tiles.restype = i32
     lib.paged_attention_tiles.argtypes = []
     lib.small_gemm_pack.restype = None
@@ -210,7 +205,8 @@ def _library_key(compiler: str) -> str:
     digest = hashlib.sha256()
     for src in SOURCES + HEADERS:
         digest.update(src.read_bytes())
-    digest.update((" ".join(CFLAGS) + compiler + platform.machine() + _cpu_flags()).encode())
+    flags = " ".join(sorted(cpu_flags()))  # a cache shared between CPUs: each its own build
+    digest.update((" ".join(build_flags()) + compiler + platform.machine() + flags).encode())
     return digest.hexdigest()[:16]
 
 
@@ -244,6 +240,27 @@ def load_kernels(cache_dir: Path | None = None) -> ctypes.CDLL | None:
         lib = None
     _loaded[key] = lib
     return lib
+
+
+# kernel_paths()'s bits (csrc/small_gemm.c) and the CPU level each path is first built at
+KERNEL_PATHS = {1: "avx2", 2: "avx512", 4: "avx512-bf16", 8: "amx"}
+
+
+def kernel_paths(lib: ctypes.CDLL) -> tuple[str, ...]:
+    """The instruction-set paths the loaded library was built with (empty: plain C only)."""
+    bits = lib.kernel_paths()
+    return tuple(name for bit, name in KERNEL_PATHS.items() if bits & bit)
+
+
+def describe_cpu() -> str:
+    """One line for the start-up log: the CPU, its level (as this process sees it), the C
+    kernels' paths and torch's vectorised kernels."""
+    flags = cpu_flags()
+    level = emulated_level()
+    seen = level_of(flags).name + (f", run as {level.name}" if level is not None else "")
+    lib = load_kernels()
+    paths = "none (torch's kernels)" if lib is None else ", ".join(kernel_paths(lib)) or "plain C"
+    return f"{cpu_model()} ({seen}); C kernel paths: {paths}; torch {torch.backends.cpu.get_cpu_capability()}"
 
 
 def loaded_kernels() -> ctypes.CDLL | None:

@@ -15,6 +15,7 @@ from dspark_serve.drafter.base import Drafter
 from dspark_serve.drafter.config import NO_DRAFTER, DrafterConfig
 from dspark_serve.drafter.dspark_model.config import DSparkConfig
 from dspark_serve.drafter.registry import build_drafter, drafter_spec
+from dspark_serve.ops.cpu_kernels import describe_cpu
 from dspark_serve.ops.platform import default_cache_dir
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine, HiddenCapture
@@ -208,6 +209,8 @@ def build_engine(
     device = resolve_device(model_cfg.device)
     choice = choose_dtype(model_cfg.dtype, device)
     dtype = choice.dtype
+    if device.type == "cpu":
+        log.info("CPU: %s", describe_cpu())
     log.info("target dtype %s on %s (%s)", choice.name, device, choice.reason)
     cache_dir = Path(model_cfg.cache_dir) if model_cfg.cache_dir else default_cache_dir()
     stage("loading the target model")

@@ -274,6 +274,25 @@ int small_gemm_tiles(void) {
 #endif
 }
 
+/* The instruction sets this build's paths use, as bits: 1 AVX2 with FMA, 2 AVX512F, 4 AVX512-BF16,
+ * 8 AMX tiles (built for them; whether this process may use them is small_gemm_tiles). */
+int kernel_paths(void) {
+    int paths = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    paths |= 1;
+#endif
+#ifdef __AVX512F__
+    paths |= 2;
+#endif
+#ifdef __AVX512BF16__
+    paths |= 4;
+#endif
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    paths |= 8;
+#endif
+    return paths;
+}
+
 /* x: [M, K] with row stride x_stride (elements); packed from small_gemm_pack; bias: [N] or
  * NULL; y: [M, N] contiguous, bf16, or float32 with GEMM_F32_OUT in flags. GEMM_INVARIANT: one
  * order of sums per row whatever M (on AMX tiles for every row count, one chunk of 16 rows at
