@@ -101,6 +101,17 @@ DRAIN_MESSAGE = "the server is shutting down; this request was cut off"
 
 
 @dataclass(frozen=True)
+class Cut:
+    """Sent to a request's stream in place of its next delta when the server ends it (a drain);
+    the stream turns it into the final delta, with the counts it has streamed so far."""
+
+    message: str
+
+
+StreamItem = StreamDelta | Exception | Cut
+
+
+@dataclass(frozen=True)
 class AddRequest:
     """To the engine thread: queue this request (its deltas go to the queue registered for it)."""
 
@@ -133,7 +144,7 @@ class AsyncEngine:
         self._error: str | None = None
         self._inbox: queue.Queue[EngineMessage] = queue.Queue()
         self._settled = threading.Event()  # set once the engine loaded, or failed to
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StreamDelta | Exception]]] = {}
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StreamItem]]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draining = False
@@ -195,7 +206,7 @@ class AsyncEngine:
         cut = list(self._queues)
         for rid in cut:
             self.abort(rid)
-            self._send(rid, StreamDelta("", [], True, "abort", 0, 0, error=DRAIN_MESSAGE))
+            self._send(rid, Cut(DRAIN_MESSAGE))
         report = DrainReport(finished=before - len(cut), cut=len(cut), seconds=time.monotonic() - t0)
         log.info("drained in %.1fs: %d finished, %d cut", report.seconds, report.finished, report.cut)
         return report
@@ -268,16 +279,22 @@ class AsyncEngine:
         """Queue one request on the engine thread and yield its deltas until it finishes; a
         caller that goes away aborts it (its KV is freed at once)."""
         req = await self._prepare(request_id, prompt_ids, params)
-        q: asyncio.Queue[StreamDelta | Exception] = asyncio.Queue()
+        q: asyncio.Queue[StreamItem] = asyncio.Queue()
         self._queues[request_id] = (asyncio.get_running_loop(), q)
         self._inbox.put(AddRequest(req))
         finished = False
+        last: StreamDelta | None = None
         try:
             while True:
                 item = await q.get()
                 if isinstance(item, Exception):
                     raise item
-                finished = item.finished
+                if isinstance(item, Cut):  # the tokens so far count: usage stays true
+                    prompt = last.prompt_tokens if last is not None else len(prompt_ids)
+                    done = last.completion_tokens if last is not None else 0
+                    spec = last.spec if last is not None else None
+                    item = StreamDelta("", [], True, "abort", prompt, done, spec=spec, error=item.message)
+                finished, last = item.finished, item
                 yield item
                 if finished:
                     return
@@ -308,7 +325,7 @@ class AsyncEngine:
         self._inbox.put(AbortRequest(request_id))
 
     # -- the engine thread -----------------------------------------------------------------------
-    def _send(self, request_id: str, item: StreamDelta | Exception) -> None:
+    def _send(self, request_id: str, item: StreamItem) -> None:
         entry = self._queues.get(request_id)
         if entry is not None:
             loop, q = entry

@@ -9,6 +9,7 @@ shared through the prefix cache); a seeded request's i-th sample uses seed + i.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -19,12 +20,14 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from dspark_serve.scheduler.client import EngineClient, EngineError, GenerationParams, StreamDelta
-from dspark_serve.server.errors import ApiError
+from dspark_serve.server.errors import ApiError, error_body
 from dspark_serve.server.params import choice_params
 from dspark_serve.server.reasoning import ReasoningFormat
-from dspark_serve.server.render import SSE_DONE, Kind, Reply, sse_error
+from dspark_serve.server.render import Kind, Reply
 from dspark_serve.server.state import AppState
 from dspark_serve.server.tool_formats import ToolMode
+
+log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25  # how often the client is checked for having gone away (until a stream takes over)
 
@@ -49,7 +52,7 @@ async def respond(
     state: AppState,
     request: Request,
     gen: Generation,
-    reply_type: type[Reply] = Reply,
+    reply_type: Callable[..., Reply] = Reply,
     id_prefix: str | None = None,
 ) -> Response | dict[str, Any]:
     """Runs `gen` and answers it with a `reply_type` (a chat or completion, or a Responses
@@ -104,8 +107,17 @@ async def sse_events(
             yield event
     except EngineError as exc:
         count_error(exc.status)
-        yield sse_error(str(exc), exc.status, exc.param, exc.code or str(exc.status))
-        yield SSE_DONE
+        error = error_body(str(exc), exc.status, exc.param, exc.code or str(exc.status))["error"]
+        for event in reply.failure_events(progress, last, error):
+            yield event
+    except Exception:  # a fault of the server's: the stream still ends in its protocol's error
+        log.exception("stream %s failed", streams.ids[0])
+        count_error(500)
+        error = error_body("internal error while streaming the response", 500, None, "internal_error")[
+            "error"
+        ]
+        for event in reply.failure_events(progress, last, error):
+            yield event
     finally:
         await deltas.aclose()
         await streams.close()  # a client that went away aborts its requests here

@@ -316,6 +316,13 @@ class Reply:
         events.append(self.chunk([{**last, **({"delta": {}} if self.kind == "chat" else {})}]))
         return events
 
+    def failure_events(
+        self, progress: list[ChoiceProgress], last: StreamDelta | None, error: dict[str, Any]
+    ) -> list[str]:
+        """A stream that failed after its first event (`error`: an OpenAI error object): the
+        error event, then `[DONE]`."""
+        return [sse_event({"error": error}), SSE_DONE]
+
     def closing_events(self, progress: list[ChoiceProgress], last: StreamDelta | None) -> list[str]:
         """After every choice ended: the usage chunk (include_usage), then `[DONE]`."""
         usage_chunk = (

@@ -8,6 +8,7 @@ reasoning), and its reply comes back as Responses output items (`reasoning`, `me
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Self
 
@@ -132,6 +133,29 @@ class ResponsesRequest(BaseModel):
     service_tier: str | None = None
     dspark: DsparkOptions | None = None
 
+    def echo(self) -> dict[str, Any]:
+        """The request's own parameters as a Response object repeats them (every event's
+        `response`), defaults filled in as OpenAI's are."""
+        choice = self.tool_choice
+        text = (
+            self.text.model_dump(exclude_none=True, by_alias=True)
+            if self.text
+            else {"format": {"type": "text"}}
+        )
+        return {
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "metadata": self.metadata or {},
+            "parallel_tool_calls": self.parallel_tool_calls is not False,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "tool_choice": choice.model_dump() if isinstance(choice, NamedFunction) else choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in self.tools or []],
+            "text": text,
+            "truncation": self.truncation or "disabled",
+            "user": self.user,
+        }
+
     @model_validator(mode="after")
     def _stateless(self) -> Self:
         if self.previous_response_id is not None:
@@ -244,12 +268,27 @@ class ResponsesProgress(ChoiceProgress):
     items: StreamedItems = field(default_factory=StreamedItems)
 
 
+@dataclass(frozen=True)
 class ResponsesReply(Reply):
     """A Responses reply: the same engine deltas and parsers as a chat, written as a response
-    object (whole) or as typed events (streamed). One choice."""
+    object (whole) or as typed events (streamed). One choice. `echo`: the request's own
+    parameters (`ResponsesRequest.echo`), repeated in every response object.
+
+    Every stream ends in the event that tells how it ended: `response.completed`,
+    `response.incomplete` (the output limit, or the server cutting it: `incomplete_details`
+    says which) or, when it fails after its first event, an `error` event and
+    `response.failed` carrying that error; the open output item is closed first, marked
+    incomplete when the text was cut, and usage counts the tokens streamed."""
+
+    echo: Mapping[str, Any] = field(default_factory=dict)
 
     def body(
-        self, output: list[dict[str, Any]], status: str, last: StreamDelta | None, completion: int
+        self,
+        output: list[dict[str, Any]],
+        status: str,
+        last: StreamDelta | None,
+        completion: int,
+        error: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         u = usage(last, self.prompt_tokens, completion)
         response_usage = {
@@ -260,9 +299,6 @@ class ResponsesReply(Reply):
             "total_tokens": u["total_tokens"],
             **({"spec_decode": u["spec_decode"]} if "spec_decode" in u else {}),
         }
-        tools = (
-            [] if self.tools is None else [{"type": "function", "name": f.name} for f in self.tools.functions]
-        )
         return {
             "id": self.id,
             "object": "response",
@@ -270,12 +306,10 @@ class ResponsesReply(Reply):
             "status": status,
             "model": self.model,
             "output": output,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "parallel_tool_calls": self.tools.parallel if self.tools is not None else True,
-            "tool_choice": "auto",
-            "tools": tools,
+            "incomplete_details": {"reason": _incomplete_reason(last)} if status == "incomplete" else None,
+            **self.echo,
             "usage": response_usage if status != "in_progress" else None,
-            "error": None,
+            "error": error,
         }
 
     def whole(self, results: list[list[StreamDelta]]) -> dict[str, Any]:
@@ -298,8 +332,7 @@ class ResponsesReply(Reply):
         if text or not calls:
             output.append(_message(text))
         output += [_call(c.id, c.name, c.arguments) for c in calls]
-        status = "incomplete" if last is not None and last.finish_reason == "length" else "completed"
-        return self.body(output, status, last, last.completion_tokens if last else 0)
+        return self.body(output, _status(last), last, last.completion_tokens if last else 0)
 
     # -- streamed ----------------------------------------------------------------------------
 
@@ -383,7 +416,8 @@ class ResponsesReply(Reply):
         events.append(self._event(items, "output_item.added", output_index=len(items.output) - 1, item=item))
         return events
 
-    def _close(self, items: StreamedItems) -> list[str]:
+    def _close(self, items: StreamedItems, status: str = "completed") -> list[str]:
+        """Close the open item (`status`: "incomplete" where its text was cut)."""
         item, text = items.open, items.text
         if item is None:
             return []
@@ -391,13 +425,13 @@ class ResponsesReply(Reply):
             item["content"][0]["text"] = text
             events = [self._of_open(items, "reasoning_text.done", content_index=0, text=text)]
         elif item["type"] == "message":
-            item["content"][0]["text"], item["status"] = text, "completed"
+            item["content"][0]["text"], item["status"] = text, status
             events = [
                 self._of_open(items, "output_text.done", content_index=0, text=text, logprobs=[]),
                 self._of_open(items, "content_part.done", content_index=0, part=item["content"][0]),
             ]
         else:
-            item["arguments"], item["status"] = text, "completed"
+            item["arguments"], item["status"] = text, status
             events = [self._of_open(items, "function_call_arguments.done", arguments=text)]
         events.append(self._event(items, "output_item.done", output_index=len(items.output) - 1, item=item))
         items.open, items.text = None, ""
@@ -417,13 +451,37 @@ class ResponsesReply(Reply):
         else:
             tail = [ContentDelta(held)] if held else []
         events += self._tool_events(items, tail)
-        return events + self._close(items)
+        return events + self._close(items, "incomplete" if _status(d) == "incomplete" else "completed")
 
     def closing_events(self, progress: list[ChoiceProgress], last: StreamDelta | None) -> list[str]:
         items = _items(progress[0])
-        status = "incomplete" if last is not None and last.finish_reason == "length" else "completed"
+        status = _status(last)
         response = self.body(items.output, status, last, progress[0].completion_tokens)
         return [self._event(items, status, response=response)]
+
+    def failure_events(
+        self, progress: list[ChoiceProgress], last: StreamDelta | None, error: dict[str, Any]
+    ) -> list[str]:
+        """A stream that failed mid-way: the open item closed as incomplete, the `error` event,
+        then `response.failed` with the error and the tokens streamed."""
+        items = _items(progress[0])
+        events = self._close(items, "incomplete")
+        fields = {k: error.get(k) for k in ("code", "message", "param")}
+        items.seq += 1
+        events.append(sse_event({"type": "error", "sequence_number": items.seq - 1, **fields}))
+        response = self.body(items.output, "failed", last, progress[0].completion_tokens, fields)
+        return [*events, self._event(items, "failed", response=response)]
+
+
+def _status(last: StreamDelta | None) -> str:
+    """How a reply ended: "incomplete" when the output limit or the server cut it."""
+    return "incomplete" if last is not None and last.finish_reason in ("length", "abort") else "completed"
+
+
+def _incomplete_reason(last: StreamDelta | None) -> str:
+    if last is not None and last.finish_reason == "abort":
+        return "server_shutdown" if last.error else "aborted"
+    return "max_output_tokens"
 
 
 def _items(progress: ChoiceProgress) -> StreamedItems:

@@ -7,6 +7,7 @@ request model's own errors give OpenAI-shaped 400s naming the parameter (`body.p
 
 from __future__ import annotations
 
+import functools
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -121,7 +122,7 @@ async def responses(request: Request, state: State) -> Response | dict[str, Any]
     except ValidationError as exc:
         raise validation_error(exc) from exc
     gen = await chat_generation(state, chat_req)
-    return await respond(state, request, gen, ResponsesReply, "resp")
+    return await respond(state, request, gen, functools.partial(ResponsesReply, echo=req.echo()), "resp")
 
 
 @router.post(

@@ -1,10 +1,13 @@
-"""The engine thread's edges: typed inbox messages, readiness signalled by an event."""
+"""The engine thread's edges: typed inbox messages, readiness signalled by an event, a drain's
+final deltas."""
 
+import asyncio
 import threading
 import time
 from types import SimpleNamespace
 
 from dspark_serve.scheduler.async_engine import AbortRequest, AddRequest, AsyncEngine, StopEngine
+from dspark_serve.scheduler.client import GenerationParams, StreamDelta
 
 
 def test_readiness_is_an_event_set_when_the_engine_loads():
@@ -57,3 +60,29 @@ def test_messages_to_the_engine_thread_are_typed():
     msg = eng._inbox.get_nowait()
     assert msg == AbortRequest("r1") and isinstance(msg, AbortRequest)
     assert AddRequest("x") != AbortRequest("x")
+
+
+def test_a_drain_ends_each_stream_with_the_counts_it_streamed():
+    """A request cut by a drain gets a final delta: finish_reason "abort", the drain's error,
+    and the prompt and completion tokens it has streamed (usage stays true)."""
+    eng = AsyncEngine(lambda: None, "m", 64)
+    eng.bundle = SimpleNamespace()  # ready; no engine thread: the test plays its part
+
+    async def run():
+        stream = eng.generate("r1", [5, 6, 7], GenerationParams(max_tokens=50))
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # the request is queued
+        spec = {"rounds": 2}
+        eng._send("r1", StreamDelta("ab", [1, 2], False, None, 3, 2, spec=spec))
+        got = [await first]
+        eng._send("r1", StreamDelta("c", [3], False, None, 3, 3, spec=spec))
+        got.append(await stream.__anext__())
+        report = await eng.drain(timeout=0.0)
+        got.append(await stream.__anext__())
+        return got, report
+
+    got, report = asyncio.run(run())
+    last = got[-1]
+    assert report.cut == 1
+    assert last.finished and last.finish_reason == "abort" and "shutting down" in last.error
+    assert (last.prompt_tokens, last.completion_tokens, last.spec) == (3, 3, {"rounds": 2})

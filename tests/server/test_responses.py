@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
+from dspark_serve.scheduler.client import EngineError, StreamDelta
 from dspark_serve.server.app import build_app
 from dspark_serve.server.config import ServerConfig
 from tests.server.test_openai_surface import ScriptEngine
@@ -116,3 +117,74 @@ def test_text_format_becomes_the_grammar_and_state_is_refused():
     with pytest.raises(openai.BadRequestError) as err:
         c.responses.create(model="fake-model", input="again", previous_response_id="resp_1")
     assert err.value.body["param"] == "previous_response_id"
+
+
+class EndingEngine(ScriptEngine):
+    """Streams its words, then ends the way a cut or failed request ends: `cut` a drain's final
+    delta (finish_reason "abort", an error, the counts so far), `fail` an EngineError."""
+
+    def __init__(self, words, end):
+        super().__init__(words)
+        self.end = end
+
+    async def generate(self, request_id, prompt_ids, params):
+        self.calls.append((request_id, prompt_ids, params))
+        for i, w in enumerate(self.words):
+            yield StreamDelta(w, [i], False, None, len(prompt_ids), i + 1)
+        n = len(self.words)
+        if self.end == "cut":
+            yield StreamDelta("", [], True, "abort", len(prompt_ids), n, error="the server is shutting down")
+        else:
+            raise EngineError("the grammar could not be compiled", 400, "tools", "grammar_error")
+
+
+def streamed(c, **kw):
+    return list(c.responses.create(model="fake-model", input="Hi!", stream=True, **kw))
+
+
+def test_a_stream_the_server_cuts_ends_incomplete_with_its_usage():
+    events = streamed(client_for(EndingEngine(["Hel", "lo ", "the"], "cut")))
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "response.incomplete" and "response.completed" not in kinds
+    last = events[-1].response
+    assert last.status == "incomplete" and last.incomplete_details.reason == "server_shutdown"
+    assert last.usage.output_tokens == 3 and last.usage.input_tokens > 0
+    assert last.output[0].status == "incomplete" and last.output[0].content[0].text == "Hello the"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_stream_that_fails_midway_ends_with_an_error_and_response_failed():
+    events = streamed(client_for(EndingEngine(["{", '"ci'], "fail")), tools=[TOOL], tool_choice="required")
+    kinds = [e.type for e in events]
+    assert kinds[-2:] == ["error", "response.failed"] and "response.completed" not in kinds
+    assert events[-2].code == "grammar_error" and "grammar" in events[-2].message
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "grammar_error"
+    assert failed.usage.output_tokens == 2
+    assert all(item.status == "incomplete" for item in failed.output)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_every_response_object_echoes_the_requests_own_parameters():
+    c = client_for(ScriptEngine(["ok"]))
+    kw = {
+        "tools": [TOOL],
+        "tool_choice": "required",
+        "temperature": 0.3,
+        "top_p": 0.9,
+        "max_output_tokens": 50,
+    }
+    events = streamed(c, parallel_tool_calls=False, metadata={"k": "v"}, **kw)
+    for response in (events[0].response, events[-1].response):
+        assert response.tool_choice == "required" and response.temperature == 0.3 and response.top_p == 0.9
+        assert response.max_output_tokens == 50 and response.parallel_tool_calls is False
+        assert response.metadata == {"k": "v"}
+        assert [t.name for t in response.tools] == ["get_weather"] and response.tools[0].parameters == TOOL[
+            "parameters"
+        ]
+    named = c.responses.create(
+        model="fake-model", input="Hi", tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"}
+    )
+    assert named.tool_choice.name == "get_weather"
+    plain = c.responses.create(model="fake-model", input="Hi")
+    assert plain.tool_choice == "auto" and plain.temperature == 1.0 and plain.tools == []
