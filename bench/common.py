@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -133,21 +132,18 @@ def machine() -> str:
 
     import torch
 
-    from dspark_serve.ops.platform import cpu_flags
+    from dspark_serve.ops.platform import cpu_flags, cpu_model, emulated_level
 
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     # The CPU model and the flags that change speed (vector width, native bf16, AMX) go with
-    # every figure: results from machines with other flags are not comparable.
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), model)
-    except OSError:
-        pass
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))
+    # every figure: results from machines with other flags are not comparable. The flags are
+    # the CPU's own; a run as a narrower level (bench/as_cpu.py) says so.
+    flags = sorted(f for f in cpu_flags("/proc/cpuinfo") if f.startswith(("avx", "amx")))
+    level = emulated_level()
+    run_as = f", run as {level.name} (DSPARK_CPU_LEVEL)" if level is not None else ""
     return (
-        f"{model}, {os.cpu_count()} cores, flags {' '.join(flags) or 'n/a'}, torch {torch.__version__}, "
-        f"{dev}, threads={torch.get_num_threads()}"
+        f"{cpu_model()}, {os.cpu_count()} cores, flags {' '.join(flags) or 'n/a'}{run_as}, "
+        f"torch {torch.__version__}, {dev}, threads={torch.get_num_threads()}"
     )
 
 

@@ -148,6 +148,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draining = False
+        self._max_chars: int | None = None
         self._stage: str | None = "starting"
         self._finished_in_drain = 0
 
@@ -183,6 +184,15 @@ class AsyncEngine:
     @property
     def vocab_size(self) -> int | None:
         return self.bundle.engine.vocab_size if self.bundle is not None else None
+
+    @property
+    def max_chars_per_token(self) -> int | None:
+        """The most characters one token's text holds (the longest vocabulary entry, special
+        tokens included: byte-level and SentencePiece entries are no shorter than their text),
+        once loaded: the server bounds a prompt's tokens from its characters with it."""
+        if self._max_chars is None and self.bundle is not None:
+            self._max_chars = max(len(t) for t in self.bundle.tokenizer.get_vocab())
+        return self._max_chars
 
     @property
     def draining(self) -> bool:

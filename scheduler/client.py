@@ -210,6 +210,8 @@ class EngineClient(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     # Optional (the server falls back when missing): the vocabulary size once loaded (token ids
-    # are range-checked against it), what is still loading, and graceful drain.
-    # vocab_size: int | None; loading_stage: str | None; draining: bool
+    # are range-checked against it), the most characters a token holds (prompts are bounded by
+    # their length before they are tokenized), what is still loading, and graceful drain.
+    # vocab_size: int | None; max_chars_per_token: int | None; loading_stage: str | None;
+    # draining: bool
     # async def drain(self, timeout: float) -> DrainReport

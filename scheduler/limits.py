@@ -34,3 +34,23 @@ def check_context(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
             "max_tokens",
             "context_length_exceeded",
         )
+
+
+# A token's text is at most `max_chars_per_token` characters of the tokenizer's vocabulary; the
+# margin covers normalizers that compose characters (two code points read as one) before the
+# split, so the bound below never refuses a prompt that would fit.
+CHARS_MARGIN = 2
+
+
+def check_prompt_chars(chars: int, max_chars_per_token: int, max_model_len: int, param: str) -> None:
+    """Refuse a prompt from its length in characters, before it is tokenized, when even its
+    fewest possible tokens (each the longest the vocabulary has) cannot fit the context: a
+    huge body is rejected in the time it takes to count it, not to tokenize it."""
+    fewest = chars // (CHARS_MARGIN * max(1, max_chars_per_token))
+    if fewest >= max_model_len:
+        raise LimitError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+            f"of {chars} characters is at least {fewest} tokens. Please reduce the length of the prompt.",
+            param,
+            "context_length_exceeded",
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,26 @@ class ServerConfig:
     """Seconds a client has to send a request's whole body once its headers are in; a slower
     one is answered 408 and dropped."""
     max_connections: int = 1000
-    """Open client connections at most; one more is answered 503 and closed at once."""
+    """Open client connections at most; one more is answered 503 and closed at once (past it,
+    `health_reserve` more are kept for /health and /metrics alone)."""
+    max_client_connections: int = 64
+    """Open connections from one client address at most (the trusted proxies' excepted); one
+    more is answered 503 and closed at once, so one address cannot fill `max_connections`."""
+    max_client_pending: int = 8
+    """Connections from one client address that have not yet sent a request's headers, at
+    most (the trusted proxies' excepted); one more is answered 503 and closed."""
+    first_byte_timeout: float = 3.0
+    """Seconds a new connection has to send its first byte; a silent one is closed (the header
+    deadline then runs to `header_timeout`)."""
+    health_reserve: int = 16
+    """Connections accepted past `max_connections` that may only ask GET /health or /metrics (an
+    orchestrator's probe still answered while the pool is full); anything else there is 503."""
+    trusted_proxies: str = ""
+    """Comma-separated client addresses (a load balancer, an ingress) exempt from the
+    per-client connection limits: they carry many clients' connections."""
+    tokenize_concurrency: int = 2
+    """Requests whose bodies are parsed and prompts tokenized at the same time; more wait their
+    turn (a burst of huge prompts holds this many threads, not one per request)."""
     tool_call_parser: str = "auto"
     """How the model writes tool calls: json, hermes, llama3_json or mistral (vLLM's names);
     auto picks by the chat template and model family (json where the template renders no tools)."""
@@ -48,6 +68,11 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     """On SIGTERM (or `drain`): seconds in-flight requests may still run before their streams
     are ended with an error event and finish_reason `abort`."""
+
+    @property
+    def proxy_addresses(self) -> frozenset[str]:
+        """`trusted_proxies` as a set of addresses."""
+        return frozenset(a.strip() for a in self.trusted_proxies.split(",") if a.strip())
 
     def __post_init__(self) -> None:
         if not (0 < self.port < 65536):
@@ -62,12 +87,30 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes!r}")
         if not (2 <= self.max_json_depth <= 256):
             raise ValueError(f"max_json_depth must be in [2, 256], got {self.max_json_depth!r}")
-        for name in ("header_timeout", "body_timeout"):
+        for name in ("header_timeout", "body_timeout", "first_byte_timeout"):
             value = getattr(self, name)
             if not (0 < value <= 3600):
                 raise ValueError(f"{name} must be in (0, 3600] seconds, got {value!r}")
-        if not (1 <= self.max_connections <= 1_000_000):
-            raise ValueError(f"max_connections must be in [1, 1000000], got {self.max_connections!r}")
+        for name in (
+            "max_connections",
+            "max_client_connections",
+            "max_client_pending",
+            "tokenize_concurrency",
+        ):
+            value = getattr(self, name)
+            if not (1 <= value <= 1_000_000):
+                raise ValueError(f"{name} must be in [1, 1000000], got {value!r}")
+        if not (0 <= self.health_reserve <= 10_000):
+            raise ValueError(f"health_reserve must be in [0, 10000], got {self.health_reserve!r}")
+        if not (0 < self.first_byte_timeout <= 3600):
+            raise ValueError(
+                f"first_byte_timeout must be in (0, 3600] seconds, got {self.first_byte_timeout!r}"
+            )
+        for address in self.proxy_addresses:
+            try:
+                ipaddress.ip_address(address)
+            except ValueError:
+                raise ValueError(f"trusted_proxies holds {address!r}, which is no IP address") from None
         if self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(PARSER_NAMES)}, got {self.tool_call_parser!r}"

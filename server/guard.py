@@ -18,7 +18,11 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dspark_serve.server.config import ServerConfig
+from dspark_serve.server.connections import RESERVE_EXTENSION
 from dspark_serve.server.errors import error_response
+
+# What a connection in the health reserve may ask (`connections.py`): the orchestrator's probes.
+PROBES = ("/health", "/metrics")
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,7 @@ class Refusal:
     status: int
     message: str
     headers: Mapping[str, str] | None = None
+    code: str | None = None
 
 
 class Guard:
@@ -52,6 +57,13 @@ class Guard:
             await self.app(scope, _replay(body, receive), send)
 
     def _check_headers(self, scope: Scope) -> Refusal | None:
+        if RESERVE_EXTENSION in scope.get("extensions", {}) and not (
+            scope["method"] == "GET" and scope["path"] in PROBES
+        ):
+            full = (
+                "the server holds its maximum of open connections: this one may only ask /health or /metrics"
+            )
+            return Refusal(503, full, {"connection": "close"}, "too_many_connections")
         if self._key is not None and scope["path"].startswith("/v1/") and not self._authorized(scope):
             return Refusal(401, "invalid or missing API key")
         length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
@@ -99,7 +111,7 @@ class Guard:
 
     async def _reply(self, scope: Scope, receive: Receive, send: Send, refusal: Refusal) -> None:
         self.on_error(refusal.status)
-        response = error_response(refusal.status, refusal.message, headers=refusal.headers)
+        response = error_response(refusal.status, refusal.message, code=refusal.code, headers=refusal.headers)
         await response(scope, receive, send)
 
 

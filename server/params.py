@@ -26,6 +26,12 @@ from dspark_serve.server.tool_formats import ChatSetup, ToolFormat, ToolMode, fo
 from dspark_serve.server.tools import Function, decoded_arguments, render_calls, with_tools
 
 
+def message_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the messages' text contents: fewer than the templated prompt holds, so a
+    sound bound on its tokens (`AppState.check_prompt_chars`)."""
+    return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+
+
 def chat_messages(
     req: ChatCompletionRequest, fmt: ToolFormat, tools: ToolMode | None
 ) -> list[dict[str, Any]]:

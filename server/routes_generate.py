@@ -23,6 +23,7 @@ from dspark_serve.server.params import (
     check_logit_bias,
     check_prompt_ids,
     generation_params,
+    message_chars,
     template_tools,
     tool_mode,
 )
@@ -58,7 +59,8 @@ async def read_request(state: AppState, request: Request, schema: type[RequestT]
     loaded, and the request's token ids in its vocabulary."""
     if state.draining:
         raise ApiError(503, "the server is draining (shutting down)", code="draining")
-    req = await run_in_threadpool(decode, await request.body(), schema, state.config.max_json_depth)
+    async with state.prepare_slots:  # parsing a large body is work before admission: bounded
+        req = await run_in_threadpool(decode, await request.body(), schema, state.config.max_json_depth)
     if req.model is not None and req.model != state.served_model_name:
         raise ApiError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
     if not state.engine.ready:
@@ -85,14 +87,16 @@ async def chat_generation(state: AppState, req: ChatCompletionRequest) -> Genera
     setup = state.chat
     tools = tool_mode(req, setup)
     messages = chat_messages(req, setup.tools, tools)
-    try:  # off the event loop: a long conversation must not hold up other requests
-        prompt_ids = await run_in_threadpool(
-            state.engine.tokenize_chat,
-            messages,
-            template_tools(tools),
-            setup.template,
-            req.chat_template_kwargs,
-        )
+    state.check_prompt_chars(message_chars(messages), "messages")
+    try:  # off the event loop, a few at a time: a long conversation holds up no other request
+        async with state.prepare_slots:
+            prompt_ids = await run_in_threadpool(
+                state.engine.tokenize_chat,
+                messages,
+                template_tools(tools),
+                setup.template,
+                req.chat_template_kwargs,
+            )
     except Exception as exc:  # templates reject odd role orders
         raise ApiError(400, f"messages could not be formatted: {exc}", "messages") from exc
     return Generation(
@@ -137,7 +141,10 @@ async def completions(request: Request, state: State) -> Response | dict[str, An
     if prompt_ids is not None:
         check_prompt_ids(prompt_ids, state.vocab_size)
     else:
-        prompt_ids = await run_in_threadpool(state.engine.tokenize, req.prompt_text())
+        text = req.prompt_text()
+        state.check_prompt_chars(len(text), "prompt")
+        async with state.prepare_slots:
+            prompt_ids = await run_in_threadpool(state.engine.tokenize, text)
     if not prompt_ids:
         raise ApiError(400, "prompt must not be empty", "prompt")
     gen = Generation(

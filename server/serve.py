@@ -80,7 +80,7 @@ def uvicorn_config(app: Any, cfg: ServerConfig, protocol: type[Any] | None = Non
         host=cfg.host,
         port=cfg.port,
         log_level=cfg.log_level,
-        http=guarded_protocol(base, cfg.header_timeout, cfg.max_connections),
+        http=guarded_protocol(base, cfg),
         # after the drain only finished responses remain to be written
         timeout_graceful_shutdown=5,
     )

@@ -3,6 +3,7 @@ registry and its error counter. One `AppState` per app, built by `build_app`. No
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -13,8 +14,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter
 
 from dspark_serve.scheduler.client import EngineClient
+from dspark_serve.scheduler.limits import LimitError, check_prompt_chars
 from dspark_serve.server.config import ServerConfig
-from dspark_serve.server.errors import COUNTED_STATUSES, error_response
+from dspark_serve.server.errors import COUNTED_STATUSES, ApiError, error_response
 from dspark_serve.server.tool_formats import ChatSetup, chat_setup
 
 
@@ -25,6 +27,8 @@ class AppState:
     registry: CollectorRegistry
     errors: Counter
     """Error responses by HTTP status (`dspark:http_errors`)."""
+    prepare_slots: asyncio.Semaphore
+    """Bodies parsed and prompts tokenized at once (`ServerConfig.tokenize_concurrency`)."""
 
     @classmethod
     def create(cls, engine: EngineClient, config: ServerConfig, registry: CollectorRegistry) -> AppState:
@@ -36,7 +40,7 @@ class AppState:
         )
         for status in COUNTED_STATUSES:
             errors.labels(status=str(status))  # exported at zero from the start
-        return cls(engine, config, registry, errors)
+        return cls(engine, config, registry, errors, asyncio.Semaphore(config.tokenize_concurrency))
 
     @property
     def served_model_name(self) -> str:
@@ -61,6 +65,18 @@ class AppState:
         """The engine's vocabulary size once known (token ids are checked against it)."""
         vocab: int | None = getattr(self.engine, "vocab_size", None)
         return vocab
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """A 400 (context_length_exceeded) for a prompt whose characters alone cannot fit the
+        context, before it is tokenized (`limits.check_prompt_chars`); nothing while the
+        engine cannot say how long its tokens are."""
+        per_token: int | None = getattr(self.engine, "max_chars_per_token", None)
+        if per_token is None:
+            return
+        try:
+            check_prompt_chars(chars, per_token, self.engine.max_model_len, param)
+        except LimitError as exc:
+            raise ApiError(400, str(exc), exc.param, exc.code) from exc
 
     def count_error(self, status: int) -> None:
         self.errors.labels(status=str(status)).inc()

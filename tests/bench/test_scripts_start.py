@@ -133,3 +133,20 @@ def test_pooled_per_user_speed_counts_every_requests_time():
     # two fast requests finish early: the median speed is theirs or between, the pooled one
     # weighs the slow requests' longer time
     assert res.pooled_per_user_tps < res.per_user_tps
+
+
+def test_as_cpu_runs_a_command_as_the_narrower_level():
+    """bench/as_cpu.py: the command sees the level's flags and its libraries' variables."""
+    probe = (
+        "import json, os; from dspark_serve.ops.platform import cpu_flags, level_of; "
+        "print(json.dumps([level_of(cpu_flags()).name, os.environ.get('OPENBLAS_CORETYPE'), "
+        "sorted(f for f in cpu_flags() if f.startswith(('avx512', 'amx')))]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "as_cpu.py"), "baseline", "--", sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == ["baseline", "Nehalem", []]

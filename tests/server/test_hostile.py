@@ -1,0 +1,138 @@
+"""Hostile load at the HTTP edge (small sizes, bounded loops, loopback only): work before
+admission is bounded (a prompt that cannot fit is refused from its length before it is
+tokenized; bodies are parsed and prompts tokenized a few at a time), and idle connections from
+one address cannot lock other clients or the orchestrator's probes out. The Responses streams'
+truthful endings are in test_responses.py, fair slots in tests/scheduler/test_fair_share.py,
+and `bench/hostile.py` runs the attacks at full size against the embedded model."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from dspark_serve.server.app import build_app
+from dspark_serve.server.config import ServerConfig
+from dspark_serve.server.serve import uvicorn_config
+from tests.server.test_app import FakeEngine, assert_error, chat, client
+from tests.server.test_e2e import free_port
+
+
+class CountingEngine(FakeEngine):
+    """Tokenizes as FakeEngine (a token a character), counting the characters it was handed and
+    the calls running at once; `hold` keeps each call until set."""
+
+    max_chars_per_token = 4
+
+    def __init__(self, hold: threading.Event | None = None):
+        super().__init__()
+        self.hold = hold
+        self.chars_tokenized = 0
+        self.running = self.most_running = 0
+        self.lock = threading.Lock()
+
+    def _count(self, chars: int) -> None:
+        with self.lock:
+            self.chars_tokenized += chars
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+        if self.hold is not None:
+            self.hold.wait(10)
+        with self.lock:
+            self.running -= 1
+
+    def tokenize_chat(self, messages, tools=None, template=None, template_kwargs=None):
+        self._count(sum(len(m["content"]) for m in messages))
+        return super().tokenize_chat(messages, tools, template, template_kwargs)
+
+    def tokenize(self, text):
+        self._count(len(text))
+        return super().tokenize(text)
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized():
+    eng = CountingEngine()  # 64 tokens of context, at most 4 characters a token
+    c = client(eng)
+    huge = "ab " * 200_000
+    r = chat(c, messages=[{"role": "user", "content": huge}])
+    assert_error(r, 400, "messages")
+    assert r.json()["error"]["code"] == "context_length_exceeded" and "600000 characters" in r.text
+    r = c.post("/v1/completions", json={"prompt": huge})
+    assert_error(r, 400, "prompt")
+    r = c.post("/v1/responses", json={"input": huge})
+    assert_error(r, 400, "messages")
+    assert eng.chars_tokenized == 0  # none of them reached the tokenizer
+    # at the bound's edge a prompt is tokenized and refused by its tokens, as before
+    edge = "x" * (2 * 4 * 64 - 1)
+    assert_error(chat(c, messages=[{"role": "user", "content": edge}]), 400)
+    assert eng.chars_tokenized == len(edge)
+    assert chat(c).status_code == 200
+
+
+def test_bodies_are_parsed_and_tokenized_a_few_at_a_time():
+    hold = threading.Event()
+    eng = CountingEngine(hold)
+    app = build_app(eng, ServerConfig(tokenize_concurrency=2), CollectorRegistry())
+
+    async def burst():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            body = {"messages": [{"role": "user", "content": "hi"}]}
+            tasks = [asyncio.create_task(c.post("/v1/chat/completions", json=body)) for _ in range(6)]
+            await asyncio.sleep(0.5)
+            running = eng.most_running
+            hold.set()
+            return running, [r.status_code for r in await asyncio.gather(*tasks)]
+
+    running, statuses = asyncio.run(burst())
+    assert running == 2 and eng.most_running == 2
+    assert statuses == [200] * 6
+
+
+@pytest.fixture(scope="module")
+def guarded_server():
+    cfg = ServerConfig(port=free_port(), max_connections=100, health_reserve=4, log_level="error")
+    srv = uvicorn.Server(uvicorn_config(build_app(FakeEngine(), cfg, CollectorRegistry()), cfg))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.02)
+    yield cfg
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_idle_connections_from_one_address_lock_nobody_out(guarded_server):
+    """Twice the server's connection cap of idle sockets from one address: the address is held
+    to its share, and /health and another client's request are answered throughout."""
+    cfg = guarded_server
+    url = f"http://127.0.0.1:{cfg.port}"
+    idle, refused = [], 0
+    try:
+        for _ in range(2 * cfg.max_connections):
+            s = socket.create_connection(("127.0.0.1", cfg.port), timeout=5, source_address=("127.0.0.1", 0))
+            idle.append(s)
+        time.sleep(0.3)
+        for s in idle:
+            s.settimeout(0.01)
+            try:
+                refused += b"503" in s.recv(64)
+            except TimeoutError:
+                pass
+        assert refused >= 2 * cfg.max_connections - cfg.max_client_pending
+        other = httpx.Client(
+            transport=httpx.HTTPTransport(local_address="127.0.0.2"), base_url=url, timeout=5
+        )
+        with other:
+            assert other.get("/health").status_code == 200
+            r = other.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200
+    finally:
+        for s in idle:
+            s.close()
