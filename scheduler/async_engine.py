@@ -90,6 +90,7 @@ def _request(request_id: str, prompt_ids: list[int], params: GenerationParams) -
             ignore_eos=params.ignore_eos,
             logprobs=params.logprobs,
             priority=params.priority,
+            owner=params.owner,
         )
     except (ValueError, TypeError, RuntimeError) as exc:
         msg = str(exc)

@@ -194,6 +194,11 @@ def cost_table_for(
     return table, source
 
 
+def _cpu_line(device: torch.device) -> str:
+    """On a CPU, what it is and what the kernels were built for (the defaults' reasons)."""
+    return f"; CPU: {describe_cpu()}" if device.type == "cpu" else ""
+
+
 def build_engine(
     model_cfg: ModelConfig,
     drafter_cfg: DrafterConfig,
@@ -209,9 +214,7 @@ def build_engine(
     device = resolve_device(model_cfg.device)
     choice = choose_dtype(model_cfg.dtype, device)
     dtype = choice.dtype
-    if device.type == "cpu":
-        log.info("CPU: %s", describe_cpu())
-    log.info("target dtype %s on %s (%s)", choice.name, device, choice.reason)
+    log.info("target dtype %s on %s (%s)%s", choice.name, device, choice.reason, _cpu_line(device))
     cache_dir = Path(model_cfg.cache_dir) if model_cfg.cache_dir else default_cache_dir()
     stage("loading the target model")
     target = load_target(model_cfg.model, device, dtype, cache_dir)

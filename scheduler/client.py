@@ -42,6 +42,9 @@ class GenerationParams:
     """Constrain the output (structured output, required tool calls), or None."""
     priority: int = 0
     """Lower is served first where the engine schedules by priority (vLLM's meaning)."""
+    owner: str = ""
+    """Whom the request's slot counts against for fair slots (`SchedulerConfig.fair_slots`):
+    the n choices of one HTTP request share their request's id; empty: the request alone."""
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,12 @@ class SchedulerConfig:
     priority_aging_s: float = 10.0
     """With the priority policy: a waiting request's priority improves by one for every this many
     seconds it waits, so no request starves."""
+    fair_slots: bool = True
+    """With the fcfs policy, while requests wait for a slot (`max_num_seqs`): the waiting request
+    whose owner (an HTTP request with its n choices) holds the fewest slots is admitted first,
+    and an owner holding more slots than a waiting one's plus one gives its newest back
+    (preempted: it resumes by recomputing), so no request's n choices starve the others;
+    off: first come, first served."""
 
     def policy_spec(self, drafting: bool) -> str:
         """The policy verify_policy names: auto is dspark when a drafter is on, else none."""

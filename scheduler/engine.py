@@ -167,6 +167,8 @@ class Engine:
             b.cached_free_usage,
             b.stats(),
             self.scheduler.num_preemptions,
+            self.scheduler.num_fair_preemptions,
+            self.scheduler.largest_share(),
         )
 
     # -- requests in and out -----------------------------------------------------------------

@@ -126,6 +126,10 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
                "Cached KV blocks evicted to make room."),
     MetricSpec("preemptions", "dspark:num_preemptions", Counter,
                "Requests preempted (KV freed; they resume by recomputing).", vllm="vllm:num_preemptions"),
+    MetricSpec("fair_preemptions", "dspark:fair_slot_preemptions", Counter,
+               "Slots given back by the largest owner to a waiting one (fair slots)."),
+    MetricSpec("largest_share", "dspark:largest_slot_share", Gauge,
+               "Running slots the largest owner (a request with its n choices) holds, over max_num_seqs."),
     MetricSpec("prompt_tokens", "dspark:prompt_tokens", Counter, "Prefilled prompt tokens."),
     MetricSpec("gen_tokens", "dspark:generation_tokens", Counter, "Generated tokens returned."),
     MetricSpec("finished", "dspark:request_success", Counter, "Finished requests.",
@@ -246,6 +250,8 @@ class EngineMetrics:
     prefix_blocks: Gauge
     prefix_evictions: Counter
     preemptions: Counter
+    fair_preemptions: Counter
+    largest_share: Gauge
     prompt_tokens: Counter
     gen_tokens: Counter
     finished: Counter
@@ -291,6 +297,7 @@ class EngineMetrics:
             self._export_zero(spec)
         self._last_prefix = (0, 0, 0)
         self._last_preemptions = 0
+        self._last_fair = 0
         self._steps = 0
 
     def _export_zero(self, spec: MetricSpec) -> None:
@@ -380,6 +387,9 @@ class EngineMetrics:
             self.prefix_blocks.labels(**self.labels).set(pc.cached_blocks)
         self.preemptions.labels(**self.labels).inc(max(snap.preemptions - self._last_preemptions, 0))
         self._last_preemptions = snap.preemptions
+        self.fair_preemptions.labels(**self.labels).inc(max(snap.fair_preemptions - self._last_fair, 0))
+        self._last_fair = snap.fair_preemptions
+        self.largest_share.labels(**self.labels).set(snap.largest_share)
         self._steps += 1
         cal = snap.calibrator
         if cal is not None and self._steps % CALIBRATION_EVERY == 1:

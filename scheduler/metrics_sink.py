@@ -27,6 +27,8 @@ class EngineSnapshot:
         count as free, so they are not in kv_usage), 0..1.
     prefix_cache: cumulative prefix-cache counters and occupancy, or None.
     preemptions: requests preempted so far (cumulative).
+    fair_preemptions: of those, slots given back to a waiting owner (fair slots; cumulative).
+    largest_share: the running slots the largest owner holds, over max_num_seqs, 0..1.
     """
 
     num_running: int
@@ -36,6 +38,8 @@ class EngineSnapshot:
     kv_cached_free: float = 0.0
     prefix_cache: PrefixCacheStats | None = None
     preemptions: int = 0
+    fair_preemptions: int = 0
+    largest_share: float = 0.0
 
 
 class EngineMetricsSink(Protocol):

@@ -50,6 +50,7 @@ class Request:
     logprobs: int | None = None  # None: none; k: each token's logprob and its top k alternatives
     constraint: TokenConstraint | None = None  # grammar state; advanced as tokens are committed
     priority: int = 0  # lower is served first (scheduling_policy "priority"; ignored by fcfs)
+    owner: str = ""  # whom its slot counts against (fair slots); empty: itself
 
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -66,6 +67,11 @@ class Request:
     def __post_init__(self) -> None:
         if self.sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    @property
+    def slot_owner(self) -> str:
+        """Whom its slot counts against (fair slots): its owner, or itself."""
+        return self.owner or self.request_id
 
     @property
     def token_ids(self) -> list[int]:

@@ -13,12 +13,18 @@ With scheduling_policy "priority" (vLLM's), "oldest" and "most recent" read "bes
 "worst priority": the running requests are served in (priority, arrival) order, the last of
 them is preempted first, and the waiting request admitted next has the lowest priority, aged by
 its wait so nothing starves.
+
+Fair slots (fcfs, `fair_slots`): slots are shared by owner (an HTTP request's n choices are
+one owner). The waiting request admitted next is the one whose owner holds the fewest running
+slots (arrival order among equals), and while one waits with every slot taken, an owner holding
+more than the waiting owner's slots plus one gives its newest back: two requests of n=16 no
+longer keep a one-token chat waiting for their whole length.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -69,17 +75,35 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_fair_preemptions = 0  # of those, slots given back to a waiting owner (fair slots)
 
     @property
     def by_priority(self) -> bool:
         return self.cfg.scheduling_policy == "priority"
 
+    @property
+    def fair(self) -> bool:
+        return self.cfg.fair_slots and not self.by_priority
+
+    def slots_held(self) -> Counter[str]:
+        """Running slots by owner."""
+        return Counter(r.slot_owner for r in self.running)
+
+    def largest_share(self) -> float:
+        """The running slots the largest owner holds, over max_num_seqs (0 when none runs)."""
+        held = self.slots_held()
+        return max(held.values(), default=0) / self.cfg.max_num_seqs
+
     def next_waiting(self) -> Request:
         """The request admitted next: the queue's head (fcfs: arrival order, preempted requests
-        first), or by priority: the lowest priority less one for every `priority_aging_s`
-        seconds since arrival (nothing starves), ties by arrival."""
+        first; with fair slots the first of those whose owner holds the fewest slots), or by
+        priority: the lowest priority less one for every `priority_aging_s` seconds since
+        arrival (nothing starves), ties by arrival."""
         if not self.by_priority:
-            return self.waiting[0]
+            if not self.fair:
+                return self.waiting[0]
+            held = self.slots_held()
+            return min(self.waiting, key=lambda r: held[r.slot_owner])  # min keeps the first of equals
         now, aging = time.monotonic(), self.cfg.priority_aging_s
         return min(self.waiting, key=lambda r: (r.priority - (now - r.arrival_time) / aging, r.arrival_time))
 
@@ -123,6 +147,7 @@ class Scheduler:
         `lookahead(r)`: the most drafts decode `r` may verify this step (its KV is ensured)."""
         bm = self.blocks
         batch = ScheduledBatch()
+        self._share_slots(batch)
         if self.by_priority:  # the best served first, the worst the one preempted (the last)
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         pending = 0  # blocks this step's appends will take from the pool
@@ -168,6 +193,19 @@ class Scheduler:
         if not batch.preempted:
             self._admit(batch, budget, pending, debt)
         return batch
+
+    def _share_slots(self, batch: ScheduledBatch) -> None:
+        """With fair slots, every slot taken and a request waiting whose owner holds fewer than the largest
+        holder's slots less one: the newest request of the largest holders gives its slot back
+        (in the next step the waiting one is admitted first: its owner holds fewer)."""
+        if not (self.fair and self.waiting and len(self.running) >= self.cfg.max_num_seqs):
+            return
+        held = self.slots_held()
+        most = max(held.values())
+        if most > held[self.next_waiting().slot_owner] + 1:  # the newest of the largest holders'
+            newest = next(r for r in reversed(self.running) if held[r.slot_owner] == most)
+            self._preempt(newest, batch)
+            self.num_fair_preemptions += 1
 
     def _admit(self, batch: ScheduledBatch, budget: int, pending: int, debt: int) -> None:
         bm = self.blocks

@@ -74,6 +74,20 @@ class ServerConfig:
         """`trusted_proxies` as a set of addresses."""
         return frozenset(a.strip() for a in self.trusted_proxies.split(",") if a.strip())
 
+    def _check_connection_limits(self) -> None:
+        counts = ("max_connections", "max_client_connections", "max_client_pending", "tokenize_concurrency")
+        for name in counts:
+            value = getattr(self, name)
+            if not (1 <= value <= 1_000_000):
+                raise ValueError(f"{name} must be in [1, 1000000], got {value!r}")
+        if not (0 <= self.health_reserve <= 10_000):
+            raise ValueError(f"health_reserve must be in [0, 10000], got {self.health_reserve!r}")
+        for address in self.proxy_addresses:
+            try:
+                ipaddress.ip_address(address)
+            except ValueError:
+                raise ValueError(f"trusted_proxies holds {address!r}, which is no IP address") from None
+
     def __post_init__(self) -> None:
         if not (0 < self.port < 65536):
             raise ValueError(f"port must be in 1..65535, got {self.port!r}")
@@ -91,26 +105,7 @@ class ServerConfig:
             value = getattr(self, name)
             if not (0 < value <= 3600):
                 raise ValueError(f"{name} must be in (0, 3600] seconds, got {value!r}")
-        for name in (
-            "max_connections",
-            "max_client_connections",
-            "max_client_pending",
-            "tokenize_concurrency",
-        ):
-            value = getattr(self, name)
-            if not (1 <= value <= 1_000_000):
-                raise ValueError(f"{name} must be in [1, 1000000], got {value!r}")
-        if not (0 <= self.health_reserve <= 10_000):
-            raise ValueError(f"health_reserve must be in [0, 10000], got {self.health_reserve!r}")
-        if not (0 < self.first_byte_timeout <= 3600):
-            raise ValueError(
-                f"first_byte_timeout must be in (0, 3600] seconds, got {self.first_byte_timeout!r}"
-            )
-        for address in self.proxy_addresses:
-            try:
-                ipaddress.ip_address(address)
-            except ValueError:
-                raise ValueError(f"trusted_proxies holds {address!r}, which is no IP address") from None
+        self._check_connection_limits()
         if self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(PARSER_NAMES)}, got {self.tool_call_parser!r}"

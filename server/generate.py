@@ -9,6 +9,7 @@ shared through the prefix cache); a seeded request's i-th sample uses seed + i.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -129,8 +130,10 @@ class ChoiceStreams:
     def __init__(self, engine: EngineClient, request: Request, rid: str, gen: Generation) -> None:
         self.engine = engine
         self.ids = [rid] if gen.n == 1 else [f"{rid}-{i}" for i in range(gen.n)]
+        # the n choices share one owner: their slots count together (fair slots)
+        params = dataclasses.replace(gen.params, owner=rid) if gen.n > 1 else gen.params
         self.gens = [
-            engine.generate(self.ids[i], gen.prompt_ids, choice_params(gen.params, i)) for i in range(gen.n)
+            engine.generate(self.ids[i], gen.prompt_ids, choice_params(params, i)) for i in range(gen.n)
         ]
         # Watch for the client going away from the start: while queued and prefilling too.
         self.watchers = [asyncio.create_task(self._watch_disconnect(request, i)) for i in self.ids]

@@ -37,6 +37,8 @@ EXPORTED = (
     ("dspark:prefix_cache_blocks", "gauge", ("model_name",)),
     ("dspark:prefix_cache_evictions", "counter", ("model_name",)),
     ("dspark:num_preemptions", "counter", ("model_name",)),
+    ("dspark:fair_slot_preemptions", "counter", ("model_name",)),
+    ("dspark:largest_slot_share", "gauge", ("model_name",)),
     ("dspark:prompt_tokens", "counter", ("model_name",)),
     ("dspark:generation_tokens", "counter", ("model_name",)),
     ("dspark:request_success", "counter", ("model_name", "finished_reason")),
@@ -125,7 +127,7 @@ def test_prefix_cache_and_preemption_metrics_follow_the_cumulative_snapshot():
     got = samples(reg)
     assert got[("vllm:prefix_cache_queries_total", lab)] == 0 == got[("dspark:num_preemptions_total", lab)]
     m.record_step(EngineSnapshot(2, 0, 0.25, None, 0.5, PrefixCacheStats(100, 40, 3, 9, 4), 1))
-    m.record_step(EngineSnapshot(2, 0, 0.25, None, 0.125, PrefixCacheStats(150, 90, 5, 7, 2), 3))
+    m.record_step(EngineSnapshot(2, 0, 0.25, None, 0.125, PrefixCacheStats(150, 90, 5, 7, 2), 3, 2, 0.5))
     got = samples(reg)
     assert got[("vllm:prefix_cache_queries_total", lab)] == 150
     assert got[("dspark:prefix_cache_hits_total", lab)] == got[("vllm:prefix_cache_hits_total", lab)] == 90
@@ -135,6 +137,10 @@ def test_prefix_cache_and_preemption_metrics_follow_the_cumulative_snapshot():
     assert got[("dspark:kv_cache_cached_free_perc", lab)] == 0.125
     assert got[("dspark:kv_cache_usage_perc", lab)] == 0.25
     assert got[("vllm:num_preemptions_total", lab)] == 3
+    assert (
+        got[("dspark:fair_slot_preemptions_total", lab)] == 2
+        and got[("dspark:largest_slot_share", lab)] == 0.5
+    )
 
 
 def test_alias_rejects_its_own_name_and_duplicates():

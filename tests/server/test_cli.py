@@ -45,6 +45,11 @@ def test_help_lists_every_flag_with_its_default():
         (["--drafter", "magic"], "magic"),
         (["--verify-policy", "fastest"], "fastest"),
         (["--config", "nope"], "nope"),
+        (["--max-client-pending", "0"], "max_client_pending"),
+        (["--tokenize-concurrency", "-3"], "-3"),
+        (["--health-reserve", "20000"], "20000"),
+        (["--first-byte-timeout", "0"], "first_byte_timeout"),
+        (["--trusted-proxies", "10.0.0.1,lb.local"], "lb.local"),
     ],
 )
 def test_bad_values_raise_quoting_them(argv, word):
