@@ -107,7 +107,7 @@ class _Guarded(asyncio.Protocol):
                     f"this client holds its maximum of {cfg.max_client_pending} connections that have "
                     "sent no request; retry later"
                 )
-        if len(self.connections) > cfg.max_connections:
+        if len(self.connections) - book.reserve > cfg.max_connections:  # this one counted
             if book.reserve >= cfg.health_reserve:
                 return f"the server holds its maximum of {cfg.max_connections} open connections; retry later"
             book.reserve += 1

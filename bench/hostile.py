@@ -1,0 +1,281 @@
+"""Hostile clients against a real `dspark-serve` (the embedded default, with an API key), on
+loopback only, each attack bounded in count and time; the figures go to a JSON file.
+
+1. huge bodies: N concurrent ~4 MB chats that cannot fit the context; each one's status and
+   time to be refused, the server's RSS before, at its peak and after, and another client's
+   short chat (from another loopback address) meanwhile against its unloaded latency.
+2. idle connections: M sockets from one address that send nothing; /health and an
+   authenticated chat from another address meanwhile.
+3. wide requests: two `n=16` streams of 1000 tokens (ignore_eos) take the slots; a short chat
+   sent after them, its latency.
+4. cut streams: a Responses stream cut by SIGTERM (a second server with a short drain), and one
+   that fails mid-way (a tool whose pattern blows up the grammar): the events they end with.
+
+    python bench/hostile.py --out bench/results/hostile-zen4.json
+    python bench/hostile.py --bodies 8 --idle 500 --out /tmp/h.json -- --drafter ngram
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import machine, running_server  # noqa: E402
+
+KEY = "hostile-bench-key"
+OTHER = "127.0.0.2"  # another client: a loopback address of its own
+SHORT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def client(url: str, source: str = "127.0.0.1", timeout: float = 120) -> httpx.Client:
+    return httpx.Client(
+        base_url=url,
+        transport=httpx.HTTPTransport(local_address=source),
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=timeout,
+    )
+
+
+def timed(fn: Callable[[], httpx.Response]) -> tuple[int, float]:
+    t0 = time.monotonic()
+    status = fn().status_code
+    return status, time.monotonic() - t0
+
+
+def short_chat(url: str, model: str) -> tuple[int, float]:
+    with client(url, OTHER) as c:
+        return timed(lambda: c.post("/v1/chat/completions", json={**SHORT, "model": model}))
+
+
+def unloaded(url: str, model: str, n: int = 5) -> float:
+    return statistics.median(short_chat(url, model)[1] for _ in range(n))
+
+
+def during(attack: Callable[[], Any], probe: Callable[[], Any], start_after: float) -> tuple[Any, list[Any]]:
+    """Run `attack` in a thread; `probe` repeatedly from `start_after` s until it ends."""
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: out.setdefault("attack", attack()))
+    t.start()
+    time.sleep(start_after)
+    probes = []
+    while t.is_alive():
+        probes.append(probe())
+    t.join()
+    return out["attack"], probes
+
+
+def huge_bodies(url: str, model: str, pid: int, n: int) -> dict[str, Any]:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "ab " * 1_300_000}]})
+    base = unloaded(url, model)
+    before = rss_mib(pid)
+    peak = [before]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak.append(rss_mib(pid))
+            time.sleep(0.05)
+
+    def attack() -> list[tuple[int, float]]:
+        res: list[tuple[int, float]] = [(0, 0.0)] * n
+
+        def one(i: int) -> None:
+            with client(url) as c:
+                res[i] = timed(lambda: c.post("/v1/chat/completions", content=body))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return res
+
+    w = threading.Thread(target=watch)
+    w.start()
+    refused, probes = during(attack, lambda: short_chat(url, model), 0.05)
+    stop.set()
+    w.join()
+    time.sleep(1.0)
+    return {
+        "bodies": n,
+        "body_bytes": len(body),
+        "statuses": sorted({s for s, _ in refused}),
+        "refused_seconds_median": statistics.median(t for _, t in refused),
+        "refused_seconds_max": max(t for _, t in refused),
+        "rss_mib_before": before,
+        "rss_mib_peak": max(peak),
+        "rss_mib_after": rss_mib(pid),
+        "short_chat_unloaded_s": base,
+        "short_chat_during_s": [t for _, t in probes],
+        "short_chat_during_statuses": sorted({s for s, _ in probes}),
+    }
+
+
+def idle_connections(url: str, model: str, port: int, m: int) -> dict[str, Any]:
+    socks: list[socket.socket] = []
+    refused = 0
+    try:
+        for _ in range(m):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            socks.append(s)
+        time.sleep(0.5)
+        for s in socks:
+            s.settimeout(0.005)
+            try:
+                refused += b" 503 " in s.recv(64)
+            except (TimeoutError, OSError):
+                pass
+        health, chats = [], []
+        with client(url, OTHER, timeout=10) as c:
+            for _ in range(5):
+                health.append(timed(lambda: c.get("/health")))
+                chats.append(timed(lambda: c.post("/v1/chat/completions", json={**SHORT, "model": model})))
+    finally:
+        for s in socks:
+            s.close()
+    return {
+        "idle": m,
+        "refused_at_once": refused,
+        "health": health,
+        "chat_from_another_address": chats,
+    }
+
+
+def wide_requests(url: str, model: str) -> dict[str, Any]:
+    base = unloaded(url, model)
+    wide = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "n": 16,
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    started = threading.Barrier(3)
+
+    def hog() -> None:
+        with client(url) as c, c.stream("POST", "/v1/chat/completions", json=wide) as r:
+            started.wait()
+            for _ in r.iter_lines():
+                pass
+
+    hogs = [threading.Thread(target=hog) for _ in range(2)]
+    for t in hogs:
+        t.start()
+    started.wait()
+    time.sleep(3.0)
+    probe = short_chat(url, model)
+    for t in hogs:
+        t.join()
+    return {"short_chat_unloaded_s": base, "short_chat_beside_hogs": probe}
+
+
+def response_events(url: str, body: dict[str, Any], on_first: Callable[[], None] | None = None) -> list[dict]:
+    events = []
+    with client(url) as c, c.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if on_first is not None and len(events) == 3:
+                    on_first()
+    return events
+
+
+def ending(events: list[dict]) -> dict[str, Any]:
+    last = events[-1] if events else {}
+    resp = last.get("response") or {}
+    return {
+        "events": len(events),
+        "last_event": last.get("type"),
+        "status": resp.get("status"),
+        "incomplete_details": resp.get("incomplete_details"),
+        "error": resp.get("error"),
+        "output_tokens": (resp.get("usage") or {}).get("output_tokens"),
+        "text_deltas": sum(e.get("type", "").endswith(".delta") for e in events),
+    }
+
+
+def failing_stream(url: str, model: str) -> dict[str, Any]:
+    tool = {
+        "type": "function",
+        "name": "f",
+        "parameters": {
+            "type": "object",
+            "properties": {"x": {"type": "string", "pattern": "^(x{1000}){1000}$"}},
+            "required": ["x"],
+        },
+    }
+    body = {"model": model, "input": "Call f.", "tools": [tool], "tool_choice": "required"}
+    return ending(response_events(url, body))
+
+
+def cut_stream(port: int, flags: list[str]) -> dict[str, Any]:
+    with running_server(port, [*flags, "--shutdown-timeout", "1"]) as srv:
+        body = {
+            "model": srv.model,
+            "input": "Write the numbers from 1 to 2000, one per line.",
+            "max_output_tokens": 4000,
+        }
+        events = response_events(srv.url, body, lambda: srv.proc.send_signal(signal.SIGTERM))
+        return ending(events)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--port", type=int, default=8431)
+    ap.add_argument("--bodies", type=int, default=32)
+    ap.add_argument("--idle", type=int, default=2000)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("server_flags", nargs=argparse.REMAINDER, help="-- then flags for dspark-serve")
+    args = ap.parse_args()
+    flags = args.server_flags[1:] if args.server_flags[:1] == ["--"] else args.server_flags
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, args.idle + 1024)), hard))
+    with tempfile.NamedTemporaryFile("w", suffix=".key", delete=False) as f:
+        f.write(KEY)
+    keyed = [*flags, "--api-key-file", f.name]
+    result: dict[str, Any] = {"machine": machine(), "server_flags": keyed[:-1]}
+    try:
+        with running_server(args.port, keyed) as srv:
+            pid, url = srv.proc.pid, srv.url
+            result["huge_bodies"] = huge_bodies(url, srv.model, pid, args.bodies)
+            print("huge bodies:", result["huge_bodies"], flush=True)
+            result["idle_connections"] = idle_connections(url, srv.model, args.port, args.idle)
+            print("idle connections:", result["idle_connections"], flush=True)
+            result["wide_requests"] = wide_requests(url, srv.model)
+            print("wide requests:", result["wide_requests"], flush=True)
+            result["failing_stream"] = failing_stream(url, srv.model)
+            print("failing stream:", result["failing_stream"], flush=True)
+            result["rss_mib_end"] = rss_mib(pid)
+        result["cut_stream"] = cut_stream(args.port + 1, keyed)
+        print("cut stream:", result["cut_stream"], flush=True)
+    finally:
+        os.unlink(f.name)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
