@@ -32,6 +32,14 @@ from typing import Any
 
 import torch
 
+from dspark_serve.ops.triton_launch import (
+    ATTENTION_BLOCK_N,
+    add_rmsnorm_launch,
+    attention_launch,
+    rope_store_launch,
+    silu_mul_launch,
+)
+
 
 @dataclass(frozen=True)
 class VarlenSegments:
@@ -67,21 +75,6 @@ def available() -> bool:
 def interpreted() -> bool:
     """Triton's interpreter is on (TRITON_INTERPRET=1): kernels run as numpy on the CPU."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def tile_shape(group: int, max_query_len: int, invariant: bool = False) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_Q): rows of a program (query tokens x the heads of one kv head, a power of
-    two, at least 16 for the tensor cores) and the query tokens they hold. Decode and verify
-    steps take the smallest tile that holds a segment's block; prefill chunks a tall one, so a kv
-    tile read serves many queries. invariant: the tall one for every step, so a row's products
-    run the same instructions whatever the step (batch invariance)."""
-    need = max(16, triton_next_pow2(group))
-    rows = need if max_query_len * group <= need and not invariant else max(64, need)
-    return rows, rows // group
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _kernel() -> Any:
@@ -121,14 +114,14 @@ def paged_attention(
     segments: VarlenSegments,
     block_size: int,
     scale: float,
-    block_n: int = 32,
+    block_n: int = ATTENTION_BLOCK_N,
     invariant: bool = False,
     causal: bool = True,
 ) -> torch.Tensor:
     """q [T, H, D], k_cache/v_cache [Hkv, slots, D] (one layer, the new tokens' K/V already
     written), out [T, H, D] -> out, every row attended over its segment's cache. Keys are read
     in tiles of block_n from key 0 whatever the step; invariant: one tile shape of queries too
-    (`tile_shape`), so a row's output is the same bits whatever else shares the step. causal
+    (`triton_launch.tile_shape`), so a row's output is the same bits whatever else shares the step. causal
     False: every query of a segment sees all its keys, the cached ones and the segment's own
     (the drafter's block). k_cache / v_cache may be strided views (a slot-major pool
     [slots, Hkv, D] permuted to [Hkv, slots, D]): the kernel reads through their strides.
@@ -144,16 +137,13 @@ def paged_attention(
     S = segments.num_segments
     if T == 0 or S == 0:
         return out
-    group = H // Hkv
-    block_m, block_q = tile_shape(group, segments.max_query_len, invariant)
-    grid = (T // block_q + S, Hkv)
+    launch = attention_launch(q.dtype, H // Hkv, D, block_size, segments.max_query_len, invariant, causal)
+    options = {**launch.options, "BLOCK_N": block_n}
+    grid = (T // int(options["BLOCK_Q"]) + S, Hkv)
     _kernel()[grid](
         q, k_cache, v_cache, out, segments.cu_q, segments.starts, segments.table, scale, S,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), segments.table.stride(0),
-        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=D, HEAD_DIM_P=triton_next_pow2(max(D, 16)),
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", CAUSAL=causal,
+        v_cache.stride(0), v_cache.stride(1), segments.table.stride(0), **options,
     )  # fmt: skip
     return out
 
@@ -180,7 +170,7 @@ class TritonElementwise:
             kernels().add_rmsnorm_kernel[(T,)](
                 h, h if delta is None else delta, w, out, d, eps, h.stride(0),
                 0 if delta is None else delta.stride(0), out.stride(0),
-                HAS_DELTA=delta is not None, BLOCK=triton_next_pow2(d),
+                **add_rmsnorm_launch(h.dtype, d, delta is not None).options,
             )  # fmt: skip
         return out
 
@@ -190,10 +180,10 @@ class TritonElementwise:
         if gu.stride(1) != 1 or n2 % 2:
             raise ValueError(f"silu_mul needs a [T, 2n] input with contiguous rows, got {tuple(gu.shape)}")
         out = gu.new_empty(T, n2 // 2)
-        block = min(1024, triton_next_pow2(n2 // 2))
+        launch = silu_mul_launch(gu.dtype, n2 // 2)
         if T:
-            grid = (T, -(-(n2 // 2) // block))
-            kernels().silu_mul_kernel[grid](gu, out, n2 // 2, gu.stride(0), out.stride(0), BLOCK=block)
+            grid = (T, -(-(n2 // 2) // int(launch.constexprs["BLOCK"])))
+            kernels().silu_mul_kernel[grid](gu, out, n2 // 2, gu.stride(0), out.stride(0), **launch.options)
         return out
 
     def __call__(
@@ -222,8 +212,7 @@ class TritonElementwise:
                 q, k, v, cos, sin, slots, k_cache, v_cache,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 k_cache.stride(0), k_cache.stride(1),
-                NUM_HEADS=self.H, NUM_KV_HEADS=self.Hkv, HEADS_P=triton_next_pow2(self.H),
-                KV_HEADS_P=triton_next_pow2(self.Hkv), HEAD_DIM=self.D,
+                **rope_store_launch(q.dtype, self.H, self.Hkv, self.D).options,
             )  # fmt: skip
 
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 import torch
 
 from dspark_serve.ops.triton_attention import kernels
+from dspark_serve.ops.triton_launch import MATMUL_BLOCKS, matmul_launch
 
-# One tile shape for every call: 64 rows (the tensor cores' wide instructions; a decode step's
-# one row wastes the rest, its time being the weights' streaming anyway), 64 outputs, 64 inputs
-# a step.
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
+# One tile shape for every call (`triton_launch.MATMUL_BLOCKS`)
+BLOCK_M, BLOCK_N = MATMUL_BLOCKS["BLOCK_M"], MATMUL_BLOCKS["BLOCK_N"]
 
 
 class InvariantTritonLinear:
@@ -43,7 +42,6 @@ class InvariantTritonLinear:
             kernels().matmul_kernel[grid](
                 x, self.w, self.w if self.b is None else self.b, y, M, self.N, self.K,
                 x.stride(0), self.w.stride(0), y.stride(0),
-                HAS_BIAS=self.b is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                **matmul_launch(x.dtype, self.b is not None, self.out_dtype != self.w.dtype).options,
             )  # fmt: skip
         return y

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dspark_serve.ops import triton_attention as ta
+from dspark_serve.ops.triton_launch import tile_shape
 from tests.helpers import dense_attention
 from tests.triton_interpreter import each_dtype, needs_triton
 
@@ -113,11 +114,11 @@ def test_a_broken_mask_is_caught():
 
 
 def test_tile_shapes():
-    assert ta.tile_shape(4, 1) == (16, 4)  # decode: 4 heads of one kv head, 4 tokens a tile
-    assert ta.tile_shape(4, 4) == (16, 4)  # a verify block fits the small tile
-    assert ta.tile_shape(4, 8) == (64, 16)  # longer: the tall tile
-    assert ta.tile_shape(3, 1) == (16, 5)  # a group of 3: 5 tokens, the 16th row unused
-    assert ta.tile_shape(32, 1) == (32, 1)
+    assert tile_shape(4, 1) == (16, 4)  # decode: 4 heads of one kv head, 4 tokens a tile
+    assert tile_shape(4, 4) == (16, 4)  # a verify block fits the small tile
+    assert tile_shape(4, 8) == (64, 16)  # longer: the tall tile
+    assert tile_shape(3, 1) == (16, 5)  # a group of 3: 5 tokens, the 16th row unused
+    assert tile_shape(32, 1) == (32, 1)
     with pytest.raises(ValueError, match="multiple"):
         q = torch.zeros(1, 3, 16)
         ta.paged_attention(q, torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), q, None, 4, 1.0)  # type: ignore[arg-type]

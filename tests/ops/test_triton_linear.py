@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dspark_serve.ops import triton_attention as ta
+from dspark_serve.ops.triton_launch import tile_shape
 from dspark_serve.ops.triton_linear import BLOCK_M, InvariantTritonLinear
 from tests.ops.test_triton_attention import DEVICE, random_step
 from tests.triton_interpreter import each_dtype, needs_triton
@@ -76,4 +77,4 @@ def test_attention_rows_in_the_invariant_tile_do_not_depend_on_the_step():
     assert kc.shape[1] >= 5 * bs  # every block the chunk's table names lies in the pool
     both = run(torch.cat([long_q, q]), [0, 20, 26], [0, starts[0]], wide, 20)
     assert torch.equal(both[20:], block)
-    assert ta.tile_shape(4, 1, invariant=True) == ta.tile_shape(4, 64, invariant=True) == (64, 16)
+    assert tile_shape(4, 1, invariant=True) == tile_shape(4, 64, invariant=True) == (64, 16)
