@@ -245,9 +245,11 @@ def greedy_stream_body(model: str, prompt: str, max_tokens: int) -> dict:
 
 
 @contextlib.contextmanager
-def running_server(port: int, flags: list[str], ready_timeout: float = 900.0) -> Iterator[ServedProcess]:
+def running_server(
+    port: int, flags: list[str], ready_timeout: float = 900.0, api_key: str | None = None
+) -> Iterator[ServedProcess]:
     """A `dspark-serve` on `port` with `flags` (a subprocess from this checkout), once /health
-    answers 200; terminated on exit."""
+    answers 200; terminated on exit. api_key: the key the flags configure (to read /v1/models)."""
     import httpx
 
     root = Path(__file__).resolve().parent.parent
@@ -265,7 +267,8 @@ def running_server(port: int, flags: list[str], ready_timeout: float = 900.0) ->
             if proc.poll() is not None or time.monotonic() - t0 > ready_timeout:
                 sys.exit("the server did not become ready")
             time.sleep(0.5)
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        model = httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"]
         yield ServedProcess(proc, url, model)
     finally:
         proc.terminate()

@@ -193,8 +193,10 @@ def wide_requests(url: str, model: str) -> dict[str, Any]:
 
 
 def response_events(url: str, body: dict[str, Any], on_first: Callable[[], None] | None = None) -> list[dict]:
-    events = []
+    events: list[dict] = []
     with client(url) as c, c.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            return [{"type": f"HTTP {r.status_code}", "response": {"error": json.loads(r.read())}}]
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 events.append(json.loads(line[6:]))
@@ -232,11 +234,11 @@ def failing_stream(url: str, model: str) -> dict[str, Any]:
 
 
 def cut_stream(port: int, flags: list[str]) -> dict[str, Any]:
-    with running_server(port, [*flags, "--shutdown-timeout", "1"]) as srv:
+    with running_server(port, [*flags, "--shutdown-timeout", "1"], api_key=KEY) as srv:
         body = {
             "model": srv.model,
             "input": "Write the numbers from 1 to 2000, one per line.",
-            "max_output_tokens": 4000,
+            "max_output_tokens": 1500,
         }
         events = response_events(srv.url, body, lambda: srv.proc.send_signal(signal.SIGTERM))
         return ending(events)
@@ -258,7 +260,7 @@ def main() -> None:
     keyed = [*flags, "--api-key-file", f.name]
     result: dict[str, Any] = {"machine": machine(), "server_flags": keyed[:-1]}
     try:
-        with running_server(args.port, keyed) as srv:
+        with running_server(args.port, keyed, api_key=KEY) as srv:
             pid, url = srv.proc.pid, srv.url
             result["huge_bodies"] = huge_bodies(url, srv.model, pid, args.bodies)
             print("huge bodies:", result["huge_bodies"], flush=True)

@@ -10,6 +10,7 @@ ignored. Every rule about the parameters' values is the request model's (`protoc
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -97,12 +98,14 @@ def json_depth_exceeds(obj: object, limit: int) -> bool:
     return False
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _lone_surrogate(s: str) -> str | None:
-    """The first lone surrogate in s, as U+XXXX (JSON's "\\ud800" escapes decode to them)."""
-    for ch in s:
-        if "\ud800" <= ch <= "\udfff":
-            return f"U+{ord(ch):04X}"
-    return None
+    """The first lone surrogate in s, as U+XXXX (JSON's "\\ud800" escapes decode to them);
+    searched in C (a megabyte-long prompt must not hold the interpreter for long)."""
+    found = None if s.isascii() else _SURROGATE.search(s)
+    return None if found is None else f"U+{ord(found.group()):04X}"
 
 
 def check_values(body: Any) -> None:

@@ -59,8 +59,9 @@ async def read_request(state: AppState, request: Request, schema: type[RequestT]
     loaded, and the request's token ids in its vocabulary."""
     if state.draining:
         raise ApiError(503, "the server is draining (shutting down)", code="draining")
-    async with state.prepare_slots:  # parsing a large body is work before admission: bounded
-        req = await run_in_threadpool(decode, await request.body(), schema, state.config.max_json_depth)
+    raw = await request.body()
+    async with state.preparing(len(raw)):  # parsing a large body is work before admission: bounded
+        req = await run_in_threadpool(decode, raw, schema, state.config.max_json_depth)
     if req.model is not None and req.model != state.served_model_name:
         raise ApiError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
     if not state.engine.ready:
@@ -87,9 +88,10 @@ async def chat_generation(state: AppState, req: ChatCompletionRequest) -> Genera
     setup = state.chat
     tools = tool_mode(req, setup)
     messages = chat_messages(req, setup.tools, tools)
-    state.check_prompt_chars(message_chars(messages), "messages")
-    try:  # off the event loop, a few at a time: a long conversation holds up no other request
-        async with state.prepare_slots:
+    chars = message_chars(messages)
+    state.check_prompt_chars(chars, "messages")
+    try:  # off the event loop, long ones a few at a time: a long conversation holds up no other
+        async with state.preparing(chars):
             prompt_ids = await run_in_threadpool(
                 state.engine.tokenize_chat,
                 messages,
@@ -143,7 +145,7 @@ async def completions(request: Request, state: State) -> Response | dict[str, An
     else:
         text = req.prompt_text()
         state.check_prompt_chars(len(text), "prompt")
-        async with state.prepare_slots:
+        async with state.preparing(len(text)):
             prompt_ids = await run_in_threadpool(state.engine.tokenize, text)
     if not prompt_ids:
         raise ApiError(400, "prompt must not be empty", "prompt")

@@ -4,6 +4,7 @@ registry and its error counter. One `AppState` per app, built by `build_app`. No
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -18,6 +19,10 @@ from dspark_serve.scheduler.limits import LimitError, check_prompt_chars
 from dspark_serve.server.config import ServerConfig
 from dspark_serve.server.errors import COUNTED_STATUSES, ApiError, error_response
 from dspark_serve.server.tool_formats import ChatSetup, chat_setup
+
+# Bodies (bytes) and prompts (characters) up to this size are parsed and tokenized at once:
+# their work is small next to a step; only larger ones queue for `prepare_slots`.
+SMALL_WORK = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,12 @@ class AppState:
         """The engine's vocabulary size once known (token ids are checked against it)."""
         vocab: int | None = getattr(self.engine, "vocab_size", None)
         return vocab
+
+    def preparing(self, size: int) -> contextlib.AbstractAsyncContextManager[object]:
+        """Where a body of `size` bytes (or a prompt of `size` characters) is parsed or
+        tokenized: a small one at once, a large one in its turn among `prepare_slots` (a burst
+        of huge bodies neither holds many threads' memory nor delays the small requests)."""
+        return self.prepare_slots if size > SMALL_WORK else contextlib.nullcontext()
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """A 400 (context_length_exceeded) for a prompt whose characters alone cannot fit the

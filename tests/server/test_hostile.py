@@ -20,13 +20,14 @@ from prometheus_client import CollectorRegistry
 from dspark_serve.server.app import build_app
 from dspark_serve.server.config import ServerConfig
 from dspark_serve.server.serve import uvicorn_config
+from dspark_serve.server.state import SMALL_WORK
 from tests.server.test_app import FakeEngine, assert_error, chat, client
 from tests.server.test_e2e import free_port
 
 
 class CountingEngine(FakeEngine):
     """Tokenizes as FakeEngine (a token a character), counting the characters it was handed and
-    the calls running at once; `hold` keeps each call until set."""
+    the calls running at once; `hold` keeps each call of a long prompt until set."""
 
     max_chars_per_token = 4
 
@@ -42,7 +43,7 @@ class CountingEngine(FakeEngine):
             self.chars_tokenized += chars
             self.running += 1
             self.most_running = max(self.most_running, self.running)
-        if self.hold is not None:
+        if self.hold is not None and chars > SMALL_WORK:  # a long prompt is held until set
             self.hold.wait(10)
         with self.lock:
             self.running -= 1
@@ -75,24 +76,27 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized():
     assert chat(c).status_code == 200
 
 
-def test_bodies_are_parsed_and_tokenized_a_few_at_a_time():
+def test_large_bodies_are_parsed_and_tokenized_a_few_at_a_time_small_ones_at_once():
     hold = threading.Event()
     eng = CountingEngine(hold)
+    eng.max_model_len = 1_000_000  # long prompts fit: they are tokenized
     app = build_app(eng, ServerConfig(tokenize_concurrency=2), CollectorRegistry())
+    long = {"messages": [{"role": "user", "content": "x" * (SMALL_WORK + 1)}], "max_tokens": 4}
 
     async def burst():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-            body = {"messages": [{"role": "user", "content": "hi"}]}
-            tasks = [asyncio.create_task(c.post("/v1/chat/completions", json=body)) for _ in range(6)]
+            tasks = [asyncio.create_task(c.post("/v1/chat/completions", json=long)) for _ in range(6)]
             await asyncio.sleep(0.5)
             running = eng.most_running
+            small = await asyncio.wait_for(c.post("/v1/completions", json={"prompt": "hi"}), 5)
             hold.set()
-            return running, [r.status_code for r in await asyncio.gather(*tasks)]
+            return running, small.status_code, [r.status_code for r in await asyncio.gather(*tasks)]
 
-    running, statuses = asyncio.run(burst())
-    assert running == 2 and eng.most_running == 2
-    assert statuses == [200] * 6
+    running, small, statuses = asyncio.run(burst())
+    assert running == 2  # the long ones two at a time
+    assert small == 200  # a small request did not queue behind them (it was tokenized at once)
+    assert eng.most_running == 3 and statuses == [200] * 6
 
 
 @pytest.fixture(scope="module")
