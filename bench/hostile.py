@@ -18,6 +18,7 @@ loopback only, each attack bounded in count and time; the figures go to a JSON f
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import resource
@@ -73,21 +74,25 @@ def unloaded(url: str, model: str, n: int = 5) -> float:
     return statistics.median(short_chat(url, model)[1] for _ in range(n))
 
 
-def during(attack: Callable[[], Any], probe: Callable[[], Any], start_after: float) -> tuple[Any, list[Any]]:
-    """Run `attack` in a thread; `probe` repeatedly from `start_after` s until it ends."""
-    out: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: out.setdefault("attack", attack()))
-    t.start()
-    time.sleep(start_after)
-    probes = []
-    while t.is_alive():
-        probes.append(probe())
-    t.join()
-    return out["attack"], probes
+def send_bodies(url: str, body: bytes, n: int) -> list[tuple[int, float]]:
+    """n bodies at once (threads of a process of their own: the probing client in the main
+    process keeps its interpreter) -> each one's status and seconds to its answer."""
+    res: list[tuple[int, float]] = [(0, 0.0)] * n
+
+    def one(i: int) -> None:
+        with client(url) as c:
+            res[i] = timed(lambda: c.post("/v1/chat/completions", content=body))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return res
 
 
 def huge_bodies(url: str, model: str, pid: int, n: int) -> dict[str, Any]:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "ab " * 1_300_000}]})
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "ab " * 1_300_000}]}).encode()
     base = unloaded(url, model)
     before = rss_mib(pid)
     peak = [before]
@@ -98,23 +103,16 @@ def huge_bodies(url: str, model: str, pid: int, n: int) -> dict[str, Any]:
             peak.append(rss_mib(pid))
             time.sleep(0.05)
 
-    def attack() -> list[tuple[int, float]]:
-        res: list[tuple[int, float]] = [(0, 0.0)] * n
-
-        def one(i: int) -> None:
-            with client(url) as c:
-                res[i] = timed(lambda: c.post("/v1/chat/completions", content=body))
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return res
-
     w = threading.Thread(target=watch)
     w.start()
-    refused, probes = during(attack, lambda: short_chat(url, model), 0.05)
+    with concurrent.futures.ProcessPoolExecutor(1) as pool:
+        pool.submit(int).result()  # the process started before the clock
+        sent = pool.submit(send_bodies, url, body, n)
+        time.sleep(0.05)
+        probes = []
+        while not sent.done():
+            probes.append(short_chat(url, model))
+        refused = sent.result()
     stop.set()
     w.join()
     time.sleep(1.0)
@@ -234,7 +232,7 @@ def failing_stream(url: str, model: str) -> dict[str, Any]:
 
 
 def cut_stream(port: int, flags: list[str]) -> dict[str, Any]:
-    with running_server(port, [*flags, "--shutdown-timeout", "1"], api_key=KEY) as srv:
+    with running_server(port, [*flags, "--shutdown-timeout", "0"], api_key=KEY) as srv:
         body = {
             "model": srv.model,
             "input": "Write the numbers from 1 to 2000, one per line.",

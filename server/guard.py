@@ -11,6 +11,7 @@ the HTTP protocol itself (`connections.py`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from dspark_serve.server.config import ServerConfig
 from dspark_serve.server.connections import RESERVE_EXTENSION
 from dspark_serve.server.errors import error_response
+from dspark_serve.server.state import SMALL_WORK
 
 # What a connection in the health reserve may ask (`connections.py`): the orchestrator's probes.
 PROBES = ("/health", "/metrics")
@@ -41,6 +43,9 @@ class Guard:
     def __init__(self, app: ASGIApp, config: ServerConfig, on_error: Callable[[int], None]) -> None:
         self.app, self.config, self.on_error = app, config, on_error
         self._key = config.api_key.encode() if config.api_key else None
+        # large bodies are received a few at a time (the rest wait in their sockets' buffers):
+        # a burst of them neither fills memory nor holds the event loop from small requests
+        self._large_bodies = asyncio.Semaphore(config.tokenize_concurrency)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -50,7 +55,10 @@ class Guard:
             return await self._reply(scope, receive, send, refusal)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        body = await self._read_body(receive)
+        declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        small = declared is not None and int(declared) <= SMALL_WORK
+        async with contextlib.nullcontext() if small else self._large_bodies:  # large ones in turn
+            body = await self._read_body(receive)
         if isinstance(body, Refusal):
             return await self._reply(scope, receive, send, body)
         if body is not None:  # None: the client went away

@@ -140,3 +140,50 @@ def test_idle_connections_from_one_address_lock_nobody_out(guarded_server):
     finally:
         for s in idle:
             s.close()
+
+
+def test_large_bodies_are_received_a_few_at_a_time():
+    """The guard reads bodies over the small size `tokenize_concurrency` at a time (the others
+    wait in their sockets); a small body is read at once beside them."""
+    from dspark_serve.server.guard import Guard
+
+    reading = {"now": 0, "most": 0}
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append((await receive())["body"][:1])
+
+    guard = Guard(app, ServerConfig(tokenize_concurrency=2), lambda status: None)
+
+    def request(size: int):
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "headers": [(b"content-length", str(size).encode())],
+        }
+        chunks = [b"x" * (size // 4)] * 3 + [b"x" * (size - 3 * (size // 4))]
+
+        async def receive():
+            if len(chunks) == 4:  # the first chunk: this body is being read
+                reading["now"] += 1
+                reading["most"] = max(reading["most"], reading["now"])
+            await asyncio.sleep(0.01)
+            chunk = chunks.pop(0)
+            if not chunks:
+                reading["now"] -= 1
+            return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+
+        return guard(scope, receive, None)
+
+    async def burst():
+        big = [asyncio.create_task(request(SMALL_WORK * 2)) for _ in range(6)]
+        await asyncio.sleep(0.015)
+        await asyncio.wait_for(request(100), 1)  # small: not behind the six
+        small_done_with_big_pending = sum(not t.done() for t in big)
+        await asyncio.gather(*big)
+        return small_done_with_big_pending
+
+    pending = asyncio.run(burst())
+    assert reading["most"] == 3  # two large at a time, and the small one beside them
+    assert pending >= 4 and len(seen) == 7
