@@ -1,7 +1,11 @@
 """Acceptance length per dev set through the serving engine, and the live calibration of the
-drafter's survival probabilities, at a fixed verification length (default static:7, greedy).
+drafter's survival probabilities, at a fixed verification length (default static:7), per
+sampling temperature (default greedy; sampled requests unseeded with `--unseeded`: rejection
+sampling against the drafter's q, as most API requests come; seeded ones sample keyed by
+position and draft greedily).
 
     python bench/acceptance.py --drafters dspark dflash ngram dspark+ngram --out bench/results/acceptance.json
+    python bench/acceptance.py --drafters dspark+ngram --temperatures 0,0.7,1 --unseeded --out /tmp/a.json
 
 tau = (accepted drafts + rounds) / rounds over every verification round of every request;
 `rounds` says how many rounds stand behind each figure. For drafters with a confidence head
@@ -27,10 +31,18 @@ sys.path.insert(0, str(ROOT))
 from bench.common import DATA, DOMAINS, load_prompts, machine  # noqa: E402
 
 
-def run_domain(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, label: str) -> dict:
+def run_domain(
+    llm,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    label: str,
+    temperature: float,
+    seed: int | None,
+) -> dict:
     from bench.common import run_engine_closed_loop
 
-    r = run_engine_closed_loop(llm.engine, prompts, concurrency, max_tokens, 0.0, label)
+    r = run_engine_closed_loop(llm.engine, prompts, concurrency, max_tokens, temperature, label, seed=seed)
     return {
         "tau": r.tau,
         "rounds": r.extra["rounds"],
@@ -57,6 +69,8 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--temperatures", default="0", help="comma-separated; each a run of its own")
+    ap.add_argument("--unseeded", action="store_true", help="sampled requests carry no seed")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/acceptance.json")
     args = ap.parse_args()
     from bench.bench_engine import chat_ids
@@ -68,9 +82,11 @@ def main() -> None:
         "drafter_paths": args.drafter_path,
         "prompts_per_set": args.prompts,
         "max_tokens": args.max_tokens,
+        "unseeded": args.unseeded,
         "drafters": {},
     }
-    for name in args.drafters:
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    for name, temperature in ((n, t) for n in args.drafters for t in temperatures):
         t0 = time.perf_counter()
         paths = dict(spec.split("=", 1) for spec in args.drafter_path)
         llm = LLM(
@@ -86,7 +102,10 @@ def main() -> None:
         for d in DOMAINS:
             texts = [t for _, t in load_prompts(DATA, args.prompts, domains=(d,))]
             prompts = [chat_ids(llm.tokenizer, t, args.max_prompt) for t in texts]
-            rows[d] = run_domain(llm, prompts, args.concurrency, args.max_tokens, f"{name}-{d}")
+            seed = None if args.unseeded else 0
+            rows[d] = run_domain(
+                llm, prompts, args.concurrency, args.max_tokens, f"{name}-{d}", temperature, seed
+            )
         eng = llm.engine
         cal = getattr(eng.drafter, "calibrator", None)
         out = {
@@ -103,9 +122,10 @@ def main() -> None:
             out["window_ece"] = cal.survival_ece()  # the last `window` ones (what /metrics shows)
             out["temperatures"] = list(cal.temperatures)
             out["biases"] = list(cal.biases)
-        result["drafters"][name] = out
+        key = name if temperatures == [0.0] else f"{name}@T={temperature:g}"
+        result["drafters"][key] = out
         print(
-            name,
+            key,
             json.dumps({d: round(r["tau"] or 0, 2) for d, r in rows.items()}),
             "macro",
             round(out["macro_tau"], 2),
