@@ -55,7 +55,7 @@ class Guard:
             return await self._reply(scope, receive, send, refusal)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        declared = _content_length(scope)  # a valid number: _check_headers refused any other
         small = declared is not None and int(declared) <= SMALL_WORK
         async with contextlib.nullcontext() if small else self._large_bodies:  # large ones in turn
             body = await self._read_body(receive)
@@ -74,7 +74,7 @@ class Guard:
             return Refusal(503, full, {"connection": "close"}, "too_many_connections")
         if self._key is not None and scope["path"].startswith("/v1/") and not self._authorized(scope):
             return Refusal(401, "invalid or missing API key")
-        length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        length = _content_length(scope)
         if length is None:
             return None
         try:
@@ -121,6 +121,11 @@ class Guard:
         self.on_error(refusal.status)
         response = error_response(refusal.status, refusal.message, code=refusal.code, headers=refusal.headers)
         await response(scope, receive, send)
+
+
+def _content_length(scope: Scope) -> bytes | None:
+    """The request's Content-Length header as sent, or None."""
+    return next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
