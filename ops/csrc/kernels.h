@@ -41,4 +41,12 @@ int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const vo
                     int block_shift, int64_t kv_token_stride, int64_t kv_head_stride, int causal,
                     int H, int Hkv, int D, float scale);
 
+/* GGUF block types (ggml's type ids) quant_gemm computes from (csrc/quant_gemm.c) */
+#define GGML_TYPE_Q4_0 2
+#define GGML_TYPE_Q4_1 3
+#define GGML_TYPE_Q8_0 8
+int quant_block_bytes(int type);
+int quant_gemm(const float *x, int64_t xs, const void *w, int64_t row_bytes, int type, const float *bias,
+               float *y, int M, int N, int K);
+
 #endif
