@@ -34,11 +34,14 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
 from dspark_serve.ops.platform import cpu_flags, cpu_model, default_cache_dir, emulated_level, level_of
+
+if TYPE_CHECKING:
+    from dspark_serve.ops.quant_kernels import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,14 @@ LinearFn = Callable[[torch.Tensor], torch.Tensor]
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
     CSRC / name
-    for name in ("paged_attention.c", "small_gemm.c", "elementwise.c", "draft_layers.c", "target_layers.c")
+    for name in (
+        "paged_attention.c",
+        "small_gemm.c",
+        "quant_gemm.c",
+        "elementwise.c",
+        "draft_layers.c",
+        "target_layers.c",
+    )
 )
 HEADERS = (CSRC / "amx.h", CSRC / "common.h", CSRC / "kernels.h")
 # -fassociative-math and friends let the compiler vectorise the float32 dot products and sums
@@ -179,6 +189,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.target_layers.argtypes = [ptr, i32, i32, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ptr, ptr]
     lib.target_layers.argtypes += [ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, i32]
     lib.target_layers.argtypes += [ctypes.c_float, ptr, ptr, i32, i32]
+    from dspark_serve.ops import quant_kernels  # its own room; it imports this module
+
+    quant_kernels.declare(lib)
 
 
 def _declare_row_ops(lib: ctypes.CDLL) -> None:
@@ -243,7 +256,7 @@ def load_kernels(cache_dir: Path | None = None) -> ctypes.CDLL | None:
 
 
 # kernel_paths()'s bits (csrc/small_gemm.c) and the CPU level each path is first built at
-KERNEL_PATHS = {1: "avx2", 2: "avx512", 4: "avx512-bf16", 8: "amx"}
+KERNEL_PATHS = {1: "avx2", 2: "avx512", 4: "avx512-bf16", 8: "amx", 16: "vnni"}
 
 
 def kernel_paths(lib: ctypes.CDLL) -> tuple[str, ...]:
@@ -789,6 +802,11 @@ class SmallGemmLinear:
         )
 
 
+# A layer's product as the layer drivers take it: packed floats, or GGUF blocks (the target's
+# float32 steps).
+LayerProduct = Union[SmallGemmLinear, "QuantLinear"]
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -816,7 +834,7 @@ class _LayersInC:
         self,
         fn: Any,  # a ctypes function of the library
         layers: Sequence[object],
-        linears: list[SmallGemmLinear],
+        linears: list[LayerProduct],
         first_norm: tuple[torch.Tensor, float],
         num_heads: int,
         num_kv_heads: int,
@@ -845,12 +863,13 @@ class _DraftLayer(ctypes.Structure):
 
 @dataclass(frozen=True)
 class LayerProducts:
-    """A decoder layer's four products through the packed gemm, as the layer drivers take them."""
+    """A decoder layer's four products through the packed gemm (or, the target's, GGUF blocks),
+    as the layer drivers take them."""
 
-    qkv: SmallGemmLinear
-    o: SmallGemmLinear
-    gate_up: SmallGemmLinear
-    down: SmallGemmLinear
+    qkv: LayerProduct
+    o: LayerProduct
+    gate_up: LayerProduct
+    down: LayerProduct
 
 
 @dataclass(frozen=True)
@@ -972,12 +991,20 @@ class _TargetLayer(ctypes.Structure):
         )
     ]
     _fields_ += [(name, ctypes.c_float) for name in ("post_eps", "next_eps")]
+    _fields_ += [("types", ctypes.c_int * 4), ("row_bytes", ctypes.c_int64 * 4)]
+
+
+def _block_types(w: TargetLayerWeights) -> tuple[Any, Any]:
+    """The struct's `types` and `row_bytes`: each product's GGUF block type (0: packed floats)."""
+    prods = (w.qkv, w.o, w.gate_up, w.down)
+    types = [getattr(p, "type_id", 0) for p in prods]
+    return (ctypes.c_int * 4)(*types), (ctypes.c_int64 * 4)(*[getattr(p, "row_bytes", 0) for p in prods])
 
 
 @dataclass(frozen=True)
 class TargetLayerWeights(LayerProducts):
-    """What one target layer hands `TargetLayers`: its products through the packed gemm (gate_up
-    without bias) and its norms as (weight, eps); next_norm is the next layer's input norm, or
+    """What one target layer hands `TargetLayers`: its products through the packed gemm or GGUF
+    blocks (`QuantLinear`, float32 steps; gate_up without bias) and its norms as (weight, eps); next_norm is the next layer's input norm, or
     the final norm after the last layer."""
 
     post_norm: tuple[torch.Tensor, float]
@@ -1027,6 +1054,7 @@ class TargetLayers(_LayersInC):
                     _ptr(w.next_norm[0]),
                     w.post_norm[1],
                     w.next_norm[1],
+                    *_block_types(w),
                 )
                 for w in layers
             ]

@@ -17,8 +17,10 @@ import torch
 from dspark_serve.ops import cpu_kernels
 from dspark_serve.ops.cpu_kernels import SmallGemmLinear, TargetLayers, TargetLayerWeights
 from dspark_serve.ops.linear import FastRMSNorm, Linear, make_linear
+from dspark_serve.ops.quant_kernels import QuantLinear
 from dspark_serve.ops.triton_linear import InvariantTritonLinear
 from dspark_serve.verifier.forward import ModelParts
+from dspark_serve.verifier.gguf_blocks import LayerBlocks, ModelBlocks
 
 
 @dataclass
@@ -64,11 +66,18 @@ class FastWeights:
     """The decoder layers' fused weights and products, the LM head and the final norm."""
 
     def __init__(
-        self, parts: ModelParts, linear: str, quantize: str, gemm_rows: int = 0, invariant: str | None = None
+        self,
+        parts: ModelParts,
+        linear: str,
+        quantize: str,
+        gemm_rows: int = 0,
+        invariant: str | None = None,
+        blocks: ModelBlocks | None = None,
     ) -> None:
         """invariant: every product batch-invariant, through the C gemm ("c", `make_linear`) or a
         Triton matmul ("triton", `InvariantTritonLinear`), the LM head's logits float32; None:
-        the products `linear` picks."""
+        the products `linear` picks. blocks: the products (and LM head) that multiply from GGUF
+        blocks (`QuantLinear`, batch-invariant by construction); the rest as above."""
         if invariant not in (None, "c", "triton"):
             raise ValueError(f"invariant must be None, 'c' or 'triton', got {invariant!r}")
         self.layers: list[FastLayer] = []
@@ -81,24 +90,40 @@ class FastWeights:
                 return InvariantTritonLinear(w, b, float_out)
             return make_linear(w, b, linear, quantize, gemm_rows, invariant == "c", float_out)
 
-        for layer in parts.layers:
-            wqkv, bqkv, wgu = _fuse(layer, parts, quantize)
+        for i, layer in enumerate(parts.layers):
+            lb = blocks.layers[i] if blocks is not None else LayerBlocks(None, None, None, None)
             a, m = layer.self_attn, layer.mlp
+            if lb.qkv is not None and lb.gate_up is not None:  # the fused float weights are not needed
+                wqkv = wgu = bqkv = None
+                if a.q_proj.bias is not None:
+                    bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            else:
+                wqkv, bqkv, wgu = _fuse(layer, parts, quantize)
+
+            def product(block: str, w: torch.Tensor | None, b: torch.Tensor | None) -> Linear:
+                mat = lb.get(block)
+                if mat is not None:
+                    return QuantLinear(mat, b)
+                assert w is not None
+                return lin(w, b)
+
             fl = FastLayer(
                 in_norm=FastRMSNorm.of(layer.input_layernorm),
                 post_norm=FastRMSNorm.of(layer.post_attention_layernorm),
-                qkv=lin(wqkv, bqkv),
-                o=lin(a.o_proj.weight, a.o_proj.bias),
-                gate_up=lin(wgu, None),
-                down=lin(m.down_proj.weight, m.down_proj.bias),
+                qkv=product("qkv", wqkv, bqkv),
+                o=product("o", a.o_proj.weight, a.o_proj.bias),
+                gate_up=product("gate_up", wgu, None),
+                down=product("down", m.down_proj.weight, m.down_proj.bias),
                 q_norm=FastRMSNorm.of(a.q_norm) if parts.has_qk_norm else None,
                 k_norm=FastRMSNorm.of(a.k_norm) if parts.has_qk_norm else None,
             )
-            kinds.add(fl.qkv.kind)
+            kinds.update(p.kind for p in (fl.qkv, fl.o, fl.gate_up, fl.down))
             self.layers.append(fl)
         # The LM head stays as is (tied to the embedding the drafter shares); prepacking helps it too.
         head = parts.lm_head
-        if invariant is None:
+        if blocks is not None and blocks.head is not None:
+            self.lm_head: Linear = QuantLinear(blocks.head, head.bias)
+        elif invariant is None:
             self.lm_head = make_linear(head.weight, head.bias, linear, "none", gemm_rows)
         else:
             self.lm_head = lin(head.weight, head.bias, float_out=True)
@@ -119,7 +144,7 @@ class FastWeights:
         lib = cpu_kernels.load_kernels()
         if lib is None or parts.has_qk_norm:
             return None
-        if not all(isinstance(lin, SmallGemmLinear) for lin in self.products()):
+        if not all(isinstance(lin, (SmallGemmLinear, QuantLinear)) for lin in self.products()):
             return None
         layers = self.layers
         weights = [

@@ -24,6 +24,7 @@ from dspark_serve.verifier.config import ATTENTION_KINDS, LINEAR_KINDS
 from dspark_serve.verifier.fast_plan import FastPlan, FastPlanner
 from dspark_serve.verifier.fast_weights import FastWeights, RopeTable
 from dspark_serve.verifier.forward import ForwardOutput, ModelParts, Segment
+from dspark_serve.verifier.gguf_blocks import ModelBlocks
 from dspark_serve.verifier.kv_cache import KVCache
 
 
@@ -84,7 +85,9 @@ class FastForward:
         attention: str = "auto",
         gemm_rows: int = 0,
         batch_invariant: bool = False,
+        blocks: ModelBlocks | None = None,
     ) -> None:
+        """blocks: the products that multiply from GGUF blocks (float32 activations, CPU)."""
         if linear not in LINEAR_KINDS:
             raise ValueError(f"linear must be one of {LINEAR_KINDS}, got {linear!r}")
         if linear == "mkldnn" and not ops_linear.mkldnn_linear_works(parts.dtype, parts.device):
@@ -109,7 +112,10 @@ class FastForward:
         # a batch-invariant forward's products: the C gemm beside the C attention, a Triton
         # matmul beside the Triton one
         invariant = ("triton" if self.attention == "triton" else "c") if batch_invariant else None
-        self.weights = FastWeights(parts, linear, quantize, gemm_rows, invariant)
+        if blocks is not None and (parts.device.type != "cpu" or parts.dtype != torch.float32):
+            raise ValueError(f"GGUF blocks run with float32 activations on a CPU, got {parts.dtype} on {parts.device}")
+        self.blocks = blocks
+        self.weights = FastWeights(parts, linear, quantize, gemm_rows, invariant, blocks)
         self.rope = RopeTable(parts)
         self.plan = FastPlanner(self.attention, kv.block_size, self.rope, parts.dtype)
         self.target_driver: TargetLayers | None = None
@@ -124,6 +130,8 @@ class FastForward:
         """Which forward runs and how it multiplies."""
         w = self.weights
         q = "" if self.quantize == "none" else f", weights {self.quantize}"
+        if self.blocks is not None:
+            q += f", weights {self.blocks.describe()}"
         fused = ", fused elementwise" if self.fused is not None else ""
         rows = "" if w.gemm_max_rows is None else f" up to {w.gemm_max_rows} rows, oneDNN above"
         inv = ", batch-invariant" if self.batch_invariant else ""
@@ -133,6 +141,7 @@ class FastForward:
         return (
             self.paged_attention is not None
             or self.weights.linear_kind == "gemm"
+            or self.blocks is not None
             or isinstance(self.fused, FusedElementwise)
         )
 

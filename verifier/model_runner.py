@@ -18,13 +18,14 @@ from dspark_serve.verifier.cuda_graphs import CudaCapture, EagerReplay, GraphedF
 from dspark_serve.verifier.forward import Forward, ForwardOutput, ModelParts, Segment
 from dspark_serve.verifier.forward_fast import FastForward
 from dspark_serve.verifier.forward_reference import ReferenceForward
+from dspark_serve.verifier.gguf_blocks import ModelBlocks, release_float_weights
 from dspark_serve.verifier.kv_cache import KVCache
 
 __all__ = ["ForwardOutput", "ModelRunner", "Segment"]
 
 # forward name -> how it is built from (parts, kv cache, linear, quantize, attention, gemm_rows,
-# batch_invariant)
-FORWARDS: dict[str, Callable[[ModelParts, KVCache, str, str, str, int, bool], Forward]] = {
+# batch_invariant, GGUF blocks)
+FORWARDS: dict[str, Callable[[ModelParts, KVCache, str, str, str, int, bool, ModelBlocks | None], Forward]] = {
     "fast": FastForward,
     "reference": lambda parts, kv, *_: ReferenceForward(parts, kv),
 }
@@ -66,6 +67,7 @@ class ModelRunner:
         cuda_graphs: bool = False,
         max_model_len: int = 2048,
         batch_invariant: bool = False,
+        blocks: ModelBlocks | None = None,
     ) -> None:
         """impl: a forward of FORWARDS: "fast" (fused weights, vectorised planning, block-granular
         KV reads) or "reference" (the original per-module forward). linear: how the fast path
@@ -75,8 +77,12 @@ class ModelRunner:
         takes through the C gemm kernel (0: by the CPU; see ModelConfig.gemm_rows). cuda_graphs:
         decode and verify steps replay CUDA graphs (`verifier/cuda_graphs.py`; the fast forward
         with attention "triton"), sized for sequences of up to max_model_len. batch_invariant: a
-        row's logits do not depend on what shares its forward (see ModelConfig.batch_invariant)."""
+        row's logits do not depend on what shares its forward (see ModelConfig.batch_invariant).
+        blocks: products served from GGUF blocks (`verifier/gguf_blocks.py`; the fast forward on
+        a CPU in float32); their float weights are released once the forward holds the blocks."""
         _check_options(model, impl, quantize, cuda_graphs, batch_invariant)
+        if blocks is not None and (impl != "fast" or quantize != "none"):
+            raise ValueError(f"GGUF blocks need impl='fast' without quantize, got {impl!r}, {quantize!r}")
         self.impl = impl
         self.model = model
         self.parts = P = ModelParts.of(model)
@@ -91,8 +97,9 @@ class ModelRunner:
         self.block_size = block_size
         forward = FORWARDS[impl]
         self.forward_impl: Forward = forward(
-            P, self.kv, linear, quantize, attention, gemm_rows, batch_invariant
+            P, self.kv, linear, quantize, attention, gemm_rows, batch_invariant, blocks
         )
+        self.released_bytes = release_float_weights(P, blocks) if blocks is not None else 0
         if cuda_graphs:
             assert isinstance(self.forward_impl, FastForward)
             capture = CudaCapture() if P.device.type == "cuda" else EagerReplay()

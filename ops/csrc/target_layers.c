@@ -17,22 +17,33 @@
 
 #include "kernels.h"
 
-/* One layer's weights: products packed by small_gemm_pack / small_gemm_f32_pack (bias NULL
- * where none; gate_up has none), norms [d] (next_norm: the next layer's input norm, or the
- * final norm after the last layer), all of the step's dtype. */
+/* One layer's weights: products packed by small_gemm_pack / small_gemm_f32_pack, or GGUF
+ * blocks for quant_gemm (float32 steps: `types` the products' block types, qkv, o, gate_up,
+ * down, 0 for a packed one, `row_bytes` their rows' sizes), bias NULL where none (gate_up has
+ * none), norms [d] (next_norm: the next layer's input norm, or the final norm after the last
+ * layer), all of the step's dtype. */
 typedef struct {
     const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *down, *down_bias;
     const void *post_norm, *next_norm;
     float post_eps, next_eps;
+    int types[4];
+    int64_t row_bytes[4];
 } TargetLayer;
 
-static void gemm(int bf16, const void *x, int64_t xs, const void *w, const void *b, void *y, int M, int N,
-                 int K, int invariant) {
+enum { P_QKV, P_O, P_GATE_UP, P_DOWN };
+
+/* returns 0, or quant_gemm's error */
+static int gemm(int bf16, const void *x, int64_t xs, const TargetLayer *l, int which, const void *w, const void *b,
+                void *y, int M, int N, int K, int invariant) {
+    if (l->types[which])
+        return quant_gemm((const float *)x, xs, w, l->row_bytes[which], l->types[which], (const float *)b,
+                          (float *)y, M, N, K);
     if (bf16)
         small_gemm_ex((const uint16_t *)x, xs, (const uint16_t *)w, (const uint16_t *)b, y, M, N, K,
                       invariant ? GEMM_INVARIANT : 0);
     else
         small_gemm_f32((const float *)x, xs, (const float *)w, (const float *)b, (float *)y, M, N, K);
+    return 0;
 }
 
 static void norm(int bf16, void *h, const void *delta, int64_t ds, const void *w, void *out, int T, int d,
@@ -56,7 +67,7 @@ static void tap(const char *rows, char *taps, int col, int ntaps, int T, int d, 
  * pieces. tap_col [L + 1]: for the embeddings (0) and after each layer l (l + 1) the column
  * block of taps [T, ntaps * d] that receives a copy, or -1. invariant: the products and the
  * attention in their batch-invariant orders (GEMM_INVARIANT, ATTN_INVARIANT). Returns 0, or -1
- * when a buffer could not be allocated or the attention failed. */
+ * when a buffer could not be allocated or the attention failed (-2: a block product's buffer). */
 int target_layers(const TargetLayer *layers, int L, int bf16, void *const *k_caches, void *const *v_caches,
                   int64_t num_slots, void *h, void *x, const void *first_norm, float first_eps,
                   const void *cos, const void *sin, const int64_t *slots, int G, const int32_t *row0,
@@ -74,21 +85,21 @@ int target_layers(const TargetLayer *layers, int L, int bf16, void *const *k_cac
     }
     for (int l = 0; l < L && rc == 0; l++) {
         const TargetLayer *w = layers + l;
-        gemm(bf16, x, d, w->qkv, w->qkv_bias, qkv, T, nqkv, d, invariant);
+        if ((rc = gemm(bf16, x, d, w, P_QKV, w->qkv, w->qkv_bias, qkv, T, nqkv, d, invariant)) != 0) break;
         rope_store(qkv, nqkv, D, qkv + es * nq, nqkv, D, qkv + es * (nq + nk), nqkv, cos, sin, slots,
                    k_caches[l], v_caches[l], num_slots, dt, T, H, Hkv, D);
         rc = paged_attention_ex(qkv, nqkv, D, k_caches[l], v_caches[l], att, dt, G, row0, nseg, start, table,
                                 max_blocks, block_shift, D, num_slots * D, 1, H, Hkv, D, scale,
                                 invariant ? ATTN_INVARIANT : 0);
         if (rc != 0) break;
-        gemm(bf16, att, nq, w->o, w->o_bias, o, T, d, nq, invariant);
+        if ((rc = gemm(bf16, att, nq, w, P_O, w->o, w->o_bias, o, T, d, nq, invariant)) != 0) break;
         norm(bf16, h, o, d, w->post_norm, x, T, d, w->post_eps);
-        gemm(bf16, x, d, w->gate_up, NULL, gu, T, 2 * I, d, invariant);
+        if ((rc = gemm(bf16, x, d, w, P_GATE_UP, w->gate_up, NULL, gu, T, 2 * I, d, invariant)) != 0) break;
         if (bf16)
             silu_mul((const uint16_t *)gu, (uint16_t *)act, T, I);
         else
             silu_mul_f32((const float *)gu, (float *)act, T, I);
-        gemm(bf16, act, I, w->down, w->down_bias, o, T, d, I, invariant);
+        if ((rc = gemm(bf16, act, I, w, P_DOWN, w->down, w->down_bias, o, T, d, I, invariant)) != 0) break;
         norm(bf16, h, o, d, w->next_norm, x, T, d, w->next_eps);
         if (tap_col[l + 1] >= 0)
             tap((const char *)(l == L - 1 ? x : h), (char *)taps, tap_col[l + 1], ntaps, T, d, es);
