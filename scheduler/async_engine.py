@@ -238,6 +238,8 @@ class AsyncEngine:
             device=str(e.runner.device),
             drafter=e.drafter.name if e.drafter is not None else "none",
             verify_policy=e.speculation.policy.name,
+            weights=b.weights_detail,
+            weights_reason=b.weights.reason if b.weights is not None else "",
         )
 
     def wait_ready(self, timeout: float | None = None) -> bool:

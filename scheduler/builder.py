@@ -25,9 +25,13 @@ from dspark_serve.scheduler.policy import CostTable, DSparkPolicy, parse_policy
 from dspark_serve.verifier.config import ModelConfig
 from dspark_serve.verifier.cuda_graphs import TOKEN_BUCKETS
 from dspark_serve.verifier.host_memory import retain_freed_memory
+from dspark_serve.verifier.forward import ModelParts
+from dspark_serve.verifier.gguf_blocks import ModelBlocks, quantize_blocks, read_gguf_blocks
 from dspark_serve.verifier.loader import (
     DtypeChoice,
+    WeightsChoice,
     choose_dtype,
+    choose_weights,
     load_target,
     resolve_device,
 )
@@ -43,11 +47,14 @@ EMBEDDED_DRAFTER = Path(__file__).resolve().parent.parent / "drafter" / "checkpo
 
 @dataclass
 class EngineBundle:
-    """A built engine, the tokenizer of its target, and the dtype chosen for it (and why)."""
+    """A built engine, the tokenizer of its target, and the dtype and weights chosen for it
+    (and why)."""
 
     engine: Engine
     tokenizer: Any
     dtype: DtypeChoice
+    weights: WeightsChoice | None = None
+    weights_detail: str = ""
 
 
 def kv_cache_tokens(cfg: ModelConfig, hf_config: Any, dtype: torch.dtype) -> int:
@@ -143,11 +150,28 @@ def build_drafter_for(
     )
 
 
+def target_blocks(choice: WeightsChoice, target: Any) -> ModelBlocks | None:
+    """The target's products as blocks where `choice` serves them so (the file's, or Q8_0 made
+    from the floats), checked against the loaded weights; None for dense weights."""
+    if choice.kind == "dense":
+        return None
+    parts = ModelParts.of(target.model)
+    if choice.kind == "gguf":
+        assert choice.gguf is not None
+        return read_gguf_blocks(choice.gguf, parts)
+    return quantize_blocks(parts, "Q8_0")
+
+
 def build_runner(
-    model_cfg: ModelConfig, target: Any, device: torch.device, dtype: torch.dtype, tokens: int = 0
+    model_cfg: ModelConfig,
+    target: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    tokens: int = 0,
+    blocks: ModelBlocks | None = None,
 ) -> ModelRunner:
     """The target's runner with a KV cache of `tokens` slots (0: sized by the config on a CPU,
-    `kv_cache_tokens`)."""
+    `kv_cache_tokens`); blocks: its products served from GGUF blocks."""
     tokens = tokens or kv_cache_tokens(model_cfg, target.model.config, dtype)
     runner = ModelRunner(
         target.model,
@@ -161,8 +185,11 @@ def build_runner(
         cuda_graphs=model_cfg.cuda_graphs,
         max_model_len=model_cfg.max_model_len,
         batch_invariant=model_cfg.batch_invariant,
+        blocks=blocks,
     )
     log.info("target forward: %s", runner.describe())
+    if runner.released_bytes:
+        log.info("released the float copies of the block products (%.0f MiB)", runner.released_bytes / 2**20)
     kv = runner.kv
     log.info("KV cache: %d blocks x %d tokens (%.0f MiB)", kv.num_blocks, kv.block_size, kv.nbytes / 2**20)
     return runner
@@ -212,23 +239,31 @@ def build_engine(
     on_stage: told what is being loaded, step by step (for /health and the log)."""
     stage = on_stage or (lambda s: None)
     device = resolve_device(model_cfg.device)
-    choice = choose_dtype(model_cfg.dtype, device)
+    fast = model_cfg.forward == "fast" and model_cfg.quantize == "none"
+    weights = choose_weights(model_cfg.weights, model_cfg.dtype, device, model_cfg.model, fast)
+    choice = weights.dtype
     dtype = choice.dtype
     log.info("target dtype %s on %s (%s)%s", choice.name, device, choice.reason, _cpu_line(device))
+    log.info("target weights: %s", weights.reason)
     cache_dir = Path(model_cfg.cache_dir) if model_cfg.cache_dir else default_cache_dir()
     stage("loading the target model")
     target = load_target(model_cfg.model, device, dtype, cache_dir)
+    stage("reading the weight blocks")
+    blocks = target_blocks(weights, target)
     model_len = getattr(target.model.config, "max_position_embeddings", model_cfg.max_model_len)
     max_len = min(model_cfg.max_model_len, model_len)
     stage("loading the drafter")
+    # the drafter keeps the dtype --dtype picks (bf16 where the CPU computes it natively) when
+    # the target's products are blocks beside float32 activations
+    drafter_dtype = dtype if weights.kind == "dense" else choose_dtype(model_cfg.dtype, device).dtype
     drafter = build_drafter_for(
-        drafter_cfg, target, device, dtype, model_cfg.model is None, model_cfg.cuda_graphs
+        drafter_cfg, target, device, drafter_dtype, model_cfg.model is None, model_cfg.cuda_graphs
     )
     tokens = model_cfg.kv_cache_tokens
     if device.type == "cuda" and not tokens:  # the KV cache gets what the plan leaves
         total = torch.cuda.mem_get_info(device)[1]
         tokens = device_memory_plan(model_cfg, sched_cfg, target, drafter, dtype, total, max_len).kv_tokens
-    runner = build_runner(model_cfg, target, device, dtype, tokens)
+    runner = build_runner(model_cfg, target, device, dtype, tokens, blocks)
     # after the weights and the KV cache: those keep their own mappings
     if device.type == "cpu" and retain_freed_memory(model_cfg.retain_freed_mib):
         log.info("freed host blocks of up to %d MiB are kept for the next step", model_cfg.retain_freed_mib)
@@ -249,4 +284,5 @@ def build_engine(
     if drafter is not None:
         policy = engine.speculation.policy.name
         log.info("drafter %s (block %d), verify policy %s", drafter.name, drafter.block_size, policy)
-    return EngineBundle(engine, target.tokenizer, choice)
+    detail = blocks.describe() if blocks is not None else f"dense {choice.name}"
+    return EngineBundle(engine, target.tokenizer, choice, weights, detail)

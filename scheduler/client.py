@@ -168,13 +168,16 @@ class ChatTemplate:
 
 @dataclass(frozen=True)
 class RuntimeInfo:
-    """How the loaded engine runs (shown on /v1/models): dtype and why, device, drafter."""
+    """How the loaded engine runs (shown on /v1/models): dtype and why, what the weights are
+    (the GGUF's own blocks, Q8_0 made at load, or dense floats) and why, device, drafter."""
 
     dtype: str
     dtype_reason: str
     device: str
     drafter: str
     verify_policy: str
+    weights: str = ""
+    weights_reason: str = ""
 
 
 class EngineClient(Protocol):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 ATTENTION_KINDS = ("auto", "sdpa", "matmul", "paged", "triton")
 LINEAR_KINDS = ("auto", "torch", "mkldnn", "gemm")
+WEIGHTS_KINDS = ("auto", "gguf", "q8_0", "bf16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,14 @@ class ModelConfig:
     and being faulted in again at every step; 0 keeps the allocator's defaults. A step's large
     temporaries (logits, sampling probabilities) would otherwise be mapped and faulted in afresh
     every step (`verifier/host_memory.py`)."""
+    weights: str = "auto"
+    """What the target's products multiply from. gguf: the GGUF file's own blocks (Q4_0, Q4_1,
+    Q8_0), read in place and dequantized in registers against float32 activations, so the model
+    is exactly the one published, at 5-8.5 bits a weight read per token instead of 16-32 (CPU;
+    a tensor type without a kernel stays in floats, logged); q8_0: every product quantized to
+    Q8_0 at load (a model given as a HF directory; CHANGES THE TARGET slightly); bf16 / fp32:
+    dense weights in that dtype (as --dtype); auto: gguf on a CPU when the model is a GGUF file
+    whose tensors have kernels and --dtype is auto or float32, else dense in --dtype."""
     quantize: str = "none"
     """none, or int8: weight-only int8 with one scale per output channel (fast forward only).
     int8 CHANGES THE TARGET: outputs follow the quantised model, not the float one. On CPU it pays
@@ -113,6 +122,7 @@ class ModelConfig:
             raise ValueError(f"cuda_graphs needs attention 'triton' (or auto), got {self.attention!r}")
         if self.quantize not in ("none", "int8"):
             raise ValueError(f"quantize must be none or int8, got {self.quantize!r}")
+        self._check_weights()
         if self.quantize != "none" and self.forward != "fast":
             raise ValueError(f"quantize {self.quantize!r} needs forward 'fast', got {self.forward!r}")
         if self.batch_invariant and (
@@ -128,3 +138,20 @@ class ModelConfig:
             )
         if self.kv_block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"kv_block_size must be a power of two <= 256, got {self.kv_block_size!r}")
+
+    def _check_weights(self) -> None:
+        if self.weights not in WEIGHTS_KINDS:
+            raise ValueError(f"weights must be one of {WEIGHTS_KINDS}, got {self.weights!r}")
+        dense = {"bf16": "bfloat16", "fp32": "float32"}
+        if self.weights in dense and self.dtype not in ("auto", dense[self.weights]):
+            raise ValueError(f"weights {self.weights!r} contradicts dtype {self.dtype!r}")
+        if self.weights in ("gguf", "q8_0"):
+            if self.dtype not in ("auto", "float32"):
+                raise ValueError(
+                    f"weights {self.weights!r} computes with float32 activations; got dtype {self.dtype!r}"
+                )
+            if self.forward != "fast" or self.quantize != "none":
+                raise ValueError(
+                    f"weights {self.weights!r} needs forward 'fast' and no quantize, got forward "
+                    f"{self.forward!r}, quantize {self.quantize!r}"
+                )

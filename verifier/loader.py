@@ -98,6 +98,79 @@ def choose_dtype(
     return DtypeChoice(torch.float32, "auto: CPU without native bfloat16 (no avx512_bf16/amx_bf16)")
 
 
+@dataclass(frozen=True)
+class WeightsChoice:
+    """What the target's products multiply from (`ModelConfig.weights` resolved) and why:
+    kind "gguf" (the file's blocks), "q8_0" (quantized at load) or "dense" (floats in
+    dtype.dtype); dtype: the target's activations (float32 for blocks)."""
+
+    kind: str
+    dtype: DtypeChoice
+    reason: str
+    gguf: Path | None = None
+
+
+def gguf_source(model: str | None) -> Path | None:
+    """The .gguf file a model argument names (None: the embedded model's), or None for a HF
+    directory (or an embedded package that is missing: loading says so)."""
+    if model is None:
+        try:
+            return embedded_gguf_path()
+        except FileNotFoundError:
+            return None
+    path = Path(model)
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def gguf_block_problem(path: Path) -> str | None:
+    """Why the file's decoder products cannot all be served from their blocks (None: they can)."""
+    from dspark_serve.ops import cpu_kernels
+    from dspark_serve.ops.quant_kernels import BLOCK_TYPES
+    from dspark_serve.verifier.gguf_blocks import GgufFile
+
+    if cpu_kernels.load_kernels() is None:
+        return "no C compiler for the block kernels"
+    f = GgufFile(path)
+    kinds = {f.block_type(n) for n in f.tensors if n.startswith("blk.") and n.endswith(".weight")}
+    kinds.discard("F32")  # the norms
+    missing = sorted(str(k) for k in kinds if k not in BLOCK_TYPES)
+    return f"tensor types without a kernel: {', '.join(missing)}" if missing else None
+
+
+def choose_weights(
+    weights: str,
+    dtype: str | torch.dtype | None,
+    device: torch.device,
+    model: str | None,
+    fast_forward: bool = True,
+) -> WeightsChoice:
+    """Resolve `--weights` (see ModelConfig.weights) for the model argument `model`."""
+    f32 = DtypeChoice(torch.float32, f"--weights {weights}: float32 activations")
+    if weights in ("bf16", "fp32"):
+        choice = DtypeChoice(_DTYPES[weights], f"--weights {weights}")
+        return WeightsChoice("dense", choice, f"--weights {weights}")
+    source = gguf_source(model)
+    if weights in ("gguf", "q8_0") and device.type != "cpu":
+        raise ValueError(f"--weights {weights} is for CPUs; on {device} serve bf16 (--weights auto)")
+    if weights == "gguf":
+        if source is None:
+            raise ValueError(
+                "--weights gguf needs a .gguf model (the embedded default or --model FILE.gguf); "
+                "a HF directory can be served with --weights q8_0"
+            )
+        return WeightsChoice("gguf", f32, f"--weights gguf: the blocks of {source.name}", source)
+    if weights == "q8_0":
+        return WeightsChoice("q8_0", f32, "--weights q8_0: every product quantized to Q8_0 at load")
+    dense = choose_dtype(dtype, device)
+    if device.type != "cpu" or source is None or not fast_forward or dtype not in (None, "auto", "float32"):
+        return WeightsChoice("dense", dense, f"auto: dense {dense.name} ({dense.reason})")
+    problem = gguf_block_problem(source)
+    if problem is not None:
+        return WeightsChoice("dense", dense, f"auto: dense {dense.name} ({source.name} not served from blocks: {problem})")
+    auto = DtypeChoice(torch.float32, "auto: float32 activations beside the file's blocks")
+    return WeightsChoice("gguf", auto, f"auto: the blocks of {source.name} (a CPU, a GGUF model)", source)
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     return choose_dtype(dtype, device).dtype
 
