@@ -26,6 +26,7 @@ from dspark_serve.ops.platform import CPU_LEVELS, cpu_flags, emulation_env, leve
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = [
     "tests/ops/test_cpu_kernels.py",
+    "tests/ops/test_quant_kernels.py",  # the GGUF block products' order on that CPU's path
     "tests/verifier/test_forward_fast.py",
     "tests/verifier/test_batch_invariance.py",
     "tests/drafter/test_dspark_serving.py",
