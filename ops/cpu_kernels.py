@@ -256,7 +256,7 @@ def load_kernels(cache_dir: Path | None = None) -> ctypes.CDLL | None:
 
 
 # kernel_paths()'s bits (csrc/small_gemm.c) and the CPU level each path is first built at
-KERNEL_PATHS = {1: "avx2", 2: "avx512", 4: "avx512-bf16", 8: "amx", 16: "vnni"}
+KERNEL_PATHS = {1: "avx2", 2: "avx512", 4: "avx512-bf16", 8: "amx"}
 
 
 def kernel_paths(lib: ctypes.CDLL) -> tuple[str, ...]:

@@ -39,7 +39,6 @@ class CpuLevel:
 _NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
 _NO_AVX512 = (
     *_NO_AMX,
-    "-mno-avxvnni",
     *(
         "-mno-avx512f -mno-avx512bw -mno-avx512cd -mno-avx512dq -mno-avx512vl -mno-avx512bf16 "
         "-mno-avx512vnni -mno-avx512ifma -mno-avx512vbmi -mno-avx512vbmi2 -mno-avx512bitalg "

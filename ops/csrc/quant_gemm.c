@@ -56,7 +56,7 @@
 
 #define QK 32 /* weights per block */
 #ifdef QUANT_512
-#define QM 8 /* rows of x per pass over a weight row: one register of sums each ... */
+#define QM 8 /* rows of x per pass over a weight row: one register of sums each (16 spilled) ... */
 #else
 #define QM 4 /* ... or two, of sixteen */
 #endif

@@ -275,8 +275,7 @@ int small_gemm_tiles(void) {
 }
 
 /* The instruction sets this build's paths use, as bits: 1 AVX2 with FMA, 2 AVX512F, 4 AVX512-BF16,
- * 8 AMX tiles (built for them; whether this process may use them is small_gemm_tiles), 16 the
- * int8 dot products of AVX512-VNNI or AVX-VNNI (quant_gemm.c). */
+ * 8 AMX tiles (built for them; whether this process may use them is small_gemm_tiles). */
 int kernel_paths(void) {
     int paths = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -290,9 +289,6 @@ int kernel_paths(void) {
 #endif
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     paths |= 8;
-#endif
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-    paths |= 16;
 #endif
     return paths;
 }
