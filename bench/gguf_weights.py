@@ -55,7 +55,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--dense", default="fp32", choices=("fp32", "bf16"), help="the dense weights beside")
-    ap.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.7, 1.0])
+    ap.add_argument(
+        "--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.7, 1.0]
+    )
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=15, help="forward timings per row count")
@@ -78,8 +80,13 @@ def main() -> None:
     for rnd in range(args.rounds):  # before anything is served (see forward_ms)
         for name, llm in engines.items():
             steps = {n: forward_ms(llm.engine, n, args.reps) for n in (1, 2, 4, 8, 16)}
-            rows.append({"weights": name, "kind": "forward_ms", "round": rnd, **{str(k): v for k, v in steps.items()}})
-            print(f"round {rnd} {name:5s} forward ms " + " ".join(f"{k}:{v:.2f}" for k, v in steps.items()), flush=True)
+            rows.append(
+                {"weights": name, "kind": "forward_ms", "round": rnd, **{str(k): v for k, v in steps.items()}}
+            )
+            print(
+                f"round {rnd} {name:5s} forward ms " + " ".join(f"{k}:{v:.2f}" for k, v in steps.items()),
+                flush=True,
+            )
     for llm in engines.values():  # warm-up
         llm.engine.set_policy("none")
         run_engine_closed_loop(llm.engine, prompts[:1], 1, 4, 0.0, "warmup")
@@ -90,7 +97,13 @@ def main() -> None:
                 for policy, label in (("none", "plain"), ("dspark", "default")):
                     eng.set_policy(policy)
                     p = run_engine_closed_loop(
-                        eng, prompts[: args.prompts], args.concurrency, args.max_tokens, temp, label, seed=None
+                        eng,
+                        prompts[: args.prompts],
+                        args.concurrency,
+                        args.max_tokens,
+                        temp,
+                        label,
+                        seed=None,
                     )
                     rows.append(
                         {
@@ -114,7 +127,11 @@ def main() -> None:
         summary[f"{name} forward_ms"] = {k: median(r[k] for r in fw) for k in ("1", "2", "4", "8", "16")}
         for temp in args.temperatures:
             for label in ("plain", "default"):
-                sel = [r for r in rows if r["weights"] == name and r["kind"] == label and r["temperature"] == temp]
+                sel = [
+                    r
+                    for r in rows
+                    if r["weights"] == name and r["kind"] == label and r["temperature"] == temp
+                ]
                 summary[f"{name} {label} T={temp}"] = median(r["per_user_tps"] for r in sel)
     for temp in args.temperatures:
         for label in ("plain", "default"):
@@ -123,7 +140,11 @@ def main() -> None:
             )
     compare = None
     if args.compare_prompts:
-        ref = LLM(weights="fp32", drafter="none", max_num_seqs=8, max_model_len=2048) if args.dense != "fp32" else None
+        ref = (
+            LLM(weights="fp32", drafter="none", max_num_seqs=8, max_model_len=2048)
+            if args.dense != "fp32"
+            else None
+        )
         dense_llm = ref or engines["fp32"]
         greedy = SamplingParams(temperature=0.0)
         ids = prompts[: args.compare_prompts]

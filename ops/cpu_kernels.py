@@ -1004,8 +1004,8 @@ def _block_types(w: TargetLayerWeights) -> tuple[Any, Any]:
 @dataclass(frozen=True)
 class TargetLayerWeights(LayerProducts):
     """What one target layer hands `TargetLayers`: its products through the packed gemm or GGUF
-    blocks (`QuantLinear`, float32 steps; gate_up without bias) and its norms as (weight, eps); next_norm is the next layer's input norm, or
-    the final norm after the last layer."""
+    blocks (`QuantLinear`, float32 steps; gate_up without bias) and its norms as (weight, eps);
+    next_norm is the next layer's input norm, or the final norm after the last layer."""
 
     post_norm: tuple[torch.Tensor, float]
     next_norm: tuple[torch.Tensor, float]

@@ -56,7 +56,9 @@ class QuantMatrix:
         b = self.blocks
         if b.dtype != torch.uint8 or b.dim() != 2 or b.shape[1] != rb or b.stride() != (rb, 1):
             got = f"{b.dtype} {tuple(b.shape)} strides {b.stride()}"
-            raise ValueError(f"{self.type} rows of {self.K} need contiguous uint8 [N, {rb}] blocks, got {got}")
+            raise ValueError(
+                f"{self.type} rows of {self.K} need contiguous uint8 [N, {rb}] blocks, got {got}"
+            )
 
     @property
     def N(self) -> int:
@@ -75,8 +77,15 @@ class QuantMatrix:
         lib = _lib()
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.numel(), self.K, dtype=torch.float32)
-        lib.quant_rows(self.blocks.data_ptr(), self.row_bytes, self.type_id, ids.data_ptr(), ids.numel(), self.K,
-                       out.data_ptr())
+        lib.quant_rows(
+            self.blocks.data_ptr(),
+            self.row_bytes,
+            self.type_id,
+            ids.data_ptr(),
+            ids.numel(),
+            self.K,
+            out.data_ptr(),
+        )
         return out
 
     def dequantize(self) -> torch.Tensor:
@@ -149,9 +158,19 @@ class QuantLinear:
         if M:
             bias = 0 if self.bias is None else self.bias.data_ptr()
             rc = self.lib.quant_gemm(
-                x.data_ptr(), x.stride(0), self.packed.data_ptr(), self.row_bytes, self.type_id, bias,
-                y.data_ptr(), M, self.N, self.K,
+                x.data_ptr(),
+                x.stride(0),
+                self.packed.data_ptr(),
+                self.row_bytes,
+                self.type_id,
+                bias,
+                y.data_ptr(),
+                M,
+                self.N,
+                self.K,
             )
             if rc != 0:
-                raise MemoryError(f"quant_gemm failed ({rc}) for [{M}, {self.K}] x {self.matrix.type} [{self.N}]")
+                raise MemoryError(
+                    f"quant_gemm failed ({rc}) for [{M}, {self.K}] x {self.matrix.type} [{self.N}]"
+                )
         return y

@@ -24,9 +24,9 @@ from dspark_serve.scheduler.metrics_sink import EngineMetricsSink
 from dspark_serve.scheduler.policy import CostTable, DSparkPolicy, parse_policy
 from dspark_serve.verifier.config import ModelConfig
 from dspark_serve.verifier.cuda_graphs import TOKEN_BUCKETS
-from dspark_serve.verifier.host_memory import retain_freed_memory
 from dspark_serve.verifier.forward import ModelParts
 from dspark_serve.verifier.gguf_blocks import ModelBlocks, quantize_blocks, read_gguf_blocks
+from dspark_serve.verifier.host_memory import retain_freed_memory
 from dspark_serve.verifier.loader import (
     DtypeChoice,
     WeightsChoice,

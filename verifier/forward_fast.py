@@ -113,7 +113,9 @@ class FastForward:
         # matmul beside the Triton one
         invariant = ("triton" if self.attention == "triton" else "c") if batch_invariant else None
         if blocks is not None and (parts.device.type != "cpu" or parts.dtype != torch.float32):
-            raise ValueError(f"GGUF blocks run with float32 activations on a CPU, got {parts.dtype} on {parts.device}")
+            raise ValueError(
+                f"GGUF blocks run with float32 activations on a CPU, got {parts.dtype} on {parts.device}"
+            )
         self.blocks = blocks
         self.weights = FastWeights(parts, linear, quantize, gemm_rows, invariant, blocks)
         self.rope = RopeTable(parts)

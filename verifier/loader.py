@@ -166,7 +166,9 @@ def choose_weights(
         return WeightsChoice("dense", dense, f"auto: dense {dense.name} ({dense.reason})")
     problem = gguf_block_problem(source)
     if problem is not None:
-        return WeightsChoice("dense", dense, f"auto: dense {dense.name} ({source.name} not served from blocks: {problem})")
+        return WeightsChoice(
+            "dense", dense, f"auto: dense {dense.name} ({source.name} not served from blocks: {problem})"
+        )
     auto = DtypeChoice(torch.float32, "auto: float32 activations beside the file's blocks")
     return WeightsChoice("gguf", auto, f"auto: the blocks of {source.name} (a CPU, a GGUF model)", source)
 

@@ -25,7 +25,9 @@ __all__ = ["ForwardOutput", "ModelRunner", "Segment"]
 
 # forward name -> how it is built from (parts, kv cache, linear, quantize, attention, gemm_rows,
 # batch_invariant, GGUF blocks)
-FORWARDS: dict[str, Callable[[ModelParts, KVCache, str, str, str, int, bool, ModelBlocks | None], Forward]] = {
+FORWARDS: dict[
+    str, Callable[[ModelParts, KVCache, str, str, str, int, bool, ModelBlocks | None], Forward]
+] = {
     "fast": FastForward,
     "reference": lambda parts, kv, *_: ReferenceForward(parts, kv),
 }

@@ -14,7 +14,9 @@ import torch
 from dspark_serve.ops import cpu_kernels
 from dspark_serve.ops.quant_kernels import BLOCK_TYPES, QuantLinear, QuantMatrix, quant_path, quantize
 
-pytestmark = pytest.mark.skipif(cpu_kernels.find_compiler() is None, reason="the block kernels need a C compiler")
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.find_compiler() is None, reason="the block kernels need a C compiler"
+)
 
 TYPES = sorted(BLOCK_TYPES)
 

@@ -31,7 +31,9 @@ from dspark_serve.verifier.gguf_blocks import (
 from dspark_serve.verifier.loader import choose_weights, embedded_gguf_path, load_target
 from dspark_serve.verifier.model_runner import ModelRunner
 
-pytestmark = pytest.mark.skipif(cpu_kernels.find_compiler() is None, reason="the block kernels need a C compiler")
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.find_compiler() is None, reason="the block kernels need a C compiler"
+)
 CPU = torch.device("cpu")
 
 
@@ -70,8 +72,11 @@ def test_blocks_that_do_not_match_the_model_are_refused(target, blocks):
     assert qkv is not None
     swapped = qkv.take_rows(torch.cat([torch.tensor([1, 0]), torch.arange(2, qkv.N)]))
     bad = ModelBlocks(
-        [*blocks.layers[:3], LayerBlocks(swapped, *[blocks.layers[3].get(p) for p in ("o", "gate_up", "down")]),
-         *blocks.layers[4:]],
+        [
+            *blocks.layers[:3],
+            LayerBlocks(swapped, *[blocks.layers[3].get(p) for p in ("o", "gate_up", "down")]),
+            *blocks.layers[4:],
+        ],
         blocks.head,
         "test",
     )
@@ -136,8 +141,10 @@ def _greedy(runner, tok, ids, spec_block: int = 0):
     drafter = NgramDrafter(NgramConfig(block_size=spec_block)) if spec_block else None
     sched = SchedulerConfig(max_num_seqs=4, verify_policy=f"static:{spec_block}" if spec_block else "auto")
     eng = Engine(runner, tok, sched, max_model_len=512, drafter=drafter)
-    reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0), max_tokens=24, ignore_eos=True) for i, p in
-            enumerate(ids)]
+    reqs = [
+        Request(f"r{i}", p, SamplingParams(temperature=0.0), max_tokens=24, ignore_eos=True)
+        for i, p in enumerate(ids)
+    ]
     for r in reqs:
         eng.add_request(r)
     while eng.has_work():
