@@ -34,14 +34,11 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Protocol
 
 import torch
 
 from dspark_serve.ops.platform import cpu_flags, cpu_model, default_cache_dir, emulated_level, level_of
-
-if TYPE_CHECKING:
-    from dspark_serve.ops.quant_kernels import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -189,9 +186,19 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.target_layers.argtypes = [ptr, i32, i32, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ptr, ptr]
     lib.target_layers.argtypes += [ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, i32]
     lib.target_layers.argtypes += [ctypes.c_float, ptr, ptr, i32, i32]
-    from dspark_serve.ops import quant_kernels  # its own room; it imports this module
+    _declare_quant(lib)
 
-    quant_kernels.declare(lib)
+
+def _declare_quant(lib: ctypes.CDLL) -> None:
+    """The GGUF block products (csrc/quant_gemm.c; used through `ops.quant_kernels`)."""
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.quant_gemm.restype = i32
+    # x, x stride, w, row bytes, type, bias, y, M, N, K
+    lib.quant_gemm.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i32, i32, i32]
+    lib.quant_rows.restype = i32
+    lib.quant_rows.argtypes = [ptr, i64, i32, ptr, i32, i32, ptr]  # w, row bytes, type, ids, n, K, out
+    lib.quant_gemm_path.restype = i32
+    lib.quant_gemm_path.argtypes = []
 
 
 def _declare_row_ops(lib: ctypes.CDLL) -> None:
@@ -802,9 +809,18 @@ class SmallGemmLinear:
         )
 
 
-# A layer's product as the layer drivers take it: packed floats, or GGUF blocks (the target's
-# float32 steps).
-LayerProduct = Union[SmallGemmLinear, "QuantLinear"]
+class LayerProduct(Protocol):
+    """A layer's product as the layer drivers take it: packed floats (`SmallGemmLinear`), or GGUF
+    blocks (`ops.quant_kernels.QuantLinear`, the target's float32 steps)."""
+
+    N: int
+    K: int
+    max_rows: int
+    dtype: torch.dtype
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -25,18 +25,6 @@ BLOCK = 32  # weights per block
 QUANT_PATHS = {0: "plain C", 1: "avx2", 2: "vnni"}
 
 
-def declare(lib: ctypes.CDLL) -> None:
-    """The quantized kernels' C signatures (called by `cpu_kernels` when it loads the library)."""
-    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.quant_gemm.restype = i32
-    # x, x stride, w, row bytes, type, bias, y, M, N, K
-    lib.quant_gemm.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i32, i32, i32]
-    lib.quant_rows.restype = i32
-    lib.quant_rows.argtypes = [ptr, i64, i32, ptr, i32, i32, ptr]  # w, row bytes, type, ids, n, K, out
-    lib.quant_gemm_path.restype = i32
-    lib.quant_gemm_path.argtypes = []
-
-
 @dataclass(frozen=True)
 class QuantMatrix:
     """A weight [N, K] as N rows of K / 32 blocks of `type` (a key of BLOCK_TYPES): blocks is a

@@ -9,6 +9,7 @@ C call (`ops.cpu_kernels.TargetLayers`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,42 @@ def _fuse(
     return wqkv, bqkv, wgu
 
 
+def _layer(
+    layer: Any,
+    parts: ModelParts,
+    lb: LayerBlocks,
+    quantize: str,
+    lin: Callable[[torch.Tensor, torch.Tensor | None], Linear],
+) -> FastLayer:
+    """One decoder layer's products: from its blocks where `lb` has them, else `lin` over the
+    fused float weights."""
+    a, m = layer.self_attn, layer.mlp
+    if lb.qkv is not None and lb.gate_up is not None:  # the fused float weights are not needed
+        wqkv = wgu = bqkv = None
+        if a.q_proj.bias is not None:
+            bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+    else:
+        wqkv, bqkv, wgu = _fuse(layer, parts, quantize)
+
+    def product(block: str, w: torch.Tensor | None, b: torch.Tensor | None) -> Linear:
+        mat = lb.get(block)
+        if mat is not None:
+            return QuantLinear(mat, b)
+        assert w is not None
+        return lin(w, b)
+
+    return FastLayer(
+        in_norm=FastRMSNorm.of(layer.input_layernorm),
+        post_norm=FastRMSNorm.of(layer.post_attention_layernorm),
+        qkv=product("qkv", wqkv, bqkv),
+        o=product("o", a.o_proj.weight, a.o_proj.bias),
+        gate_up=product("gate_up", wgu, None),
+        down=product("down", m.down_proj.weight, m.down_proj.bias),
+        q_norm=FastRMSNorm.of(a.q_norm) if parts.has_qk_norm else None,
+        k_norm=FastRMSNorm.of(a.k_norm) if parts.has_qk_norm else None,
+    )
+
+
 class FastWeights:
     """The decoder layers' fused weights and products, the LM head and the final norm."""
 
@@ -92,31 +129,7 @@ class FastWeights:
 
         for i, layer in enumerate(parts.layers):
             lb = blocks.layers[i] if blocks is not None else LayerBlocks(None, None, None, None)
-            a, m = layer.self_attn, layer.mlp
-            if lb.qkv is not None and lb.gate_up is not None:  # the fused float weights are not needed
-                wqkv = wgu = bqkv = None
-                if a.q_proj.bias is not None:
-                    bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            else:
-                wqkv, bqkv, wgu = _fuse(layer, parts, quantize)
-
-            def product(block: str, w: torch.Tensor | None, b: torch.Tensor | None) -> Linear:
-                mat = lb.get(block)
-                if mat is not None:
-                    return QuantLinear(mat, b)
-                assert w is not None
-                return lin(w, b)
-
-            fl = FastLayer(
-                in_norm=FastRMSNorm.of(layer.input_layernorm),
-                post_norm=FastRMSNorm.of(layer.post_attention_layernorm),
-                qkv=product("qkv", wqkv, bqkv),
-                o=product("o", a.o_proj.weight, a.o_proj.bias),
-                gate_up=product("gate_up", wgu, None),
-                down=product("down", m.down_proj.weight, m.down_proj.bias),
-                q_norm=FastRMSNorm.of(a.q_norm) if parts.has_qk_norm else None,
-                k_norm=FastRMSNorm.of(a.k_norm) if parts.has_qk_norm else None,
-            )
+            fl = _layer(layer, parts, lb, quantize, lin)
             kinds.update(p.kind for p in (fl.qkv, fl.o, fl.gate_up, fl.down))
             self.layers.append(fl)
         # The LM head stays as is (tied to the embedding the drafter shares); prepacking helps it too.

@@ -109,6 +109,12 @@ class GgufFile:
         except Exception as exc:  # the reader raises ValueError, struct errors, IndexError ...
             raise ValueError(f"{path.name}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
         self.tensors = {t.name: t for t in self.reader.tensors}
+        size = path.stat().st_size
+        short = [t.name for t in self.reader.tensors if int(t.data_offset) + int(t.n_bytes) > size]
+        if short or any(t.data.nbytes != int(t.n_bytes) for t in self.reader.tensors):
+            raise ValueError(
+                f"{path.name}: truncated ({size} bytes; tensor {short[:1] or '?'} runs past the end)"
+            )
         arch = self.reader.fields.get("general.architecture")
         self.architecture = "" if arch is None else bytes(arch.parts[arch.data[0]]).decode("utf-8", "replace")
 
@@ -215,16 +221,43 @@ def check_blocks(blocks: ModelBlocks, parts: ModelParts, samples: int = 6) -> No
         check(blocks.head, parts.lm_head.weight.detach(), "LM head")
 
 
+class BlockLinear(torch.nn.Module):
+    """A model's linear layer computed from GGUF blocks (`QuantLinear`), standing in the HF
+    module tree for the float one it replaced: the model's own forward (transformers' generate,
+    a reference forward in a test) still runs, on the same blocks and kernel as the engine.
+    `weight` is a meta tensor of the layer's shape: its size is readable, its data is not."""
+
+    def __init__(self, matrix: QuantMatrix, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        from dspark_serve.ops.quant_kernels import QuantLinear
+
+        self.linear = QuantLinear(matrix, bias)
+        self.in_features, self.out_features = matrix.K, matrix.N
+        self.weight = torch.empty(matrix.N, matrix.K, device="meta")
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x.reshape(-1, self.in_features))
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
 def release_float_weights(parts: ModelParts, blocks: ModelBlocks) -> int:
-    """Drop the float weights of every product now served from blocks (the fast forward never
-    reads them again) -> bytes released. The LM head's stays: the drafter shares it."""
+    """Replace each float linear module whose product is served from blocks with a BlockLinear
+    over its rows of the product's blocks (views: no copy) -> bytes of float weights released.
+    The LM head's stays: the drafter shares it."""
     freed = 0
     for lb, layer in zip(blocks.layers, parts.layers):
         for product, mods in PRODUCT_MODULES.items():
-            if lb.get(product) is None:
+            fused = lb.get(product)
+            if fused is None:
                 continue
+            row = 0
             for name in mods:
                 mod = _module(layer, name)
+                n = mod.weight.shape[0]
+                rows = QuantMatrix(fused.blocks[row : row + n], fused.type, fused.K)
                 freed += mod.weight.numel() * mod.weight.element_size()
-                mod.weight = torch.nn.Parameter(mod.weight.new_empty(0), requires_grad=False)
+                owner, attr = name.rsplit(".", 1)
+                setattr(_module(layer, owner), attr, BlockLinear(rows, mod.bias))
+                row += n
     return freed

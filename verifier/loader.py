@@ -187,9 +187,24 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
+def check_gguf(path: Path) -> None:
+    """A .gguf file this server can serve: readable to its last tensor and of a supported
+    architecture; else a ValueError naming the file and the problem (never a crash mid-serve)."""
+    from dspark_serve.verifier.gguf_blocks import GgufFile
+
+    arch = GgufFile(path).architecture
+    if arch not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{path.name}: architecture {arch or '(none)'!r} is not supported; "
+            f"supported: {SUPPORTED_MODEL_TYPES}"
+        )
+
+
 def _load_gguf(gguf: Path, cache_dir: Path | None) -> tuple[Any, Any]:
     """Convert a GGUF file once; later loads read the cached safetensors copy."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_gguf(gguf)
 
     cached = None
     if cache_dir is not None:

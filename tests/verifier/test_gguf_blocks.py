@@ -91,10 +91,35 @@ def test_damaged_files_are_errors_naming_the_file(tmp_path):
         cut.write_bytes(f.read(1 << 20))
     with pytest.raises(ValueError, match="cut.gguf"):
         GgufFile(cut)
+    short = tmp_path / "short.gguf"  # only the last tensor's end missing
+    with src.open("rb") as f:
+        short.write_bytes(f.read()[:-100])
+    with pytest.raises(ValueError, match="short.gguf"):
+        GgufFile(short)
+    with pytest.raises(ValueError, match="short.gguf"):
+        load_target(str(short), "cpu", "float32", cache_dir=tmp_path / "cache")
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"GGUF" + bytes(100))
     with pytest.raises(ValueError, match="junk.gguf"):
         GgufFile(junk)
+
+
+def test_an_unsupported_architecture_is_an_error_naming_it(tmp_path):
+    import gguf
+
+    from dspark_serve.verifier.loader import check_gguf
+
+    path = tmp_path / "other.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="other.gguf: architecture 'gpt2' is not supported"):
+        check_gguf(path)
+    with pytest.raises(ValueError, match="other.gguf"):
+        load_target(str(path), "cpu", "float32", cache_dir=tmp_path / "cache")
 
 
 def test_weights_choice(tmp_path):
