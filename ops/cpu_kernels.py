@@ -193,8 +193,21 @@ def _declare_quant(lib: ctypes.CDLL) -> None:
     """The GGUF block products (csrc/quant_gemm.c; used through `ops.quant_kernels`)."""
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.quant_gemm.restype = i32
-    # x, x stride, w, row bytes, type, bias, y, M, N, K
-    lib.quant_gemm.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i32, i32, i32]
+    lib.quant_gemm.argtypes = [
+        ptr,
+        i64,
+        ptr,
+        i32,
+        ptr,
+        ptr,
+        i32,
+        i32,
+        i32,
+    ]  # x, x stride, packed, type, bias, y, M, N, K
+    lib.quant_pack_bytes.restype = i64
+    lib.quant_pack_bytes.argtypes = [i32, i32, i32]  # type, N, K
+    lib.quant_pack.restype = i32
+    lib.quant_pack.argtypes = [ptr, i64, i32, i32, i32, ptr]  # blocks, row bytes, type, N, K, out
     lib.quant_rows.restype = i32
     lib.quant_rows.argtypes = [ptr, i64, i32, ptr, i32, i32, ptr]  # w, row bytes, type, ids, n, K, out
     lib.quant_gemm_path.restype = i32
@@ -1007,14 +1020,12 @@ class _TargetLayer(ctypes.Structure):
         )
     ]
     _fields_ += [(name, ctypes.c_float) for name in ("post_eps", "next_eps")]
-    _fields_ += [("types", ctypes.c_int * 4), ("row_bytes", ctypes.c_int64 * 4)]
+    _fields_ += [("types", ctypes.c_int * 4)]
 
 
-def _block_types(w: TargetLayerWeights) -> tuple[Any, Any]:
-    """The struct's `types` and `row_bytes`: each product's GGUF block type (0: packed floats)."""
-    prods = (w.qkv, w.o, w.gate_up, w.down)
-    types = [getattr(p, "type_id", 0) for p in prods]
-    return (ctypes.c_int * 4)(*types), (ctypes.c_int64 * 4)(*[getattr(p, "row_bytes", 0) for p in prods])
+def _block_types(w: TargetLayerWeights) -> Any:
+    """The struct's `types`: each product's GGUF block type (0: packed floats)."""
+    return (ctypes.c_int * 4)(*[getattr(p, "type_id", 0) for p in (w.qkv, w.o, w.gate_up, w.down)])
 
 
 @dataclass(frozen=True)
@@ -1070,7 +1081,7 @@ class TargetLayers(_LayersInC):
                     _ptr(w.next_norm[0]),
                     w.post_norm[1],
                     w.next_norm[1],
-                    *_block_types(w),
+                    _block_types(w),
                 )
                 for w in layers
             ]

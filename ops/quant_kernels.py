@@ -118,9 +118,23 @@ def quant_path() -> str:
     return QUANT_PATHS[_lib().quant_gemm_path()]
 
 
+def pack(matrix: QuantMatrix) -> torch.Tensor:
+    """The matrix's blocks rearranged into quant_gemm's panels of 16 rows (as many bytes, a
+    buffer of its own)."""
+    lib = _lib()
+    out = torch.empty(lib.quant_pack_bytes(matrix.type_id, matrix.N, matrix.K), dtype=torch.uint8)
+    if lib.quant_pack(
+        matrix.blocks.data_ptr(), matrix.row_bytes, matrix.type_id, matrix.N, matrix.K, out.data_ptr()
+    ):
+        raise ValueError(f"quant_pack refused a {matrix.type} matrix [{matrix.N}, {matrix.K}]")
+    return out
+
+
 class QuantLinear:
-    """A linear layer [M, K] float32 -> [M, N] float32 from a QuantMatrix (+ a float32 bias):
-    every row count through the one kernel, so batch-invariant by construction."""
+    """A linear layer [M, K] float32 -> [M, N] float32 from a QuantMatrix (+ a float32 bias),
+    its blocks packed once into quant_gemm's panels: every row count through the one kernel, in
+    small_gemm_f32's order of sums (bit for bit the float32 product of the dequantized weights on
+    CPUs with FMA), so batch-invariant by construction."""
 
     kind = "gguf"
     dtype = torch.float32
@@ -128,37 +142,25 @@ class QuantLinear:
 
     def __init__(self, matrix: QuantMatrix, bias: torch.Tensor | None = None) -> None:
         self.lib = _lib()
-        self.matrix = matrix
+        self.type = matrix.type
         self.N, self.K = matrix.N, matrix.K
-        self.packed = matrix.blocks  # what the layer driver's struct points at
-        self.type_id, self.row_bytes = matrix.type_id, matrix.row_bytes
+        self.packed = pack(matrix)  # what the layer driver's struct points at
+        self.type_id = matrix.type_id
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         if self.bias is not None and self.bias.shape != (self.N,):
             raise ValueError(f"bias must be [{self.N}], got {tuple(self.bias.shape)}")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.K:
-            raise ValueError(f"a {self.matrix.type} linear takes [rows, {self.K}], got {tuple(x.shape)}")
+            raise ValueError(f"a {self.type} linear takes [rows, {self.K}], got {tuple(x.shape)}")
         if x.dtype != torch.float32 or x.stride(-1) != 1:
             x = x.to(torch.float32).contiguous()
         M = x.shape[0]
         y = x.new_empty(M, self.N)
         if M:
             bias = 0 if self.bias is None else self.bias.data_ptr()
-            rc = self.lib.quant_gemm(
-                x.data_ptr(),
-                x.stride(0),
-                self.packed.data_ptr(),
-                self.row_bytes,
-                self.type_id,
-                bias,
-                y.data_ptr(),
-                M,
-                self.N,
-                self.K,
-            )
+            args = (x.data_ptr(), x.stride(0), self.packed.data_ptr(), self.type_id, bias, y.data_ptr())
+            rc = self.lib.quant_gemm(*args, M, self.N, self.K)
             if rc != 0:
-                raise MemoryError(
-                    f"quant_gemm failed ({rc}) for [{M}, {self.K}] x {self.matrix.type} [{self.N}]"
-                )
+                raise ValueError(f"quant_gemm refused [{M}, {self.K}] x {self.type} [{self.N}] ({rc})")
         return y

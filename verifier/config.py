@@ -85,7 +85,9 @@ class ModelConfig:
     a tensor type without a kernel stays in floats, logged); q8_0: every product quantized to
     Q8_0 at load (a model given as a HF directory; CHANGES THE TARGET slightly); bf16 / fp32:
     dense weights in that dtype (as --dtype); auto: gguf on a CPU when the model is a GGUF file
-    whose tensors have kernels and --dtype is auto or float32, else dense in --dtype."""
+    whose tensors have kernels and the dense weights would be float32 (a CPU without native
+    bf16, or --dtype float32), else dense in --dtype's dtype (on CPUs with native bf16 its dot
+    products overtake the blocks' float32 arithmetic from a few tokens a step)."""
     quantize: str = "none"
     """none, or int8: weight-only int8 with one scale per output channel (fast forward only).
     int8 CHANGES THE TARGET: outputs follow the quantised model, not the float one. On CPU it pays

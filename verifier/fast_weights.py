@@ -149,6 +149,14 @@ class FastWeights:
     def products(self) -> list[Linear]:
         return [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
 
+    def block_products(self) -> list[dict[str, QuantLinear]]:
+        """Per layer, the products served from GGUF blocks, by name (qkv, o, gate_up, down)."""
+        names = ("qkv", "o", "gate_up", "down")
+        return [
+            {n: p for n, p in zip(names, (L.qkv, L.o, L.gate_up, L.down)) if isinstance(p, QuantLinear)}
+            for L in self.layers
+        ]
+
     def target_driver(
         self, parts: ModelParts, block_size: int, invariant: bool = False
     ) -> TargetLayers | None:

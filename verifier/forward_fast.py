@@ -116,7 +116,7 @@ class FastForward:
             raise ValueError(
                 f"GGUF blocks run with float32 activations on a CPU, got {parts.dtype} on {parts.device}"
             )
-        self.blocks = blocks
+        self.blocks_text = None if blocks is None else blocks.describe()
         self.weights = FastWeights(parts, linear, quantize, gemm_rows, invariant, blocks)
         self.rope = RopeTable(parts)
         self.plan = FastPlanner(self.attention, kv.block_size, self.rope, parts.dtype)
@@ -132,8 +132,8 @@ class FastForward:
         """Which forward runs and how it multiplies."""
         w = self.weights
         q = "" if self.quantize == "none" else f", weights {self.quantize}"
-        if self.blocks is not None:
-            q += f", weights {self.blocks.describe()}"
+        if self.blocks_text is not None:
+            q += f", weights {self.blocks_text}"
         fused = ", fused elementwise" if self.fused is not None else ""
         rows = "" if w.gemm_max_rows is None else f" up to {w.gemm_max_rows} rows, oneDNN above"
         inv = ", batch-invariant" if self.batch_invariant else ""
@@ -143,7 +143,7 @@ class FastForward:
         return (
             self.paged_attention is not None
             or self.weights.linear_kind == "gemm"
-            or self.blocks is not None
+            or self.blocks_text is not None
             or isinstance(self.fused, FusedElementwise)
         )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark_serve.ops.quant_kernels import BLOCK_TYPES, QuantMatrix, quantize
+from dspark_serve.ops.quant_kernels import BLOCK_TYPES, QuantLinear, QuantMatrix, quantize
 from dspark_serve.verifier.forward import ModelParts
 
 # where each fused product's rows come from, in order (GGUF tensor names per layer)
@@ -222,42 +223,39 @@ def check_blocks(blocks: ModelBlocks, parts: ModelParts, samples: int = 6) -> No
 
 
 class BlockLinear(torch.nn.Module):
-    """A model's linear layer computed from GGUF blocks (`QuantLinear`), standing in the HF
-    module tree for the float one it replaced: the model's own forward (transformers' generate,
-    a reference forward in a test) still runs, on the same blocks and kernel as the engine.
-    `weight` is a meta tensor of the layer's shape: its size is readable, its data is not."""
+    """A model's linear layer computed from GGUF blocks, standing in the HF module tree for the
+    float one it replaced: the model's own forward (transformers' generate, a reference forward
+    in a test) still runs, on the same blocks and kernel as the engine. It runs its product's
+    fused matrix (shared with the fast forward: no copy) and keeps its rows' columns. `weight` is
+    a meta tensor of the layer's shape: its size is readable, its data is not."""
 
-    def __init__(self, matrix: QuantMatrix, bias: torch.Tensor | None) -> None:
+    def __init__(self, fused: QuantLinear, rows: slice, bias: torch.Tensor | None) -> None:
         super().__init__()
-        from dspark_serve.ops.quant_kernels import QuantLinear
-
-        self.linear = QuantLinear(matrix, bias)
-        self.in_features, self.out_features = matrix.K, matrix.N
-        self.weight = torch.empty(matrix.N, matrix.K, device="meta")
-        self.bias = None if bias is None else bias.detach()
+        self.fused, self.rows = fused, rows
+        self.in_features, self.out_features = fused.K, rows.stop - rows.start
+        self.weight = torch.empty(self.out_features, self.in_features, device="meta")
+        self.bias = None if bias is None else bias.detach().to(torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x.reshape(-1, self.in_features))
+        y = self.fused(x.reshape(-1, self.in_features))[:, self.rows]
+        if self.bias is not None:
+            y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
-def release_float_weights(parts: ModelParts, blocks: ModelBlocks) -> int:
-    """Replace each float linear module whose product is served from blocks with a BlockLinear
-    over its rows of the product's blocks (views: no copy) -> bytes of float weights released.
-    The LM head's stays: the drafter shares it."""
+def release_float_weights(parts: ModelParts, products: Sequence[dict[str, QuantLinear]]) -> int:
+    """Replace each float linear module whose product is served from blocks (`products`: per
+    layer, the fast forward's block linears by product) with a BlockLinear over its rows ->
+    bytes of float weights released. The LM head's stays: the drafter shares it."""
     freed = 0
-    for lb, layer in zip(blocks.layers, parts.layers):
-        for product, mods in PRODUCT_MODULES.items():
-            fused = lb.get(product)
-            if fused is None:
-                continue
+    for served, layer in zip(products, parts.layers):
+        for product, lin in served.items():
             row = 0
-            for name in mods:
+            for name in PRODUCT_MODULES[product]:
                 mod = _module(layer, name)
                 n = mod.weight.shape[0]
-                rows = QuantMatrix(fused.blocks[row : row + n], fused.type, fused.K)
                 freed += mod.weight.numel() * mod.weight.element_size()
                 owner, attr = name.rsplit(".", 1)
-                setattr(_module(layer, owner), attr, BlockLinear(rows, mod.bias))
+                setattr(_module(layer, owner), attr, BlockLinear(lin, slice(row, row + n), mod.bias))
                 row += n
     return freed

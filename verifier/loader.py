@@ -143,8 +143,15 @@ def choose_weights(
     device: torch.device,
     model: str | None,
     fast_forward: bool = True,
+    flags: frozenset[str] | None = None,
 ) -> WeightsChoice:
-    """Resolve `--weights` (see ModelConfig.weights) for the model argument `model`."""
+    """Resolve `--weights` (see ModelConfig.weights) for the model argument `model`. `auto` serves
+    a GGUF file's blocks on a CPU where the dense alternative is float32 (no native bf16, or
+    float32 asked for): the same float32 model, a fifth of the bytes a step reads. Where the CPU
+    computes bf16 natively, bf16 dot products run twice float32's multiply-adds a cycle, and
+    dense bf16 overtakes the blocks (float32 arithmetic) from a few tokens a step on (the
+    verify steps speculation runs, batches, prefill), so auto keeps it there. `flags`: CPU flags
+    for tests (as `choose_dtype`)."""
     f32 = DtypeChoice(torch.float32, f"--weights {weights}: float32 activations")
     if weights in ("bf16", "fp32"):
         choice = DtypeChoice(_DTYPES[weights], f"--weights {weights}")
@@ -161,16 +168,23 @@ def choose_weights(
         return WeightsChoice("gguf", f32, f"--weights gguf: the blocks of {source.name}", source)
     if weights == "q8_0":
         return WeightsChoice("q8_0", f32, "--weights q8_0: every product quantized to Q8_0 at load")
-    dense = choose_dtype(dtype, device)
-    if device.type != "cpu" or source is None or not fast_forward or dtype not in (None, "auto", "float32"):
-        return WeightsChoice("dense", dense, f"auto: dense {dense.name} ({dense.reason})")
+    dense = choose_dtype(dtype, device, flags)
+    if device.type != "cpu" or source is None or not fast_forward or dense.dtype != torch.float32:
+        why = (
+            ""
+            if dense.dtype != torch.bfloat16 or source is None
+            else "; --weights gguf serves the file's blocks"
+        )
+        return WeightsChoice("dense", dense, f"auto: dense {dense.name} ({dense.reason}){why}")
     problem = gguf_block_problem(source)
     if problem is not None:
         return WeightsChoice(
             "dense", dense, f"auto: dense {dense.name} ({source.name} not served from blocks: {problem})"
         )
     auto = DtypeChoice(torch.float32, "auto: float32 activations beside the file's blocks")
-    return WeightsChoice("gguf", auto, f"auto: the blocks of {source.name} (a CPU, a GGUF model)", source)
+    return WeightsChoice(
+        "gguf", auto, f"auto: the blocks of {source.name} (a CPU without native bf16)", source
+    )
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

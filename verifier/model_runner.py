@@ -101,7 +101,10 @@ class ModelRunner:
         self.forward_impl: Forward = forward(
             P, self.kv, linear, quantize, attention, gemm_rows, batch_invariant, blocks
         )
-        self.released_bytes = release_float_weights(P, blocks) if blocks is not None else 0
+        self.released_bytes = 0
+        if blocks is not None:
+            assert isinstance(self.forward_impl, FastForward)
+            self.released_bytes = release_float_weights(P, self.forward_impl.weights.block_products())
         if cuda_graphs:
             assert isinstance(self.forward_impl, FastForward)
             capture = CudaCapture() if P.device.type == "cuda" else EagerReplay()

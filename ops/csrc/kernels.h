@@ -46,7 +46,9 @@ int paged_attention(const void *q, int64_t q_stride, int64_t q_hstride, const vo
 #define GGML_TYPE_Q4_1 3
 #define GGML_TYPE_Q8_0 8
 int quant_block_bytes(int type);
-int quant_gemm(const float *x, int64_t xs, const void *w, int64_t row_bytes, int type, const float *bias,
-               float *y, int M, int N, int K);
+int64_t quant_pack_bytes(int type, int N, int K);
+int quant_pack(const void *w, int64_t row_bytes, int type, int N, int K, void *out);
+int quant_gemm(const float *x, int64_t xs, const void *packed, int type, const float *bias, float *y, int M,
+               int N, int K);
 
 #endif

@@ -18,16 +18,15 @@
 #include "kernels.h"
 
 /* One layer's weights: products packed by small_gemm_pack / small_gemm_f32_pack, or GGUF
- * blocks for quant_gemm (float32 steps: `types` the products' block types, qkv, o, gate_up,
- * down, 0 for a packed one, `row_bytes` their rows' sizes), bias NULL where none (gate_up has
- * none), norms [d] (next_norm: the next layer's input norm, or the final norm after the last
- * layer), all of the step's dtype. */
+ * blocks packed by quant_pack (float32 steps: `types` the products' block types, qkv, o,
+ * gate_up, down, 0 for a float one), bias NULL where none (gate_up has none), norms [d]
+ * (next_norm: the next layer's input norm, or the final norm after the last layer), all of the
+ * step's dtype. */
 typedef struct {
     const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *down, *down_bias;
     const void *post_norm, *next_norm;
     float post_eps, next_eps;
     int types[4];
-    int64_t row_bytes[4];
 } TargetLayer;
 
 enum { P_QKV, P_O, P_GATE_UP, P_DOWN };
@@ -36,8 +35,7 @@ enum { P_QKV, P_O, P_GATE_UP, P_DOWN };
 static int gemm(int bf16, const void *x, int64_t xs, const TargetLayer *l, int which, const void *w, const void *b,
                 void *y, int M, int N, int K, int invariant) {
     if (l->types[which])
-        return quant_gemm((const float *)x, xs, w, l->row_bytes[which], l->types[which], (const float *)b,
-                          (float *)y, M, N, K);
+        return quant_gemm((const float *)x, xs, w, l->types[which], (const float *)b, (float *)y, M, N, K);
     if (bf16)
         small_gemm_ex((const uint16_t *)x, xs, (const uint16_t *)w, (const uint16_t *)b, y, M, N, K,
                       invariant ? GEMM_INVARIANT : 0);
@@ -67,7 +65,7 @@ static void tap(const char *rows, char *taps, int col, int ntaps, int T, int d, 
  * pieces. tap_col [L + 1]: for the embeddings (0) and after each layer l (l + 1) the column
  * block of taps [T, ntaps * d] that receives a copy, or -1. invariant: the products and the
  * attention in their batch-invariant orders (GEMM_INVARIANT, ATTN_INVARIANT). Returns 0, or -1
- * when a buffer could not be allocated or the attention failed (-2: a block product's buffer). */
+ * when a buffer could not be allocated, the attention failed or a block product was refused. */
 int target_layers(const TargetLayer *layers, int L, int bf16, void *const *k_caches, void *const *v_caches,
                   int64_t num_slots, void *h, void *x, const void *first_norm, float first_eps,
                   const void *cos, const void *sin, const int64_t *slots, int G, const int32_t *row0,

@@ -1,8 +1,9 @@
 """The GGUF block products (ops/csrc/quant_gemm.c through ops.quant_kernels) against references:
-a float64 product of the blocks' exact values, the kernel's documented order of sums emulated in
-numpy bit for bit (whichever CPU path this process built: the narrower levels rerun this file in
-tests/ops/test_kernel_builds.py), rows alone against the same rows in a batch, and the blocks'
-values against gguf's own dequantizer."""
+a float64 product of the blocks' exact values; bit for bit the float32 gemm (`small_gemm_f32`,
+the dense `--weights fp32` path) of the same values, whose order of sums the kernel keeps, and
+the kernel's order emulated in numpy (whichever CPU path this process built: the narrower levels
+rerun this file in tests/ops/test_kernel_builds.py); rows alone against the same rows in a batch;
+and the blocks' values against gguf's own dequantizer."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from dspark_serve.ops import cpu_kernels
+from dspark_serve.ops.platform import cpu_flags
 from dspark_serve.ops.quant_kernels import BLOCK_TYPES, QuantLinear, QuantMatrix, quant_path, quantize
 
 pytestmark = pytest.mark.skipif(
@@ -37,20 +39,20 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 
 def emulate(x: torch.Tensor, values: torch.Tensor) -> np.ndarray:
-    """The kernel's order of sums (csrc/quant_gemm.c): per output sixteen float32 lanes, lane l
-    taking element l then l + 16 of each block by fused multiply-adds, block by block, then lane
-    l plus lane l + 8, and those eight in the tree ((0+4)+(2+6))+((1+5)+(3+7))."""
+    """The kernel's order of sums (csrc/quant_gemm.c, small_gemm_f32's): per output one chain of
+    fused multiply-adds over k = 0 .. K - 1 from zero."""
     xs, ws = x.numpy().astype(np.float32), values.numpy().astype(np.float32)
-    M, K = xs.shape
-    N = ws.shape[0]
-    acc = np.zeros((M, N, 16), np.float32)
-    for b in range(K // 32):
-        for half in (0, 16):
-            cols = slice(32 * b + half, 32 * b + half + 16)
-            acc = fma32(xs[:, None, cols], ws[None, :, cols], acc)
-    s = (acc[..., :8] + acc[..., 8:]).astype(np.float32)
-    a = [(s[..., i] + s[..., i + 4]).astype(np.float32) for i in range(4)]
-    return ((a[0] + a[2]).astype(np.float32) + (a[1] + a[3]).astype(np.float32)).astype(np.float32)
+    acc = np.zeros((xs.shape[0], ws.shape[0]), np.float32)
+    for k in range(xs.shape[1]):
+        acc = fma32(xs[:, None, k], ws[None, :, k], acc)
+    return acc
+
+
+def dense_float32(x: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The dense float32 path's product of the same values (`small_gemm_f32`)."""
+    lib = cpu_kernels.load_kernels()
+    assert lib is not None
+    return cpu_kernels.SmallGemmLinear(lib, values, bias, lambda t: t, max_rows=1 << 20)(x)
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -78,6 +80,8 @@ def test_product_matches_float64_and_the_documented_order(kind, M):
     y0 = QuantLinear(m)(x)
     assert np.array_equal(y0.numpy(), emulate(x, values)), quant_path()
     assert torch.equal(y, y0 + bias)
+    if "fma" in cpu_flags():  # the dense path fuses its multiply-adds there too
+        assert torch.equal(y, dense_float32(x, values, bias))
 
 
 @pytest.mark.parametrize("kind", TYPES)

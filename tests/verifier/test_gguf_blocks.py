@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dspark_serve.ops import cpu_kernels
+from dspark_serve.ops.platform import cpu_flags
 from dspark_serve.ops.quant_kernels import QuantLinear, QuantMatrix
 from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler.config import SchedulerConfig
@@ -122,11 +123,22 @@ def test_an_unsupported_architecture_is_an_error_naming_it(tmp_path):
         load_target(str(path), "cpu", "float32", cache_dir=tmp_path / "cache")
 
 
+AVX2 = frozenset({"avx", "avx2", "fma", "f16c"})
+ZEN4 = AVX2 | {"avx512f", "avx512_bf16"}
+
+
 def test_weights_choice(tmp_path):
-    auto = choose_weights("auto", "auto", CPU, None)
+    auto = choose_weights("auto", "auto", CPU, None, flags=AVX2)
     assert auto.kind == "gguf" and auto.dtype.dtype == torch.float32 and auto.gguf == embedded_gguf_path()
-    assert choose_weights("auto", "bfloat16", CPU, None).kind == "dense"  # a dtype asked for
-    assert choose_weights("auto", "auto", CPU, None, fast_forward=False).kind == "dense"
+    # native bf16: dense bf16 stays the default, float32 asked for is served from the blocks
+    native = choose_weights("auto", "auto", CPU, None, flags=ZEN4)
+    assert (
+        native.kind == "dense" and native.dtype.dtype == torch.bfloat16 and "--weights gguf" in native.reason
+    )
+    assert choose_weights("auto", "float32", CPU, None, flags=ZEN4).kind == "gguf"
+    assert choose_weights("gguf", "auto", CPU, None, flags=ZEN4).kind == "gguf"
+    assert choose_weights("auto", "bfloat16", CPU, None, flags=AVX2).kind == "dense"  # a dtype asked for
+    assert choose_weights("auto", "auto", CPU, None, fast_forward=False, flags=AVX2).kind == "dense"
     assert choose_weights("bf16", "auto", CPU, None).dtype.dtype == torch.bfloat16
     assert choose_weights("q8_0", "auto", CPU, str(tmp_path)).kind == "q8_0"
     with pytest.raises(ValueError, match="needs a .gguf model"):
@@ -135,7 +147,7 @@ def test_weights_choice(tmp_path):
         choose_weights("gguf", "auto", torch.device("cuda"), None)
     copy = tmp_path / "m.gguf"
     shutil.copy(embedded_gguf_path(), copy)
-    assert choose_weights("auto", "auto", CPU, str(copy)).gguf == copy
+    assert choose_weights("auto", "auto", CPU, str(copy), flags=AVX2).gguf == copy
 
 
 @pytest.mark.parametrize(
@@ -187,9 +199,13 @@ def test_engine_on_blocks_speculative_equals_plain_and_the_float_model(target, b
     assert all(isinstance(p, QuantLinear) for p in runner.forward_impl.weights.products())  # type: ignore[attr-defined]
     plain = _greedy(runner, tok, ids)
     assert _greedy(runner, tok, ids, spec_block=4) == plain  # exact by construction
-    # the same model computed in another order of sums: equal but where two logits tie
-    # within float32 rounding (none of these prompts)
     assert plain == dense
+    if "fma" in cpu_flags():  # the float32 gemm's order of sums: the same logits, bit for bit
+        from dspark_serve.verifier.forward import Segment
+
+        seg = Segment("a", ids[1], 0, 0, list(range(4)))
+        dense_runner = ModelRunner(target.model, num_blocks=64, block_size=16)
+        assert torch.equal(runner.forward([seg]).logits, dense_runner.forward([seg]).logits)
 
 
 def test_q8_0_made_at_load_serves_and_rounds_only_the_weights(target):

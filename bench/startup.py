@@ -1,0 +1,128 @@
+"""How long `dspark-serve` takes to start and what it holds once started, cold (an empty cache
+directory: the first start on a machine) and warm (the cache the cold start left), for each
+`--weights` given:
+
+- launch to healthy (`GET /health` 200) and launch to the first streamed token of a chat;
+- the first request's decode speed against the steady speed (the same request again, twice);
+- the server's resident memory after the first request (VmRSS) and its peak (VmHWM);
+- the start-up log's timed stages (each `stage ...` line), as logged.
+
+  python bench/startup.py --weights auto,bf16 --out bench/results/startup-zen4.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import median, save_result  # noqa: E402
+
+CHAT = [{"role": "user", "content": "Write a short story about a lighthouse keeper and a storm."}]
+
+
+def status_mib(pid: int, field: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def stream_chat(url: str, max_tokens: int) -> tuple[float, float]:
+    """-> (seconds to the first token, decode tokens per second after it)."""
+    body = {"model": "m", "messages": CHAT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+                now = time.perf_counter()
+                first = now if first is None else first
+                last = now
+    assert first is not None and last is not None
+    return first - t0, (n - 1) / max(last - first, 1e-9)
+
+
+def one_start(flags: list[str], cache: Path, port: int, max_tokens: int) -> dict:
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "dspark_serve.server.cli", "--port", str(port), *flags]
+    log = tempfile.TemporaryFile()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None:
+                log.seek(0)
+                sys.exit("the server exited:\n" + log.read().decode(errors="replace")[-3000:])
+            time.sleep(0.05)
+        healthy = time.perf_counter() - t0
+        ttft, first_tps = stream_chat(url, max_tokens)
+        first_token = healthy + ttft
+        steady = median(stream_chat(url, max_tokens)[1] for _ in range(2))
+        rss, peak = status_mib(proc.pid, "VmRSS"), status_mib(proc.pid, "VmHWM")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    log.seek(0)
+    lines = log.read().decode(errors="replace").splitlines()
+    return {
+        "healthy_s": healthy,
+        "first_token_s": first_token,
+        "first_request_tps": first_tps,
+        "steady_tps": steady,
+        "rss_mib": rss,
+        "peak_rss_mib": peak,
+        "log": [ln for ln in lines if "stage" in ln or "ready" in ln or "cost table (" in ln][:40],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--weights", type=lambda s: s.split(","), default=["auto"])
+    ap.add_argument("--flags", default="", help="more server flags, space-separated")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--port", type=int, default=8290)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    rows = []
+    for w in args.weights:
+        with tempfile.TemporaryDirectory() as cache:
+            flags = ["--weights", w, *args.flags.split()]
+            for kind in ("cold", "warm"):
+                r = one_start(flags, Path(cache), args.port, args.max_tokens)
+                rows.append({"weights": w, "start": kind, **r})
+                print(
+                    f"{w:5s} {kind}: healthy {r['healthy_s']:.1f}s first token {r['first_token_s']:.1f}s "
+                    f"first {r['first_request_tps']:.0f} tok/s steady {r['steady_tps']:.0f} tok/s "
+                    f"RSS {r['rss_mib']:.0f} MiB peak {r['peak_rss_mib']:.0f} MiB",
+                    flush=True,
+                )
+    save_result(args, {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
