@@ -150,8 +150,9 @@ def choose_weights(
     float32 asked for): the same float32 model, a fifth of the bytes a step reads. Where the CPU
     computes bf16 natively, bf16 dot products run twice float32's multiply-adds a cycle, and
     dense bf16 overtakes the blocks (float32 arithmetic) from a few tokens a step on (the
-    verify steps speculation runs, batches, prefill), so auto keeps it there. `flags`: CPU flags
-    for tests (as `choose_dtype`)."""
+    verify steps speculation runs, batches, prefill), so auto keeps it there; so does a CPU
+    without AVX2, FMA and F16C (the kernel's plain C path is for correctness, not speed).
+    `flags`: CPU flags for tests (as `choose_dtype`)."""
     f32 = DtypeChoice(torch.float32, f"--weights {weights}: float32 activations")
     if weights in ("bf16", "fp32"):
         choice = DtypeChoice(_DTYPES[weights], f"--weights {weights}")
@@ -169,7 +170,14 @@ def choose_weights(
     if weights == "q8_0":
         return WeightsChoice("q8_0", f32, "--weights q8_0: every product quantized to Q8_0 at load")
     dense = choose_dtype(dtype, device, flags)
-    if device.type != "cpu" or source is None or not fast_forward or dense.dtype != torch.float32:
+    vector = {"avx2", "fma", "f16c"} <= (cpu_flags() if flags is None else flags)  # else fmaf in software
+    if (
+        device.type != "cpu"
+        or source is None
+        or not fast_forward
+        or dense.dtype != torch.float32
+        or not vector
+    ):
         why = (
             ""
             if dense.dtype != torch.bfloat16 or source is None

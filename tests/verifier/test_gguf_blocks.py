@@ -139,6 +139,7 @@ def test_weights_choice(tmp_path):
     assert choose_weights("gguf", "auto", CPU, None, flags=ZEN4).kind == "gguf"
     assert choose_weights("auto", "bfloat16", CPU, None, flags=AVX2).kind == "dense"  # a dtype asked for
     assert choose_weights("auto", "auto", CPU, None, fast_forward=False, flags=AVX2).kind == "dense"
+    assert choose_weights("auto", "auto", CPU, None, flags=frozenset({"sse4_2"})).kind == "dense"
     assert choose_weights("bf16", "auto", CPU, None).dtype.dtype == torch.bfloat16
     assert choose_weights("q8_0", "auto", CPU, str(tmp_path)).kind == "q8_0"
     with pytest.raises(ValueError, match="needs a .gguf model"):
