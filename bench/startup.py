@@ -41,12 +41,14 @@ def status_mib(pid: int, field: str) -> float:
 
 def stream_chat(url: str, max_tokens: int) -> tuple[float, float]:
     """-> (seconds to the first token, decode tokens per second after it)."""
-    body = {"model": "m", "messages": CHAT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "messages": CHAT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
     n = 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
