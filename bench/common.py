@@ -244,6 +244,68 @@ def greedy_stream_body(model: str, prompt: str, max_tokens: int) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class StreamedChat:
+    """One streamed chat completion as a client saw it: completion tokens (the usage chunk),
+    when it was sent, when each piece of text arrived (perf_counter), pieces per delta field."""
+
+    tokens: int
+    sent: float
+    times: list[float]
+    fields: dict[str, int]
+
+    @property
+    def ttft_s(self) -> float:
+        return (self.times[0] if self.times else self.sent) - self.sent
+
+    @property
+    def per_user_tps(self) -> float | None:
+        """(tokens - 1) / (last piece - first piece): the decode speed after the first token."""
+        span = self.times[-1] - self.times[0] if len(self.times) > 1 else 0.0
+        return (self.tokens - 1) / span if span > 0 and self.tokens > 1 else None
+
+
+def stream_chat(url: str, body: dict, timeout: float = 600) -> StreamedChat:
+    """POST a streaming chat completion (`body` with stream and include_usage) -> StreamedChat."""
+    import httpx
+
+    fields = {"reasoning_content": 0, "content": 0}
+    times: list[float] = []
+    tokens = 0
+    sent = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for ch in chunk.get("choices") or []:
+                delta = ch.get("delta") or {}
+                for f in fields:
+                    if delta.get(f):
+                        fields[f] += 1
+                        times.append(time.perf_counter())
+    return StreamedChat(tokens, sent, times, fields)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, poll: float = 0.5) -> None:
+    """Until `url`/health answers 200; exits the script if the process ends or time runs out."""
+    import httpx
+
+    t0 = time.monotonic()
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() - t0 > timeout:
+            sys.exit(f"the server at {url} did not become ready")
+        time.sleep(poll)
+
+
 @contextlib.contextmanager
 def running_server(
     port: int, flags: list[str], ready_timeout: float = 900.0, api_key: str | None = None
@@ -257,16 +319,7 @@ def running_server(
     proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
     url = f"http://127.0.0.1:{port}"
     try:
-        t0 = time.monotonic()
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() - t0 > ready_timeout:
-                sys.exit("the server did not become ready")
-            time.sleep(0.5)
+        wait_healthy(url, proc, ready_timeout)
         auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         model = httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"]
         yield ServedProcess(proc, url, model)

@@ -22,44 +22,31 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import DATA, greedy_stream_body, load_prompts, machine, report_args, running_server  # noqa: E402
+from bench.common import (  # noqa: E402
+    DATA,
+    greedy_stream_body,
+    load_prompts,
+    machine,
+    report_args,
+    running_server,
+    stream_chat,
+)
 
 ARMS = {"split": ["--reasoning-parser", "deepseek_r1"], "plain": ["--reasoning-parser", "none"]}
 
 
 def stream_one(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, float]:
     """One streamed chat request -> its per-user tokens/s and the fields it streamed into."""
-    import httpx
-
-    body = greedy_stream_body(model, prompt, max_tokens)
-    times: list[float] = []
-    fields = {"reasoning_content": 0, "content": 0}
-    tokens = 0
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            for ch in chunk.get("choices", []):
-                delta = ch.get("delta", {})
-                for f in fields:
-                    if delta.get(f):
-                        fields[f] += 1
-                        times.append(time.perf_counter())
-    span = times[-1] - times[0] if len(times) > 1 else float("nan")
+    c = stream_chat(url, greedy_stream_body(model, prompt, max_tokens), timeout=300)
     return {
-        "tokens": tokens,
-        "per_user_tps": (tokens - 1) / span,
-        **{f"{k}_pieces": v for k, v in fields.items()},
+        "tokens": c.tokens,
+        "per_user_tps": c.per_user_tps or float("nan"),
+        **{f"{k}_pieces": v for k, v in c.fields.items()},
     }
 
 

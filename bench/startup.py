@@ -13,7 +13,6 @@ directory: the first start on a machine) and warm (the cache the cold start left
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import median, save_result  # noqa: E402
+from bench.common import median, save_result, stream_chat, wait_healthy  # noqa: E402
 
 CHAT = [{"role": "user", "content": "Write a short story about a lighthouse keeper and a storm."}]
 
@@ -39,28 +38,13 @@ def status_mib(pid: int, field: str) -> float:
     return 0.0
 
 
-def stream_chat(url: str, max_tokens: int) -> tuple[float, float]:
+def chat_once(url: str, max_tokens: int) -> tuple[float, float]:
     """-> (seconds to the first token, decode tokens per second after it)."""
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     body = {"model": model, "messages": CHAT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    body |= {"stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first = last = None
-    n = 0
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                n = chunk["usage"]["completion_tokens"]
-            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
-                now = time.perf_counter()
-                first = now if first is None else first
-                last = now
-    assert first is not None and last is not None
-    return first - t0, (n - 1) / max(last - first, 1e-9)
+    c = stream_chat(url, body | {"stream": True, "stream_options": {"include_usage": True}})
+    assert c.per_user_tps is not None, "no tokens streamed"
+    return c.ttft_s, c.per_user_tps
 
 
 def one_start(flags: list[str], cache: Path, port: int, max_tokens: int) -> dict:
@@ -71,20 +55,11 @@ def one_start(flags: list[str], cache: Path, port: int, max_tokens: int) -> dict
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None:
-                log.seek(0)
-                sys.exit("the server exited:\n" + log.read().decode(errors="replace")[-3000:])
-            time.sleep(0.05)
+        wait_healthy(url, proc, 900, poll=0.05)
         healthy = time.perf_counter() - t0
-        ttft, first_tps = stream_chat(url, max_tokens)
+        ttft, first_tps = chat_once(url, max_tokens)
         first_token = healthy + ttft
-        steady = median(stream_chat(url, max_tokens)[1] for _ in range(2))
+        steady = median(chat_once(url, max_tokens)[1] for _ in range(2))
         rss, peak = status_mib(proc.pid, "VmRSS"), status_mib(proc.pid, "VmHWM")
     finally:
         proc.terminate()

@@ -29,13 +29,19 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import DATA, load_prompts, median, running_server, save_result  # noqa: E402
+from bench.common import (  # noqa: E402
+    DATA,
+    load_prompts,
+    median,
+    running_server,
+    save_result,
+    stream_chat,
+    wait_healthy,
+)
 
 
 @contextmanager
@@ -45,16 +51,7 @@ def llama_server(binary: Path, gguf: Path, port: int, threads: int) -> Iterator[
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        t0 = time.monotonic()
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() - t0 > 300:
-                sys.exit("llama-server did not become ready")
-            time.sleep(0.3)
+        wait_healthy(url, proc, 300, poll=0.3)
         yield url
     finally:
         proc.terminate()
@@ -72,29 +69,8 @@ def one_stream(url: str, model: str, text: str, max_tokens: int, temperature: fl
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    t0 = time.perf_counter()
-    first = last = None
-    tokens = None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            for ch in chunk.get("choices") or []:
-                if (ch.get("delta") or {}).get("content"):
-                    now = time.perf_counter()
-                    first = now if first is None else first
-                    last = now
-    n = tokens or 0
-    span = (last - first) if first is not None and last is not None else 0.0
-    return {
-        "tokens": n,
-        "ttft_s": (first or t0) - t0,
-        "per_user_tps": (n - 1) / span if span > 0 and n > 1 else None,
-    }
+    c = stream_chat(url, body)
+    return {"tokens": c.tokens, "ttft_s": c.ttft_s, "per_user_tps": c.per_user_tps}
 
 
 def point(
