@@ -221,6 +221,16 @@ def cost_table_for(
     return table, source
 
 
+def _weights_for(model_cfg: ModelConfig, device: torch.device) -> WeightsChoice:
+    """The target's weights and dtype (`--weights`, `--dtype`), logged with their reasons."""
+    fast = model_cfg.forward == "fast" and model_cfg.quantize == "none"
+    weights = choose_weights(model_cfg.weights, model_cfg.dtype, device, model_cfg.model, fast)
+    choice = weights.dtype
+    log.info("target dtype %s on %s (%s)%s", choice.name, device, choice.reason, _cpu_line(device))
+    log.info("target weights: %s", weights.reason)
+    return weights
+
+
 def _cpu_line(device: torch.device) -> str:
     """On a CPU, what it is and what the kernels were built for (the defaults' reasons)."""
     return f"; CPU: {describe_cpu()}" if device.type == "cpu" else ""
@@ -239,12 +249,9 @@ def build_engine(
     on_stage: told what is being loaded, step by step (for /health and the log)."""
     stage = on_stage or (lambda s: None)
     device = resolve_device(model_cfg.device)
-    fast = model_cfg.forward == "fast" and model_cfg.quantize == "none"
-    weights = choose_weights(model_cfg.weights, model_cfg.dtype, device, model_cfg.model, fast)
+    weights = _weights_for(model_cfg, device)
     choice = weights.dtype
     dtype = choice.dtype
-    log.info("target dtype %s on %s (%s)%s", choice.name, device, choice.reason, _cpu_line(device))
-    log.info("target weights: %s", weights.reason)
     cache_dir = Path(model_cfg.cache_dir) if model_cfg.cache_dir else default_cache_dir()
     stage("loading the target model")
     target = load_target(model_cfg.model, device, dtype, cache_dir)

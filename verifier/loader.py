@@ -137,6 +137,24 @@ def gguf_block_problem(path: Path) -> str | None:
     return f"tensor types without a kernel: {', '.join(missing)}" if missing else None
 
 
+def _weights_asked(weights: str, device: torch.device, source: Path | None) -> WeightsChoice:
+    """`--weights` other than auto, or why it cannot be served here."""
+    if weights in ("bf16", "fp32"):
+        choice = DtypeChoice(_DTYPES[weights], f"--weights {weights}")
+        return WeightsChoice("dense", choice, f"--weights {weights}")
+    if device.type != "cpu":
+        raise ValueError(f"--weights {weights} is for CPUs; on {device} serve bf16 (--weights auto)")
+    f32 = DtypeChoice(torch.float32, f"--weights {weights}: float32 activations")
+    if weights == "q8_0":
+        return WeightsChoice("q8_0", f32, "--weights q8_0: every product quantized to Q8_0 at load")
+    if source is None:
+        raise ValueError(
+            "--weights gguf needs a .gguf model (the embedded default or --model FILE.gguf); "
+            "a HF directory can be served with --weights q8_0"
+        )
+    return WeightsChoice("gguf", f32, f"--weights gguf: the blocks of {source.name}", source)
+
+
 def choose_weights(
     weights: str,
     dtype: str | torch.dtype | None,
@@ -153,22 +171,9 @@ def choose_weights(
     verify steps speculation runs, batches, prefill), so auto keeps it there; so does a CPU
     without AVX2, FMA and F16C (the kernel's plain C path is for correctness, not speed).
     `flags`: CPU flags for tests (as `choose_dtype`)."""
-    f32 = DtypeChoice(torch.float32, f"--weights {weights}: float32 activations")
-    if weights in ("bf16", "fp32"):
-        choice = DtypeChoice(_DTYPES[weights], f"--weights {weights}")
-        return WeightsChoice("dense", choice, f"--weights {weights}")
     source = gguf_source(model)
-    if weights in ("gguf", "q8_0") and device.type != "cpu":
-        raise ValueError(f"--weights {weights} is for CPUs; on {device} serve bf16 (--weights auto)")
-    if weights == "gguf":
-        if source is None:
-            raise ValueError(
-                "--weights gguf needs a .gguf model (the embedded default or --model FILE.gguf); "
-                "a HF directory can be served with --weights q8_0"
-            )
-        return WeightsChoice("gguf", f32, f"--weights gguf: the blocks of {source.name}", source)
-    if weights == "q8_0":
-        return WeightsChoice("q8_0", f32, "--weights q8_0: every product quantized to Q8_0 at load")
+    if weights != "auto":
+        return _weights_asked(weights, device, source)
     dense = choose_dtype(dtype, device, flags)
     vector = {"avx2", "fma", "f16c"} <= (cpu_flags() if flags is None else flags)  # else fmaf in software
     if (

@@ -101,14 +101,16 @@ class ModelRunner:
         self.forward_impl: Forward = forward(
             P, self.kv, linear, quantize, attention, gemm_rows, batch_invariant, blocks
         )
-        self.released_bytes = 0
-        if blocks is not None:
-            assert isinstance(self.forward_impl, FastForward)
-            self.released_bytes = release_float_weights(P, self.forward_impl.weights.block_products())
+        self.released_bytes = self._release_floats() if blocks is not None else 0
         if cuda_graphs:
             assert isinstance(self.forward_impl, FastForward)
             capture = CudaCapture() if P.device.type == "cuda" else EagerReplay()
             self.forward_impl = GraphedForward(self.forward_impl, max_model_len, capture)
+
+    def _release_floats(self) -> int:
+        """The float weights of the products the forward serves from blocks, released -> bytes."""
+        assert isinstance(self.forward_impl, FastForward)
+        return release_float_weights(self.parts, self.forward_impl.weights.block_products())
 
     def describe(self) -> str:
         """One line for logs and benchmarks: which forward runs and how it multiplies."""
