@@ -25,7 +25,12 @@ from dspark_serve.scheduler.policy import CostTable, DSparkPolicy, parse_policy
 from dspark_serve.verifier.config import ModelConfig
 from dspark_serve.verifier.cuda_graphs import TOKEN_BUCKETS
 from dspark_serve.verifier.forward import ModelParts
-from dspark_serve.verifier.gguf_blocks import ModelBlocks, quantize_blocks, read_gguf_blocks
+from dspark_serve.verifier.gguf_blocks import (
+    ModelBlocks,
+    forget_gguf_files,
+    quantize_blocks,
+    read_gguf_blocks,
+)
 from dspark_serve.verifier.host_memory import retain_freed_memory
 from dspark_serve.verifier.loader import (
     DtypeChoice,
@@ -271,6 +276,9 @@ def build_engine(
         total = torch.cuda.mem_get_info(device)[1]
         tokens = device_memory_plan(model_cfg, sched_cfg, target, drafter, dtype, total, max_len).kv_tokens
     runner = build_runner(model_cfg, target, device, dtype, tokens, blocks)
+    detail = blocks.describe() if blocks is not None else f"dense {choice.name}"
+    del blocks  # the forward holds its packed products; the file's map goes with the blocks
+    forget_gguf_files()
     # after the weights and the KV cache: those keep their own mappings
     if device.type == "cpu" and retain_freed_memory(model_cfg.retain_freed_mib):
         log.info("freed host blocks of up to %d MiB are kept for the next step", model_cfg.retain_freed_mib)
@@ -291,5 +299,4 @@ def build_engine(
     if drafter is not None:
         policy = engine.speculation.policy.name
         log.info("drafter %s (block %d), verify policy %s", drafter.name, drafter.block_size, policy)
-    detail = blocks.describe() if blocks is not None else f"dense {choice.name}"
     return EngineBundle(engine, target.tokenizer, choice, weights, detail)

@@ -14,6 +14,7 @@ model was loaded with (sampled rows, bit for bit) before it replaces them.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import Counter
 from collections.abc import Sequence
@@ -99,7 +100,14 @@ def _tensor_matrix(t: Any) -> QuantMatrix:
 
 
 class GgufFile:
-    """A .gguf file's tensors by name (memory-mapped) and its architecture."""
+    """A .gguf file's tensors by name (memory-mapped) and its architecture. `GgufFile.open` reads
+    a file once per process (a start checks it, chooses the weights and reads the blocks: gguf's
+    reader parses every metadata field, the whole vocabulary included, each time)."""
+
+    @staticmethod
+    def open(path: Path) -> GgufFile:
+        st = path.stat()
+        return _open_gguf(path.resolve(), st.st_size, st.st_mtime_ns)
 
     def __init__(self, path: Path) -> None:
         import gguf
@@ -134,6 +142,18 @@ class GgufFile:
         return _tensor_matrix(t), ""
 
 
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: Path, size: int, mtime_ns: int) -> GgufFile:
+    """GgufFile(path), kept while the file's size and modification time stay the same."""
+    return GgufFile(path)
+
+
+def forget_gguf_files() -> None:
+    """Drop the files `GgufFile.open` keeps (and their memory maps: the packed products no longer
+    read them), once a start is done."""
+    _open_gguf.cache_clear()
+
+
 def _product(
     f: GgufFile, layer: int, product: str, heads: int, kv_heads: int, permuted: bool
 ) -> tuple[QuantMatrix | None, str]:
@@ -156,7 +176,7 @@ def _product(
 
 def read_gguf_blocks(path: Path, parts: ModelParts) -> ModelBlocks:
     """The products of the model in `path` as its own blocks (see the module's docstring)."""
-    f = GgufFile(path)
+    f = GgufFile.open(path)
     permuted = f.architecture in PERMUTED_ARCHITECTURES
     layers, in_floats = [], []
     for i in range(parts.num_layers):

@@ -130,7 +130,7 @@ def gguf_block_problem(path: Path) -> str | None:
 
     if cpu_kernels.load_kernels() is None:
         return "no C compiler for the block kernels"
-    f = GgufFile(path)
+    f = GgufFile.open(path)
     kinds = {f.block_type(n) for n in f.tensors if n.startswith("blk.") and n.endswith(".weight")}
     kinds.discard("F32")  # the norms
     missing = sorted(str(k) for k in kinds if k not in BLOCK_TYPES)
@@ -219,7 +219,7 @@ def check_gguf(path: Path) -> None:
     architecture; else a ValueError naming the file and the problem (never a crash mid-serve)."""
     from dspark_serve.verifier.gguf_blocks import GgufFile
 
-    arch = GgufFile(path).architecture
+    arch = GgufFile.open(path).architecture
     if arch not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{path.name}: architecture {arch or '(none)'!r} is not supported; "
