@@ -63,8 +63,16 @@ def timing_args(ap, repeats: int = 5):
 
 
 def save_result(args, result: dict) -> None:
-    """`result` with the machine and the run's arguments beside it, written to args.out as JSON."""
-    result = {**result, "machine": machine(), "args": vars(args) | {"out": str(args.out)}}
+    """`result` with the machine and the run's arguments beside it, written to args.out as JSON
+    (paths as the checkout sees them: relative inside it, only the file's name outside)."""
+
+    def shown(v: object) -> object:
+        if not isinstance(v, Path):
+            return v
+        full = v.resolve()
+        return str(full.relative_to(ROOT)) if full.is_relative_to(ROOT) else v.name
+
+    result = {**result, "machine": machine(), "args": {k: shown(v) for k, v in vars(args).items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str))
 
