@@ -206,11 +206,10 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *p, int64_t
     }
 }
 
-static inline void store_rows(float *y, int64_t ys, __m512 a, const float *bias, int nc) {
+static inline void store_rows(float *y, __m512 a, const float *bias, int nc) {
     float v[PR];
     _mm512_storeu_ps(v, a);
     for (int i = 0; i < nc; i++) y[i] = bias ? v[i] + bias[i] : v[i];
-    (void)ys;
 }
 #elif defined(QUANT_AVX2)
 /* as above with two registers of 8 rows per panel and row of x */
@@ -274,12 +273,11 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *p, int64_t
     }
 }
 
-static inline void store_rows(float *y, int64_t ys, const __m256 *a, const float *bias, int nc) {
+static inline void store_rows(float *y, const __m256 *a, const float *bias, int nc) {
     float v[PR];
     _mm256_storeu_ps(v, a[0]);
     _mm256_storeu_ps(v + 8, a[1]);
     for (int i = 0; i < nc; i++) y[i] = bias ? v[i] + bias[i] : v[i];
-    (void)ys;
 }
 #endif
 
@@ -306,7 +304,7 @@ static inline __attribute__((always_inline)) void panels(const uint8_t *packed, 
         for (int r = 0; r < (R); r++)                                                                    \
             for (int j = 0; j < (MC); j++) {                                                             \
                 const int n0 = (g + r) * PR, nc = N - n0 < PR ? N - n0 : PR;                            \
-                store_rows(y + (size_t)(m0 + j) * N + n0, N, ACC(r * (MC) + j), bias ? bias + n0 : NULL, nc); \
+                store_rows(y + (size_t)(m0 + j) * N + n0, ACC(r * (MC) + j), bias ? bias + n0 : NULL, nc);    \
             }                                                                                            \
     }
 #define TILES(R, MC) RUN(R, MC) RUN(1, MC) break;
