@@ -31,6 +31,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,11 +97,35 @@ def build_flags() -> tuple[str, ...]:
 
 
 def _build(compiler: str, out: Path) -> None:
+    """Compile each source to an object at once (one compiler process per source, the OS
+    spreading them over the cores: the quantized gemm alone takes most of the time), then link."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    flags = [f for f in build_flags() if f != "-shared"]
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objs = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
+        procs = [
+            subprocess.Popen(
+                [compiler, *flags, "-c", str(src), "-o", str(obj)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for src, obj in zip(SOURCES, objs)
+        ]
+        errors = []
+        for src, proc in zip(SOURCES, procs):
+            try:
+                _, err = proc.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            if proc.returncode:
+                errors.append(f"{src.name}: {err}")
+        if errors:
+            raise subprocess.CalledProcessError(1, compiler, stderr="\n".join(errors))
         so = Path(tmp) / out.name
         subprocess.run(
-            [compiler, *build_flags(), *map(str, SOURCES), "-o", str(so), "-lm"],
+            [compiler, *build_flags(), *map(str, objs), "-o", str(so), "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -250,9 +276,26 @@ def kernels_key() -> str | None:
     return _library_key(compiler) if compiler else None
 
 
+_load_lock = threading.Lock()
+
+
+def prepare_kernels(cache_dir: Path | None = None) -> threading.Thread:
+    """Build or load the kernel library on a thread of its own, so that a first start compiles
+    while it reads the model (the compiler runs outside the interpreter); whoever needs the
+    library next waits for it in `load_kernels`."""
+    thread = threading.Thread(target=load_kernels, args=(cache_dir,), name="kernels", daemon=True)
+    thread.start()
+    return thread
+
+
 def load_kernels(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     """The compiled kernel library (built once, cached by sources, compiler flags and CPU), or
-    None where it cannot be built here."""
+    None where it cannot be built here. Thread-safe: a second caller waits for the first's build."""
+    with _load_lock:
+        return _load_kernels(cache_dir)
+
+
+def _load_kernels(cache_dir: Path | None) -> ctypes.CDLL | None:
     compiler = find_compiler()
     if compiler is None:
         log.info("no C compiler found: the CPU forward stays on torch's kernels")
@@ -264,7 +307,9 @@ def load_kernels(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     lib: ctypes.CDLL | None = None
     try:
         if not path.exists():
+            t0 = time.perf_counter()
             _build(compiler, path)
+            log.info("compiled the CPU kernels for this machine in %.1fs (cached)", time.perf_counter() - t0)
         lib = ctypes.CDLL(str(path))
         _declare(lib)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:

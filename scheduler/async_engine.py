@@ -377,10 +377,7 @@ class AsyncEngine:
         log.info("ready: the engine loaded in %.1fs and accepts requests", time.monotonic() - t0)
         engine = self.bundle.engine
         while not self._stopping:
-            try:
-                msg = self._inbox.get(block=not engine.has_work())
-            except queue.Empty:
-                msg = None
+            msg = self._next_message(engine)
             while msg is not None:
                 if isinstance(msg, StopEngine):
                     return
@@ -390,6 +387,7 @@ class AsyncEngine:
                 except queue.Empty:
                     msg = None
             if not engine.has_work():
+                self._idle_work(engine)
                 continue
             try:
                 outputs = engine.step()
@@ -402,6 +400,26 @@ class AsyncEngine:
                     self._send(out.request_id, EngineError(out.error, out.error_status))
                 else:
                     self._send(out.request_id, _delta(out))
+
+    def _next_message(self, engine: Engine) -> EngineMessage | None:
+        """The next message, if any: waited for only while the engine has no step to run, and
+        no longer than until its idle work is due."""
+        idle = engine.idle_profile
+        wait = 0.0 if engine.has_work() else None if idle is None else idle.wait()
+        try:
+            if wait is None:
+                return self._inbox.get()
+            return self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    @staticmethod
+    def _idle_work(engine: Engine) -> None:
+        """While no request waits or runs: one forward of the full cost table's measurement
+        (`scheduler/idle_profile.py`), once the engine has been quiet long enough."""
+        idle = engine.idle_profile
+        if idle is not None and idle.wait() == 0.0 and idle.advance():
+            engine.idle_profile = None
 
     def _fail_all(self, engine: Engine) -> None:
         for r in list(engine.running) + list(engine.waiting):

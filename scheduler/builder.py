@@ -15,7 +15,7 @@ from dspark_serve.drafter.base import Drafter
 from dspark_serve.drafter.config import NO_DRAFTER, DrafterConfig
 from dspark_serve.drafter.dspark_model.config import DSparkConfig
 from dspark_serve.drafter.registry import build_drafter, drafter_spec
-from dspark_serve.ops.cpu_kernels import describe_cpu
+from dspark_serve.ops.cpu_kernels import describe_cpu, prepare_kernels
 from dspark_serve.ops.platform import default_cache_dir
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine, HiddenCapture
@@ -200,30 +200,69 @@ def build_runner(
     return runner
 
 
+@dataclass(frozen=True)
+class TableChoice:
+    """The cost table an engine starts on: its source ("cached", "measured", "provisional" or
+    "none") and, for a provisional one, where the full table measured in idle gaps is cached."""
+
+    table: CostTable | None
+    source: str
+    measure_to: Path | None = None
+
+
 def cost_table_for(
     runner: ModelRunner,
     target: Any,
     cache_dir: Path,
     sched_cfg: SchedulerConfig,
     drafting: bool,
-    metrics: EngineMetricsSink | None,
     profile: bool | None,
     stage: Callable[[str], None],
-) -> tuple[CostTable | None, str]:
-    """The measured cost table (loaded or profiled), where the policy reads one: by default
-    only the load-aware policy with a drafter does. -> (table or None, where it came from)."""
+) -> TableChoice:
+    """The cost table, where the policy reads one (by default only the load-aware policy with a
+    drafter does): the cached one; else, measured in the background (`cost_table_in_background`),
+    a provisional one from a short probe; else measured before serving."""
     if profile is None:
         profile = drafting and isinstance(parse_policy(sched_cfg.policy_spec(drafting=True)), DSparkPolicy)
     if not profile:
-        return None, "none (no drafter)"
-    from dspark_serve.scheduler.profile import format_table, load_or_profile
+        return TableChoice(None, "none")
+    from dspark_serve.scheduler.profile import format_table, load_or_profile, probe, read_cached, table_path
 
-    stage("loading or measuring the cost table")
-    table, raw, source = load_or_profile(runner, target.name, cache_dir, sched_cfg.reprofile)
-    log.info("cost table (%s):\n%s", source, format_table(raw))
-    if metrics is not None:
-        metrics.set_cost_table(table)
-    return table, source
+    if not sched_cfg.cost_table_in_background:
+        stage("loading or measuring the cost table")
+        table, raw, source = load_or_profile(runner, target.name, cache_dir, sched_cfg.reprofile)
+        log.info("cost table (%s):\n%s", source, format_table(raw))
+        return TableChoice(table, source.split()[0])
+    path = table_path(runner, target.name, cache_dir)
+    cached = None if sched_cfg.reprofile else read_cached(path)
+    if cached is not None:
+        log.info("cost table (cached %s):\n%s", path.name, format_table(cached))
+        return TableChoice(CostTable.from_dict(cached), "cached")
+    stage("probing the cost table")
+    raw = probe(runner)
+    log.info(
+        "cost table: provisional, from a %.1fs probe; the full table is measured in the engine's "
+        "idle gaps and takes over when done (first start on this machine; cached afterwards):\n%s",
+        raw["seconds"],
+        format_table(raw),
+    )
+    return TableChoice(CostTable.from_dict(raw), "provisional", path)
+
+
+def measure_when_idle(engine: Engine, choice: TableChoice, metrics: EngineMetricsSink | None) -> None:
+    """Under a provisional table: the full one is measured in the engine's idle gaps
+    (`scheduler/idle_profile.py`) and takes over when done."""
+    from dspark_serve.scheduler.idle_profile import IdleProfile
+    from dspark_serve.scheduler.profile import TableMeasurement, format_table
+
+    def adopt(table: CostTable, raw: dict[str, Any]) -> None:
+        engine.speculation.use_table(table)
+        if metrics is not None:
+            metrics.set_cost_table(table, "measured")
+        log.info("cost table (measured in idle gaps), in force from now:\n%s", format_table(raw))
+
+    measurement = TableMeasurement(engine.runner, engine.blocks)
+    engine.idle_profile = IdleProfile(measurement, choice.measure_to, adopt)
 
 
 def _weights_for(model_cfg: ModelConfig, device: torch.device) -> WeightsChoice:
@@ -231,14 +270,9 @@ def _weights_for(model_cfg: ModelConfig, device: torch.device) -> WeightsChoice:
     fast = model_cfg.forward == "fast" and model_cfg.quantize == "none"
     weights = choose_weights(model_cfg.weights, model_cfg.dtype, device, model_cfg.model, fast)
     choice = weights.dtype
-    log.info("target dtype %s on %s (%s)%s", choice.name, device, choice.reason, _cpu_line(device))
+    log.info("target dtype %s on %s (%s)", choice.name, device, choice.reason)
     log.info("target weights: %s", weights.reason)
     return weights
-
-
-def _cpu_line(device: torch.device) -> str:
-    """On a CPU, what it is and what the kernels were built for (the defaults' reasons)."""
-    return f"; CPU: {describe_cpu()}" if device.type == "cpu" else ""
 
 
 def build_engine(
@@ -254,6 +288,8 @@ def build_engine(
     on_stage: told what is being loaded, step by step (for /health and the log)."""
     stage = on_stage or (lambda s: None)
     device = resolve_device(model_cfg.device)
+    if device.type == "cpu":
+        prepare_kernels()  # a first start compiles them while it reads the model
     weights = _weights_for(model_cfg, device)
     choice = weights.dtype
     dtype = choice.dtype
@@ -276,15 +312,15 @@ def build_engine(
         total = torch.cuda.mem_get_info(device)[1]
         tokens = device_memory_plan(model_cfg, sched_cfg, target, drafter, dtype, total, max_len).kv_tokens
     runner = build_runner(model_cfg, target, device, dtype, tokens, blocks)
+    if device.type == "cpu":  # what the CPU is and what the kernels were built for
+        log.info("CPU: %s", describe_cpu())
     detail = blocks.describe() if blocks is not None else f"dense {choice.name}"
     del blocks  # the forward holds its packed products; the file's map goes with the blocks
     forget_gguf_files()
     # after the weights and the KV cache: those keep their own mappings
     if device.type == "cpu" and retain_freed_memory(model_cfg.retain_freed_mib):
         log.info("freed host blocks of up to %d MiB are kept for the next step", model_cfg.retain_freed_mib)
-    table, _ = cost_table_for(
-        runner, target, cache_dir, sched_cfg, drafter is not None, metrics, profile, stage
-    )
+    costs = cost_table_for(runner, target, cache_dir, sched_cfg, drafter is not None, profile, stage)
     layers = runner.num_layers
     engine = Engine(
         runner,
@@ -292,10 +328,14 @@ def build_engine(
         sched_cfg,
         max_len,
         drafter=drafter,
-        cost_table=table,
+        cost_table=costs.table,
         metrics=metrics,
         capture=None if capture is None else capture(layers),
     )
+    if metrics is not None and costs.table is not None:
+        metrics.set_cost_table(costs.table, costs.source)
+    if costs.source == "provisional":
+        measure_when_idle(engine, costs, metrics)
     if drafter is not None:
         policy = engine.speculation.policy.name
         log.info("drafter %s (block %d), verify policy %s", drafter.name, drafter.block_size, policy)

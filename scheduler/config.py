@@ -32,6 +32,10 @@ class SchedulerConfig:
     """auto (dspark when a drafter is on, else none) or a registered policy (scheduler/policy.py)."""
     reprofile: bool = False
     """Re-measure the target cost table even when a cached one exists."""
+    cost_table_in_background: bool = True
+    """Where no cached cost table fits (a first start on this machine, or --reprofile): serve at
+    once on a provisional table from a short probe and measure the full table in the engine's
+    idle gaps (it takes over when done, and is cached); false: measure it before serving."""
     draft_gate: bool = True
     """With the dspark policy: skip drafting at load levels where steps that draft have
     produced fewer tokens per second than steps that do not (the drafter's own cost)."""
@@ -101,7 +105,7 @@ class SchedulerConfig:
             )
         if not (self.priority_aging_s > 0 and math.isfinite(self.priority_aging_s)):
             raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s!r}")
-        for flag in ("enable_prefix_caching", "price_overhead"):
+        for flag in ("enable_prefix_caching", "price_overhead", "cost_table_in_background"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         name = self.verify_policy.split(":", 1)[0]

@@ -36,6 +36,7 @@ from dspark_serve.scheduler.commit import (
 )
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.detokenizer import IncrementalDetokenizer
+from dspark_serve.scheduler.idle_profile import IdleProfile
 from dspark_serve.scheduler.load import LoadMonitor, LoadState
 from dspark_serve.scheduler.metrics_sink import EngineMetricsSink, EngineSnapshot, NullMetrics
 from dspark_serve.scheduler.policy import CostTable
@@ -98,6 +99,7 @@ class Engine:
         self.grammars: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
         self.grammar_config = GrammarConfig()
+        self.idle_profile: IdleProfile | None = None  # the cost table, measured while idle
 
     def compile_grammar(self, kind: str, schema: str | None) -> Grammar:
         """A request's grammar (thread-safe; the server calls it off the engine thread).
@@ -105,10 +107,8 @@ class Engine:
         llguidance support."""
         with self._grammar_lock:
             if self.grammars is None:
-                eos = sorted(self.eos_ids)
-                self.grammars = GrammarCompiler.for_hf(
-                    self.tokenizer, self.vocab_size, eos, self.grammar_config
-                )
+                eos, cfg = sorted(self.eos_ids), self.grammar_config
+                self.grammars = GrammarCompiler.for_hf(self.tokenizer, self.vocab_size, eos, cfg)
         return self.grammars.compile(kind, schema)
 
     # -- the parts, as the rest of the code sees them ------------------------------------------
@@ -131,9 +131,8 @@ class Engine:
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
-        if self.speculating:
-            return self.speculation.tap_layers
-        return tuple(self.capture.layers) if self.capture is not None else ()
+        capture = tuple(self.capture.layers) if self.capture is not None else ()
+        return self.speculation.tap_layers if self.speculating else capture
 
     def set_policy(self, spec: str) -> None:
         """Switch the verification policy (only between requests: drafter state is per request).
@@ -204,6 +203,8 @@ class Engine:
         """One step. Never raises because of one request: a request found invalid before any
         state changed is failed alone; an error later in the step fails the step's batch
         (their KV and drafter state freed, finish_reason "error"), and everyone else goes on."""
+        if self.idle_profile is not None:
+            self.idle_profile.pause()  # its scratch KV slots go back before scheduling
         batch, failed = self._schedule()
         if not batch:
             return failed

@@ -24,9 +24,10 @@ class GenerationOutput:
     spec: SpecStats | None
 
 
-# Where the offline defaults differ from the serving ones: the CPU, and a waiting queue that
-# never refuses (the caller submits its whole batch at once).
-OFFLINE_DEFAULTS = {"device": "cpu", "max_waiting": 1 << 30}
+# Where the offline defaults differ from the serving ones: the CPU, a waiting queue that
+# never refuses (the caller submits its whole batch at once), and a cost table measured before
+# the first step (an offline run has no idle gaps to measure it in).
+OFFLINE_DEFAULTS = {"device": "cpu", "max_waiting": 1 << 30, "cost_table_in_background": False}
 OFFLINE_CONFIGS = (ModelConfig, DrafterConfig, SchedulerConfig)
 
 

@@ -6,6 +6,7 @@ time, so the value is stored and updated once."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,8 @@ FORWARD_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 MODEL_LABEL = "model_name"
 # The finish reasons exported at zero from the start.
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# where the cost table in force came from (`scheduler/builder.py`)
+COST_TABLE_SOURCES = ("cached", "measured", "provisional")
 
 Kind = type[Counter] | type[Gauge] | type[Histogram]
 
@@ -186,6 +189,12 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
                "Verified drafts behind the live ECE, by draft position.", labels=("position",)),
     MetricSpec("cost", "dspark:cost_table_steps_per_second", Gauge,
                "Profiled target steps per second at a batch of B tokens.", labels=("batch_tokens",)),
+    MetricSpec("cost_source", "dspark:cost_table_in_force", Gauge,
+               "1 for where the cost table in force came from, else 0: cached, measured (before "
+               "serving or in the engine's idle gaps) or provisional (a short probe, served on "
+               "while the full table is measured).", labels=("source",), preset=COST_TABLE_SOURCES),
+    MetricSpec("cost_since", "dspark:cost_table_since_seconds", Gauge,
+               "Unix time the cost table in force took over.", unmeasured=True),
     MetricSpec("fwd_predicted", "dspark:forward_seconds_predicted", Gauge,
                "The profiled cost table's time for the last decode step's forward.", unmeasured=True),
     MetricSpec("fwd_measured", "dspark:forward_seconds_measured", Gauge,
@@ -277,6 +286,8 @@ class EngineMetrics:
     conf_bias: Gauge
     conf_samples: Gauge
     cost: Gauge
+    cost_source: Gauge
+    cost_since: Gauge
     fwd_predicted: Gauge
     fwd_measured: Gauge
     cost_correction: Gauge
@@ -308,9 +319,12 @@ class EngineMetrics:
         for value in spec.preset:
             metric.labels(**self.labels, **{spec.labels[0]: value})
 
-    def set_cost_table(self, table: CostTable) -> None:
+    def set_cost_table(self, table: CostTable, source: str) -> None:
         for b, s in zip(table.batch_sizes, table.steps_per_second):
             self.cost.labels(**self.labels, batch_tokens=str(b)).set(s)
+        for name in COST_TABLE_SOURCES:
+            self.cost_source.labels(**self.labels, source=name).set(1.0 if name == source else 0.0)
+        self.cost_since.labels(**self.labels).set(time.time())
 
     def record_forward(self, tokens: int, seconds: float) -> None:
         self.forward_tokens.labels(**self.labels).observe(tokens)

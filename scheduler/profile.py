@@ -10,7 +10,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -98,21 +98,131 @@ Shape = Callable[[], LaidOut]
 """Lays out the KV of one profiled forward shape and returns it (`LaidOut`)."""
 
 
-def _rounds(runner: ModelRunner, shapes: list[Shape], repeats: int) -> list[float]:
-    """Steps per second of each shape: the shapes are timed in turn, one forward each, for
-    repeats + 1 rounds (the first warms up), and each keeps its fastest round. On a shared
-    machine a slow spell then lands on a few samples of many shapes instead of every sample of
-    a few (timed one shape after another, one spell would skew a whole point of the table),
-    and noise only ever slows a forward, so the fastest is the machine's cost."""
-    best = [float("inf")] * len(shapes)
-    for rnd in range(repeats + 1):
-        for i, shape in enumerate(shapes):
-            segs, undo = shape()
-            t = _timed(runner, segs)
+class _Group:
+    """Shapes timed at one context length over one set of scratch requests, in rounds."""
+
+    def __init__(self, blocks: BlockManager, ids: list[str], ctx: int, shapes: Sequence[Shape]) -> None:
+        self.blocks, self.ids, self.ctx, self.shapes = blocks, ids, ctx, shapes
+        self.best = [float("inf")] * len(shapes)
+        self.next = 0  # forwards timed so far (round * len(shapes) + shape)
+        self.laid_out = False
+
+    def lay_out(self) -> None:
+        """The scratch requests' contexts (slots only: the KV content does not change a cost)."""
+        if not self.laid_out:
+            for rid in self.ids:
+                self.blocks.append(rid, self.ctx)
+            self.laid_out = True
+
+    def release(self) -> None:
+        if self.laid_out:
+            for rid in self.ids:
+                self.blocks.free(rid)
+            self.laid_out = False
+
+
+class TableMeasurement:
+    """The cost table's forwards (`measure`), timed one at a time by `advance`.
+
+    Each group's shapes are timed in turn, one forward each, for repeats + 1 rounds (the first
+    warms up), and each shape keeps its fastest round. On a shared machine a slow spell then
+    lands on a few samples of many shapes instead of every sample of a few (timed one shape
+    after another, one spell would skew a whole point of the table), and noise only ever slows
+    a forward, so the fastest is the machine's cost.
+
+    Between two calls the owner may run forwards of its own (the engine serving requests, with
+    the table measured in its idle gaps): `release` gives the scratch requests' KV slots back
+    first, and the next `advance` lays them out again (bookkeeping only, never timed)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        blocks: BlockManager,
+        batch_sizes: tuple[int, ...] = BATCH_SIZES,
+        context_lens: tuple[int, ...] = CONTEXT_LENS,
+        repeats: int = 4,
+        block_sizes: tuple[int, ...] = BLOCK_SIZES,
+        grid_requests: tuple[int, ...] | None = None,
+        grid_tokens: tuple[int, ...] = GRID_TOKENS,
+        nreq: int | None = None,
+    ) -> None:
+        self.runner, self.repeats = runner, repeats
+        self.batch_sizes, self.block_sizes, self.grid_tokens = batch_sizes, block_sizes, grid_tokens
+        nreq = nreq or profile_requests(runner, context_lens)
+        if grid_requests is None:  # powers of two up to the requests measured
+            grid_requests = tuple(1 << i for i in range(nreq.bit_length()) if 1 << i <= nreq)
+        self.requests = tuple(R for R in grid_requests if R <= nreq)
+        grid = [(R, t) for R in self.requests for t in grid_tokens]
+        decode_ctxs, block_ctxs = measured_contexts(runner, context_lens, batch_sizes, block_sizes, nreq)
+        ids = [f"__profile{i}" for i in range(nreq)]
+        self.decodes = [
+            _Group(
+                blocks,
+                ids,
+                ctx,
+                [functools.partial(_decode_shape, blocks, ids, ctx, B) for B in batch_sizes]
+                + [functools.partial(_spread_shape, blocks, ids[:R], ctx, t) for R, t in grid],
+            )
+            for ctx in decode_ctxs
+        ]
+        # ONE request carrying B tokens (anchor + drafts), what verification adds on top of a
+        # decode: at low load this, not B decode requests, is what a block costs
+        one = ["__profile_block"]
+        self.singles = [
+            _Group(
+                blocks, one, ctx, [functools.partial(_spread_shape, blocks, one, ctx, B) for B in block_sizes]
+            )
+            for ctx in block_ctxs
+        ]
+        self._groups = self.decodes + self.singles
+        self.forwards = sum((repeats + 1) * len(g.shapes) for g in self._groups)
+        self.timed = 0  # forwards done (of `forwards`)
+        self.seconds = 0.0  # spent in them and their layouts
+
+    @property
+    def done(self) -> bool:
+        return self.timed >= self.forwards
+
+    def advance(self) -> None:
+        """Time the next forward (the first group not done yet)."""
+        t0 = time.perf_counter()
+        g = next(g for g in self._groups if g.next < (self.repeats + 1) * len(g.shapes))
+        g.lay_out()
+        rnd, i = divmod(g.next, len(g.shapes))
+        segs, undo = g.shapes[i]()
+        try:
+            t = _timed(self.runner, segs)
+        finally:
             undo()
-            if rnd > 0:
-                best[i] = min(best[i], t)
-    return [1.0 / t for t in best]
+        if rnd > 0:
+            g.best[i] = min(g.best[i], t)
+        g.next += 1
+        self.timed += 1
+        if g.next == (self.repeats + 1) * len(g.shapes):
+            g.release()
+        self.seconds += time.perf_counter() - t0
+
+    def release(self) -> None:
+        """Give the scratch requests' KV slots back (the owner runs its own forwards next)."""
+        for g in self._groups:
+            g.release()
+
+    def result(self) -> dict[str, Any]:
+        """The measured table (`measure`'s dict), once done."""
+        assert self.done, "the measurement is not finished"
+        nb = len(self.batch_sizes)
+        by_ctx = {g.ctx: [1.0 / t for t in g.best[:nb]] for g in self.decodes}
+        grid_by_ctx = {g.ctx: [1.0 / t for t in g.best[nb:]] for g in self.decodes}
+        by_ctx_block = {g.ctx: [1.0 / t for t in g.best] for g in self.singles}
+        return {
+            "batch_sizes": list(self.batch_sizes),
+            "steps_per_second": _merge(by_ctx, nb),
+            "block_sizes": list(self.block_sizes),
+            "block_steps_per_second": _merge(by_ctx_block, len(self.block_sizes)),
+            "by_context": {str(k): v for k, v in by_ctx.items()},
+            "block_by_context": {str(k): v for k, v in by_ctx_block.items()},
+            **_grid(grid_by_ctx, self.requests, self.grid_tokens),
+        }
 
 
 def measured_contexts(
@@ -148,70 +258,36 @@ def measure(
 ) -> dict[str, Any]:
     """Time decode-shaped forwards of B tokens spread over up to 32 requests of a given context
     length, grid-shaped ones (R of those requests carrying t tokens each) and block-shaped ones
-    (one request carrying B tokens), in interleaved rounds (`_rounds`). Returns
-    {"batch_sizes", "steps_per_second", "block_sizes", "block_steps_per_second", "grid_requests",
-    "grid_tokens", "grid_steps_per_second", "by_context", "block_by_context"}."""
+    (one request carrying B tokens), in interleaved rounds (`TableMeasurement`), all at once.
+    Returns {"batch_sizes", "steps_per_second", "block_sizes", "block_steps_per_second",
+    "grid_requests", "grid_tokens", "grid_steps_per_second", "by_context", "block_by_context"}."""
     # the engine is not built yet (or is idle): a scratch allocator over the whole cache
     blocks = BlockManager(runner.kv.num_blocks, runner.kv.block_size)
-    nreq = nreq or profile_requests(runner, context_lens)
-    if grid_requests is None:  # powers of two up to the requests measured
-        grid_requests = tuple(1 << i for i in range(nreq.bit_length()) if 1 << i <= nreq)
-    decode_ctxs, block_ctxs = measured_contexts(runner, context_lens, batch_sizes, block_sizes, nreq)
-    requests = tuple(R for R in grid_requests if R <= nreq)
-    grid = [(R, t) for R in requests for t in grid_tokens]
-    by_ctx: dict[int, list[float]] = {}
-    grid_by_ctx: dict[int, list[float]] = {}
-    for ctx in decode_ctxs:
-        timed = _time_decodes(runner, blocks, ctx, batch_sizes, grid, repeats, nreq)
-        by_ctx[ctx] = timed[: len(batch_sizes)]
-        grid_by_ctx[ctx] = timed[len(batch_sizes) :]
-    by_ctx_block = {ctx: _time_blocks(runner, blocks, ctx, block_sizes, repeats) for ctx in block_ctxs}
-    return {
-        "batch_sizes": list(batch_sizes),
-        "steps_per_second": _merge(by_ctx, len(batch_sizes)),
-        "block_sizes": list(block_sizes),
-        "block_steps_per_second": _merge(by_ctx_block, len(block_sizes)),
-        "by_context": {str(k): v for k, v in by_ctx.items()},
-        "block_by_context": {str(k): v for k, v in by_ctx_block.items()},
-        **_grid(grid_by_ctx, requests, grid_tokens),
-    }
-
-
-def _time_decodes(
-    runner: ModelRunner,
-    blocks: BlockManager,
-    ctx: int,
-    batch_sizes: tuple[int, ...],
-    grid: list[tuple[int, int]],
-    repeats: int,
-    nreq: int = PROFILE_REQUESTS,
-) -> list[float]:
-    """Steps per second at context `ctx` of each decode shape (B tokens over up to `nreq`
-    requests), then of each grid shape (R requests carrying t tokens each)."""
-    ids = [f"__profile{i}" for i in range(nreq)]
-    for rid in ids:
-        blocks.append(rid, ctx)
-    shapes: list[Shape] = [functools.partial(_decode_shape, blocks, ids, ctx, B) for B in batch_sizes]
-    shapes += [functools.partial(_spread_shape, blocks, ids[:R], ctx, t) for R, t in grid]
-    timed = _rounds(runner, shapes, repeats)
-    for rid in ids:
-        blocks.free(rid)
-    return timed
-
-
-def _time_blocks(
-    runner: ModelRunner, blocks: BlockManager, ctx: int, block_sizes: tuple[int, ...], repeats: int
-) -> list[float]:
-    """Steps per second at context `ctx` of ONE request carrying B tokens (anchor + drafts), what
-    verification adds on top of a decode. At low load this, not B decode requests, is what a
-    block costs."""
-    rid = "__profile_block"
-    blocks.append(rid, ctx)
-    timed = _rounds(
-        runner, [functools.partial(_spread_shape, blocks, [rid], ctx, B) for B in block_sizes], repeats
+    m = TableMeasurement(
+        runner, blocks, batch_sizes, context_lens, repeats, block_sizes, grid_requests, grid_tokens, nreq
     )
-    blocks.free(rid)
-    return timed
+    while not m.done:
+        m.advance()
+    return m.result()
+
+
+def probe(runner: ModelRunner) -> dict[str, Any]:
+    """A provisional table from a short probe: what the engine serves on while the full table is
+    measured in its idle gaps. The shapes one request and a light load take, at one context
+    length, timed once after a warm-up; the policy interpolates between them and extrapolates
+    past them along the last segment's slope (`CostTable`). Noisier than the full table, and
+    corrected online like it (`scheduler/correction.py`)."""
+    t0 = time.perf_counter()
+    raw = measure(
+        runner,
+        batch_sizes=(1, 4, 16, 64),
+        context_lens=(128,),
+        repeats=1,
+        block_sizes=(1, 2, 4, 8, 16),
+        grid_requests=(1, 4, 16),
+    )
+    raw["seconds"] = time.perf_counter() - t0
+    return raw
 
 
 def _decode_shape(blocks: BlockManager, ids: list[str], ctx: int, B: int) -> LaidOut:
@@ -313,34 +389,43 @@ def write_cached(path: Path, raw: dict[str, Any]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def table_path(runner: ModelRunner, model_name: str, cache_dir: Path) -> Path:
+    """Where this runner's measured table is cached. The forward's kernels change the costs (a
+    table measured with others is not reused), and so do the contexts it can be measured at (a
+    runner with a small KV pool, a test's, must not hand its table to a server's)."""
+    nreq = profile_requests(runner)
+    contexts = measured_contexts(runner, nreq=nreq)
+    signature = f"{model_name}|{runner.cost_signature()}|contexts {contexts}" + (
+        f"|requests {nreq}" if nreq != PROFILE_REQUESTS else ""
+    )
+    key = cache_key(signature, runner.config, runner.device, runner.dtype)
+    return Path(cache_dir) / "cost-tables" / f"{model_name}-{runner.device.type}-{key}.json"
+
+
+def save_measured(path: Path | None, raw: dict[str, Any]) -> None:
+    """Cache a measured table (a read-only cache is logged, not fatal)."""
+    if path is None:
+        return
+    try:
+        write_cached(path, raw)
+    except OSError as exc:
+        log.warning("could not cache the cost table: %s", exc)
+
+
 def load_or_profile(
     runner: ModelRunner, model_name: str, cache_dir: Path | None, reprofile: bool = False
 ) -> tuple[CostTable, dict[str, Any], str]:
     """Return (table, raw profile, source) where source says whether it was cached or measured."""
-    path = None
-    if cache_dir is not None:
-        # The forward's kernels change the costs: a table measured with others is not reused.
-        # and so do the contexts it can be measured at: a runner with a small KV pool (a test's)
-        # must not hand its table to a server's
-        nreq = profile_requests(runner)
-        contexts = measured_contexts(runner, nreq=nreq)
-        signature = f"{model_name}|{runner.cost_signature()}|contexts {contexts}" + (
-            f"|requests {nreq}" if nreq != PROFILE_REQUESTS else ""
-        )
-        key = cache_key(signature, runner.config, runner.device, runner.dtype)
-        path = Path(cache_dir) / "cost-tables" / f"{model_name}-{runner.device.type}-{key}.json"
-        raw = None if reprofile else read_cached(path)
-        if raw is not None:
-            return CostTable.from_dict(raw), raw, f"cached {path.name}"
+    path = None if cache_dir is None else table_path(runner, model_name, cache_dir)
+    raw = None if path is None or reprofile else read_cached(path)
+    if raw is not None:
+        assert path is not None
+        return CostTable.from_dict(raw), raw, f"cached {path.name}"
     log.info("measuring the cost table (first start on this machine; cached afterwards)")
     t0 = time.perf_counter()
     raw = measure(runner)
     raw["seconds"] = time.perf_counter() - t0
-    if path is not None:
-        try:
-            write_cached(path, raw)
-        except OSError as exc:
-            log.warning("could not cache the cost table: %s", exc)
+    save_measured(path, raw)
     return CostTable.from_dict(raw), raw, f"measured in {raw['seconds']:.1f}s"
 
 

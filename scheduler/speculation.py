@@ -127,6 +127,13 @@ class Speculation:
         # once here, not every step
         self.priced_table = replace(table or DEFAULT_COST, correction=self.correction.factor)
 
+    def use_table(self, table: CostTable) -> None:
+        """A newly measured table takes over (the full one after the provisional,
+        `scheduler/idle_profile.py`): the online correction starts afresh, since what it learned
+        was the old table's error."""
+        self.correction = CostCorrection()
+        self.cost_table = table
+
     def use_policy(self, spec: str) -> None:
         self.policy: Policy = parse_policy(spec)
         # The load-aware policy also decides whether drafting pays at all (scheduler/gate.py).

@@ -34,7 +34,7 @@ def test_readiness_is_an_event_set_when_the_engine_loads():
 
 def test_ready_wakes_waiters_without_polling():
     release = threading.Event()
-    bundle = SimpleNamespace(engine=SimpleNamespace(has_work=lambda: False))
+    bundle = SimpleNamespace(engine=SimpleNamespace(has_work=lambda: False, idle_profile=None))
 
     def build():
         release.wait(10)

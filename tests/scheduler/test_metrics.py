@@ -64,6 +64,8 @@ EXPORTED = (
     ("dspark:spec_decode_confidence_bias", "gauge", ("model_name", "position")),
     ("dspark:spec_decode_confidence_samples", "gauge", ("model_name", "position")),
     ("dspark:cost_table_steps_per_second", "gauge", ("model_name", "batch_tokens")),
+    ("dspark:cost_table_in_force", "gauge", ("model_name", "source")),
+    ("dspark:cost_table_since_seconds", "gauge", ("model_name",)),
     ("dspark:forward_seconds_predicted", "gauge", ("model_name",)),
     ("dspark:forward_seconds_measured", "gauge", ("model_name",)),
     ("dspark:cost_table_correction", "gauge", ("model_name",)),
