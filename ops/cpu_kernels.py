@@ -54,12 +54,15 @@ SOURCES = tuple(
         "paged_attention.c",
         "small_gemm.c",
         "quant_gemm.c",
+        "quant_panels_q4_0.c",
+        "quant_panels_q4_1.c",
+        "quant_panels_q8_0.c",
         "elementwise.c",
         "draft_layers.c",
         "target_layers.c",
     )
 )
-HEADERS = (CSRC / "amx.h", CSRC / "common.h", CSRC / "kernels.h")
+HEADERS = (CSRC / "amx.h", CSRC / "common.h", CSRC / "kernels.h")  # and quant_gemm.c, in SOURCES
 # -fassociative-math and friends let the compiler vectorise the float32 dot products and sums
 # (a fixed, deterministic order per build); no -ffinite-math-only: masked scores stay exact.
 CFLAGS = (

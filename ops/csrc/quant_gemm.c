@@ -65,6 +65,7 @@
 #define QPF 16384 /* bytes of the panel stream prefetched ahead into L2 */
 #endif
 
+#ifndef QUANT_PANELS_OF
 int quant_block_bytes(int type) {
     switch (type) {
     case GGML_TYPE_Q4_0: return 18;
@@ -73,6 +74,8 @@ int quant_block_bytes(int type) {
     default: return 0;
     }
 }
+
+#endif
 
 /* A panel's bytes per block: scales (and minimums) of its 16 rows, then their quants. */
 static inline int panel_block_bytes(int type) {
@@ -84,10 +87,13 @@ static inline int panel_block_bytes(int type) {
     }
 }
 
+#ifndef QUANT_PANELS_OF
 /* The bytes quant_pack writes for N rows of K (0 for a type without a kernel). */
 int64_t quant_pack_bytes(int type, int N, int K) {
     return (int64_t)((N + PR - 1) / PR) * (K / QK) * panel_block_bytes(type);
 }
+
+#endif
 
 static inline float half_to_float(const uint8_t *p) {
     uint16_t h;
@@ -121,6 +127,7 @@ static inline float weight_value(int type, int q, float d, float m) {
     return type == GGML_TYPE_Q4_0 ? d * (float)(q - 8) : d * (float)q;
 }
 
+#ifndef QUANT_PANELS_OF
 /* w: N rows of K / 32 GGUF blocks of `type`, row_bytes apart -> out (quant_pack_bytes of it):
  * per panel of 16 rows (the last one padded with zero rows) and block: the rows' f16 scales
  * (Q4_1: then their f16 minimums), then per k the rows' quants (4-bit types: byte r of pair p
@@ -150,6 +157,8 @@ int quant_pack(const void *w, int64_t row_bytes, int type, int N, int K, void *o
         }
     return 0;
 }
+
+#endif
 
 #ifdef QUANT_512
 /* A panel block's 16 scales and minimums as float32 */
@@ -370,6 +379,19 @@ static void panels(const uint8_t *packed, int type, int nb, const float *x, int6
 }
 #endif
 
+/* The panels of one block type as a function of its own, compiled in a translation unit of its
+ * own (quant_panels_*.c define QUANT_PANELS_OF and include this file): the three types' tiles
+ * are most of the library's compile time, and a first start builds them in parallel. */
+#define PANELS_FN(name)                                                                                   \
+    void name(const uint8_t *packed, int nb, const float *x, int64_t xs, const float *bias, float *y, int M, \
+              int N, int g0, int g1)
+#ifdef QUANT_PANELS_OF
+PANELS_FN(QUANT_PANELS_NAME) { panels(packed, QUANT_PANELS_OF, nb, x, xs, bias, y, M, N, g0, g1); }
+#else
+PANELS_FN(quant_panels_q4_0);
+PANELS_FN(quant_panels_q4_1);
+PANELS_FN(quant_panels_q8_0);
+
 /* x [M, K] (row stride xs, float32); packed: quant_pack's panels of N rows of `type`; bias [N]
  * or NULL; y [M, N] contiguous float32. Returns 0, or -1 for a type without a kernel or K not
  * a multiple of 32. */
@@ -388,9 +410,9 @@ int quant_gemm(const float *x, int64_t xs, const void *packed, int type, const f
         const int per = (groups + nth - 1) / nth, g0 = me * per, g1 = g0 + per < groups ? g0 + per : groups;
         if (g0 < g1) {
             switch (type) {
-            case GGML_TYPE_Q4_0: panels(p, GGML_TYPE_Q4_0, nb, x, xs, bias, y, M, N, g0, g1); break;
-            case GGML_TYPE_Q4_1: panels(p, GGML_TYPE_Q4_1, nb, x, xs, bias, y, M, N, g0, g1); break;
-            default: panels(p, GGML_TYPE_Q8_0, nb, x, xs, bias, y, M, N, g0, g1); break;
+            case GGML_TYPE_Q4_0: quant_panels_q4_0(p, nb, x, xs, bias, y, M, N, g0, g1); break;
+            case GGML_TYPE_Q4_1: quant_panels_q4_1(p, nb, x, xs, bias, y, M, N, g0, g1); break;
+            default: quant_panels_q8_0(p, nb, x, xs, bias, y, M, N, g0, g1); break;
             }
         }
     }
@@ -426,3 +448,4 @@ int quant_gemm_path(void) {
     return 0;
 #endif
 }
+#endif
