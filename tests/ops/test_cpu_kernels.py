@@ -453,3 +453,38 @@ def test_attention_runs_on_the_tiles_where_the_matmul_does(lib):
     assert lib.paged_attention_tiles() == lib.small_gemm_tiles()
     if "amx_bf16" not in cpu_flags() or "amx_tile" not in cpu_flags():
         assert lib.paged_attention_tiles() == 0
+
+
+def test_a_build_started_early_is_waited_for_not_repeated(tmp_path, monkeypatch):
+    """`prepare_kernels` builds on a thread of its own while a start reads the model; whoever asks
+    for the library meanwhile waits for that build instead of starting a second one. The build
+    compiles each source to an object and links them (an error names the source)."""
+    import subprocess
+    import threading
+    import time
+
+    from dspark_serve.ops import cpu_kernels as ck
+
+    monkeypatch.setattr(ck, "_loaded", {})
+    builds = []
+    started = threading.Event()
+    real = ck._build
+
+    def counting(compiler, out):
+        builds.append(out)
+        started.set()
+        time.sleep(0.3)
+        real(compiler, out)
+
+    monkeypatch.setattr(ck, "_build", counting)
+    thread = ck.prepare_kernels(tmp_path)
+    assert started.wait(30)
+    lib = ck.load_kernels(tmp_path)  # arrives mid-build: waits for it
+    thread.join(120)
+    assert lib is not None and len(builds) == 1 and builds[0].exists()
+    assert ck.kernel_paths(lib) == ck.kernel_paths(ck.load_kernels(tmp_path))
+    monkeypatch.setattr(ck, "SOURCES", ck.SOURCES + (tmp_path / "broken.c",))
+    (tmp_path / "broken.c").write_text("int f( {")
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        real(ck.find_compiler(), tmp_path / "other.so")
+    assert "broken.c" in failed.value.stderr and not (tmp_path / "other.so").exists()
