@@ -3,11 +3,14 @@ directory: the first start on a machine) and warm (the cache the cold start left
 `--weights` given:
 
 - launch to healthy (`GET /health` 200) and launch to the first streamed token of a chat;
-- the first request's decode speed against the steady speed (the same request again, twice);
+- the first request's decode speed against the steady speed (the same request again, twice),
+  and plain decoding's steady speed (a warm start with `--verify-policy none`);
+- launch to the load-aware speed in force: the measured cost table (a first start serves on a
+  provisional one and measures the full table in its idle gaps; `dspark:cost_table_in_force`);
 - the server's resident memory after the first request (VmRSS) and its peak (VmHWM);
-- the start-up log's timed stages (each `stage ...` line), as logged.
+- the start-up log's timed stages, as logged.
 
-  python bench/startup.py --weights auto,bf16 --out bench/results/startup-zen4.json
+  python bench/startup.py --weights auto,gguf --out bench/results/startup-zen4.json
 """
 
 from __future__ import annotations
@@ -47,7 +50,30 @@ def chat_once(url: str, max_tokens: int) -> tuple[float, float]:
     return c.ttft_s, c.per_user_tps
 
 
-def one_start(flags: list[str], cache: Path, port: int, max_tokens: int) -> dict:
+# what the start-up log's timed lines say
+STAGE_WORDS = ("loading:", "compiled", "converted", "read the weights", "cost table", "ready:")
+
+
+def table_in_force(url: str, t0: float, timeout: float) -> float | None:
+    """Seconds from launch (t0, perf_counter) until a measured or cached cost table is in
+    force (polled on /metrics; None: a policy without one, or not within `timeout`)."""
+    while time.perf_counter() - t0 < timeout:
+        text = httpx.get(url + "/metrics").text
+        if "cost_table_in_force" not in text:
+            return None
+        for line in text.splitlines():
+            if (
+                line.startswith("dspark:cost_table_in_force")
+                and line.endswith(" 1.0")
+                and "provisional" not in line
+            ):
+                return time.perf_counter() - t0
+        time.sleep(0.2)
+    return None
+
+
+def one_start(flags: list[str], cache: Path, port: int, max_tokens: int, table: bool = True) -> dict:
+    """table: wait for the measured cost table (False: plain decoding has none)."""
     env = {**os.environ, "XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "dspark_serve.server.cli", "--port", str(port), *flags]
     log = tempfile.TemporaryFile()
@@ -61,6 +87,7 @@ def one_start(flags: list[str], cache: Path, port: int, max_tokens: int) -> dict
         first_token = healthy + ttft
         steady = median(chat_once(url, max_tokens)[1] for _ in range(2))
         rss, peak = status_mib(proc.pid, "VmRSS"), status_mib(proc.pid, "VmHWM")
+        in_force = table_in_force(url, t0, 600) if table else None
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -71,9 +98,10 @@ def one_start(flags: list[str], cache: Path, port: int, max_tokens: int) -> dict
         "first_token_s": first_token,
         "first_request_tps": first_tps,
         "steady_tps": steady,
+        "load_aware_s": in_force,
         "rss_mib": rss,
         "peak_rss_mib": peak,
-        "log": [ln for ln in lines if "stage" in ln or "ready" in ln or "cost table (" in ln][:40],
+        "log": [ln for ln in lines if any(w in ln for w in STAGE_WORDS)][:40],
     }
 
 
@@ -89,12 +117,14 @@ def main() -> None:
     for w in args.weights:
         with tempfile.TemporaryDirectory() as cache:
             flags = ["--weights", w, *args.flags.split()]
-            for kind in ("cold", "warm"):
-                r = one_start(flags, Path(cache), args.port, args.max_tokens)
+            for kind, more in (("cold", []), ("warm", []), ("plain", ["--verify-policy", "none"])):
+                r = one_start(flags + more, Path(cache), args.port, args.max_tokens, table=not more)
                 rows.append({"weights": w, "start": kind, **r})
+                aware = r["load_aware_s"]
                 print(
                     f"{w:5s} {kind}: healthy {r['healthy_s']:.1f}s first token {r['first_token_s']:.1f}s "
                     f"first {r['first_request_tps']:.0f} tok/s steady {r['steady_tps']:.0f} tok/s "
+                    f"table in force {'-' if aware is None else f'{aware:.1f}s'} "
                     f"RSS {r['rss_mib']:.0f} MiB peak {r['peak_rss_mib']:.0f} MiB",
                     flush=True,
                 )
