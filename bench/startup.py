@@ -54,20 +54,21 @@ def chat_once(url: str, max_tokens: int) -> tuple[float, float]:
 STAGE_WORDS = ("loading:", "compiled", "converted", "read the weights", "cost table", "ready:")
 
 
-def table_in_force(url: str, t0: float, timeout: float) -> float | None:
-    """Seconds from launch (t0, perf_counter) until a measured or cached cost table is in
-    force (polled on /metrics; None: a policy without one, or not within `timeout`)."""
-    while time.perf_counter() - t0 < timeout:
-        text = httpx.get(url + "/metrics").text
-        if "cost_table_in_force" not in text:
-            return None
-        for line in text.splitlines():
-            if (
-                line.startswith("dspark:cost_table_in_force")
-                and line.endswith(" 1.0")
-                and "provisional" not in line
-            ):
-                return time.perf_counter() - t0
+def table_in_force(url: str, launched: float, timeout: float) -> float | None:
+    """Seconds from launch (`launched`, Unix time) until the measured or cached cost table took
+    over (`dspark:cost_table_since_seconds`, polled on /metrics until a table other than the
+    provisional one is in force; None: not within `timeout` seconds)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        values = {}
+        for line in httpx.get(url + "/metrics").text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name.startswith(("dspark:cost_table_in_force", "dspark:cost_table_since_seconds")):
+                values[name] = float(value)
+        final = [v for k, v in values.items() if "in_force" in k and "provisional" not in k]
+        since = [v for k, v in values.items() if "since_seconds" in k]
+        if any(v == 1.0 for v in final) and since:
+            return since[0] - launched
         time.sleep(0.2)
     return None
 
@@ -77,7 +78,7 @@ def one_start(flags: list[str], cache: Path, port: int, max_tokens: int, table: 
     env = {**os.environ, "XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "dspark_serve.server.cli", "--port", str(port), *flags]
     log = tempfile.TemporaryFile()
-    t0 = time.perf_counter()
+    t0, launched = time.perf_counter(), time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -87,7 +88,7 @@ def one_start(flags: list[str], cache: Path, port: int, max_tokens: int, table: 
         first_token = healthy + ttft
         steady = median(chat_once(url, max_tokens)[1] for _ in range(2))
         rss, peak = status_mib(proc.pid, "VmRSS"), status_mib(proc.pid, "VmHWM")
-        in_force = table_in_force(url, t0, 600) if table else None
+        in_force = table_in_force(url, launched, 600) if table else None
     finally:
         proc.terminate()
         proc.wait(timeout=60)
