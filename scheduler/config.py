@@ -16,6 +16,7 @@ def policy_choices() -> list[str]:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+DRAFT_RULES = ("sampled", "argmax")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,12 @@ class SchedulerConfig:
     draft_gate: bool = True
     """With the dspark policy: skip drafting at load levels where steps that draft have
     produced fewer tokens per second than steps that do not (the drafter's own cost)."""
+    draft_rule: str = "sampled"
+    """How an unseeded sampled request's drafts are drawn: sampled (from the drafter's q at the
+    request's temperature, each kept with probability min(1, p/q)) or argmax (the drafter's most
+    likely tokens, q one-hot on them: each kept with probability p(draft)). Both are exactly
+    lossless; which survives more depends on the drafter and the temperature. Greedy and seeded
+    requests always draft the most likely tokens."""
     draft_headroom: int = 2
     """With the dspark policy: a request drafts at most this many positions past the budget
     the policy gave it last step (0 = always a full block). Positions the policy cannot
@@ -99,6 +106,8 @@ class SchedulerConfig:
             raise ValueError(f"branch_rows must be >= 0, got {self.branch_rows!r}")
         if self.explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {self.explore_every!r}")
+        if self.draft_rule not in DRAFT_RULES:
+            raise ValueError(f"draft_rule must be one of {DRAFT_RULES}, got {self.draft_rule!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"

@@ -81,12 +81,15 @@ def no_drafts(n: int) -> list[DraftProposal]:
     return [DraftProposal(tokens=torch.empty(0, dtype=torch.long)) for _ in range(n)]
 
 
-def _draft_sampling(sp: SamplingParams) -> SamplingParams:
-    """What the drafter drafts a request with: a seeded sampled request keeps a draft only where
-    it equals the target's keyed sample, which it does with probability p(draft), so its drafts
-    are the drafter's most likely tokens (p(argmax q) beats the sum of p q of sampled drafts
-    wherever q is near p); its processing (penalties, bias, grammar) stays."""
-    if sp.seed is None or sp.greedy:
+def _draft_sampling(sp: SamplingParams, rule: str) -> SamplingParams:
+    """What the drafter drafts a request with (`SchedulerConfig.draft_rule`). Its processing
+    (penalties, bias, grammar) always stays. A seeded sampled request keeps a draft only where it
+    equals the target's keyed sample, which it does with probability p(draft), so its drafts are
+    the drafter's most likely tokens (p(argmax q) beats the sum of p q of sampled drafts wherever
+    q is near p). An unseeded one drafts from q at its own temperature ("sampled": kept with
+    probability min(1, p/q)) or, "argmax", the drafter's most likely tokens with q one-hot on them
+    (kept with probability p(draft), the rest drawn from p without it): lossless either way."""
+    if sp.greedy or (sp.seed is None and rule == "sampled"):
         return sp
     return replace(sp, temperature=0.0)
 
@@ -273,7 +276,7 @@ class Speculation:
                 r.request_id,
                 r.token_ids,
                 len(r.prompt_ids),
-                _draft_sampling(r.sampling),
+                _draft_sampling(r.sampling, self.cfg.draft_rule),
                 r.generator,
                 self._max_draft(r),
                 r.constraint,

@@ -152,11 +152,16 @@ class FixedQDrafter(FakeDrafterBase):
     def __init__(self, q: torch.Tensor):
         super().__init__()
         self.q = q
+        self.argmax_blocks = 0
 
     def propose(self, requests):
         out = []
         for r in requests:
             k = min(2, r.max_draft)
+            if r.sampling.greedy:  # the argmax rule: q's most likely token, q one-hot on it
+                self.argmax_blocks += 1
+                out.append(DraftProposal(self.q.argmax().repeat(k), None, None))
+                continue
             toks = torch.multinomial(self.q, k, replacement=True, generator=r.generator)
             out.append(DraftProposal(toks, self.q.expand(k, -1).clone(), None))
         return out
@@ -185,7 +190,7 @@ TRUNCATED_Q = torch.cat([torch.softmax(torch.linspace(2.0, -2.0, 5), -1), torch.
 
 
 def sampled_marginals(
-    model, prompt, n, seed, q=FULL_Q, combined=False, cached=False, keyed=False, engines=None
+    model, prompt, n, seed, q=FULL_Q, combined=False, cached=False, keyed=False, engines=None, rule="sampled"
 ):
     """Unseeded requests (rejection sampling, the global RNG seeded here) or, keyed, seeded ones
     (each row judged by its keyed sample); engines: a list the engine is appended to."""
@@ -197,7 +202,11 @@ def sampled_marginals(
         runner_for(model, num_blocks=2048),
         LetterTokenizer(),
         SchedulerConfig(
-            verify_policy="static:2", max_num_seqs=256, max_num_batched_tokens=2048, max_waiting=n
+            verify_policy="static:2",
+            max_num_seqs=256,
+            max_num_batched_tokens=2048,
+            max_waiting=n,
+            draft_rule=rule,
         ),
         max_model_len=64,
         drafter=dr,
@@ -251,28 +260,34 @@ def broken_rejection_sample(
 
 # the quick loop proves it once (a full-vocabulary q); the full suite in every variant
 @pytest.mark.parametrize(
-    "q,combined,cached",
+    "q,combined,cached,rule",
     [
-        (FULL_Q, False, False),
-        pytest.param(TRUNCATED_Q, False, False, marks=pytest.mark.slow),
-        pytest.param(FULL_Q, True, False, marks=pytest.mark.slow),
-        pytest.param(FULL_Q, False, True, marks=pytest.mark.slow),
+        (FULL_Q, False, False, "sampled"),
+        (FULL_Q, False, False, "argmax"),
+        pytest.param(TRUNCATED_Q, False, False, "sampled", marks=pytest.mark.slow),
+        pytest.param(FULL_Q, True, False, "sampled", marks=pytest.mark.slow),
+        pytest.param(FULL_Q, False, True, "sampled", marks=pytest.mark.slow),
     ],
-    ids=["full-vocab", "truncated-vocab", "combined-drafters", "prefix-cache-hits"],
+    ids=["full-vocab", "argmax-drafts", "truncated-vocab", "combined-drafters", "prefix-cache-hits"],
 )
-def test_sampled_distribution_matches_plain_and_catches_a_broken_sampler(monkeypatch, q, combined, cached):
+def test_sampled_distribution_matches_plain_and_catches_a_broken_sampler(
+    monkeypatch, q, combined, cached, rule
+):
     model = tiny_model("llama", vocab=VOCAB, seed=2)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.25)  # p neither flat nor one-hot
     prompt = [1, 2, 3, 4, 5, 6] if cached else [1, 2, 3]
     m2, m3 = exact_marginals(model, prompt)
     n = 3000
-    s2, s3 = sampled_marginals(model, prompt, n, seed=1, q=q, combined=combined, cached=cached)
+    engines: list = []
+    s2, s3 = sampled_marginals(model, prompt, n, 1, q, combined, cached, engines=engines, rule=rule)
+    if not combined:  # the rule was followed
+        assert (engines[0].drafter.argmax_blocks > 0) == (rule == "argmax")
     tv = lambda a, b: 0.5 * (a - b).abs().sum().item()
     # sampling noise of an 8-outcome TV at n=3000 is ~0.02; 0.05 leaves a wide margin
     assert tv(s2, m2) < 0.05 and tv(s3, m3) < 0.05, (tv(s2, m2), tv(s3, m3))
     monkeypatch.setattr(verify_mod, "rejection_sample", broken_rejection_sample)
-    b2, b3 = sampled_marginals(model, prompt, n, seed=2, q=q, combined=combined, cached=cached)
+    b2, b3 = sampled_marginals(model, prompt, n, seed=2, q=q, combined=combined, cached=cached, rule=rule)
     assert max(tv(b2, m2), tv(b3, m3)) > 0.1, (tv(b2, m2), tv(b3, m3))
 
 
