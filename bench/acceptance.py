@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/acceptance.json")
     args = ap.parse_args()
     from bench.bench_engine import chat_ids
+    from dspark_serve.drafter.online_calibration import sampling_bucket
+    from dspark_serve.ops.sampling_params import SamplingParams
     from dspark_serve.scheduler.llm import LLM
 
     result = {
@@ -107,7 +109,13 @@ def main() -> None:
                 llm, prompts, args.concurrency, args.max_tokens, f"{name}-{d}", temperature, seed
             )
         eng = llm.engine
-        cal = getattr(eng.drafter, "calibrator", None)
+        bucketed = getattr(eng.drafter, "calibrator", None)
+        # the run's own sampling bucket (each temperature is a run of its own)
+        cal = (
+            None
+            if bucketed is None
+            else bucketed.buckets[sampling_bucket(SamplingParams(temperature=temperature))]
+        )
         out = {
             "per_set": rows,
             "macro_tau": sum(r["tau"] or 1.0 for r in rows.values()) / len(rows),

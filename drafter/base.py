@@ -16,7 +16,7 @@ from dspark_serve.ops.processors import TokenConstraint, TokenContext
 from dspark_serve.ops.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from dspark_serve.drafter.online_calibration import OnlineCalibrator
+    from dspark_serve.drafter.online_calibration import BucketedCalibrator
 
 
 @dataclass
@@ -36,6 +36,9 @@ class DraftRequest:
     branch: the engine can verify a branch for this request beside the first (a
         greedy request at a load where the extra rows are nearly free): a drafter with two
         sources of drafts may put the other one's block in `DraftProposal.branch`.
+    verified_with: the request's own sampling params where `sampling` differs from them (a
+        sampled request drafting its most likely tokens, `SchedulerConfig.draft_rule`): what
+        the target verifies with, and so what a draft's survival depends on.
     """
 
     request_id: str
@@ -46,6 +49,12 @@ class DraftRequest:
     max_draft: int
     constraint: TokenConstraint | None = None
     branch: bool = False
+    verified_with: SamplingParams | None = None
+
+    @property
+    def target_sampling(self) -> SamplingParams:
+        """The sampling params the target verifies this request's drafts with."""
+        return self.verified_with or self.sampling
 
     def context(self) -> TokenContext:
         """What penalties and the grammar read at the first draft position."""
@@ -122,7 +131,7 @@ class Drafter(Protocol):
     online_confidence: bool
     # The online recalibration of a confidence head (drafter/online_calibration.py), or None;
     # /metrics exports its live ECE and per-position temperatures.
-    calibrator: OnlineCalibrator | None
+    calibrator: BucketedCalibrator | None
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         """One batched call for all running requests."""

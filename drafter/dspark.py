@@ -30,7 +30,7 @@ from dspark_serve.drafter.dspark_model.fast import (
 )
 from dspark_serve.drafter.dspark_model.fast import applies as fast_backbone_applies
 from dspark_serve.drafter.dspark_model.graphs import BlockOutputs, GraphedBlock
-from dspark_serve.drafter.online_calibration import OnlineCalibrator
+from dspark_serve.drafter.online_calibration import BucketedCalibrator, sampling_bucket
 from dspark_serve.ops.cpu_kernels import SmallGemmLinear, load_kernels
 from dspark_serve.ops.processors import needs_processing
 from dspark_serve.ops.sampling_params import SamplingParams
@@ -447,12 +447,13 @@ class DraftConfidence:
         self, model: DSparkModel, fast: FastConfidence | None, config: DSparkDrafterConfig, bs: int
     ) -> None:
         self.model, self.fast = model, fast
-        self.calibrator: OnlineCalibrator | None = None
+        self.calibrator: BucketedCalibrator | None = None
         if config.online_calibration and model.confidence_head is not None:
             offline = model.calibration.temperatures if model.calibration is not None else None
-            self.calibrator = OnlineCalibrator(bs, offline)
-        # per request: the raw confidence logits and the confidences used in its last proposal
-        self.last: dict[str, tuple[list[float], list[float]]] = {}
+            self.calibrator = BucketedCalibrator(bs, offline)
+        # per request: the raw confidence logits and the confidences used in its last proposal,
+        # and the sampling bucket they were calibrated in
+        self.last: dict[str, tuple[list[float], list[float], str]] = {}
 
     def of_block(
         self, hidden: torch.Tensor, prev: torch.Tensor, batch: list[DraftRequest], lengths: list[int]
@@ -478,15 +479,16 @@ class DraftConfidence:
         raw = logits.float().cpu().tolist()
         out = []
         for j, (r, k) in enumerate(zip(batch, lengths)):
-            used = self.calibrator.calibrate(raw[j][:k])
-            self.last[r.request_id] = (raw[j][:k], used)
+            bucket = sampling_bucket(r.target_sampling)
+            used = self.calibrator.calibrate(raw[j][:k], bucket)
+            self.last[r.request_id] = (raw[j][:k], used, bucket)
             out.append(torch.tensor(used, dtype=torch.float32))
         return out
 
     def observe_acceptance(self, request_id: str, proposed: int, accepted: int) -> None:
         last = self.last.pop(request_id, None)
         if self.calibrator is not None and last is not None and proposed > 0:
-            self.calibrator.record(last[0], last[1], proposed, accepted)
+            self.calibrator.record(last[0], last[1], proposed, accepted, last[2])
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 from dspark_serve.drafter.base import AcceptedContext, DraftProposal, DraftRequest
 
 if TYPE_CHECKING:
-    from dspark_serve.drafter.online_calibration import OnlineCalibrator
+    from dspark_serve.drafter.online_calibration import BucketedCalibrator
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def lookup_match(tokens: np.ndarray, max_ngram: int, min_ngram: int, k: int) -> 
 class NgramDrafter:
     name = "ngram"
     tap_layers: tuple[int, ...] = ()
-    calibrator: OnlineCalibrator | None = None  # its confidences are learned from outcomes instead
+    calibrator: BucketedCalibrator | None = None  # its confidences are learned from outcomes instead
     # Confidences are learned from verification outcomes, so the engine keeps verifying a
     # little even when they look poor (otherwise a low estimate could never recover).
     online_confidence = True

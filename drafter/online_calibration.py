@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dspark_serve.ops.sampling_params import SamplingParams
+
 
 @dataclass(frozen=True)
 class OnlineCalibrationConfig:
@@ -217,3 +219,53 @@ class OnlineCalibrator:
             )
             for k in range(self.block_size)
         ]
+
+
+# How survival is calibrated apart: a draft survives greedy verification when it is the target's
+# argmax, and sampled verification with probability p(draft) or min(1, p/q) under the request's
+# own temperature and truncation, so one fit over mixed traffic would misprice every kind.
+SAMPLING_BUCKETS = ("greedy", "sharpened", "full")
+
+
+def sampling_bucket(sp: SamplingParams) -> str:
+    """The calibration a request's outcomes train and its confidences read: greedy (temperature
+    0), full (temperature >= 0.9 over the whole distribution: the openai client's default) or
+    sharpened (a lower temperature, or top-p / top-k / min-p truncation)."""
+    if sp.greedy:
+        return "greedy"
+    truncated = sp.top_p < 1.0 or sp.top_k > 0 or sp.min_p > 0.0
+    return "sharpened" if truncated or sp.temperature < 0.9 else "full"
+
+
+class BucketedCalibrator:
+    """An `OnlineCalibrator` per sampling bucket (`sampling_bucket`), each starting from the
+    offline temperatures: greedy and sampled requests in one batch get confidences fitted on
+    their own kind's outcomes, so the policy gives each its own verification budget."""
+
+    def __init__(
+        self,
+        block_size: int,
+        offline_temperatures: tuple[float, ...] | None = None,
+        config: OnlineCalibrationConfig | None = None,
+    ) -> None:
+        self.buckets = {
+            b: OnlineCalibrator(block_size, offline_temperatures, config) for b in SAMPLING_BUCKETS
+        }
+
+    @property
+    def block_size(self) -> int:
+        return self.buckets[SAMPLING_BUCKETS[0]].block_size
+
+    @property
+    def rounds(self) -> int:
+        return sum(c.rounds for c in self.buckets.values())
+
+    def calibrate(self, raw: list[float], bucket: str) -> list[float]:
+        return self.buckets[bucket].calibrate(raw)
+
+    def record(self, raw: list[float], used: list[float], proposed: int, accepted: int, bucket: str) -> None:
+        self.buckets[bucket].record(raw, used, proposed, accepted)
+
+    def busiest(self) -> OnlineCalibrator:
+        """The bucket with the most verified rounds (a run of one kind of traffic: its own)."""
+        return max(self.buckets.values(), key=lambda c: c.rounds)

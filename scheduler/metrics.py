@@ -19,7 +19,7 @@ from dspark_serve.scheduler.metrics_sink import EngineMetricsSink, EngineSnapsho
 from dspark_serve.scheduler.nvml import NvmlCollector
 
 if TYPE_CHECKING:
-    from dspark_serve.drafter.online_calibration import OnlineCalibrator
+    from dspark_serve.drafter.online_calibration import BucketedCalibrator
     from dspark_serve.scheduler.policy import CostTable, PolicyDecision
 
 # Steps between exports of the online calibration state (its ECE scans a few thousand
@@ -179,14 +179,18 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("accel_mem", "dspark:accelerator_memory_used_bytes", Gauge,
                "Accelerator memory allocated by the engine (CUDA only).", unmeasured=True),
     MetricSpec("conf_ece", "dspark:spec_decode_confidence_ece", Gauge,
-               "Live expected calibration error of the survival probability the policy used, by draft "
-               "position (0-based), over the recent window.", labels=("position",)),
+               "Live expected calibration error of the survival probability the policy used, by "
+               "sampling bucket (greedy, sharpened, full) and draft position (0-based), over the "
+               "recent window.", labels=("sampling", "position")),
     MetricSpec("conf_temp", "dspark:spec_decode_confidence_temperature", Gauge,
-               "Online-calibrated confidence temperature T_k by draft position.", labels=("position",)),
+               "Online-calibrated confidence temperature T_k by sampling bucket and draft position.",
+               labels=("sampling", "position")),
     MetricSpec("conf_bias", "dspark:spec_decode_confidence_bias", Gauge,
-               "Online-calibrated confidence bias b_k by draft position.", labels=("position",)),
+               "Online-calibrated confidence bias b_k by sampling bucket and draft position.",
+               labels=("sampling", "position")),
     MetricSpec("conf_samples", "dspark:spec_decode_confidence_samples", Gauge,
-               "Verified drafts behind the live ECE, by draft position.", labels=("position",)),
+               "Verified drafts behind the live ECE, by sampling bucket and draft position.",
+               labels=("sampling", "position")),
     MetricSpec("cost", "dspark:cost_table_steps_per_second", Gauge,
                "Profiled target steps per second at a batch of B tokens.", labels=("batch_tokens",)),
     MetricSpec("cost_source", "dspark:cost_table_in_force", Gauge,
@@ -409,11 +413,15 @@ class EngineMetrics:
         if cal is not None and self._steps % CALIBRATION_EVERY == 1:
             self.record_calibration(cal)
 
-    def record_calibration(self, cal: OnlineCalibrator) -> None:
-        """Export an online calibrator's state (drafter/online_calibration.py)."""
-        for k, (ece, t, b) in enumerate(zip(cal.survival_ece(), cal.temperatures, cal.biases)):
-            pos = {**self.labels, "position": str(k)}
-            self.conf_ece.labels(**pos).set(ece)
-            self.conf_temp.labels(**pos).set(t)
-            self.conf_bias.labels(**pos).set(b)
-            self.conf_samples.labels(**pos).set(cal.samples(k))
+    def record_calibration(self, cal: BucketedCalibrator) -> None:
+        """Export the online calibration's state per sampling bucket and position
+        (drafter/online_calibration.py); a bucket with no verified round yet is left out."""
+        for bucket, c in cal.buckets.items():
+            if not c.rounds:
+                continue
+            for k, (ece, t, b) in enumerate(zip(c.survival_ece(), c.temperatures, c.biases)):
+                pos = {**self.labels, "sampling": bucket, "position": str(k)}
+                self.conf_ece.labels(**pos).set(ece)
+                self.conf_temp.labels(**pos).set(t)
+                self.conf_bias.labels(**pos).set(b)
+                self.conf_samples.labels(**pos).set(c.samples(k))

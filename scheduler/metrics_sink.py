@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 from dspark_serve.scheduler.load import LoadState
 
 if TYPE_CHECKING:
-    from dspark_serve.drafter.online_calibration import OnlineCalibrator
+    from dspark_serve.drafter.online_calibration import BucketedCalibrator
     from dspark_serve.scheduler.block_manager import PrefixCacheStats
     from dspark_serve.scheduler.policy import CostTable, PolicyDecision
 
@@ -34,7 +34,7 @@ class EngineSnapshot:
     num_running: int
     num_waiting: int
     kv_usage: float
-    calibrator: OnlineCalibrator | None = None
+    calibrator: BucketedCalibrator | None = None
     kv_cached_free: float = 0.0
     prefix_cache: PrefixCacheStats | None = None
     preemptions: int = 0

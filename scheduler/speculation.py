@@ -281,6 +281,7 @@ class Speculation:
                 self._max_draft(r),
                 r.constraint,
                 branching and r.sampling.greedy and r.constraint is None and not r.sampling.penalized,
+                r.sampling,
             )
             for r in decodes
         ]

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from dspark_serve.drafter.online_calibration import (
+    BucketedCalibrator,
     OnlineCalibrationConfig,
     OnlineCalibrator,
     expected_calibration_error,
     fit_platt,
+    sampling_bucket,
 )
 from dspark_serve.drafter.registry import build_drafter
 from dspark_serve.ops.sampling_params import SamplingParams
@@ -117,7 +119,8 @@ def test_engine_recalibrates_an_overconfident_drafter_and_greedy_is_unchanged(tm
     dr = build_drafter("dspark", path=str(path), target_model=target)
     with torch.no_grad():
         dr.model.confidence_head.proj.bias.fill_(4.0)  # claims ~0.98; random drafts fail
-    dr.calibrator.config = OnlineCalibrationConfig(window=512, refit_every=16, min_samples=32)
+    for c in dr.calibrator.buckets.values():
+        c.config = OnlineCalibrationConfig(window=512, refit_every=16, min_samples=32)
     from prometheus_client import CollectorRegistry
 
     reg = CollectorRegistry()
@@ -137,14 +140,71 @@ def test_engine_recalibrates_an_overconfident_drafter_and_greedy_is_unchanged(tm
     run(engine, reqs)
     for r, p in zip(reqs, prompts):
         assert r.output_ids == hf_greedy(target, p, 40)
-    cal = dr.calibrator
-    assert cal.rounds > 64
+    cal = dr.calibrator.buckets["greedy"]  # greedy traffic trains the greedy fit alone
+    assert cal.rounds > 64 and dr.calibrator.rounds == cal.rounds
     z = np.array(list(cal._z[0]))
     y = np.array(list(cal._y[0]))
     offline = expected_calibration_error(1 / (1 + np.exp(-z)), y, 10)
     online = expected_calibration_error(np.array([cal.calibrate([v])[0] for v in z]), y, 10)
     assert offline > 0.5 and online < offline / 2, (offline, online)
-    engine.metrics.record_calibration(cal)
+    engine.metrics.record_calibration(dr.calibrator)
     text = __import__("prometheus_client").generate_latest(reg).decode()
-    assert 'dspark:spec_decode_confidence_temperature{model_name="tiny",position="0"}' in text
+    assert (
+        'dspark:spec_decode_confidence_temperature{model_name="tiny",position="0",sampling="greedy"}' in text
+    )
+    assert 'sampling="full"' not in text  # no sampled round: nothing to say about that bucket
     assert "dspark:spec_decode_confidence_ece" in text
+
+
+def test_sampling_buckets_and_their_separate_fits():
+    assert sampling_bucket(SamplingParams(temperature=0.0)) == "greedy"
+    assert sampling_bucket(SamplingParams(temperature=1.0)) == "full"
+    assert sampling_bucket(SamplingParams(temperature=0.95)) == "full"
+    assert sampling_bucket(SamplingParams(temperature=0.7)) == "sharpened"
+    assert sampling_bucket(SamplingParams(temperature=1.0, top_p=0.9)) == "sharpened"
+    assert sampling_bucket(SamplingParams(temperature=1.0, min_p=0.05)) == "sharpened"
+    cal = BucketedCalibrator(2, None, OnlineCalibrationConfig(window=256, refit_every=16, min_samples=32))
+    rng = random.Random(0)
+    for _ in range(200):
+        z = [rng.uniform(-1, 1), rng.uniform(-1, 1)]
+        cal.record(z, cal.calibrate(z, "greedy"), 2, 2, "greedy")  # greedy drafts survive
+        cal.record(z, cal.calibrate(z, "full"), 2, 0, "full")  # T=1 drafts die
+    g, f = cal.calibrate([0.0, 0.0], "greedy"), cal.calibrate([0.0, 0.0], "full")
+    assert g[0] > 0.9 and f[0] < 0.1, (g, f)
+    assert cal.buckets["sharpened"].rounds == 0 and cal.rounds == 400
+
+
+def test_a_mixed_batch_gives_greedy_and_sampled_requests_their_own_budgets(tmp_path):
+    """One step, one greedy and one temperature-1 request, the same drafter: the greedy bucket
+    has learned that drafts survive, the full bucket that they die, so the load-aware policy
+    verifies a long block for the one and little or nothing for the other."""
+    target = tiny_model("qwen3")
+    path = random_dspark(target, tmp_path)
+    dr = build_drafter("dspark", path=str(path), target_model=target)
+    dr.calibrator.buckets["greedy"].biases = [4.0] * dr.block_size  # c_k ~ 0.98
+    dr.calibrator.buckets["full"].biases = [-4.0] * dr.block_size  # c_k ~ 0.02
+    from dspark_serve.scheduler.policy import CostTable
+
+    engine = Engine(
+        runner_for(target),
+        ByteTokenizer(),
+        SchedulerConfig(verify_policy="dspark", draft_gate=False, draft_headroom=0),
+        max_model_len=512,
+        drafter=dr,
+        cost_table=CostTable((1, 8, 16, 64), (100.0, 95.0, 90.0, 40.0)),  # drafts nearly free
+    )
+    greedy = Request(
+        "g", list(range(40, 52)), SamplingParams(temperature=0.0), max_tokens=16, ignore_eos=True
+    )
+    sampled = Request(
+        "s", list(range(60, 72)), SamplingParams(temperature=1.0), max_tokens=2, ignore_eos=True
+    )
+    for r in (greedy, sampled):
+        engine.add_request(r)
+    engine.step()  # the prefills
+    engine.step()  # one decode step of both, drafts verified
+    assert greedy.spec.steps == sampled.spec.steps == 1
+    assert greedy.spec.drafted >= 1 and greedy.spec.drafted > sampled.spec.drafted, (
+        greedy.spec.drafted,
+        sampled.spec.drafted,
+    )

@@ -4,6 +4,7 @@ the table is exported under its name, type and labels."""
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
@@ -59,10 +60,10 @@ EXPORTED = (
     ("dspark:spec_decode_expected_tokens", "counter", ("model_name",)),
     ("dspark:spec_decode_realized_tokens", "counter", ("model_name",)),
     ("dspark:accelerator_memory_used_bytes", "gauge", ("model_name",)),
-    ("dspark:spec_decode_confidence_ece", "gauge", ("model_name", "position")),
-    ("dspark:spec_decode_confidence_temperature", "gauge", ("model_name", "position")),
-    ("dspark:spec_decode_confidence_bias", "gauge", ("model_name", "position")),
-    ("dspark:spec_decode_confidence_samples", "gauge", ("model_name", "position")),
+    ("dspark:spec_decode_confidence_ece", "gauge", ("model_name", "sampling", "position")),
+    ("dspark:spec_decode_confidence_temperature", "gauge", ("model_name", "sampling", "position")),
+    ("dspark:spec_decode_confidence_bias", "gauge", ("model_name", "sampling", "position")),
+    ("dspark:spec_decode_confidence_samples", "gauge", ("model_name", "sampling", "position")),
     ("dspark:cost_table_steps_per_second", "gauge", ("model_name", "batch_tokens")),
     ("dspark:cost_table_in_force", "gauge", ("model_name", "source")),
     ("dspark:cost_table_since_seconds", "gauge", ("model_name",)),
@@ -181,7 +182,7 @@ def test_null_metrics_is_the_disabled_sink_and_the_engine_uses_it():
 
 def test_engine_snapshot_feeds_the_gauges_and_the_calibration_export():
     class Cal:
-        temperatures, biases = [1.5], [0.25]
+        temperatures, biases, rounds = [1.5], [0.25], 3
 
         def survival_ece(self):
             return [0.125]
@@ -189,11 +190,18 @@ def test_engine_snapshot_feeds_the_gauges_and_the_calibration_export():
         def samples(self, k):
             return 9
 
+    class Idle(Cal):
+        rounds = 0
+
     reg = CollectorRegistry()
     m = EngineMetrics(reg, "tiny")
-    m.record_step(EngineSnapshot(num_running=2, num_waiting=1, kv_usage=0.5, calibrator=Cal()))
+    cal = SimpleNamespace(buckets={"greedy": Idle(), "full": Cal()})
+    m.record_step(EngineSnapshot(num_running=2, num_waiting=1, kv_usage=0.5, calibrator=cal))
     got = samples(reg)
-    pos = (("model_name", "tiny"), ("position", "0"))
+    pos = (("model_name", "tiny"), ("position", "0"), ("sampling", "full"))
+    assert (("model_name", "tiny"), ("position", "0"), ("sampling", "greedy")) not in {
+        labels for name, labels in got if name == "dspark:spec_decode_confidence_temperature"
+    }  # a bucket without a verified round is not exported
     assert got[("dspark:num_requests_running", (("model_name", "tiny"),))] == 2
     assert got[("dspark:spec_decode_confidence_temperature", pos)] == 1.5
     assert got[("dspark:spec_decode_confidence_samples", pos)] == 9
