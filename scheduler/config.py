@@ -16,7 +16,7 @@ def policy_choices() -> list[str]:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
-DRAFT_RULES = ("sampled", "argmax")
+DRAFT_RULES = ("argmax", "sampled")
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,13 @@ class SchedulerConfig:
     draft_gate: bool = True
     """With the dspark policy: skip drafting at load levels where steps that draft have
     produced fewer tokens per second than steps that do not (the drafter's own cost)."""
-    draft_rule: str = "sampled"
-    """How an unseeded sampled request's drafts are drawn: sampled (from the drafter's q at the
-    request's temperature, each kept with probability min(1, p/q)) or argmax (the drafter's most
-    likely tokens, q one-hot on them: each kept with probability p(draft)). Both are exactly
-    lossless; which survives more depends on the drafter and the temperature. Greedy and seeded
-    requests always draft the most likely tokens."""
+    draft_rule: str = "argmax"
+    """How an unseeded sampled request's drafts are drawn: argmax (the drafter's most likely
+    tokens, q one-hot on them: each kept with probability p(draft)) or sampled (from the
+    drafter's q at the request's temperature, each kept with probability min(1, p/q)). Both are
+    exactly lossless; which pays more depends on the drafter and the temperature (argmax also
+    drafts on the greedy path, without a softmax per position; docs/benchmarks.md, "Draft rules
+    at temperature 0.7 and 1"). Greedy and seeded requests always draft the most likely tokens."""
     draft_headroom: int = 2
     """With the dspark policy: a request drafts at most this many positions past the budget
     the policy gave it last step (0 = always a full block). Positions the policy cannot

@@ -17,7 +17,7 @@ from tests.helpers import ByteTokenizer, runner_for, tiny_model
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def make_engine(model=None, metrics=None, drafter=None, draft_gate=True):
+def make_engine(model=None, metrics=None, drafter=None, draft_gate=True, draft_rule="argmax"):
     return Engine(
         runner_for(model or tiny_model("llama"), num_blocks=256),
         ByteTokenizer(),
@@ -26,6 +26,7 @@ def make_engine(model=None, metrics=None, drafter=None, draft_gate=True):
             max_num_batched_tokens=64,
             verify_policy="static:3" if drafter else "none",
             draft_gate=draft_gate,
+            draft_rule=draft_rule,
         ),
         max_model_len=512,
         drafter=drafter,
@@ -232,10 +233,17 @@ def test_one_request_failing_inside_a_step_fails_alone_among_eight(drafter, faul
     model = tiny_model("llama")
     ps = eight_prompts()
     gate = fault != "allowed_after"  # the gate leaves this sampled request undrafted at this load
+    # the sampled request drafts from q, masked by its grammar after the drafted prefix
+    rule = "sampled" if fault == "allowed_after" else "argmax"
     alone = run(
-        make_engine(model, drafter=drafter_of(drafter, model, tmp_path / "a"), draft_gate=gate), fresh(ps)
+        make_engine(
+            model, drafter=drafter_of(drafter, model, tmp_path / "a"), draft_gate=gate, draft_rule=rule
+        ),
+        fresh(ps),
     )
-    engine = make_engine(model, drafter=drafter_of(drafter, model, tmp_path / "b"), draft_gate=gate)
+    engine = make_engine(
+        model, drafter=drafter_of(drafter, model, tmp_path / "b"), draft_gate=gate, draft_rule=rule
+    )
     sampled = SamplingParams(temperature=1.0)  # unseeded: q sampled and masked (keyed drafts are greedy)
     evil = Request("evil", [7] * 12, sampled if fault == "allowed_after" else GREEDY, 16, ignore_eos=True)
     if fault != "stop_strings":

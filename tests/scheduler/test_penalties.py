@@ -17,7 +17,9 @@ from dspark_serve.scheduler.engine import Engine
 from dspark_serve.scheduler.request import Request
 from tests.helpers import ByteTokenizer, runner_for, tiny_model
 from tests.scheduler.test_speculative import (
+    FULL_Q,
     VOCAB,
+    FixedQDrafter,
     LetterTokenizer,
     broken_rejection_sample,
     run,
@@ -94,15 +96,19 @@ def exact_penalised_marginals(model, prompt, sp):
     return m2, m3
 
 
-def sampled(model, prompt, sp, n, seed, drafter):
+def sampled(model, prompt, sp, n, seed, drafter, rule="argmax"):
     """Unseeded requests, the global RNG seeded here: rejection sampling against the drafts' q
-    (seeded requests are judged by keyed samples instead)."""
+    (seeded requests are judged by keyed samples instead); rule: `SchedulerConfig.draft_rule`."""
     torch.manual_seed(seed)
     engine = Engine(
         runner_for(model, num_blocks=2048),
         LetterTokenizer(),
         SchedulerConfig(
-            verify_policy="static:2", max_num_seqs=256, max_num_batched_tokens=2048, max_waiting=n
+            verify_policy="static:2",
+            max_num_seqs=256,
+            max_num_batched_tokens=2048,
+            max_waiting=n,
+            draft_rule=rule,
         ),
         max_model_len=64,
         drafter=drafter,
@@ -131,7 +137,14 @@ def sampled(model, prompt, sp, n, seed, drafter):
 
 
 # the quick loop proves it once (dspark); the full suite with a fixed q too
-@pytest.mark.parametrize("which", [pytest.param("fixed-q", marks=pytest.mark.slow), "dspark"])
+@pytest.mark.parametrize(
+    "which",
+    [
+        pytest.param("fixed-q", marks=pytest.mark.slow),
+        "dspark",
+        pytest.param("dspark-sampled", marks=pytest.mark.slow),
+    ],
+)
 def test_sampled_penalised_distribution_matches_plain_and_catches_a_broken_sampler(
     monkeypatch, tmp_path, which
 ):
@@ -148,12 +161,15 @@ def test_sampled_penalised_distribution_matches_plain_and_catches_a_broken_sampl
     assert tv(m2, plain2) > 0.1  # the penalties matter at this position
 
     def drafter():
+        if which == "fixed-q":  # drafts from a q that knows nothing of the penalties
+            return FixedQDrafter(FULL_Q)
         return dspark_drafter(model, tmp_path, block_size=2, mask=VOCAB - 1)
 
     n = 3000
-    s2, s3 = sampled(model, prompt, sp, n, 1, drafter())
+    rule = "argmax" if which == "dspark" else "sampled"  # the greedy walk, or drafts from q
+    s2, s3 = sampled(model, prompt, sp, n, 1, drafter(), rule)
     # sampling noise of an 8-outcome TV at n=3000 is ~0.02; 0.05 leaves a wide margin
     assert tv(s2, m2) < 0.05 and tv(s3, m3) < 0.05, (tv(s2, m2), tv(s3, m3))
     monkeypatch.setattr(verify_mod, "rejection_sample", broken_rejection_sample)
-    b2, b3 = sampled(model, prompt, sp, n, 2, drafter())
+    b2, b3 = sampled(model, prompt, sp, n, 2, drafter(), rule)
     assert max(tv(b2, m2), tv(b3, m3)) > 0.1, (tv(b2, m2), tv(b3, m3))

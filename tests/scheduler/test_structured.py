@@ -97,12 +97,18 @@ def exact_outcomes(model, prompt, compiler):
     return out
 
 
-def sampled_outcomes(model, prompt, n, seed, drafter):
+def sampled_outcomes(model, prompt, n, seed, drafter, rule="argmax"):
     """Unseeded requests, the global RNG seeded here: rejection sampling against the drafts' q
-    (seeded requests are judged by keyed samples instead)."""
+    (seeded requests are judged by keyed samples instead); rule: `SchedulerConfig.draft_rule`."""
     torch.manual_seed(seed)
     engine = engine_for(
-        model, drafter, "static:3", max_num_seqs=256, max_num_batched_tokens=2048, max_waiting=n
+        model,
+        drafter,
+        "static:3",
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        max_waiting=n,
+        draft_rule=rule,
     )
     reqs = [Request(f"s{i}", prompt, SamplingParams(temperature=1.0), max_tokens=12) for i in range(n)]
     for r in reqs:
@@ -116,7 +122,9 @@ def sampled_outcomes(model, prompt, n, seed, drafter):
     return counts
 
 
-def test_sampled_constrained_distribution_is_unchanged_by_speculation(monkeypatch, tmp_path):
+# argmax drafts follow the grammar's cursor; sampled ones draw from q masked by it
+@pytest.mark.parametrize("rule", ["argmax", pytest.param("sampled", marks=pytest.mark.slow)])
+def test_sampled_constrained_distribution_is_unchanged_by_speculation(monkeypatch, tmp_path, rule):
     model = tiny_model("qwen3", seed=2)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.3)  # p neither flat nor one-hot over the allowed bytes
@@ -129,11 +137,11 @@ def test_sampled_constrained_distribution_is_unchanged_by_speculation(monkeypatc
         + 0.5 * sum(v for k, v in a.items() if k not in exact)
     )
     n = 1500
-    got = sampled_outcomes(model, prompt, n, 1, dspark_drafter(model, tmp_path, block_size=3))
+    got = sampled_outcomes(model, prompt, n, 1, dspark_drafter(model, tmp_path, block_size=3), rule)
     # sampling noise of a 5-outcome TV at n=1500 is ~0.02
     assert tv(got) < 0.05, (tv(got), got, exact)
     monkeypatch.setattr(verify_mod, "rejection_sample", broken_rejection_sample)
-    broken = sampled_outcomes(model, prompt, n, 2, dspark_drafter(model, tmp_path, block_size=3))
+    broken = sampled_outcomes(model, prompt, n, 2, dspark_drafter(model, tmp_path, block_size=3), rule)
     assert tv(broken) > 0.08, (tv(broken), broken, exact)
 
 
