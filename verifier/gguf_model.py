@@ -9,13 +9,16 @@ own conversion of the same file (config and every weight).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
+from dspark_serve.ops.cpu_kernels import loaded_kernels
+from dspark_serve.ops.quant_kernels import BLOCK_TYPES, QuantMatrix
 from dspark_serve.verifier.gguf_blocks import PERMUTED_ARCHITECTURES, rotary_row_order
-from dspark_serve.verifier.gguf_reader import GgufReader
+from dspark_serve.verifier.gguf_reader import GgufReader, GgufTensor
 
 # GGUF tensor name -> HF parameter name ("{i}": the layer)
 TENSOR_NAMES = {
@@ -63,8 +66,6 @@ def gguf_config_dict(reader: GgufReader) -> dict[str, Any]:
 
 def gguf_weights(reader: GgufReader, config: Any) -> dict[str, torch.Tensor]:
     """The model's parameters (float32) from the file's tensors, by their HF names."""
-    from gguf import dequantize
-
     permuted = config.model_type in PERMUTED_ARCHITECTURES
     heads = {"attn_q.weight": config.num_attention_heads, "attn_k.weight": config.num_key_value_heads}
     out: dict[str, torch.Tensor] = {}
@@ -78,12 +79,25 @@ def gguf_weights(reader: GgufReader, config: Any) -> dict[str, torch.Tensor]:
             name, rest = TENSOR_NAMES[t.name], t.name
         else:
             raise ValueError(f"{reader.path.name}: tensor {t.name} has no place in the model")
-        values = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy: the map is read-only
-        w = torch.from_numpy(values.reshape(tuple(reversed(t.shape))))
+        w = _dequantized(t).reshape(tuple(reversed(t.shape)))
         if permuted and rest in heads:
             w = w[rotary_row_order(w.shape[0], heads[rest])]
         out[name] = w
     return out
+
+
+def _dequantized(t: GgufTensor) -> torch.Tensor:
+    """A tensor's float32 values: by the C kernels' row decoder where they are loaded already (a
+    start with the kernels built before) and the type has one, else gguf's numpy dequantizers;
+    the same values either way (`tests/ops/test_quant_kernels.py`)."""
+    from gguf import dequantize
+
+    if loaded_kernels() is not None and t.tensor_type.name in BLOCK_TYPES and t.data.ndim == 2:
+        with warnings.catch_warnings():  # the map is read-only, and only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            blocks = torch.from_numpy(t.data)
+        return QuantMatrix(blocks, t.tensor_type.name, int(t.shape[0])).dequantize()
+    return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a copy
 
 
 def model_from_gguf(reader: GgufReader) -> torch.nn.Module:

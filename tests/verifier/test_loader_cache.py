@@ -87,3 +87,20 @@ def test_only_the_tokenizer_is_cached_and_a_damaged_copy_is_converted_again(embe
         mp.undo()
     # nothing but the tokenizer: no converted weights anywhere in the cache
     assert not [p for p in cache.rglob("*.safetensors")]
+
+
+def test_the_c_row_decoder_and_gguf_dequantize_give_the_same_weights(embedded, monkeypatch):
+    from transformers import AutoConfig
+
+    from dspark_serve.ops.cpu_kernels import load_kernels
+    from dspark_serve.verifier import gguf_model
+
+    if load_kernels() is None:
+        pytest.skip("no C compiler here: only gguf's dequantizers serve")
+    reader = GgufReader(embedded)
+    cfg = gguf_config_dict(reader)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    by_c = gguf_model.gguf_weights(reader, config)
+    monkeypatch.setattr(gguf_model, "loaded_kernels", lambda: None)
+    by_numpy = gguf_model.gguf_weights(reader, config)
+    assert by_c.keys() == by_numpy.keys() and all(torch.equal(by_c[k], by_numpy[k]) for k in by_c)
