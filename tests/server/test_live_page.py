@@ -145,6 +145,7 @@ def drive(url: str, profile: str, screenshot: Path | None = None) -> dict:
             gauges: Object.fromEntries(['running', 'waiting', 'budget', 'acceptance', 'tps', 'kv']
                 .map(k => [k, document.getElementById('g-' + k).textContent])),
             polls: Number(document.getElementById('metrics-status').dataset.polls),
+            table: document.getElementById('cost-source').textContent,
         })""")
         out["status"], out["polls0"], out["polls_done"] = status, polls0, polls_done
         if screenshot is not None:
@@ -179,6 +180,7 @@ def test_live_page_streams_provenance_and_updates_gauges(server, tmp_path):
     assert g["acceptance"] != "-" and float(g["acceptance"]) >= 1.0
     assert g["kv"].endswith("%") and g["tps"] != "-"
     assert out["polls"] >= out["polls_done"] + 2 > out["polls0"]  # polled on after the request
+    assert out["table"] == "table in force: none"  # a static policy prices nothing
     assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
