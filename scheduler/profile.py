@@ -285,6 +285,7 @@ def probe(runner: ModelRunner) -> dict[str, Any]:
         repeats=1,
         block_sizes=(1, 2, 4, 8, 16),
         grid_requests=(1, 4, 16),
+        grid_tokens=(1, 2, 4),
     )
     raw["seconds"] = time.perf_counter() - t0
     return raw

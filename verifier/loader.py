@@ -130,7 +130,9 @@ def gguf_block_problem(path: Path) -> str | None:
     from dspark_serve.ops.quant_kernels import BLOCK_TYPES
     from dspark_serve.verifier.gguf_blocks import GgufFile
 
-    if cpu_kernels.load_kernels() is None:
+    # the compiler, not the library: a first start builds the kernels on a thread of its own
+    # while it reads the model, and must not wait for that build here
+    if cpu_kernels.find_compiler() is None:
         return "no C compiler for the block kernels"
     f = GgufFile.open(path)
     kinds = {f.block_type(n) for n in f.tensors if n.startswith("blk.") and n.endswith(".weight")}
