@@ -8,6 +8,8 @@ holds the memory and copies a block when the allocator forks a table.
 
 from __future__ import annotations
 
+import math
+import mmap
 from typing import Any
 
 import torch
@@ -31,8 +33,20 @@ class KVCache:
         self.scratch_slot: int | None = num_blocks * block_size if scratch_block else None
         slots = (num_blocks + int(scratch_block)) * block_size
         shape = (num_layers, num_kv_heads, slots, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self._maps: list[mmap.mmap] = []
+        self.k = self._zeros(shape, device, dtype)
+        self.v = self._zeros(shape, device, dtype)
+
+    def _zeros(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Zeros. On a CPU in an anonymous memory map: the OS hands out zero pages as they are
+        first written, so a start does not spend seconds writing gigabytes of zeros, and the
+        cache's memory is committed as it fills."""
+        if device.type != "cpu":
+            return torch.zeros(shape, device=device, dtype=dtype)
+        count = math.prod(shape)
+        buf = mmap.mmap(-1, max(1, count * torch.empty((), dtype=dtype).element_size()))
+        self._maps.append(buf)  # the tensor's memory: kept as long as the cache
+        return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
 
     @property
     def nbytes(self) -> int:
