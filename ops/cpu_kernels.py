@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,12 +53,12 @@ SOURCES = tuple(
     CSRC / name
     for name in (
         "paged_attention.c",
-        "small_gemm.c",
-        "quant_gemm.c",
         "quant_panels_q4_0.c",
         "quant_panels_q4_1.c",
         "quant_panels_q8_0.c",
         "elementwise.c",
+        "small_gemm.c",
+        "quant_gemm.c",
         "draft_layers.c",
         "target_layers.c",
     )
@@ -100,35 +101,31 @@ def build_flags() -> tuple[str, ...]:
 
 
 def _build(compiler: str, out: Path) -> None:
-    """Compile each source to an object at once (one compiler process per source, the OS
-    spreading them over the cores: the quantized gemm alone takes most of the time), then link."""
+    """Compile each source to an object, as many at once as there are cores, in SOURCES' order
+    (the slowest first: the attention and the quantized gemm's block types take most of the
+    time), then link. A start reads the model meanwhile: no more compilers than cores, so it
+    keeps its share of them."""
     out.parent.mkdir(parents=True, exist_ok=True)
     flags = [f for f in build_flags() if f != "-shared"]
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        objs = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
-        procs = [
-            subprocess.Popen(
-                [compiler, *flags, "-c", str(src), "-o", str(obj)],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
+        objs = {src: Path(tmp) / f"{src.stem}.o" for src in SOURCES}
+
+        def compile_one(src: Path) -> str | None:
+            proc = subprocess.run(
+                [compiler, *flags, "-c", str(src), "-o", str(objs[src])],
+                capture_output=True,
                 text=True,
+                timeout=300,
             )
-            for src, obj in zip(SOURCES, objs)
-        ]
-        errors = []
-        for src, proc in zip(SOURCES, procs):
-            try:
-                _, err = proc.communicate(timeout=300)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                _, err = proc.communicate()
-            if proc.returncode:
-                errors.append(f"{src.name}: {err}")
+            return f"{src.name}: {proc.stderr}" if proc.returncode else None
+
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            errors = [e for e in pool.map(compile_one, SOURCES) if e]
         if errors:
             raise subprocess.CalledProcessError(1, compiler, stderr="\n".join(errors))
         so = Path(tmp) / out.name
         subprocess.run(
-            [compiler, *build_flags(), *map(str, objs), "-o", str(so), "-lm"],
+            [compiler, *build_flags(), *map(str, objs.values()), "-o", str(so), "-lm"],
             check=True,
             capture_output=True,
             text=True,
