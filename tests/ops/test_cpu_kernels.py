@@ -457,34 +457,50 @@ def test_attention_runs_on_the_tiles_where_the_matmul_does(lib):
 
 def test_a_build_started_early_is_waited_for_not_repeated(tmp_path, monkeypatch):
     """`prepare_kernels` builds on a thread of its own while a start reads the model; whoever asks
-    for the library meanwhile waits for that build instead of starting a second one. The build
-    compiles each source to an object and links them (an error names the source)."""
+    for the library meanwhile waits for that build instead of starting a second one (the build
+    stands in here: a copy of this process's library after a pause). A real build compiles each
+    source to an object and links them, and an error names the source."""
+    import shutil
     import subprocess
     import threading
     import time
 
     from dspark_serve.ops import cpu_kernels as ck
 
+    built = ck.load_kernels()
+    if built is None:
+        pytest.skip("no C compiler here")
+    library = ck.default_cache_dir() / "kernels" / f"cpu_kernels-{ck.kernels_key()}.so"  # load_kernels' own
+        p
+        for p in (ck.default_cache_dir() / "kernels").glob("cpu_kernels-*.so")
+        if p.stem.endswith(ck.kernels_key() or "")
+    )
     monkeypatch.setattr(ck, "_loaded", {})
     builds = []
     started = threading.Event()
-    real = ck._build
 
-    def counting(compiler, out):
+    def standing_in(compiler, out):
         builds.append(out)
         started.set()
         time.sleep(0.3)
-        real(compiler, out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(library, out)
 
-    monkeypatch.setattr(ck, "_build", counting)
+    real = ck._build
+    monkeypatch.setattr(ck, "_build", standing_in)
     thread = ck.prepare_kernels(tmp_path)
     assert started.wait(30)
     lib = ck.load_kernels(tmp_path)  # arrives mid-build: waits for it
-    thread.join(120)
+    thread.join(60)
     assert lib is not None and len(builds) == 1 and builds[0].exists()
-    assert ck.kernel_paths(lib) == ck.kernel_paths(ck.load_kernels(tmp_path))
-    monkeypatch.setattr(ck, "SOURCES", ck.SOURCES + (tmp_path / "broken.c",))
+    assert ck.kernel_paths(lib) == ck.kernel_paths(ck.load_kernels(tmp_path)) == ck.kernel_paths(built)
     (tmp_path / "broken.c").write_text("int f( {")
+    (tmp_path / "fine.c").write_text("int g(void) { return 1; }")
+    monkeypatch.setattr(ck, "SOURCES", (tmp_path / "fine.c", tmp_path / "broken.c"))
     with pytest.raises(subprocess.CalledProcessError) as failed:
         real(ck.find_compiler(), tmp_path / "other.so")
-    assert "broken.c" in failed.value.stderr and not (tmp_path / "other.so").exists()
+    assert "broken.c" in failed.value.stderr and "fine.c" not in failed.value.stderr
+    assert not (tmp_path / "other.so").exists()
+    monkeypatch.setattr(ck, "SOURCES", (tmp_path / "fine.c",))
+    real(ck.find_compiler(), tmp_path / "fine.so")
+    assert (tmp_path / "fine.so").exists()
