@@ -471,10 +471,6 @@ def test_a_build_started_early_is_waited_for_not_repeated(tmp_path, monkeypatch)
     if built is None:
         pytest.skip("no C compiler here")
     library = ck.default_cache_dir() / "kernels" / f"cpu_kernels-{ck.kernels_key()}.so"  # load_kernels' own
-        p
-        for p in (ck.default_cache_dir() / "kernels").glob("cpu_kernels-*.so")
-        if p.stem.endswith(ck.kernels_key() or "")
-    )
     monkeypatch.setattr(ck, "_loaded", {})
     builds = []
     started = threading.Event()
