@@ -246,26 +246,16 @@ def measured_contexts(
     return decode, block
 
 
-def measure(
-    runner: ModelRunner,
-    batch_sizes: tuple[int, ...] = BATCH_SIZES,
-    context_lens: tuple[int, ...] = CONTEXT_LENS,
-    repeats: int = 4,
-    block_sizes: tuple[int, ...] = BLOCK_SIZES,
-    grid_requests: tuple[int, ...] | None = None,
-    grid_tokens: tuple[int, ...] = GRID_TOKENS,
-    nreq: int | None = None,
-) -> dict[str, Any]:
+def measure(runner: ModelRunner, **shapes: Any) -> dict[str, Any]:
     """Time decode-shaped forwards of B tokens spread over up to 32 requests of a given context
     length, grid-shaped ones (R of those requests carrying t tokens each) and block-shaped ones
-    (one request carrying B tokens), in interleaved rounds (`TableMeasurement`), all at once.
+    (one request carrying B tokens), in interleaved rounds (`TableMeasurement`, whose keyword
+    arguments `shapes` are: batch_sizes, context_lens, repeats, ...), all at once.
     Returns {"batch_sizes", "steps_per_second", "block_sizes", "block_steps_per_second",
     "grid_requests", "grid_tokens", "grid_steps_per_second", "by_context", "block_by_context"}."""
     # the engine is not built yet (or is idle): a scratch allocator over the whole cache
     blocks = BlockManager(runner.kv.num_blocks, runner.kv.block_size)
-    m = TableMeasurement(
-        runner, blocks, batch_sizes, context_lens, repeats, block_sizes, grid_requests, grid_tokens, nreq
-    )
+    m = TableMeasurement(runner, blocks, **shapes)
     while not m.done:
         m.advance()
     return m.result()
