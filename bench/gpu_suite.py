@@ -626,7 +626,12 @@ class Suite:
                 res["tables"][m.shape.name] = {"skipped": "time budget"}
                 continue
             t0 = time.monotonic()
-            raw = measure(m.runner, c.profile_batch_sizes, c.profile_context_lens, c.profile_repeats)
+            raw = measure(
+                m.runner,
+                batch_sizes=c.profile_batch_sizes,
+                context_lens=c.profile_context_lens,
+                repeats=c.profile_repeats,
+            )
             raw["seconds"] = round(time.monotonic() - t0, 2)
             m.table = CostTable.from_dict(raw)
             res["tables"][m.shape.name] = raw
