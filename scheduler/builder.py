@@ -15,7 +15,7 @@ from dspark_serve.drafter.base import Drafter
 from dspark_serve.drafter.config import NO_DRAFTER, DrafterConfig
 from dspark_serve.drafter.dspark_model.config import DSparkConfig
 from dspark_serve.drafter.registry import build_drafter, drafter_spec
-from dspark_serve.ops.cpu_kernels import describe_cpu, prepare_kernels
+from dspark_serve.ops.cpu_kernels import describe_cpu, load_kernels, prepare_kernels
 from dspark_serve.ops.platform import default_cache_dir
 from dspark_serve.scheduler.config import SchedulerConfig
 from dspark_serve.scheduler.engine import Engine, HiddenCapture
@@ -159,6 +159,9 @@ def target_blocks(choice: WeightsChoice, target: Any) -> ModelBlocks | None:
     """The target's products as blocks where `choice` serves them so (the file's, or Q8_0 made
     from the floats), checked against the loaded weights; None for dense weights."""
     if choice.kind == "dense":
+        return None
+    if load_kernels() is None:  # chosen where a compiler is, but the build failed (logged)
+        log.warning("the block kernels could not be built: the products stay dense float32")
         return None
     parts = ModelParts.of(target.model)
     if choice.kind == "gguf":

@@ -151,6 +151,23 @@ def test_weights_choice(tmp_path):
     assert choose_weights("auto", "auto", CPU, str(copy), flags=AVX2).gguf == copy
 
 
+def test_without_a_compiler_auto_stays_dense_and_a_failed_build_leaves_the_products_dense(monkeypatch):
+    """The weights choice asks for a compiler (a first start builds the kernels beside the model
+    load and must not wait for them); where the build then fails, the products stay dense."""
+    from types import SimpleNamespace
+
+    from dspark_serve.ops import cpu_kernels
+    from dspark_serve.scheduler import builder
+
+    monkeypatch.setattr(cpu_kernels, "find_compiler", lambda: None)
+    assert "no C compiler" in choose_weights("auto", "auto", CPU, None, flags=AVX2).reason
+    monkeypatch.undo()
+    chosen = choose_weights("auto", "auto", CPU, None, flags=AVX2)
+    assert chosen.kind == "gguf"
+    monkeypatch.setattr(builder, "load_kernels", lambda: None)
+    assert builder.target_blocks(chosen, SimpleNamespace(model=None)) is None
+
+
 @pytest.mark.parametrize(
     "kw,match",
     [
