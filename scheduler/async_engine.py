@@ -418,7 +418,17 @@ class AsyncEngine:
         """While no request waits or runs: one forward of the full cost table's measurement
         (`scheduler/idle_profile.py`), once the engine has been quiet long enough."""
         idle = engine.idle_profile
-        if idle is not None and idle.wait() == 0.0 and idle.advance():
+        if idle is None or idle.wait() > 0.0:
+            return
+        try:
+            done = idle.advance()
+        except Exception:  # the engine goes on with the table it has; never a dead engine thread
+            log.error(
+                "measuring the cost table failed; keeping the one in force:\n%s", traceback.format_exc()
+            )
+            idle.pause()
+            done = True
+        if done:
             engine.idle_profile = None
 
     def _fail_all(self, engine: Engine) -> None:

@@ -229,3 +229,21 @@ def test_a_measurement_released_mid_group_lays_its_contexts_out_again():
     for key in ("batch_sizes", "block_sizes", "grid_requests", "grid_tokens"):
         assert raw[key] == whole[key]
     assert m.timed == m.forwards == 2 * (2 + 2 * 4) + 2 * 2
+
+
+def test_a_failing_measurement_leaves_the_engine_on_its_table(tmp_path, caplog):
+    engine = _engine()
+    idle = _idle(engine, tmp_path)
+    AsyncEngine._idle_work(engine)  # one forward: scratch contexts laid out
+    free = engine.blocks.num_free_blocks
+
+    def broken() -> None:
+        raise RuntimeError("a forward failed")
+
+    idle.measurement.advance = broken  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR):
+        AsyncEngine._idle_work(engine)
+    assert engine.idle_profile is None and engine.speculation.cost_table == PROVISIONAL
+    assert engine.blocks.num_free_blocks > free  # the scratch slots went back
+    assert any("measuring the cost table failed" in r.getMessage() for r in caplog.records)
+    assert len(_generate(engine, "a")) == 24  # and it serves on
