@@ -387,7 +387,7 @@ class AsyncEngine:
                 except queue.Empty:
                     msg = None
             if not engine.has_work():
-                self._idle_work(engine)
+                idle_work(engine)
                 continue
             try:
                 outputs = engine.step()
@@ -413,25 +413,23 @@ class AsyncEngine:
         except queue.Empty:
             return None
 
-    @staticmethod
-    def _idle_work(engine: Engine) -> None:
-        """While no request waits or runs: one forward of the full cost table's measurement
-        (`scheduler/idle_profile.py`), once the engine has been quiet long enough."""
-        idle = engine.idle_profile
-        if idle is None or idle.wait() > 0.0:
-            return
-        try:
-            done = idle.advance()
-        except Exception:  # the engine goes on with the table it has; never a dead engine thread
-            log.error(
-                "measuring the cost table failed; keeping the one in force:\n%s", traceback.format_exc()
-            )
-            idle.pause()
-            done = True
-        if done:
-            engine.idle_profile = None
-
     def _fail_all(self, engine: Engine) -> None:
         for r in list(engine.running) + list(engine.waiting):
             engine.abort(r.request_id)
             self._send(r.request_id, EngineError("internal error while generating", 500))
+
+
+def idle_work(engine: Engine) -> None:
+    """While no request waits or runs: one forward of the full cost table's measurement
+    (`scheduler/idle_profile.py`), once the engine has been quiet long enough."""
+    idle = engine.idle_profile
+    if idle is None or idle.wait() > 0.0:
+        return
+    try:
+        done = idle.advance()
+    except Exception:  # the engine goes on with the table it has; never a dead engine thread
+        log.error("measuring the cost table failed; keeping the one in force:\n%s", traceback.format_exc())
+        idle.pause()
+        done = True
+    if done:
+        engine.idle_profile = None

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from dspark_serve.ops.sampling_params import SamplingParams
 from dspark_serve.scheduler import profile
-from dspark_serve.scheduler.async_engine import AsyncEngine
+from dspark_serve.scheduler.async_engine import AsyncEngine, idle_work
 from dspark_serve.scheduler.builder import EngineBundle, TableChoice, cost_table_for, measure_when_idle
 from dspark_serve.scheduler.client import GenerationParams
 from dspark_serve.scheduler.config import SchedulerConfig
@@ -93,7 +93,7 @@ def test_requests_are_served_mid_measurement_and_the_measured_table_takes_over(t
     idle = _idle(engine, tmp_path)
     free = engine.blocks.num_free_blocks
     for _ in range(3):
-        AsyncEngine._idle_work(engine)
+        idle_work(engine)
     assert 0 < idle.progress < 1 and engine.blocks.num_free_blocks < free  # scratch contexts laid out
     before = _generate(engine, "a")  # served now, not after the measurement
     assert not idle.measurement.done and engine.idle_profile is idle
@@ -101,7 +101,7 @@ def test_requests_are_served_mid_measurement_and_the_measured_table_takes_over(t
     assert engine.blocks.num_free_blocks == free  # the step took the scratch slots back
     engine.speculation.correction.record(8, 1, 0.01, 0.02)  # learned against the provisional table
     while engine.idle_profile is not None:
-        AsyncEngine._idle_work(engine)
+        idle_work(engine)
     cached = json.loads((tmp_path / "cost-tables" / "tiny.json").read_text())["profile"]
     assert engine.speculation.cost_table == CostTable.from_dict(cached) != PROVISIONAL
     assert engine.speculation.correction.factor(8, 1) == 1.0  # starts afresh on the new table
@@ -126,7 +126,7 @@ def test_idle_work_waits_for_a_quiet_engine(tmp_path):
     idle = _idle(engine, tmp_path, quiet=30.0)
     _generate(engine, "a")  # the engine was just busy
     assert 29 < idle.wait() <= 30
-    AsyncEngine._idle_work(engine)
+    idle_work(engine)
     assert idle.measurement.timed == 0
 
 
@@ -234,7 +234,7 @@ def test_a_measurement_released_mid_group_lays_its_contexts_out_again():
 def test_a_failing_measurement_leaves_the_engine_on_its_table(tmp_path, caplog):
     engine = _engine()
     idle = _idle(engine, tmp_path)
-    AsyncEngine._idle_work(engine)  # one forward: scratch contexts laid out
+    idle_work(engine)  # one forward: scratch contexts laid out
     free = engine.blocks.num_free_blocks
 
     def broken() -> None:
@@ -242,7 +242,7 @@ def test_a_failing_measurement_leaves_the_engine_on_its_table(tmp_path, caplog):
 
     idle.measurement.advance = broken  # type: ignore[method-assign]
     with caplog.at_level(logging.ERROR):
-        AsyncEngine._idle_work(engine)
+        idle_work(engine)
     assert engine.idle_profile is None and engine.speculation.cost_table == PROVISIONAL
     assert engine.blocks.num_free_blocks > free  # the scratch slots went back
     assert any("measuring the cost table failed" in r.getMessage() for r in caplog.records)
