@@ -265,7 +265,3 @@ class BucketedCalibrator:
 
     def record(self, raw: list[float], used: list[float], proposed: int, accepted: int, bucket: str) -> None:
         self.buckets[bucket].record(raw, used, proposed, accepted)
-
-    def busiest(self) -> OnlineCalibrator:
-        """The bucket with the most verified rounds (a run of one kind of traffic: its own)."""
-        return max(self.buckets.values(), key=lambda c: c.rounds)
