@@ -1,9 +1,11 @@
 """Hostile clients against a real `dspark-serve` (the embedded default, with an API key), on
 loopback only, each attack bounded in count and time; the figures go to a JSON file.
 
-1. huge bodies: N concurrent ~4 MB chats that cannot fit the context; each one's status and
-   time to be refused, the server's RSS before, at its peak and after, and another client's
-   short chat (from another loopback address) meanwhile against its unloaded latency.
+1. huge bodies: N concurrent ~4 MB chats that cannot fit the context, sent over plain sockets
+   (an attacker elsewhere spends none of this host's CPU; here it spends as little as it can);
+   each one's status and time to be refused, the CPU seconds of the server and of the
+   attacker, the server's RSS before, at its peak and after, and another client's short chat
+   (from another loopback address) meanwhile against its unloaded latency.
 2. idle connections: M sockets from one address that send nothing; /health and an
    authenticated chat from another address meanwhile.
 3. wide requests: two `n=16` streams of 1000 tokens (ignore_eos) take the slots; a short chat
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import resource
@@ -74,24 +77,52 @@ def unloaded(url: str, model: str, n: int = 5) -> float:
     return statistics.median(short_chat(url, model)[1] for _ in range(n))
 
 
-def send_bodies(url: str, body: bytes, n: int) -> list[tuple[int, float]]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def post_raw(port: int, body: bytes) -> tuple[int, float]:
+    """One chat POST of `body` over a plain socket (the attacker spends no interpreter time on
+    HTTP: on a shared host its CPU would otherwise stand in for the server's) -> the status and
+    seconds to the answer."""
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    t0 = time.monotonic()
+    answer = b""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        with contextlib.suppress(OSError):  # a server refusing a body unread closes the socket
+            s.sendall(head + body)
+        with contextlib.suppress(OSError):
+            while chunk := s.recv(65536):
+                answer += chunk
+    status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/") else 0
+    return status, time.monotonic() - t0
+
+
+def send_bodies(port: int, body: bytes, n: int) -> tuple[list[tuple[int, float]], float]:
     """n bodies at once (threads of a process of their own: the probing client in the main
-    process keeps its interpreter) -> each one's status and seconds to its answer."""
+    process keeps its interpreter) -> each one's status and seconds to its answer, and the CPU
+    seconds the attacking process spent."""
     res: list[tuple[int, float]] = [(0, 0.0)] * n
+    cpu0 = cpu_seconds(os.getpid())
 
     def one(i: int) -> None:
-        with client(url) as c:
-            res[i] = timed(lambda: c.post("/v1/chat/completions", content=body))
+        res[i] = post_raw(port, body)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return res
+    return res, cpu_seconds(os.getpid()) - cpu0
 
 
-def huge_bodies(url: str, model: str, pid: int, n: int) -> dict[str, Any]:
+def huge_bodies(url: str, model: str, pid: int, port: int, n: int) -> dict[str, Any]:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "ab " * 1_300_000}]}).encode()
     base = unloaded(url, model)
     before = rss_mib(pid)
@@ -107,26 +138,35 @@ def huge_bodies(url: str, model: str, pid: int, n: int) -> dict[str, Any]:
     w.start()
     with concurrent.futures.ProcessPoolExecutor(1) as pool:
         pool.submit(int).result()  # the process started before the clock
-        sent = pool.submit(send_bodies, url, body, n)
+        server_cpu = cpu_seconds(pid)
+        t0 = time.monotonic()
+        sent = pool.submit(send_bodies, port, body, n)
         time.sleep(0.05)
         probes = []
         while not sent.done():
             probes.append(short_chat(url, model))
-        refused = sent.result()
+        refused, attacker_cpu = sent.result()
+        seconds = time.monotonic() - t0
+        server_cpu = cpu_seconds(pid) - server_cpu
     stop.set()
     w.join()
     time.sleep(1.0)
+    during = [t for _, t in probes]
     return {
         "bodies": n,
         "body_bytes": len(body),
-        "statuses": sorted({s for s, _ in refused}),
+        "statuses": {str(s): sum(1 for st, _ in refused if st == s) for s in sorted({s for s, _ in refused})},
         "refused_seconds_median": statistics.median(t for _, t in refused),
         "refused_seconds_max": max(t for _, t in refused),
+        "attack_seconds": seconds,
+        "server_cpu_seconds": server_cpu,
+        "attacker_cpu_seconds": attacker_cpu,
         "rss_mib_before": before,
         "rss_mib_peak": max(peak),
         "rss_mib_after": rss_mib(pid),
         "short_chat_unloaded_s": base,
-        "short_chat_during_s": [t for _, t in probes],
+        "short_chat_during_s": during,
+        "short_chat_during_median_s": statistics.median(during) if during else None,
         "short_chat_during_statuses": sorted({s for s, _ in probes}),
     }
 
@@ -260,7 +300,7 @@ def main() -> None:
     try:
         with running_server(args.port, keyed, api_key=KEY) as srv:
             pid, url = srv.proc.pid, srv.url
-            result["huge_bodies"] = huge_bodies(url, srv.model, pid, args.bodies)
+            result["huge_bodies"] = huge_bodies(url, srv.model, pid, args.port, args.bodies)
             print("huge bodies:", result["huge_bodies"], flush=True)
             result["idle_connections"] = idle_connections(url, srv.model, args.port, args.idle)
             print("idle connections:", result["idle_connections"], flush=True)

@@ -34,7 +34,7 @@ def build_app(engine: EngineClient, config: ServerConfig, registry: CollectorReg
     app = FastAPI(title="dspark-serve", docs_url=None, redoc_url=None)
     state = AppState.create(engine, config, registry)
     app.state.dspark = state
-    app.add_middleware(Guard, config=config, on_error=state.count_error)
+    app.add_middleware(Guard, config=config, on_error=state.count_error, busy=state.engine_busy)
     install_error_handlers(app, state.fail)
     app.include_router(routes_meta.router)
     app.include_router(routes_generate.router)

@@ -56,6 +56,13 @@ class ServerConfig:
     tokenize_concurrency: int = 2
     """Requests whose bodies are parsed and prompts tokenized at the same time; more wait their
     turn (a burst of huge prompts holds this many threads, not one per request)."""
+    intake_queue_bytes: int = 16 * 2**20
+    """Declared bytes of large bodies (over 64 KiB) in the server at once, being received or
+    waiting their turn; a body that would pass it is answered 429 (Retry-After) unread and its
+    connection closed (the line always takes one body when empty)."""
+    intake_rate_busy: int = 24 * 2**20
+    """Bytes a second at which large bodies are received, all together, while the engine has
+    requests in flight (0: unpaced); an idle engine receives them at full speed."""
     tool_call_parser: str = "auto"
     """How the model writes tool calls: json, hermes, llama3_json or mistral (vLLM's names);
     auto picks by the chat template and model family (json where the template renders no tools)."""
@@ -80,6 +87,10 @@ class ServerConfig:
             value = getattr(self, name)
             if not (1 <= value <= 1_000_000):
                 raise ValueError(f"{name} must be in [1, 1000000], got {value!r}")
+        if self.intake_queue_bytes < 1:
+            raise ValueError(f"intake_queue_bytes must be >= 1, got {self.intake_queue_bytes!r}")
+        if self.intake_rate_busy < 0:
+            raise ValueError(f"intake_rate_busy must be >= 0 (0: unpaced), got {self.intake_rate_busy!r}")
         if not (0 <= self.health_reserve <= 10_000):
             raise ValueError(f"health_reserve must be in [0, 10000], got {self.health_reserve!r}")
         for address in self.proxy_addresses:

@@ -11,7 +11,6 @@ the HTTP protocol itself (`connections.py`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from dspark_serve.server.config import ServerConfig
 from dspark_serve.server.connections import RESERVE_EXTENSION
 from dspark_serve.server.errors import error_response
+from dspark_serve.server.intake import BodyIntake, LineFull
 from dspark_serve.server.state import SMALL_WORK
 
 # What a connection in the health reserve may ask (`connections.py`): the orchestrator's probes.
@@ -40,12 +40,18 @@ class Refusal:
 class Guard:
     """The API key, then the body limit and deadline; everything else passes to `app`."""
 
-    def __init__(self, app: ASGIApp, config: ServerConfig, on_error: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        config: ServerConfig,
+        on_error: Callable[[int], None],
+        busy: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """busy: whether the engine is serving requests (large bodies are paced meanwhile)."""
         self.app, self.config, self.on_error = app, config, on_error
         self._key = config.api_key.encode() if config.api_key else None
-        # large bodies are received a few at a time (the rest wait in their sockets' buffers):
-        # a burst of them neither fills memory nor holds the event loop from small requests
-        self._large_bodies = asyncio.Semaphore(config.tokenize_concurrency)
+        # large bodies: a few at a time, from a bounded line, paced while the engine serves
+        self.intake = BodyIntake(config, busy)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -55,10 +61,17 @@ class Guard:
             return await self._reply(scope, receive, send, refusal)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        declared = _content_length(scope)  # a valid number: _check_headers refused any other
-        small = declared is not None and int(declared) <= SMALL_WORK
-        async with contextlib.nullcontext() if small else self._large_bodies:  # large ones in turn
-            body = await self._read_body(receive)
+        length = _content_length(scope)  # a valid number: _check_headers refused any other
+        declared = None if length is None else int(length)
+        if declared is not None and declared <= SMALL_WORK:
+            body = await self._read_body(receive, paced=False)
+        else:
+            try:
+                async with self.intake.turn(declared):
+                    body = await self._read_body(receive, paced=True)
+            except LineFull:
+                refusal = Refusal(429, self.intake.line_full_message(), {"connection": "close"})
+                return await self._reply(scope, receive, send, refusal)
         if isinstance(body, Refusal):
             return await self._reply(scope, receive, send, body)
         if body is not None:  # None: the client went away
@@ -93,8 +106,9 @@ class Guard:
         key = self._key
         return key is not None and scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
 
-    async def _read_body(self, receive: Receive) -> bytes | Refusal | None:
-        """The whole body (bounded, within the deadline); None when the client went away."""
+    async def _read_body(self, receive: Receive, paced: bool) -> bytes | Refusal | None:
+        """The whole body (bounded, within the deadline); None when the client went away.
+        paced: a large body, received at the intake's pace while the engine serves."""
         chunks, size = [], 0
         try:
             async with asyncio.timeout(self.config.body_timeout):
@@ -102,12 +116,14 @@ class Guard:
                     msg = await receive()
                     if msg["type"] == "http.disconnect":
                         return None
-                    chunk = msg.get("body", b"")
+                    chunk, more = msg.get("body", b""), msg.get("more_body", False)
                     size += len(chunk)
                     if size > self.config.max_body_bytes:
                         return Refusal(413, self._too_large(None))
                     chunks.append(chunk)
-                    if not msg.get("more_body", False):
+                    if paced and more:
+                        await self.intake.pace(len(chunk))
+                    if not more:
                         return b"".join(chunks)
         except TimeoutError:
             late = f"the request body was not received within {self.config.body_timeout:g}s"

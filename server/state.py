@@ -65,6 +65,10 @@ class AppState:
     def draining(self) -> bool:
         return bool(getattr(self.engine, "draining", False))
 
+    def engine_busy(self) -> bool:
+        """Whether the engine has requests in flight (large bodies are paced meanwhile)."""
+        return bool(getattr(self.engine, "in_flight", 0))
+
     @property
     def vocab_size(self) -> int | None:
         """The engine's vocabulary size once known (token ids are checked against it)."""

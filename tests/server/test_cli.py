@@ -50,6 +50,8 @@ def test_help_lists_every_flag_with_its_default():
         (["--health-reserve", "20000"], "20000"),
         (["--first-byte-timeout", "0"], "first_byte_timeout"),
         (["--trusted-proxies", "10.0.0.1,lb.local"], "lb.local"),
+        (["--intake-queue-bytes", "0"], "intake_queue_bytes"),
+        (["--intake-rate-busy", "-1"], "-1"),
     ],
 )
 def test_bad_values_raise_quoting_them(argv, word):

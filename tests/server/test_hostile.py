@@ -187,3 +187,96 @@ def test_large_bodies_are_received_a_few_at_a_time():
     pending = asyncio.run(burst())
     assert reading["most"] == 3  # two large at a time, and the small one beside them
     assert pending >= 4 and len(seen) == 7
+
+
+async def _recording_app(scope, receive, send):
+    scope["seen"]["body"] = (await receive())["body"]
+
+
+def _large_request(guard, size: int, chunks: int = 4):
+    """A POST of `size` bytes in `chunks` pieces through `guard` (whose app is `_recording_app`);
+    returns the coroutine and what the app and the client saw: the body, the status of any
+    answer the guard sent, the pieces read."""
+    seen: dict = {"body": None, "status": None, "read": 0}
+    piece = size // chunks
+    parts = [b"x" * piece] * (chunks - 1) + [b"x" * (size - piece * (chunks - 1))]
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "headers": [(b"content-length", str(size).encode())],
+        "seen": seen,
+    }
+
+    async def receive():
+        await asyncio.sleep(0.001)
+        seen["read"] += 1
+        part = parts.pop(0)
+        return {"type": "http.request", "body": part, "more_body": bool(parts)}
+
+    async def send(msg):
+        if msg["type"] == "http.response.start":
+            seen["status"] = msg["status"]
+            seen["headers"] = dict(msg["headers"])
+
+    return guard(scope, receive, send), seen
+
+
+def test_a_burst_of_large_bodies_past_the_intake_line_is_refused_unread():
+    """The large bodies in the server hold at most `intake_queue_bytes` declared bytes: the ones
+    past it are answered 429 with Retry-After at once, without a byte of theirs read; the line
+    always takes one body, however large, when empty."""
+    from dspark_serve.server.guard import Guard
+
+    size = SMALL_WORK * 4
+    cfg = ServerConfig(tokenize_concurrency=1, intake_queue_bytes=3 * size)
+    statuses: list = []
+
+    async def burst():
+        guard = Guard(_recording_app, cfg, statuses.append)
+        requests = []
+        for _ in range(6):
+            coro, seen = _large_request(guard, size)
+            requests.append((asyncio.create_task(coro), seen))
+        await asyncio.gather(*(t for t, _ in requests))
+        return [seen for _, seen in requests]
+
+    seen = asyncio.run(burst())
+    taken = [s for s in seen if s["body"] is not None]
+    refused = [s for s in seen if s["status"] == 429]
+    assert len(taken) == 3 and len(refused) == 3  # three fit the line, three are refused
+    assert all(s["read"] == 0 for s in refused)  # refused unread
+    assert all(s["headers"][b"retry-after"] == b"1" and s["headers"][b"connection"] == b"close" for s in refused)
+    assert statuses == [429, 429, 429]
+
+    one = ServerConfig(intake_queue_bytes=1024)  # smaller than any large body: one at a time
+
+    async def alone():
+        coro, seen = _large_request(Guard(_recording_app, one, statuses.append), size)
+        await coro
+        return seen
+
+    assert asyncio.run(alone())["body"] is not None
+
+
+@pytest.mark.parametrize("busy", [True, False])
+def test_large_bodies_are_paced_while_the_engine_serves(busy):
+    """While the engine has requests in flight, large bodies come in at `intake_rate_busy`
+    bytes a second at most (all of them together); an idle engine takes them at full speed."""
+    from dspark_serve.server.guard import Guard
+
+    size = SMALL_WORK * 4
+    cfg = ServerConfig(tokenize_concurrency=2, intake_rate_busy=size * 10)  # a body takes >= 0.1 s
+
+    async def two():
+        guard = Guard(_recording_app, cfg, lambda status: None, busy=lambda: busy)
+        tasks = [_large_request(guard, size, chunks=8)[0] for _ in range(2)]
+        t0 = time.monotonic()
+        await asyncio.gather(*tasks)
+        return time.monotonic() - t0
+
+    seconds = asyncio.run(two())
+    if busy:  # two bodies through one shared budget: their bytes but the last pieces paced
+        assert seconds >= 2 * (7 / 8) * 0.1 * 0.95
+    else:
+        assert seconds < 0.1
