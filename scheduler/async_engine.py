@@ -91,6 +91,8 @@ def _request(request_id: str, prompt_ids: list[int], params: GenerationParams) -
             logprobs=params.logprobs,
             priority=params.priority,
             owner=params.owner,
+            tenant=params.tenant,
+            key_name=params.key_name,
         )
     except (ValueError, TypeError, RuntimeError) as exc:
         msg = str(exc)

@@ -45,6 +45,11 @@ class GenerationParams:
     owner: str = ""
     """Whom the request's slot counts against for fair slots (`SchedulerConfig.fair_slots`):
     the n choices of one HTTP request share their request's id; empty: the request alone."""
+    tenant: str = ""
+    """Whose share the owner's slots count against in turn (fair slots): the caller's API key,
+    or its client address; empty: none above the owner."""
+    key_name: str = ""
+    """The name of the API key the request came with (the per-key metrics); empty: none."""
 
 
 @dataclass(frozen=True)

@@ -166,8 +166,7 @@ class Engine:
             b.cached_free_usage,
             b.stats(),
             self.scheduler.num_preemptions,
-            self.scheduler.num_fair_preemptions,
-            self.scheduler.largest_share(),
+            self.scheduler.slot_shares(),
         )
 
     # -- requests in and out -----------------------------------------------------------------
@@ -247,6 +246,7 @@ class Engine:
         batch = self.scheduler.schedule(spec.draft_reserve(self.running, len(self.waiting)), spec.lookahead)
         for r in batch.preempted:  # it recomputes its context when it runs again
             spec.free(r.request_id)
+        self.metrics.record_queue_waits(batch.waits)
         if not batch and batch.preempted:
             self.metrics.record_step(self.snapshot())
         failed = []

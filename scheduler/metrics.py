@@ -7,7 +7,7 @@ time, so the value is stored and updated once."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +15,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
 from dspark_serve.scheduler.load import LoadState
-from dspark_serve.scheduler.metrics_sink import EngineMetricsSink, EngineSnapshot, NullMetrics  # noqa: F401
+from dspark_serve.scheduler.metrics_sink import (  # noqa: F401
+    EngineMetricsSink,
+    EngineSnapshot,
+    NullMetrics,
+    QueueWait,
+    SlotShares,
+)
 from dspark_serve.scheduler.nvml import NvmlCollector
 
 if TYPE_CHECKING:
@@ -25,6 +31,7 @@ if TYPE_CHECKING:
 # Steps between exports of the online calibration state (its ECE scans a few thousand
 # outcomes per position: too much work for every step).
 CALIBRATION_EVERY = 32
+NO_KEY = "(none)"  # the `key` label of requests without an API key (no key's name can be this)
 LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -133,6 +140,13 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
                "Slots given back by the largest owner to a waiting one (fair slots)."),
     MetricSpec("largest_share", "dspark:largest_slot_share", Gauge,
                "Running slots the largest owner (a request with its n choices) holds, over max_num_seqs."),
+    MetricSpec("key_share", "dspark:key_slot_share", Gauge,
+               f"Running slots the requests of each API key hold, over max_num_seqs (key {NO_KEY!r}: "
+               "requests without one).", labels=("key",)),
+    MetricSpec("key_wait", "dspark:key_queue_wait_seconds", Histogram,
+               "Seconds a request waited in the queue before admission (from arrival, or from a "
+               f"preemption), by API key (key {NO_KEY!r}: requests without one).", labels=("key",),
+               buckets=LATENCY_BUCKETS),
     MetricSpec("prompt_tokens", "dspark:prompt_tokens", Counter, "Prefilled prompt tokens."),
     MetricSpec("gen_tokens", "dspark:generation_tokens", Counter, "Generated tokens returned."),
     MetricSpec("finished", "dspark:request_success", Counter, "Finished requests.",
@@ -265,6 +279,8 @@ class EngineMetrics:
     preemptions: Counter
     fair_preemptions: Counter
     largest_share: Gauge
+    key_share: Gauge
+    key_wait: Histogram
     prompt_tokens: Counter
     gen_tokens: Counter
     finished: Counter
@@ -313,6 +329,7 @@ class EngineMetrics:
         self._last_prefix = (0, 0, 0)
         self._last_preemptions = 0
         self._last_fair = 0
+        self._keys_seen: set[str] = set()
         self._steps = 0
 
     def _export_zero(self, spec: MetricSpec) -> None:
@@ -405,13 +422,23 @@ class EngineMetrics:
             self.prefix_blocks.labels(**self.labels).set(pc.cached_blocks)
         self.preemptions.labels(**self.labels).inc(max(snap.preemptions - self._last_preemptions, 0))
         self._last_preemptions = snap.preemptions
-        self.fair_preemptions.labels(**self.labels).inc(max(snap.fair_preemptions - self._last_fair, 0))
-        self._last_fair = snap.fair_preemptions
-        self.largest_share.labels(**self.labels).set(snap.largest_share)
+        self.record_slots(snap.slots)
         self._steps += 1
         cal = snap.calibrator
         if cal is not None and self._steps % CALIBRATION_EVERY == 1:
             self.record_calibration(cal)
+
+    def record_slots(self, slots: SlotShares) -> None:
+        self.fair_preemptions.labels(**self.labels).inc(max(slots.fair_preemptions - self._last_fair, 0))
+        self._last_fair = slots.fair_preemptions
+        self.largest_share.labels(**self.labels).set(slots.largest_share)
+        self._keys_seen.update(slots.by_key)
+        for key in self._keys_seen:  # a key with nothing running now reads 0
+            self.key_share.labels(**self.labels, key=key or NO_KEY).set(slots.by_key.get(key, 0.0))
+
+    def record_queue_waits(self, waits: Sequence[QueueWait]) -> None:
+        for w in waits:
+            self.key_wait.labels(**self.labels, key=w.key_name or NO_KEY).observe(w.seconds)
 
     def record_calibration(self, cal: BucketedCalibrator) -> None:
         """Export the online calibration's state per sampling bucket and position

@@ -4,7 +4,8 @@ when metrics are off. No prometheus import here: the engine runs without the ser
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from dspark_serve.scheduler.load import LoadState
@@ -13,6 +14,29 @@ if TYPE_CHECKING:
     from dspark_serve.drafter.online_calibration import BucketedCalibrator
     from dspark_serve.scheduler.block_manager import PrefixCacheStats
     from dspark_serve.scheduler.policy import CostTable, PolicyDecision
+
+
+@dataclass(frozen=True)
+class SlotShares:
+    """Who holds the running slots (fair slots, `scheduler.py`).
+
+    fair_preemptions: slots given back to a waiting owner or tenant so far (cumulative).
+    largest_share: the running slots the largest owner holds, over max_num_seqs, 0..1.
+    by_key: running slots by API key name ("" for requests without a key), over max_num_seqs.
+    """
+
+    fair_preemptions: int = 0
+    largest_share: float = 0.0
+    by_key: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class QueueWait:
+    """A request admitted after `seconds` in the waiting queue (since it arrived, or since it
+    was preempted), with its API key's name ("" without one)."""
+
+    key_name: str
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -27,8 +51,7 @@ class EngineSnapshot:
         count as free, so they are not in kv_usage), 0..1.
     prefix_cache: cumulative prefix-cache counters and occupancy, or None.
     preemptions: requests preempted so far (cumulative).
-    fair_preemptions: of those, slots given back to a waiting owner (fair slots; cumulative).
-    largest_share: the running slots the largest owner holds, over max_num_seqs, 0..1.
+    slots: fair slots' state (`SlotShares`).
     """
 
     num_running: int
@@ -38,8 +61,7 @@ class EngineSnapshot:
     kv_cached_free: float = 0.0
     prefix_cache: PrefixCacheStats | None = None
     preemptions: int = 0
-    fair_preemptions: int = 0
-    largest_share: float = 0.0
+    slots: SlotShares = field(default_factory=lambda: SlotShares())
 
 
 class EngineMetricsSink(Protocol):
@@ -63,6 +85,7 @@ class EngineMetricsSink(Protocol):
     def record_realized(self, n: int) -> None: ...
     def record_finished(self, reason: str | None, seconds: float) -> None: ...
     def record_step(self, snap: EngineSnapshot) -> None: ...
+    def record_queue_waits(self, waits: Sequence[QueueWait]) -> None: ...
     def set_cost_table(self, table: CostTable, source: str) -> None: ...
 
 
@@ -105,4 +128,7 @@ class NullMetrics:
         pass
 
     def record_step(self, snap: EngineSnapshot) -> None:
+        pass
+
+    def record_queue_waits(self, waits: Sequence[QueueWait]) -> None:
         pass

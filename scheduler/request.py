@@ -47,10 +47,13 @@ class Request:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    queued_at: float = field(default_factory=time.monotonic)  # since when it waits (arrival or preemption)
     logprobs: int | None = None  # None: none; k: each token's logprob and its top k alternatives
     constraint: TokenConstraint | None = None  # grammar state; advanced as tokens are committed
     priority: int = 0  # lower is served first (scheduling_policy "priority"; ignored by fcfs)
     owner: str = ""  # whom its slot counts against (fair slots); empty: itself
+    tenant: str = ""  # whose share the owner's slots count against (fair slots); empty: none
+    key_name: str = ""  # the API key it came with, by name (per-key metrics); empty: none
 
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -72,6 +75,11 @@ class Request:
     def slot_owner(self) -> str:
         """Whom its slot counts against (fair slots): its owner, or itself."""
         return self.owner or self.request_id
+
+    @property
+    def slot_tenant(self) -> str:
+        """Whose share its owner's slots count against (fair slots): its tenant, or its owner."""
+        return self.tenant or self.slot_owner
 
     @property
     def token_ids(self) -> list[int]:

@@ -14,11 +14,14 @@ With scheduling_policy "priority" (vLLM's), "oldest" and "most recent" read "bes
 them is preempted first, and the waiting request admitted next has the lowest priority, aged by
 its wait so nothing starves.
 
-Fair slots (fcfs, `fair_slots`): slots are shared by owner (an HTTP request's n choices are
-one owner). The waiting request admitted next is the one whose owner holds the fewest running
-slots (arrival order among equals), and while one waits with every slot taken, an owner holding
-more than the waiting owner's slots plus one gives its newest back: two requests of n=16 no
-longer keep a one-token chat waiting for their whole length.
+Fair slots (fcfs, `fair_slots`): slots are shared by tenant (a caller: its API key, or its
+client address), and within a tenant by owner (an HTTP request's n choices are one owner). The
+waiting request admitted next is the one whose tenant, then whose owner, holds the fewest
+running slots (arrival order among equals). While one waits with every slot taken, a tenant
+holding more than the waiting tenant's slots plus one gives a slot back (its largest owner's
+newest), and within the waiting one's tenant so does an owner holding more than the waiting
+owner's plus one: two requests of n=16 no longer keep a one-token chat waiting for their whole
+length, and one key's many requests do not keep another key's waiting.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 
 from dspark_serve.scheduler.block_manager import BlockManager
 from dspark_serve.scheduler.config import SchedulerConfig
+from dspark_serve.scheduler.metrics_sink import QueueWait, SlotShares
 from dspark_serve.scheduler.request import Request, Status
 
 
@@ -39,12 +43,14 @@ class ScheduledBatch:
 
     admitted: requests admitted this step, with the prompt tokens their cached prefix covers.
     preempted: requests preempted this step (their KV is freed; their drafter state must be).
+    waits: how long each admitted request waited in the queue (the per-key metrics).
     """
 
     decodes: list[Request] = field(default_factory=list)
     prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk tokens)
     admitted: list[tuple[Request, int]] = field(default_factory=list)  # (request, cached tokens)
     preempted: list[Request] = field(default_factory=list)
+    waits: list[QueueWait] = field(default_factory=list)  # the admitted ones' time in the queue
 
     @property
     def prefill_tokens(self) -> int:
@@ -60,6 +66,7 @@ class ScheduledBatch:
             [(r, n) for r, n in self.prefills if not r.finished],
             [(r, n) for r, n in self.admitted if not r.finished],
             self.preempted,
+            self.waits,
         )
 
     def __bool__(self) -> bool:
@@ -89,10 +96,19 @@ class Scheduler:
         """Running slots by owner."""
         return Counter(r.slot_owner for r in self.running)
 
-    def largest_share(self) -> float:
-        """The running slots the largest owner holds, over max_num_seqs (0 when none runs)."""
-        held = self.slots_held()
-        return max(held.values(), default=0) / self.cfg.max_num_seqs
+    def tenant_slots(self) -> Counter[str]:
+        """Running slots by tenant."""
+        return Counter(r.slot_tenant for r in self.running)
+
+    def slot_shares(self) -> SlotShares:
+        """Who holds the running slots, for the gauges."""
+        n = self.cfg.max_num_seqs
+        by_key = Counter(r.key_name for r in self.running)
+        return SlotShares(
+            self.num_fair_preemptions,
+            max(self.slots_held().values(), default=0) / n,
+            {k: v / n for k, v in by_key.items()},
+        )
 
     def next_waiting(self) -> Request:
         """The request admitted next: the queue's head (fcfs: arrival order, preempted requests
@@ -102,8 +118,9 @@ class Scheduler:
         if not self.by_priority:
             if not self.fair:
                 return self.waiting[0]
-            held = self.slots_held()
-            return min(self.waiting, key=lambda r: held[r.slot_owner])  # min keeps the first of equals
+            tenants, owners = self.tenant_slots(), self.slots_held()
+            # min keeps the first of equals
+            return min(self.waiting, key=lambda r: (tenants[r.slot_tenant], owners[r.slot_owner]))
         now, aging = time.monotonic(), self.cfg.priority_aging_s
         return min(self.waiting, key=lambda r: (r.priority - (now - r.arrival_time) / aging, r.arrival_time))
 
@@ -135,6 +152,7 @@ class Scheduler:
         r.status = Status.WAITING
         r.num_computed = 0
         r.num_preemptions += 1
+        r.queued_at = time.monotonic()
         self.num_preemptions += 1
         self.waiting.appendleft(r)
         batch.preempted.append(r)
@@ -195,17 +213,34 @@ class Scheduler:
         return batch
 
     def _share_slots(self, batch: ScheduledBatch) -> None:
-        """With fair slots, every slot taken and a request waiting whose owner holds fewer than the largest
-        holder's slots less one: the newest request of the largest holders gives its slot back
-        (in the next step the waiting one is admitted first: its owner holds fewer)."""
+        """With fair slots, every slot taken and a request waiting: the running request that
+        gives its slot back to it (`_fair_victim`), if any, is preempted (in the next step the
+        waiting one is admitted first: its tenant or owner holds fewer)."""
         if not (self.fair and self.waiting and len(self.running) >= self.cfg.max_num_seqs):
             return
-        held = self.slots_held()
-        most = max(held.values())
-        if most > held[self.next_waiting().slot_owner] + 1:  # the newest of the largest holders'
-            newest = next(r for r in reversed(self.running) if held[r.slot_owner] == most)
-            self._preempt(newest, batch)
+        victim = self._fair_victim(self.next_waiting())
+        if victim is not None:
+            self._preempt(victim, batch)
             self.num_fair_preemptions += 1
+
+    def _fair_victim(self, waiting: Request) -> Request | None:
+        """A tenant holding more than `waiting`'s tenant's slots plus one gives one back: the
+        newest of its largest owner's. Else, within `waiting`'s tenant, an owner holding more
+        than `waiting`'s owner's slots plus one gives back its newest. Else none."""
+        tenants = self.tenant_slots()
+        most = max(tenants.values())
+        if most > tenants[waiting.slot_tenant] + 1:  # the newest of the largest tenants'
+            tenant = next(r.slot_tenant for r in reversed(self.running) if tenants[r.slot_tenant] == most)
+            pool = [r for r in self.running if r.slot_tenant == tenant]
+            floor = -1  # any owner of that tenant: it gives back
+        else:
+            pool = [r for r in self.running if r.slot_tenant == waiting.slot_tenant]
+            floor = sum(r.slot_owner == waiting.slot_owner for r in pool)
+        owners = Counter(r.slot_owner for r in pool)
+        top = max(owners.values(), default=0)
+        if top <= floor + 1:
+            return None
+        return next(r for r in reversed(pool) if owners[r.slot_owner] == top)
 
     def _admit(self, batch: ScheduledBatch, budget: int, pending: int, debt: int) -> None:
         bm = self.blocks
@@ -219,6 +254,7 @@ class Scheduler:
             if need > bm.num_free_blocks - pending - debt:
                 break
             self.waiting.remove(r)
+            batch.waits.append(QueueWait(r.key_name, time.monotonic() - r.queued_at))
             cached = bm.allocate_prefix(r.request_id, ids, len(ids) - 1)
             r.num_computed = cached
             r.status = Status.PREFILL

@@ -186,11 +186,13 @@ def resolve_api_key(cfg: ServerConfig, environ: Mapping[str, str]) -> ServerConf
     DSPARK_API_KEY environment variable (so the key need not be on the command line)."""
     if cfg.api_key_file is not None:
         try:
-            key = Path(cfg.api_key_file).read_text().strip()
+            text = Path(cfg.api_key_file).read_text()
         except OSError as exc:
             raise ValueError(f"cannot read api_key_file {cfg.api_key_file!r}: {exc.strerror}") from exc
-        if not key:
+        if not text.strip():
             raise ValueError(f"api_key_file {cfg.api_key_file!r} is empty")
+        # one key: itself; several: the file as written (its errors name lines of the file)
+        key = text.strip() if len(text.strip().splitlines()) == 1 else text
         return dataclasses.replace(cfg, api_key=key, api_key_file=None)
     if cfg.api_key is None and environ.get(API_KEY_ENV):
         return dataclasses.replace(cfg, api_key=environ[API_KEY_ENV].strip())

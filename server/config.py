@@ -6,6 +6,7 @@ import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark_serve.server.keys import ApiKeys
 from dspark_serve.server.reasoning import REASONING_PARSER_NAMES
 from dspark_serve.server.tool_formats import PARSER_NAMES, VENDORED_TEMPLATES
 
@@ -17,10 +18,13 @@ class ServerConfig:
     port: int = 8000
     """TCP port."""
     api_key: str | None = None
-    """When set, /v1/* requires `Authorization: Bearer <api_key>`. Prefer the DSPARK_API_KEY
-    environment variable or `api_key_file` (a flag is visible in the process list)."""
+    """When set, /v1/* requires `Authorization: Bearer <key>`: this key, or several one per line,
+    each optionally after a name and a space (`server/keys.py`; the name labels the key's metrics
+    and its fair share of slots). Prefer the DSPARK_API_KEY environment variable or
+    `api_key_file` (a flag is visible in the process list)."""
     api_key_file: str | None = None
-    """A file whose content (surrounding whitespace stripped) is the API key, read at start-up."""
+    """A file holding the API key, or several one per line as `api_key` (`name key` lines; `#`
+    comments), read at start-up."""
     served_model_name: str | None = None
     """Name in /v1/models and responses; None = the model's own name."""
     log_level: str = "info"
@@ -52,7 +56,9 @@ class ServerConfig:
     orchestrator's probe still answered while the pool is full); anything else there is 503."""
     trusted_proxies: str = ""
     """Comma-separated client addresses (a load balancer, an ingress) exempt from the
-    per-client connection limits: they carry many clients' connections."""
+    per-client connection limits: they carry many clients' connections. Their X-Forwarded-For
+    names the client a request is from (its fair share of slots without API keys); nobody
+    else's is believed."""
     tokenize_concurrency: int = 2
     """Requests whose bodies are parsed and prompts tokenized at the same time; more wait their
     turn (a burst of huge prompts holds this many threads, not one per request)."""
@@ -106,6 +112,8 @@ class ServerConfig:
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.api_key is not None:
+            ApiKeys.parse(self.api_key)  # a ValueError naming the line that is wrong
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError(f"give api_key or api_key_file, not both (api_key_file={self.api_key_file!r})")
         if self.max_body_bytes < 1024:

@@ -22,6 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from dspark_serve.scheduler.client import EngineClient, EngineError, GenerationParams, StreamDelta
 from dspark_serve.server.errors import ApiError, error_body
+from dspark_serve.server.keys import caller
 from dspark_serve.server.params import choice_params
 from dspark_serve.server.reasoning import ReasoningFormat
 from dspark_serve.server.render import Kind, Reply
@@ -130,8 +131,12 @@ class ChoiceStreams:
     def __init__(self, engine: EngineClient, request: Request, rid: str, gen: Generation) -> None:
         self.engine = engine
         self.ids = [rid] if gen.n == 1 else [f"{rid}-{i}" for i in range(gen.n)]
-        # the n choices share one owner: their slots count together (fair slots)
-        params = dataclasses.replace(gen.params, owner=rid) if gen.n > 1 else gen.params
+        # the n choices share one owner, and the caller's requests one tenant: their slots
+        # count together (fair slots)
+        who = caller(request.scope)
+        params = dataclasses.replace(
+            gen.params, owner=rid if gen.n > 1 else "", tenant=who.tenant, key_name=who.key_name
+        )
         self.gens = [
             engine.generate(self.ids[i], gen.prompt_ids, choice_params(params, i)) for i in range(gen.n)
         ]

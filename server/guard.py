@@ -11,7 +11,6 @@ the HTTP protocol itself (`connections.py`).
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from dspark_serve.server.config import ServerConfig
 from dspark_serve.server.connections import RESERVE_EXTENSION
 from dspark_serve.server.errors import error_response
 from dspark_serve.server.intake import BodyIntake, LineFull
+from dspark_serve.server.keys import KEY_NAME_STATE, ApiKeys
 from dspark_serve.server.state import SMALL_WORK
 
 # What a connection in the health reserve may ask (`connections.py`): the orchestrator's probes.
@@ -49,7 +49,7 @@ class Guard:
     ) -> None:
         """busy: whether the engine is serving requests (large bodies are paced meanwhile)."""
         self.app, self.config, self.on_error = app, config, on_error
-        self._key = config.api_key.encode() if config.api_key else None
+        self._keys = ApiKeys.parse(config.api_key) if config.api_key else None
         # large bodies: a few at a time, from a bounded line, paced while the engine serves
         self.intake = BodyIntake(config, busy)
 
@@ -85,8 +85,11 @@ class Guard:
                 "the server holds its maximum of open connections: this one may only ask /health or /metrics"
             )
             return Refusal(503, full, {"connection": "close"}, "too_many_connections")
-        if self._key is not None and scope["path"].startswith("/v1/") and not self._authorized(scope):
-            return Refusal(401, "invalid or missing API key")
+        if self._keys is not None and scope["path"].startswith("/v1/"):
+            name = self._key_name(scope)
+            if name is None:
+                return Refusal(401, "invalid or missing API key")
+            scope.setdefault("state", {})[KEY_NAME_STATE] = name  # the caller (`keys.caller`)
         length = _content_length(scope)
         if length is None:
             return None
@@ -96,15 +99,17 @@ class Guard:
             return Refusal(400, "invalid Content-Length")
         return Refusal(413, self._too_large(declared)) if declared > self.config.max_body_bytes else None
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _key_name(self, scope: Scope) -> str | None:
+        """The name of the API key the request carries, or None (no key, or a wrong one)."""
         header = b""
         for k, v in scope.get("headers", ()):
             if k == b"authorization":
                 header = v
                 break
         scheme, _, token = header.partition(b" ")
-        key = self._key
-        return key is not None and scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+        if self._keys is None or scheme.lower() != b"bearer":
+            return None
+        return self._keys.match(token.strip())
 
     async def _read_body(self, receive: Receive, paced: bool) -> bytes | Refusal | None:
         """The whole body (bounded, within the deadline); None when the client went away.

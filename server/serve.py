@@ -81,6 +81,9 @@ def uvicorn_config(app: Any, cfg: ServerConfig, protocol: type[Any] | None = Non
         port=cfg.port,
         log_level=cfg.log_level,
         http=guarded_protocol(base, cfg),
+        # X-Forwarded-For names the client only on the trusted proxies' connections (uvicorn's
+        # default believes any local peer's)
+        forwarded_allow_ips=sorted(cfg.proxy_addresses),
         # after the drain only finished responses remain to be written
         timeout_graceful_shutdown=5,
     )

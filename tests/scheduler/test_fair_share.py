@@ -13,8 +13,8 @@ from dspark_serve.scheduler.scheduler import Scheduler
 from tests.scheduler.test_scheduler import GREEDY, run_batch
 
 
-def owned(rid: str, owner: str, prompt: int = 4, max_tokens: int = 100) -> Request:
-    return Request(rid, list(range(1, prompt + 1)), GREEDY, max_tokens, owner=owner)
+def owned(rid: str, owner: str, prompt: int = 4, max_tokens: int = 100, tenant: str = "") -> Request:
+    return Request(rid, list(range(1, prompt + 1)), GREEDY, max_tokens, owner=owner, tenant=tenant)
 
 
 def steps(s: Scheduler, n: int) -> None:
@@ -70,6 +70,54 @@ def test_an_owner_unset_counts_each_request_alone():
         s.add(owned(f"r{i}", ""))
     steps(s, 4)
     assert len(s.running) == 8 and [r.request_id for r in s.waiting] == ["r8"] and s.num_fair_preemptions == 0
+
+
+def test_a_tenant_with_many_requests_gives_a_slot_to_another_tenant():
+    """Slots are shared by tenant (an API key, or a client address) first: eight single requests
+    of one key fill the slots, a request of another key arrives and gets one of them at once
+    (without tenants the eight are each their own owner, as fair as it gets, and it would wait);
+    later the first key's next request waits behind the second key's, though it came first."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=8), BlockManager(num_blocks=200, block_size=4))
+    for i in range(8):
+        s.add(owned(f"a{i}", "", tenant="key:a"))
+    steps(s, 3)
+    s.add(owned("a8", "", tenant="key:a"))
+    s.add(owned("b0", "", tenant="key:b"))
+    first = s.schedule()
+    assert [r.request_id for r in first.preempted] == ["a7"]  # key a's newest
+    run_batch(s, first)
+    second = s.schedule()
+    assert [r.request_id for r, _ in second.admitted] == ["b0"]  # before a7 and a8, which came first
+    assert s.tenant_slots() == {"key:a": 7, "key:b": 1}
+    run_batch(s, second)
+    steps(s, 4)  # 7 against 1 with key a waiting: key a is not below key b's plus one: no more
+    assert s.num_fair_preemptions == 1
+
+    same = Scheduler(SchedulerConfig(max_num_seqs=8), BlockManager(num_blocks=200, block_size=4))
+    for i in range(9):
+        same.add(owned(f"a{i}", "", tenant="key:a"))
+    steps(same, 4)  # one tenant: its requests are each their own owner within it, as before
+    assert [r.request_id for r in same.waiting] == ["a8"] and same.num_fair_preemptions == 0
+
+
+def test_within_a_tenant_the_largest_owner_gives_a_slot_back():
+    """Tenants balanced (four slots each), the waiting request's own tenant shares by owner: the
+    key whose n=3 request holds three of its four slots gives one back to its own newcomer; the
+    other key's slots are not touched."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=8), BlockManager(num_blocks=200, block_size=4))
+    for i in range(3):
+        s.add(owned(f"wide-{i}", "wide", tenant="key:a"))
+    s.add(owned("a-single", "", tenant="key:a"))
+    for i in range(4):
+        s.add(owned(f"b{i}", "", tenant="key:b"))
+    steps(s, 3)
+    assert s.tenant_slots() == {"key:a": 4, "key:b": 4}
+    s.add(owned("a-late", "", tenant="key:a"))
+    first = s.schedule()
+    assert [r.request_id for r in first.preempted] == ["wide-2"]  # its largest owner's newest
+    run_batch(s, first)
+    assert [r.request_id for r, _ in s.schedule().admitted] == ["a-late"]
+    assert s.tenant_slots() == {"key:a": 4, "key:b": 4}
 
 
 def test_a_short_request_is_not_starved_by_two_wide_ones():

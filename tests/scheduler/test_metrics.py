@@ -10,7 +10,14 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dspark_serve.scheduler.metrics import ENGINE_METRICS, AliasCollector, EngineMetrics, EngineSnapshot
+from dspark_serve.scheduler.metrics import (
+    ENGINE_METRICS,
+    AliasCollector,
+    EngineMetrics,
+    EngineSnapshot,
+    QueueWait,
+    SlotShares,
+)
 
 VLLM = (
     "vllm:num_requests_running",
@@ -40,6 +47,8 @@ EXPORTED = (
     ("dspark:num_preemptions", "counter", ("model_name",)),
     ("dspark:fair_slot_preemptions", "counter", ("model_name",)),
     ("dspark:largest_slot_share", "gauge", ("model_name",)),
+    ("dspark:key_slot_share", "gauge", ("model_name", "key")),
+    ("dspark:key_queue_wait_seconds", "histogram", ("model_name", "key")),
     ("dspark:prompt_tokens", "counter", ("model_name",)),
     ("dspark:generation_tokens", "counter", ("model_name",)),
     ("dspark:request_success", "counter", ("model_name", "finished_reason")),
@@ -130,7 +139,8 @@ def test_prefix_cache_and_preemption_metrics_follow_the_cumulative_snapshot():
     got = samples(reg)
     assert got[("vllm:prefix_cache_queries_total", lab)] == 0 == got[("dspark:num_preemptions_total", lab)]
     m.record_step(EngineSnapshot(2, 0, 0.25, None, 0.5, PrefixCacheStats(100, 40, 3, 9, 4), 1))
-    m.record_step(EngineSnapshot(2, 0, 0.25, None, 0.125, PrefixCacheStats(150, 90, 5, 7, 2), 3, 2, 0.5))
+    slots = SlotShares(2, 0.5, {"alice": 0.5, "": 0.25})
+    m.record_step(EngineSnapshot(2, 0, 0.25, None, 0.125, PrefixCacheStats(150, 90, 5, 7, 2), 3, slots))
     got = samples(reg)
     assert got[("vllm:prefix_cache_queries_total", lab)] == 150
     assert got[("dspark:prefix_cache_hits_total", lab)] == got[("vllm:prefix_cache_hits_total", lab)] == 90
@@ -144,6 +154,21 @@ def test_prefix_cache_and_preemption_metrics_follow_the_cumulative_snapshot():
         got[("dspark:fair_slot_preemptions_total", lab)] == 2
         and got[("dspark:largest_slot_share", lab)] == 0.5
     )
+    assert got[("dspark:key_slot_share", (("key", "alice"), *lab))] == 0.5
+    assert got[("dspark:key_slot_share", (("key", "(none)"), *lab))] == 0.25
+    m.record_step(EngineSnapshot(1, 0, 0.25, None, 0.125, None, 3, SlotShares(2, 0.25, {"": 0.25})))
+    assert samples(reg)[("dspark:key_slot_share", (("key", "alice"), *lab))] == 0  # nothing of alice's runs
+
+
+def test_queue_waits_are_observed_per_api_key():
+    reg = CollectorRegistry()
+    m = EngineMetrics(reg, "tiny")
+    m.record_queue_waits([QueueWait("alice", 0.02), QueueWait("alice", 3.0), QueueWait("", 0.5)])
+    got = samples(reg)
+    alice = (("key", "alice"), ("model_name", "tiny"))
+    assert got[("dspark:key_queue_wait_seconds_count", alice)] == 2
+    assert got[("dspark:key_queue_wait_seconds_sum", alice)] == pytest.approx(3.02)
+    assert got[("dspark:key_queue_wait_seconds_count", (("key", "(none)"), ("model_name", "tiny")))] == 1
 
 
 def test_alias_rejects_its_own_name_and_duplicates():
