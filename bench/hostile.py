@@ -9,7 +9,9 @@ loopback only, each attack bounded in count and time; the figures go to a JSON f
 2. idle connections: M sockets from one address that send nothing; /health and an
    authenticated chat from another address meanwhile.
 3. wide requests: two `n=16` streams of 1000 tokens (ignore_eos) take the slots; a short chat
-   sent after them, its latency.
+   sent after them, its latency. Then one key's many long single requests (more than the slots)
+   and a short chat with another key from the same address: its latency, and the hog key's
+   share of the slots from /metrics before and after it.
 4. cut streams: a Responses stream cut by SIGTERM (a second server with a short drain), and one
    that fails mid-way (a tool whose pattern blows up the grammar): the events they end with.
 
@@ -44,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import machine, running_server  # noqa: E402
 
 KEY = "hostile-bench-key"
+HOG_KEY = "hostile-bench-hog-key"  # a second key: the one whose many requests fill the slots
 OTHER = "127.0.0.2"  # another client: a loopback address of its own
 SHORT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
 
@@ -53,11 +56,11 @@ def rss_mib(pid: int) -> float:
         return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def client(url: str, source: str = "127.0.0.1", timeout: float = 120) -> httpx.Client:
+def client(url: str, source: str = "127.0.0.1", timeout: float = 120, key: str = KEY) -> httpx.Client:
     return httpx.Client(
         base_url=url,
         transport=httpx.HTTPTransport(local_address=source),
-        headers={"Authorization": f"Bearer {KEY}"},
+        headers={"Authorization": f"Bearer {key}"},
         timeout=timeout,
     )
 
@@ -230,6 +233,67 @@ def wide_requests(url: str, model: str) -> dict[str, Any]:
     return {"short_chat_unloaded_s": base, "short_chat_beside_hogs": probe}
 
 
+def metric(url: str, name: str, labels: str) -> float | None:
+    """One sample of /metrics (`name{...labels...}`), or None."""
+    text = httpx.get(url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + "{") and labels in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def many_requests_of_one_key(url: str, model: str, n: int) -> dict[str, Any]:
+    """One key's n long single requests, each from an address of its own (an application's many
+    users behind one key), fill the slots (each is its own request: fair slots by request alone
+    would keep them all); a short chat with another key sent once the hog key holds every
+    slot; then the hog's streams are closed."""
+    base = unloaded(url, model)
+    long = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    stop = threading.Event()
+    statuses: list[int] = []
+
+    def hog(i: int) -> None:
+        with (
+            client(url, f"127.0.1.{i + 1}", key=HOG_KEY) as c,
+            c.stream("POST", "/v1/chat/completions", json=long) as r,
+        ):
+            statuses.append(r.status_code)
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return  # closing the stream aborts the request
+
+    hogs = [threading.Thread(target=hog, args=(i,)) for i in range(n)]
+    for t in hogs:
+        t.start()
+    deadline = time.monotonic() + 30
+    while (metric(url, "dspark:key_slot_share", 'key="hog"') or 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    share = metric(url, "dspark:key_slot_share", 'key="hog"')
+    waiting = metric(url, "dspark:num_requests_waiting", "")
+    with client(url, "127.0.0.1") as c:
+        probe = timed(lambda: c.post("/v1/chat/completions", json={**SHORT, "model": model}))
+    share_after = metric(url, "dspark:key_slot_share", 'key="hog"')
+    stop.set()
+    for t in hogs:
+        t.join()
+    return {
+        "hog_requests": n,
+        "hog_statuses": sorted(set(statuses)),
+        "short_chat_unloaded_s": base,
+        "hog_slot_share_before": share,
+        "waiting_before": waiting,
+        "short_chat_other_key": probe,
+        "hog_slot_share_after": share_after,
+        "bench_key_waits": metric(url, "dspark:key_queue_wait_seconds_count", 'key="bench"'),
+    }
+
+
 def response_events(url: str, body: dict[str, Any], on_first: Callable[[], None] | None = None) -> list[dict]:
     events: list[dict] = []
     with client(url) as c, c.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
@@ -287,6 +351,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8431)
     ap.add_argument("--bodies", type=int, default=32)
     ap.add_argument("--idle", type=int, default=2000)
+    ap.add_argument("--hog-requests", type=int, default=40, help="one key's long requests (> max-num-seqs)")
     ap.add_argument("--out", required=True)
     ap.add_argument("server_flags", nargs=argparse.REMAINDER, help="-- then flags for dspark-serve")
     args = ap.parse_args()
@@ -294,7 +359,7 @@ def main() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, args.idle + 1024)), hard))
     with tempfile.NamedTemporaryFile("w", suffix=".key", delete=False) as f:
-        f.write(KEY)
+        f.write(f"bench {KEY}\nhog {HOG_KEY}\n")
     keyed = [*flags, "--api-key-file", f.name]
     result: dict[str, Any] = {"machine": machine(), "server_flags": keyed[:-1]}
     try:
@@ -306,6 +371,8 @@ def main() -> None:
             print("idle connections:", result["idle_connections"], flush=True)
             result["wide_requests"] = wide_requests(url, srv.model)
             print("wide requests:", result["wide_requests"], flush=True)
+            result["one_key_many_requests"] = many_requests_of_one_key(url, srv.model, args.hog_requests)
+            print("one key, many requests:", result["one_key_many_requests"], flush=True)
             result["failing_stream"] = failing_stream(url, srv.model)
             print("failing stream:", result["failing_stream"], flush=True)
             result["rss_mib_end"] = rss_mib(pid)
