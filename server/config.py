@@ -48,6 +48,10 @@ class ServerConfig:
     max_client_pending: int = 8
     """Connections from one client address that have not yet sent a request's headers, at
     most (the trusted proxies' excepted); one more is answered 503 and closed."""
+    pending_grace: float = 0.5
+    """Seconds a new connection may go without a request's headers before it counts against
+    `max_client_pending` (a burst of connections from one address is not refused while the
+    server reads their first requests)."""
     first_byte_timeout: float = 3.0
     """Seconds a new connection has to send its first byte; a silent one is closed (the header
     deadline then runs to `header_timeout`)."""
@@ -120,7 +124,7 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes!r}")
         if not (2 <= self.max_json_depth <= 256):
             raise ValueError(f"max_json_depth must be in [2, 256], got {self.max_json_depth!r}")
-        for name in ("header_timeout", "body_timeout", "first_byte_timeout"):
+        for name in ("header_timeout", "body_timeout", "first_byte_timeout", "pending_grace"):
             value = getattr(self, name)
             if not (0 < value <= 3600):
                 raise ValueError(f"{name} must be in (0, 3600] seconds, got {value!r}")

@@ -44,11 +44,23 @@ def raw_error(status: int, message: str, code: str) -> bytes:
 @dataclass
 class ConnectionBook:
     """The connections one server holds, by client address: open ones, those that have not
-    sent a request's headers yet, and those in the health reserve."""
+    sent a request's headers yet (with when each opened), and those in the health reserve."""
 
     open: Counter[str] = field(default_factory=Counter)
-    pending: Counter[str] = field(default_factory=Counter)
+    pending: dict[str, dict[object, float]] = field(default_factory=dict)
     reserve: int = 0
+
+    def silent(self, client: str, now: float, grace: float) -> int:
+        """`client`'s connections that have gone `grace` seconds without a request's headers."""
+        return sum(1 for since in self.pending.get(client, {}).values() if now - since > grace)
+
+    def heard(self, client: str, conn: object) -> None:
+        """`conn` of `client` sent a request's headers, or went away: no longer pending."""
+        mine = self.pending.get(client)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self.pending[client]
 
 
 # The ASGI scope extension that marks a request on a reserve connection (`server/guard.py`
@@ -62,11 +74,12 @@ class _Guarded(asyncio.Protocol):
     request's headers are complete: that is when the deadline stops.
 
     Per client address (the trusted proxies' excepted) at most `max_client_connections` open
-    and `max_client_pending` without a request's headers yet, so one address cannot fill the
-    pool with idle sockets; a new connection must send its first byte within
-    `first_byte_timeout`. Past `max_connections`, `health_reserve` more are accepted whose
-    requests may only be the probes (GET /health, /metrics): an orchestrator still sees the
-    replica answer while the pool is full."""
+    and `max_client_pending` that have gone `pending_grace` seconds without a request's headers
+    (a burst of new connections sending their requests is not refused while the loop reads
+    them), so one address cannot fill the pool with idle sockets; a new connection must send
+    its first byte within `first_byte_timeout`. Past `max_connections`, `health_reserve` more
+    are accepted whose requests may only be the probes (GET /health, /metrics): an
+    orchestrator still sees the replica answer while the pool is full."""
 
     cfg: ServerConfig
     book: ConnectionBook
@@ -102,7 +115,7 @@ class _Guarded(asyncio.Protocol):
             if book.open[client] >= cfg.max_client_connections:
                 most = cfg.max_client_connections
                 return f"this client holds its maximum of {most} open connections; retry later"
-            if book.pending[client] >= cfg.max_client_pending:
+            if book.silent(client, self.loop.time(), cfg.pending_grace) >= cfg.max_client_pending:
                 return (
                     f"this client holds its maximum of {cfg.max_client_pending} connections that have "
                     "sent no request; retry later"
@@ -114,7 +127,7 @@ class _Guarded(asyncio.Protocol):
             self._reserve = True
         self._client, self._pending = client, True
         book.open[client] += 1
-        book.pending[client] += 1
+        book.pending.setdefault(client, {})[self] = self.loop.time()
         return None
 
     def _arm(self, seconds: float) -> None:
@@ -144,7 +157,7 @@ class _Guarded(asyncio.Protocol):
         self._disarm()
         if self._pending and self._client is not None:
             self._pending = False
-            self.book.pending[self._client] -= 1
+            self.book.heard(self._client, self)
         if self._reserve and self.cycle is not None:
             self.cycle.scope.setdefault("extensions", {})[RESERVE_EXTENSION] = {}
 
@@ -170,9 +183,7 @@ class _Guarded(asyncio.Protocol):
             if book.open[client] <= 0:
                 del book.open[client]
             if self._pending:
-                book.pending[client] -= 1
-                if book.pending[client] <= 0:
-                    del book.pending[client]
+                book.heard(client, self)
             if self._reserve:
                 book.reserve -= 1
         super().connection_lost(exc)

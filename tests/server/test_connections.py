@@ -55,6 +55,7 @@ def server(request):
         health_reserve=1,
         max_client_connections=4,
         max_client_pending=3,
+        pending_grace=0.05,
         trusted_proxies="127.0.0.8",
         log_level="error",
     )

@@ -129,7 +129,7 @@ def test_idle_connections_from_one_address_lock_nobody_out(guarded_server):
                 refused += b"503" in s.recv(64)
             except TimeoutError:
                 pass
-        assert refused >= 2 * cfg.max_connections - cfg.max_client_pending
+        assert refused >= 2 * cfg.max_connections - cfg.max_client_connections
         other = httpx.Client(
             transport=httpx.HTTPTransport(local_address="127.0.0.2"), base_url=url, timeout=5
         )
@@ -140,6 +140,34 @@ def test_idle_connections_from_one_address_lock_nobody_out(guarded_server):
     finally:
         for s in idle:
             s.close()
+
+
+def test_a_burst_of_connections_from_one_address_is_served(guarded_server):
+    """Twice `max_client_pending` connections opened at once from one address, each then sending
+    its request: none is refused (a connection counts as silent only after `pending_grace`)."""
+    cfg = guarded_server
+    body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode()
+    burst = [
+        socket.create_connection(("127.0.0.1", cfg.port), timeout=5, source_address=("127.0.0.3", 0))
+        for _ in range(2 * cfg.max_client_pending)
+    ]
+    try:
+        for s in burst:
+            s.sendall(head + body)
+        answers = []
+        for s in burst:
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+            answers.append(got.split(b" ", 2)[1])
+    finally:
+        for s in burst:
+            s.close()
+    assert answers == [b"200"] * len(burst)
 
 
 def test_large_bodies_are_received_a_few_at_a_time():
