@@ -64,7 +64,10 @@ class Guard:
         length = _content_length(scope)  # a valid number: _check_headers refused any other
         declared = None if length is None else int(length)
         if declared is not None and declared <= SMALL_WORK:
-            body = await self._read_body(receive, paced=False)
+            with self.intake.small_request():  # large bodies are paced while it is handled
+                body = await self._read_body(receive, paced=False)
+                if isinstance(body, bytes):
+                    return await self.app(scope, _replay(body, receive), send)
         else:
             try:
                 async with self.intake.turn(declared):

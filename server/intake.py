@@ -11,9 +11,10 @@ until the last one is refused). So:
 - the bodies in the server at once, received or waiting, hold at most `intake_queue_bytes`
   declared bytes; one that would pass it is refused 429 (Retry-After) unread, its connection
   closed: a burst is answered at once instead of queueing for seconds;
-- while the engine has requests in flight, large bodies are received at no more than
-  `intake_rate_busy` bytes a second between them (a shared budget): the steps keep the CPU,
-  the uploads take longer. An idle engine receives them at full speed.
+- while the engine has requests in flight, or a small request is on its way to it, large
+  bodies are received at no more than `intake_rate_busy` bytes a second between them (a shared
+  budget): the steps keep the CPU, the uploads take longer. An idle server receives them at
+  full speed.
 
 Small bodies (a chat of a few pages) pass none of this: they are read at once.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from dspark_serve.server.config import ServerConfig
 
@@ -38,6 +39,7 @@ class BodyIntake:
         self.config = config
         self.busy = busy
         self.line_bytes = 0  # declared bytes of the large bodies in the server (received or waiting)
+        self.small_requests = 0  # small requests being read or answered (not yet the engine's, maybe)
         self._slots = asyncio.Semaphore(config.tokenize_concurrency)
         self._free_at = 0.0  # loop time when the shared pace lets the next bytes in
 
@@ -56,11 +58,21 @@ class BodyIntake:
         finally:
             self.line_bytes -= size
 
+    @contextlib.contextmanager
+    def small_request(self) -> Iterator[None]:
+        """Around a small request's handling: large bodies are paced meanwhile (a chat that
+        arrives in a burst of uploads is tokenized and reaches the engine at their pace)."""
+        self.small_requests += 1
+        try:
+            yield
+        finally:
+            self.small_requests -= 1
+
     async def pace(self, nbytes: int) -> None:
-        """After `nbytes` of a large body came in: while the engine serves, wait until the
-        shared rate has room for them."""
+        """After `nbytes` of a large body came in: while the engine serves (or a small request
+        is on its way to it), wait until the shared rate has room for them."""
         rate = self.config.intake_rate_busy
-        if not rate or not self.busy():
+        if not rate or not (self.small_requests or self.busy()):
             return
         loop = asyncio.get_running_loop()
         now = loop.time()

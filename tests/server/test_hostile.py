@@ -288,10 +288,11 @@ def test_a_burst_of_large_bodies_past_the_intake_line_is_refused_unread():
     assert asyncio.run(alone())["body"] is not None
 
 
-@pytest.mark.parametrize("busy", [True, False])
-def test_large_bodies_are_paced_while_the_engine_serves(busy):
-    """While the engine has requests in flight, large bodies come in at `intake_rate_busy`
-    bytes a second at most (all of them together); an idle engine takes them at full speed."""
+@pytest.mark.parametrize("busy,small", [(True, False), (False, True), (False, False)])
+def test_large_bodies_are_paced_while_the_engine_serves(busy, small):
+    """While the engine has requests in flight, or a small request is being handled on its way
+    to it, large bodies come in at `intake_rate_busy` bytes a second at most (all of them
+    together); an idle server takes them at full speed."""
     from dspark_serve.server.guard import Guard
 
     size = SMALL_WORK * 4
@@ -299,13 +300,15 @@ def test_large_bodies_are_paced_while_the_engine_serves(busy):
 
     async def two():
         guard = Guard(_recording_app, cfg, lambda status: None, busy=lambda: busy)
+        if small:
+            guard.intake.small_requests += 1  # as while a small request's chat is prepared
         tasks = [_large_request(guard, size, chunks=8)[0] for _ in range(2)]
         t0 = time.monotonic()
         await asyncio.gather(*tasks)
         return time.monotonic() - t0
 
     seconds = asyncio.run(two())
-    if busy:  # two bodies through one shared budget: their bytes but the last pieces paced
+    if busy or small:  # two bodies through one shared budget: their bytes but the last pieces paced
         assert seconds >= 2 * (7 / 8) * 0.1 * 0.95
     else:
         assert seconds < 0.1
