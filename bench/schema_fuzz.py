@@ -65,6 +65,7 @@ def main() -> None:
                 ],
                 capture_output=True,
                 text=True,
+                cwd=tempfile.gettempdir(),  # its cache of examples stays out of the checkout
             )
             seconds = time.monotonic() - t0
             alive = srv.proc.poll() is None

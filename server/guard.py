@@ -65,19 +65,21 @@ class Guard:
         declared = None if length is None else int(length)
         if declared is not None and declared <= SMALL_WORK:
             with self.intake.small_request():  # large bodies are paced while it is handled
-                body = await self._read_body(receive, paced=False)
-                if isinstance(body, bytes):
-                    return await self.app(scope, _replay(body, receive), send)
-        else:
-            try:
-                async with self.intake.turn(declared):
-                    body = await self._read_body(receive, paced=True)
-            except LineFull:
-                refusal = Refusal(429, self.intake.line_full_message(), {"connection": "close"})
-                return await self._reply(scope, receive, send, refusal)
+                return await self._pass(scope, receive, send, await self._read_body(receive, paced=False))
+        try:
+            async with self.intake.turn(declared):
+                body = await self._read_body(receive, paced=True)
+        except LineFull:
+            refusal = Refusal(429, self.intake.line_full_message(), {"connection": "close"})
+            return await self._reply(scope, receive, send, refusal)
+        await self._pass(scope, receive, send, body)
+
+    async def _pass(self, scope: Scope, receive: Receive, send: Send, body: bytes | Refusal | None) -> None:
+        """The request with its read body on to the app, or the refusal its reading earned;
+        nothing when the client went away (None)."""
         if isinstance(body, Refusal):
             return await self._reply(scope, receive, send, body)
-        if body is not None:  # None: the client went away
+        if body is not None:
             await self.app(scope, _replay(body, receive), send)
 
     def _check_headers(self, scope: Scope) -> Refusal | None:
