@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -344,3 +345,12 @@ class ServedProcess:
     proc: subprocess.Popen[bytes]
     url: str
     model: str
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float | None:
+    """The first sample in a /metrics text of `name` (a metric's name, or a whole series as
+    written) whose labels contain `labels`, or None."""
+    for m in re.finditer(rf"^{re.escape(name)}((?:{{[^}}]*}})?) ([0-9.e+-]+)$", text, re.M):
+        if labels in m.group(1):
+            return float(m.group(2))
+    return None

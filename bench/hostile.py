@@ -43,7 +43,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, running_server  # noqa: E402
+from bench.common import machine, metric_value, running_server  # noqa: E402
 
 KEY = "hostile-bench-key"
 HOG_KEY = "hostile-bench-hog-key"  # a second key: the one whose many requests fill the slots
@@ -234,12 +234,8 @@ def wide_requests(url: str, model: str) -> dict[str, Any]:
 
 
 def metric(url: str, name: str, labels: str) -> float | None:
-    """One sample of /metrics (`name{...labels...}`), or None."""
-    text = httpx.get(url + "/metrics").text
-    for line in text.splitlines():
-        if line.startswith(name + "{") and labels in line:
-            return float(line.rsplit(" ", 1)[1])
-    return None
+    """One sample of the server's /metrics (`name{...labels...}`), or None."""
+    return metric_value(httpx.get(url + "/metrics").text, name, labels)
 
 
 def many_requests_of_one_key(url: str, model: str, n: int) -> dict[str, Any]:

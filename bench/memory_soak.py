@@ -25,8 +25,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, running_server  # noqa: E402
-from bench.soak import PROMPTS, metric, rss_kib  # noqa: E402
+from bench.common import machine, metric_value, running_server  # noqa: E402
+from bench.soak import PROMPTS, rss_kib  # noqa: E402
 
 
 async def one_round(url: str, model: str, n: int, max_tokens: int, schema_every: int) -> dict[str, int]:
@@ -70,7 +70,7 @@ def wait_idle(url: str, timeout: float = 60.0) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         text = httpx.get(url + "/metrics", timeout=10).text
-        if not metric(text, "dspark:num_requests_running") and not metric(
+        if not metric_value(text, "dspark:num_requests_running") and not metric_value(
             text, "dspark:num_requests_waiting"
         ):
             return

@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import running_server  # noqa: E402
+from bench.common import metric_value, running_server  # noqa: E402
 
 MODEL = None  # filled from /v1/models
 
@@ -195,11 +194,6 @@ async def drive(url: str, args, stats: Stats, pid: int | None) -> dict:
     return rss
 
 
-def metric(text: str, name: str) -> float | None:
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    return float(m.group(1)) if m else None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic")
@@ -245,12 +239,13 @@ def main() -> None:
         t_idle = time.monotonic()
         while time.monotonic() - t_idle < 60:
             m = httpx.get(url + "/metrics").text
-            if not metric(m, "dspark:num_requests_running") and not metric(m, "dspark:kv_cache_usage_perc"):
+            running = metric_value(m, "dspark:num_requests_running")
+            if not running and not metric_value(m, "dspark:kv_cache_usage_perc"):
                 break
             time.sleep(0.5)
         m = httpx.get(url + "/metrics").text
         num_blocks = args.kv_cache_tokens // args.kv_block_size
-        usage = metric(m, "dspark:kv_cache_usage_perc") or 0.0
+        usage = metric_value(m, "dspark:kv_cache_usage_perc") or 0.0
         final_rss = rss_kib(proc.pid) if proc else None
         warm = rss.get("warm")
         from bench.common import machine
@@ -268,13 +263,13 @@ def main() -> None:
             "transport_errors": stats.transport_errors,
             "http_5xx": sum(n for d in stats.by_kind.values() for s, n in d.items() if s.startswith("5")),
             "leaked_blocks_after_idle": round(usage * num_blocks),
-            "running_after_idle": metric(m, "dspark:num_requests_running"),
-            "waiting_after_idle": metric(m, "dspark:num_requests_waiting"),
+            "running_after_idle": metric_value(m, "dspark:num_requests_running"),
+            "waiting_after_idle": metric_value(m, "dspark:num_requests_waiting"),
             "rss_kib_after_warmup": warm,
             "rss_kib_final": final_rss,
             "rss_growth_pct": round(100 * (final_rss - warm) / warm, 2) if warm and final_rss else None,
             "rss_samples": rss["samples"],
-            "http_429_metric": metric(m, 'dspark:http_errors_total{status="429"}'),
+            "http_429_metric": metric_value(m, 'dspark:http_errors_total{status="429"}'),
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
